@@ -1,0 +1,62 @@
+"""fulmen: a source-to-source compiler for PyTorch training programs.
+
+    jitted = fulmen.jit(model_or_function)
+    out = jitted(*args)
+    print(fulmen.last_traces(jitted)[-1])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+import fulmen.ops  # noqa: F401  (registers the torch-level symbols)
+from fulmen.core.errors import DataDependentError, FulmenError, TraceError, UnsupportedOpError
+from fulmen.core.trace import Trace
+from fulmen.examine import ExamineReport, examine
+from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule
+from fulmen.options import JitOptions
+
+__all__ = [
+    "CacheStats", "DataDependentError", "ExamineReport", "FulmenError", "JitOptions", "JittedFunction",
+    "JittedModule", "Trace", "TraceError", "UnsupportedOpError", "cache_hits", "cache_misses", "examine", "jit",
+    "last_traces",
+]
+
+
+def jit(fn: Callable[..., Any] | nn.Module, options: JitOptions | None = None) -> JittedFunction | JittedModule:
+    """Acquires `fn` (a function or an `nn.Module`) into traces on its first call and runs them after."""
+    options = options or JitOptions()
+    if isinstance(fn, JittedModule | JittedFunction):
+        return fn
+    if isinstance(fn, nn.Module):
+        return JittedModule(fn, options)
+    if not callable(fn):
+        raise TypeError(f"fulmen.jit expects a function or an nn.Module, got {type(fn).__name__}")
+    return JittedFunction(fn, options)
+
+
+def _core(fn: JittedFunction | JittedModule) -> JittedFunction:
+    if isinstance(fn, JittedModule):
+        return fn._jit
+    if isinstance(fn, JittedFunction):
+        return fn
+    raise TypeError(f"expected the result of fulmen.jit, got {type(fn).__name__}")
+
+
+def last_traces(fn: JittedFunction | JittedModule) -> list[Trace]:
+    """The traces of the last call, in the order the passes produced them (the last one is what ran)."""
+    entry = _core(fn).last_entry
+    if entry is None:
+        raise RuntimeError("last_traces: the jitted callable has not been called yet")
+    return list(entry.traces)
+
+
+def cache_hits(fn: JittedFunction | JittedModule) -> int:
+    return _core(fn).stats.hits
+
+
+def cache_misses(fn: JittedFunction | JittedModule) -> int:
+    return _core(fn).stats.misses

@@ -1,0 +1,1 @@
+"""The IR: proxies, symbols, bound symbols, traces and their Python codegen."""

@@ -1,0 +1,174 @@
+"""Printing traces as Python and compiling them.
+
+The printed source is self-contained: it starts with the imports its callees need, so `exec` of
+`trace.python()` in an empty namespace defines a function that computes what the trace computes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import IMPORTS, BoundSymbol, Symbol
+from fulmen.core.trace import Trace
+
+# Custom printers: symbol -> (bsym, rendered outputs) -> the statement (without the type comment).
+Printer = Callable[[BoundSymbol], str]
+PRINTERS: dict[Symbol, Printer] = {}
+
+
+def register_printer(sym: Symbol, printer: Printer) -> None:
+    PRINTERS[sym] = printer
+
+
+_MEMORY_FORMATS = {
+    torch.contiguous_format: "torch.contiguous_format",
+    torch.preserve_format: "torch.preserve_format",
+    torch.channels_last: "torch.channels_last",
+}
+
+
+def render(obj: Any) -> str:
+    """Python source for a value appearing as an argument in a trace."""
+    if type(obj) is TensorProxy:
+        return obj.pname
+    if obj is None or isinstance(obj, (bool, str)):
+        return repr(obj)
+    if isinstance(obj, int):
+        return repr(int(obj))
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return repr(obj)
+        return "float('nan')" if math.isnan(obj) else ("float('inf')" if obj > 0 else "-float('inf')")
+    if isinstance(obj, complex):
+        return f"complex({render(obj.real)}, {render(obj.imag)})"
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    if isinstance(obj, torch.device):
+        return f"torch.device({str(obj)!r})"
+    if isinstance(obj, torch.memory_format):
+        return _MEMORY_FORMATS[obj]
+    if obj is Ellipsis:
+        return "..."
+    if isinstance(obj, slice):
+        return f"slice({render(obj.start)}, {render(obj.stop)}, {render(obj.step)})"
+    if isinstance(obj, torch.Size):
+        obj = tuple(obj)
+    if isinstance(obj, tuple):
+        inner = ", ".join(render(item) for item in obj)
+        return f"({inner},)" if len(obj) == 1 else f"({inner})"
+    if isinstance(obj, list):
+        return "[" + ", ".join(render(item) for item in obj) + "]"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{render(k)}: {render(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, torch.layout):
+        return str(obj)
+    raise TypeError(f"fulmen cannot print a value of type {type(obj).__name__} in a trace: {obj!r}")
+
+
+def render_call(bsym: BoundSymbol) -> str:
+    parts = [render(arg) for arg in bsym.args] + [f"{key}={render(value)}" for key, value in bsym.kwargs.items()]
+    return f"{bsym.sym.printed}({', '.join(parts)})"
+
+
+def _render_outputs(output: Any) -> str:
+    if type(output) is TensorProxy:
+        return output.pname
+    if isinstance(output, (tuple, list)):
+        inner = ", ".join(_render_outputs(item) for item in output)
+        return f"({inner},)" if len(output) == 1 else f"({inner})"
+    return "_"
+
+
+def _type_comment(output: Any) -> str:
+    proxies = [p for p in _flat(output)]
+    return "  # " + ", ".join(f'{p.pname}: "{p.type_string()}"' for p in proxies) if proxies else ""
+
+
+def _flat(output: Any):
+    if type(output) is TensorProxy:
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _flat(item)
+
+
+def statement(bsym: BoundSymbol) -> str:
+    printer = PRINTERS.get(bsym.sym)
+    call = printer(bsym) if printer is not None else render_call(bsym)
+    if printer is not None and call.startswith("del "):
+        return call
+    has_output = any(True for _ in _flat(bsym.output))
+    if not has_output:
+        return call
+    return f"{_render_outputs(bsym.output)} = {call}{_type_comment(bsym.output)}"
+
+
+@dataclass(frozen=True, slots=True)
+class PythonSource:
+    source: str
+    line_map: dict[int, BoundSymbol]  # source line number (1-based) -> the bound symbol printed there
+
+
+def _imports(trace: Trace, print_depth: int) -> list[str]:
+    roots: set[str] = {"torch"}
+
+    def visit(bsyms: list[BoundSymbol], depth: int) -> None:
+        for bsym in bsyms:
+            roots.add(bsym.sym.printed.split(".", 1)[0])
+            if depth > 0:
+                visit(bsym.subsymbols, depth - 1)
+
+    visit(trace.bound_symbols, print_depth)
+    return sorted(IMPORTS[root] for root in roots if root in IMPORTS)
+
+
+def trace_source(trace: Trace, print_depth: int = 0, include_sources: bool = True) -> PythonSource:
+    lines = [f"# Constructed by {trace.provenance}", *_imports(trace, print_depth), ""]
+    lines.append(f"def {trace.name}({', '.join(p.pname for p in trace.inputs)}):")
+    for proxy in trace.inputs:
+        lines.append(f'  # {proxy.pname}: "{proxy.type_string()}"')
+    line_map: dict[int, BoundSymbol] = {}
+    last_source = None
+
+    def emit(bsym: BoundSymbol, depth: int, indent: str, commented: bool) -> None:
+        text = statement(bsym)
+        lines.append(f"{indent}# {text}" if commented else f"{indent}{text}")
+        if not commented:
+            line_map[len(lines)] = bsym
+        if depth > 0:
+            for sub in bsym.subsymbols:
+                emit(sub, depth - 1, indent + "  ", True)
+
+    for bsym in trace.bound_symbols:
+        if include_sources and bsym.source is not None and bsym.source != last_source:
+            if last_source is None or (bsym.source.filename, bsym.source.lineno) != (
+                last_source.filename,
+                last_source.lineno,
+            ):
+                lines.append(f"  # {bsym.source.short()}: {bsym.source.line}")
+            last_source = bsym.source
+        emit(bsym, print_depth, "  ", False)
+    lines.append(f"  return {_render_outputs(tuple(trace.output))}")
+    return PythonSource("\n".join(lines) + "\n", line_map)
+
+
+_counter = itertools.count()
+
+
+def compile_trace(trace: Trace) -> Callable[..., Any]:
+    """Executes the printed trace and returns the function it defines."""
+    source = trace_source(trace, include_sources=False).source
+    filename = f"<fulmen trace {next(_counter)}: {trace.provenance}>"
+    # Registered so tracebacks through the generated code show its lines.
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    namespace: dict[str, Any] = {}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[trace.name]

@@ -1,0 +1,26 @@
+"""Errors raised while acquiring a program; each names the user's source line."""
+
+from __future__ import annotations
+
+from fulmen.core.source import SourceLocation
+
+
+class FulmenError(RuntimeError):
+    """Base class of fulmen's errors."""
+
+
+class TraceError(FulmenError):
+    """An error found while acquiring the user's program, located at the user's source line."""
+
+    def __init__(self, message: str, location: SourceLocation | None):
+        self.location = location
+        where = f"\n  at {location.describe()}" if location is not None else ""
+        super().__init__(f"{message}{where}")
+
+
+class DataDependentError(TraceError):
+    """The program reads tensor values (a branch, `.item()`, `.tolist()`), which are unknown while tracing."""
+
+
+class UnsupportedOpError(TraceError):
+    """The program calls a torch operation fulmen has no symbol for."""

@@ -1,0 +1,65 @@
+"""Tensor proxies: storage-less tensors that stand for values of a trace.
+
+A `TensorProxy` is a wrapper subclass of `torch.Tensor`: it carries the real shape, strides, dtype, device and
+requires_grad (so user code that inspects tensors works unchanged) plus a meta tensor used to run torch's own meta
+kernels for shape inference, and a name that the trace prints. It owns no storage and must never reach the
+dispatcher: every operation on it is intercepted by the acquisition mode first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fulmen.core.dtypes import short_name
+
+
+class ProxyDispatchError(RuntimeError):
+    pass
+
+
+class TensorProxy(torch.Tensor):
+    pname: str
+    meta: torch.Tensor
+
+    # Only the acquisition mode handles proxies; the subclass itself stays inert.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, name: str, meta: torch.Tensor, device: torch.device, requires_grad: bool = False):
+        proxy = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=device,
+            requires_grad=requires_grad,
+        )
+        proxy.pname = name
+        proxy.meta = meta
+        return proxy
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise ProxyDispatchError(
+            f"internal error: {func} reached the dispatcher with a fulmen proxy; "
+            "proxies are only valid inside fulmen's acquisition"
+        )
+
+    def type_string(self) -> str:
+        device = self.device
+        dims = ", ".join(str(s) for s in self.shape)
+        return f"{device} {short_name(self.dtype)}[{dims}]"
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"<TensorProxy {self.pname}: {self.type_string()}>"
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"TensorProxy {self.pname} cannot be pickled or deep-copied")
+
+
+def is_proxy(x: object) -> bool:
+    return type(x) is TensorProxy

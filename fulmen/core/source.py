@@ -1,0 +1,49 @@
+"""Finding the user's frame, so that traces and errors point at the user's own line."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+# Frames inside these folders are library frames, never "the user's line".
+_LIBRARY_DIRS: tuple[str, ...] = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # fulmen/
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,  # torch/
+    os.path.dirname(os.path.abspath(__import__("contextlib").__file__)) + os.sep + "contextlib.py",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceLocation:
+    filename: str
+    lineno: int
+    function: str
+
+    @property
+    def line(self) -> str:
+        return linecache.getline(self.filename, self.lineno).strip()
+
+    def describe(self) -> str:
+        return f'{self.filename}:{self.lineno} in {self.function}: "{self.line}"'
+
+    def short(self) -> str:
+        return f"{os.path.basename(self.filename)}:{self.lineno} in {self.function}"
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS)
+
+
+def user_location(skip: int = 1) -> SourceLocation | None:
+    """The innermost frame outside fulmen and torch, or None."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        code = frame.f_code
+        if not _is_library(code.co_filename):
+            return SourceLocation(code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
+    return None

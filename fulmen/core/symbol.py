@@ -1,0 +1,128 @@
+"""Symbols and bound symbols: the multi-level IR.
+
+A `Symbol` is an operation: its name, how a trace prints a call to it, the callable that executes it on real
+tensors and, for composites, a decomposition into other symbols. A `BoundSymbol` is one call of a symbol in a
+trace; a composite's call keeps the calls its decomposition made as `subsymbols`, so one trace can be read (and
+executed) at the torch level or at the prim level.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.source import SourceLocation
+
+
+class Tag(enum.Flag):
+    NONE = 0
+    VIEW = enum.auto()  # the output may alias the first input (functionalization tracks it)
+    IMPURE = enum.auto()  # has side effects (never removed, never merged)
+    RANDOM = enum.auto()  # draws from an RNG (never merged by CSE)
+
+
+# How the printed callee's root name is imported, so a printed trace executes as it stands.
+IMPORTS: dict[str, str] = {
+    "torch": "import torch",
+    "prims": "from fulmen.ops import prims",
+    "impls": "from fulmen.ops import impls",
+    "operator": "import operator",
+}
+
+
+@dataclass(eq=False, slots=True)
+class Symbol:
+    name: str
+    printed: str  # the callee as a trace prints it, e.g. "torch.nn.functional.linear" or "prims.add"
+    impl: Callable[..., Any]  # runs the symbol on real tensors; `printed` resolves to it
+    is_prim: bool = False
+    decomposition: Callable[..., Any] | None = None
+    # Computes output metadata; None means "run `impl` on meta tensors" (torch's own meta kernels).
+    meta: Callable[..., Any] | None = None
+    tags: Tag = Tag.NONE
+
+    def __call__(self, *args, **kwargs):
+        builder = current_builder()
+        if builder is None:
+            return self.impl(*args, **kwargs)
+        return builder.bind(self, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Symbol {self.printed}>"
+
+
+@dataclass(slots=True)
+class BoundSymbol:
+    sym: Symbol
+    args: tuple
+    kwargs: dict[str, Any]
+    output: Any
+    subsymbols: list[BoundSymbol] = field(default_factory=list)
+    source: SourceLocation | None = None
+
+    def from_bsym(self, **changes) -> BoundSymbol:
+        return replace(self, **changes)
+
+    def proxy_args(self) -> list[TensorProxy]:
+        return list(iter_proxies((self.args, self.kwargs)))
+
+    def proxy_outputs(self) -> list[TensorProxy]:
+        return list(iter_proxies(self.output))
+
+    def arg_names(self) -> set[str]:
+        return {p.pname for p in iter_proxies((self.args, self.kwargs))}
+
+    def output_names(self) -> list[str]:
+        return [p.pname for p in iter_proxies(self.output)]
+
+
+def iter_proxies(obj: Any) -> Iterator[TensorProxy]:
+    """Proxies inside nested tuples, lists and dicts, in order."""
+    if type(obj) is TensorProxy:
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from iter_proxies(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_proxies(item)
+
+
+def map_proxies(obj: Any, fn: Callable[[TensorProxy], Any]) -> Any:
+    """`obj` with every proxy replaced by `fn(proxy)`, keeping the container types."""
+    if type(obj) is TensorProxy:
+        return fn(obj)
+    if isinstance(obj, tuple):
+        items = [map_proxies(item, fn) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [map_proxies(item, fn) for item in obj]
+    if isinstance(obj, dict):
+        return {key: map_proxies(value, fn) for key, value in obj.items()}
+    return obj
+
+
+class Builder:
+    """Receives bound symbols while a trace is being built (see fulmen.core.trace.TraceBuilder)."""
+
+    def bind(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+_BUILDERS: list[Builder] = []
+
+
+def current_builder() -> Builder | None:
+    return _BUILDERS[-1] if _BUILDERS else None
+
+
+def push_builder(builder: Builder) -> None:
+    _BUILDERS.append(builder)
+
+
+def pop_builder(builder: Builder) -> None:
+    assert _BUILDERS and _BUILDERS[-1] is builder, "unbalanced trace builders"
+    _BUILDERS.pop()

@@ -1,0 +1,182 @@
+"""Traces and the builder that records them.
+
+A `Trace` is a straight-line program: flat tensor inputs, a list of bound symbols and flat outputs. Every pass
+returns a new trace stamped with its provenance; `Trace.python()` prints it as valid Python.
+"""
+
+from __future__ import annotations
+
+import keyword
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.source import SourceLocation
+from fulmen.core.symbol import BoundSymbol, Builder, Symbol, iter_proxies, map_proxies, pop_builder, push_builder
+
+# Names a generated trace must not shadow.
+_RESERVED = frozenset({"torch", "prims", "impls", "operator", "math", "inf", "nan"}) | frozenset(dir(__builtins__))
+
+
+class Namespace:
+    """Hands out valid, unique identifiers for proxies."""
+
+    def __init__(self) -> None:
+        self._taken: set[str] = set()
+        self._counter = 0
+
+    def fresh(self) -> str:
+        while True:
+            name = f"t{self._counter}"
+            self._counter += 1
+            if name not in self._taken:
+                self._taken.add(name)
+                return name
+
+    def create(self, hint: str) -> str:
+        base = "".join(c if c.isalnum() or c == "_" else "_" for c in hint) or "t"
+        if base[0].isdigit():
+            base = f"t_{base}"
+        if keyword.iskeyword(base) or base in _RESERVED:
+            base = f"{base}_"
+        name, suffix = base, 1
+        while name in self._taken:
+            name = f"{base}_{suffix}"
+            suffix += 1
+        self._taken.add(name)
+        return name
+
+
+@dataclass
+class Trace:
+    name: str
+    inputs: list[TensorProxy]
+    bound_symbols: list[BoundSymbol]
+    output: tuple
+    provenance: str
+    namespace: Namespace = field(default_factory=Namespace, repr=False)
+
+    def from_trace(self, provenance: str, **changes) -> Trace:
+        return replace(self, provenance=provenance, **changes)
+
+    def python(self, print_depth: int = 0, include_sources: bool = True) -> str:
+        from fulmen.core.codegen import trace_source  # codegen imports this module
+
+        return trace_source(self, print_depth=print_depth, include_sources=include_sources).source
+
+    def python_callable(self):
+        from fulmen.core.codegen import compile_trace
+
+        return compile_trace(self)
+
+    def __str__(self) -> str:
+        return self.python()
+
+
+def infer_device(args: tuple, kwargs: dict[str, Any]) -> torch.device:
+    """The device an op's output lands on, following eager's rule: 0-dim CPU tensors do not decide it."""
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    first = None
+    for proxy in iter_proxies((args, kwargs)):
+        if first is None:
+            first = proxy.device
+        if proxy.device.type != "cpu" or proxy.dim() > 0:
+            return proxy.device
+    return first if first is not None else torch.get_default_device()
+
+
+def _to_meta(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    meta_args = map_proxies(args, lambda p: p.meta)
+    meta_kwargs = map_proxies(kwargs, lambda p: p.meta)
+    if "device" in meta_kwargs:
+        meta_kwargs["device"] = "meta"
+    return meta_args, meta_kwargs
+
+
+def _is_differentiable(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+class TraceBuilder(Builder):
+    """Records bound symbols into nested scopes while the user's program (or a decomposition) runs."""
+
+    # Set by fulmen.ops.prims: the prim a decomposition uses when its result is one of its inputs.
+    alias_symbol: Symbol | None = None
+
+    def __init__(self, namespace: Namespace | None = None, decompose: bool = True) -> None:
+        self.namespace = namespace or Namespace()
+        self.scopes: list[list[BoundSymbol]] = [[]]
+        self.source: SourceLocation | None = None
+        self.decompose = decompose
+        self.grad_enabled = torch.is_grad_enabled()
+
+    def __enter__(self) -> TraceBuilder:
+        push_builder(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pop_builder(self)
+
+    @property
+    def bound_symbols(self) -> list[BoundSymbol]:
+        return self.scopes[0]
+
+    def make_proxy(
+        self, meta: torch.Tensor, device: torch.device, requires_grad: bool = False, name: str | None = None
+    ) -> TensorProxy:
+        pname = self.namespace.create(name) if name is not None else self.namespace.fresh()
+        return TensorProxy(pname, meta, device, requires_grad)
+
+    def wrap_outputs(self, meta_out: Any, device: torch.device, requires_grad: bool) -> Any:
+        if isinstance(meta_out, torch.Tensor):
+            meta = meta_out if meta_out.device.type == "meta" else meta_out.to("meta")
+            return self.make_proxy(meta, device, requires_grad and _is_differentiable(meta.dtype))
+        if isinstance(meta_out, (tuple, list)):
+            items = [self.wrap_outputs(item, device, requires_grad) for item in meta_out]
+            if hasattr(type(meta_out), "n_fields"):  # torch.return_types structseqs
+                return type(meta_out)(items)
+            return type(meta_out)(items) if isinstance(meta_out, list) else tuple(items)
+        return meta_out
+
+    def bind(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
+        with torch._C.DisableTorchFunction():
+            if sym.meta is not None:
+                output = sym.meta(self, *args, **kwargs)
+            else:
+                device = infer_device(args, kwargs)
+                meta_args, meta_kwargs = _to_meta(args, kwargs)
+                meta_out = sym.impl(*meta_args, **meta_kwargs)
+                requires_grad = self.grad_enabled and any(p.requires_grad for p in iter_proxies((args, kwargs)))
+                output = self.wrap_outputs(meta_out, device, requires_grad)
+            subsymbols: list[BoundSymbol] = []
+            if sym.decomposition is not None and self.decompose:
+                subsymbols = self._decompose(sym, args, kwargs, output)
+            self.scopes[-1].append(BoundSymbol(sym, args, kwargs, output, subsymbols, self.source))
+        return output
+
+    def _decompose(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], output: Any) -> list[BoundSymbol]:
+        self.scopes.append([])
+        try:
+            result = sym.decomposition(*args, **kwargs)
+        finally:
+            subsymbols = self.scopes.pop()
+        if result is NotImplemented:  # no decomposition for these arguments: the symbol stays a leaf
+            return []
+        produced = {name for bsym in subsymbols for name in bsym.output_names()}
+        results, outputs = list(iter_proxies(result)), list(iter_proxies(output))
+        if len(results) != len(outputs):
+            raise AssertionError(f"decomposition of {sym.name} returned {len(results)} tensors, expected {len(outputs)}")
+        for res, out in zip(results, outputs):
+            if res.shape != out.shape or res.dtype != out.dtype:
+                raise AssertionError(
+                    f"decomposition of {sym.name} gives {res.type_string()}, torch gives {out.type_string()}"
+                )
+            if res.pname in produced:
+                res.pname = out.pname  # the composite's output names the decomposition's result
+            else:
+                subsymbols.append(BoundSymbol(self.alias_symbol, (res,), {}, out, [], self.source))
+        return subsymbols

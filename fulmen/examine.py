@@ -1,0 +1,80 @@
+"""`fulmen.examine(fn, *args)`: which torch ops a program uses, which fulmen supports, and whether it traces."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from fulmen.core.errors import TraceError
+from fulmen.jit.acquire import DATA_DEPENDENT, METADATA, Interpreter
+from fulmen.ops import lookup
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[Callable[..., Any]] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in METADATA:
+            self.calls[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+
+
+@dataclass
+class ExamineReport:
+    ops: dict[str, tuple[int, bool]] = field(default_factory=dict)  # torch op -> (calls, supported)
+    error: str | None = None  # why acquisition failed, if it did
+
+    @property
+    def unsupported(self) -> list[str]:
+        return sorted(name for name, (_, ok) in self.ops.items() if not ok)
+
+    def __str__(self) -> str:
+        lines = [f"{'calls':>6}  {'supported':<9}  op"]
+        for name, (count, ok) in sorted(self.ops.items()):
+            lines.append(f"{count:>6}  {'yes' if ok else 'NO':<9}  {name}")
+        lines.append(f"{len(self.ops)} ops, {len(self.unsupported)} unsupported")
+        lines.append(f"acquisition: {'ok' if self.error is None else self.error}")
+        return "\n".join(lines)
+
+
+def _supported(func: Callable[..., Any]) -> bool:
+    if func in DATA_DEPENDENT:
+        return False
+    if lookup(func) is not None:
+        return True
+    return func in _SPECIAL_FUNCS
+
+
+_T = torch.Tensor
+_SPECIAL_FUNCS = frozenset({
+    _T.__setitem__, _T.copy_, _T.fill_, _T.zero_, _T.contiguous, _T.to, _T.type, _T.cuda, _T.cpu, _T.type_as,
+    _T.requires_grad_, _T.retain_grad, _T.data.__get__, _T.__repr__, _T.__str__, _T.__format__, _T.__getitem__,
+    torch.where, _T.float, _T.double, _T.half, _T.bfloat16, _T.int, _T.long, _T.short, _T.char, _T.byte, _T.bool,
+})
+
+
+def examine(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExamineReport:
+    """Runs `fn` eagerly, listing the torch ops it calls and whether fulmen supports them; then tries to jit it."""
+    from fulmen import jit  # the public entry point sits above this module
+
+    recorder = _Recorder()
+    with recorder:
+        fn(*args, **kwargs)
+    report = ExamineReport()
+    for func, count in recorder.calls.items():
+        name = resolve_name(func) or repr(func)
+        report.ops[name] = (count, _supported(func))
+    try:
+        jit(fn)(*args, **kwargs)
+    except TraceError as error:
+        report.error = str(error)
+    return report

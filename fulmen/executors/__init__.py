@@ -1,0 +1,1 @@
+"""Executors: who runs each symbol of a final trace."""

@@ -1,0 +1,1 @@
+"""Acquisition (torch-function interception), functionalization, guards, the cache and the jitted callables."""

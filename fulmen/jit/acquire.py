@@ -1,0 +1,269 @@
+"""Acquisition: running the user's Python with proxies under a torch-function mode that records a trace.
+
+Every torch call the program makes (functions, methods, operators, `torch.nn.functional`, property reads) reaches
+`Interpreter.__torch_function__`. Metadata reads answer from the proxy; reads of tensor values raise
+`DataDependentError`; supported ops record their symbol; in-place ops are functionalized; anything else raises
+`UnsupportedOpError`. Python control flow on shapes and Python values simply runs, so the trace is specialised on
+them (and the guards check them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.source import user_location
+from fulmen.core.symbol import Symbol, iter_proxies
+from fulmen.core.trace import TraceBuilder
+from fulmen.jit.functionalize import Functionalizer
+from fulmen.ops import lookup, shape
+from fulmen.ops.registry import SYMBOLS
+
+T = torch.Tensor
+
+# Reads of metadata: answered by the proxy itself (it carries the real shape, dtype, device, strides).
+METADATA: frozenset = frozenset(
+    {
+        T.shape.__get__, T.dtype.__get__, T.device.__get__, T.ndim.__get__, T.requires_grad.__get__,
+        T.is_cuda.__get__, T.is_cpu.__get__, T.is_meta.__get__, T.layout.__get__, T.is_sparse.__get__,
+        T.is_quantized.__get__, T.is_nested.__get__, T.is_leaf.__get__, T.grad_fn.__get__, T.is_mkldnn.__get__,
+        T.itemsize.__get__, T.nbytes.__get__, T.is_xpu.__get__, T.is_mps.__get__,
+        T.size, T.dim, T.ndimension, T.numel, T.nelement, T.element_size, T.stride, T.is_contiguous,
+        T.is_floating_point, T.is_complex, T.is_signed, T.get_device, T.__len__, T.__hash__, T.storage_offset,
+        T.is_inference, T.dim_order,
+        torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type, torch.can_cast,
+        torch.promote_types, torch.is_grad_enabled, torch.get_default_dtype, torch.is_autocast_enabled,
+        torch.get_autocast_dtype, torch.is_inference_mode_enabled,
+    }
+)
+
+# Reads of tensor values: unknown while tracing.
+DATA_DEPENDENT: frozenset = frozenset(
+    {
+        T.item, T.tolist, T.__bool__, T.__int__, T.__float__, T.__index__, T.__complex__, T.numpy, T.__array__,
+        T.__contains__, T.nonzero, torch.nonzero, T.argwhere, torch.argwhere, torch.masked_select, T.masked_select,
+        torch.unique, T.unique, torch.unique_consecutive, torch.equal, T.equal, torch.allclose, T.allclose,
+        torch.is_nonzero, T.is_nonzero, torch.bincount, T.bincount, T.data_ptr, T.untyped_storage, T.__dlpack__,
+    }
+)
+
+
+def _describe(func: Callable[..., Any]) -> str:
+    return resolve_name(func) or getattr(func, "__qualname__", repr(func))
+
+
+class Interpreter(TorchFunctionMode):
+    """Records the torch calls of one run of the user's program into `builder`."""
+
+    def __init__(self, builder: TraceBuilder) -> None:
+        super().__init__()
+        self.builder = builder
+        self.functional = Functionalizer()
+        self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
+        self._constant_ids: dict[int, TensorProxy] = {}
+        self.ops_seen: list[str] = []
+        self.special: dict[Callable[..., Any], Callable[..., Any]] = {
+            T.__setitem__: self._setitem,
+            T.copy_: self._copy_,
+            T.fill_: self._fill_,
+            T.zero_: self._zero_,
+            T.contiguous: self._contiguous,
+            T.to: self._to,
+            T.type: self._type,
+            T.cuda: lambda x, device=None, non_blocking=False, **kw: self._convert(
+                x, device=torch.device("cuda") if device is None else torch.device("cuda", device)
+                if isinstance(device, int) else torch.device(device)),
+            T.cpu: lambda x, **kw: self._convert(x, device=torch.device("cpu")),
+            T.type_as: lambda x, other: self._convert(x, dtype=other.dtype),
+            T.requires_grad_: lambda x, requires_grad=True: x,
+            T.retain_grad: lambda x: None,
+            T.data.__get__: lambda x: self._record(lookup(torch.detach).symbol, (x,), {}),
+            T.__repr__: lambda x, **kw: repr(x),
+            T.__str__: lambda x: repr(x),
+            T.__format__: lambda x, spec: repr(x),
+            T.__getitem__: self._getitem,
+            torch.where: self._where,
+        }
+        for name, dtype in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
+                            ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64),
+                            ("short", torch.int16), ("char", torch.int8), ("byte", torch.uint8),
+                            ("bool", torch.bool)):
+            self.special[getattr(T, name)] = lambda x, memory_format=None, dtype=dtype: self._convert(x, dtype=dtype)
+
+    # --- the entry point -----------------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in METADATA:
+            with torch._C.DisableTorchFunction():
+                return func(*args, **kwargs)
+        self.builder.source = location = user_location()
+        self.ops_seen.append(_describe(func))
+        if func in DATA_DEPENDENT:
+            raise DataDependentError(
+                f"fulmen cannot trace {_describe(func)}: it reads tensor values, which are unknown while tracing. "
+                "Keep the computation in tensors (e.g. torch.where instead of an `if` on a tensor), or move it "
+                "out of the jitted function.",
+                location,
+            )
+        special = self.special.get(func)
+        if special is not None:
+            return special(*args, **kwargs)
+        binding = lookup(func)
+        if binding is None:
+            raise UnsupportedOpError(f"fulmen does not support {_describe(func)} (no symbol for it)", location)
+        if kwargs.get("out") is not None:
+            raise UnsupportedOpError(f"fulmen does not support the out= argument of {_describe(func)}", location)
+        kwargs.pop("out", None)
+        if binding.inplace:
+            return self._inplace(binding.symbol, args, kwargs)
+        return self._record(binding.symbol, args, kwargs)
+
+    # --- recording -----------------------------------------------------------------------------------------------
+    def _values(self, obj: Any) -> Any:
+        """Current values of the proxies in `obj`; real tensors become captured constants."""
+        if isinstance(obj, torch.Tensor):
+            return self.functional.resolve(obj) if type(obj) is TensorProxy else self._constant(obj)
+        if isinstance(obj, (tuple, list)):
+            items = [self._values(item) for item in obj]
+            if hasattr(type(obj), "_fields"):
+                return type(obj)(*items)
+            return items if isinstance(obj, list) else tuple(items)
+        if isinstance(obj, dict):
+            return {key: self._values(value) for key, value in obj.items()}
+        return obj
+
+    def _constant(self, tensor: torch.Tensor) -> TensorProxy:
+        proxy = self._constant_ids.get(id(tensor))
+        if proxy is None:
+            meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+            proxy = self.builder.make_proxy(meta, tensor.device, tensor.requires_grad, name=f"c{len(self.constants)}")
+            self.constants.append((tensor, proxy))
+            self._constant_ids[id(tensor)] = proxy
+        return proxy
+
+    def _record(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
+        values, kwvalues = self._values(args), self._values(kwargs)
+        try:
+            output = sym(*values, **kwvalues)
+        except TraceError:
+            raise
+        except Exception as error:
+            raise TraceError(f"{sym.printed} failed while tracing: {type(error).__name__}: {error}",
+                             self.builder.source) from error
+        self.functional.record_views(sym, args, kwvalues, values, output)
+        return output
+
+    def _inplace(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
+        target = args[0]
+        if type(target) is not TensorProxy:
+            raise TraceError(f"in-place {sym.printed} on a tensor created outside the program is not supported",
+                             self.builder.source)
+        out = self._record(sym, args, kwargs)
+        return self._assign(target, out, sym.printed)
+
+    def _assign(self, target: TensorProxy, value: TensorProxy, what: str) -> TensorProxy:
+        if value.shape != target.shape:
+            raise TraceError(
+                f"in-place {what}: the result's shape {tuple(value.shape)} does not match the updated tensor's "
+                f"shape {tuple(target.shape)}",
+                self.builder.source,
+            )
+        if value.dtype != target.dtype:
+            if not torch.can_cast(value.dtype, target.dtype):
+                raise TraceError(f"in-place {what}: result type {value.dtype} can't be cast to {target.dtype}",
+                                 self.builder.source)
+            value = SYMBOLS["torch.Tensor.to"](value, target.dtype)
+        self.functional.write(target, value)
+        return target
+
+    # --- special cases -------------------------------------------------------------------------------------------
+    def _setitem(self, x: TensorProxy, index: Any, value: Any) -> None:
+        self._check_index(index)
+        current = self.functional.resolve(x)
+        new = shape.setitem(current, self._values(index), self._values(value))
+        self.functional.write(x, new)
+
+    def _getitem(self, x: TensorProxy, index: Any) -> Any:
+        self._check_index(index)
+        return self._record(shape.getitem, (x, index), {})
+
+    def _check_index(self, index: Any) -> None:
+        items = index if isinstance(index, tuple) else (index,)
+        for item in items:
+            if isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8):
+                raise DataDependentError(
+                    "fulmen cannot trace indexing with a boolean mask: the result's shape depends on tensor "
+                    "values. Use torch.where(mask, x, other) or multiply by the mask instead.",
+                    self.builder.source,
+                )
+
+    def _where(self, condition: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs:
+            raise DataDependentError(
+                "fulmen cannot trace torch.where(condition) with one argument: the result's shape depends on tensor "
+                "values. Use the three-argument torch.where(condition, x, y).",
+                self.builder.source,
+            )
+        return self._record(lookup(torch.where).symbol, (condition, *args), kwargs)
+
+    def _copy_(self, dst: TensorProxy, src: Any, non_blocking: bool = False) -> TensorProxy:
+        new = shape.copy(self.functional.resolve(dst), self._values(src))
+        self.functional.write(dst, new)
+        return dst
+
+    def _fill_(self, x: TensorProxy, value: Any) -> TensorProxy:
+        new = shape.fill(self.functional.resolve(x), self._values(value))
+        self.functional.write(x, new)
+        return x
+
+    def _zero_(self, x: TensorProxy) -> TensorProxy:
+        return self._fill_(x, 0)
+
+    def _contiguous(self, x: TensorProxy, memory_format: torch.memory_format = torch.contiguous_format) -> Any:
+        if self.functional.resolve(x).meta.is_contiguous(memory_format=memory_format):
+            return x  # eager returns the tensor itself
+        return self._record(lookup(T.contiguous).symbol, (x,), {})
+
+    def _to(self, x: TensorProxy, *args: Any, **kwargs: Any) -> Any:
+        copy = kwargs.pop("copy", False)
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        return self._convert(x, device=device, dtype=dtype, copy=copy)
+
+    def _type(self, x: TensorProxy, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None:
+            with torch._C.DisableTorchFunction():
+                return T.type(x.meta).replace("Meta", "" if x.device.type == "cpu" else "cuda.")
+        if isinstance(dtype, str):
+            raise UnsupportedOpError(f"fulmen does not support Tensor.type({dtype!r}); use .to(dtype)",
+                                     self.builder.source)
+        return self._convert(x, dtype=dtype)
+
+    def _convert(
+        self, x: TensorProxy, device: torch.device | None = None, dtype: torch.dtype | None = None, copy: bool = False
+    ) -> Any:
+        current = self.functional.resolve(x)
+        same_device = device is None or _same_device(torch.device(device), current.device)
+        same_dtype = dtype is None or dtype == current.dtype
+        if same_device and same_dtype and not copy:
+            return x  # eager returns the tensor itself, so later in-place updates alias it
+        kwargs: dict[str, Any] = {}
+        if not same_device:
+            kwargs["device"] = torch.device(device)
+        if not same_dtype:
+            kwargs["dtype"] = dtype
+        if copy:
+            kwargs["copy"] = True
+        return SYMBOLS["torch.Tensor.to"](current, **kwargs)
+
+
+def _same_device(wanted: torch.device, have: torch.device) -> bool:
+    return wanted.type == have.type and (wanted.index is None or wanted.index == have.index)
+
+
+def flat_proxies(obj: Any) -> list[TensorProxy]:
+    return list(iter_proxies(obj))

@@ -1,0 +1,243 @@
+"""`fulmen.jit`: jitted functions and modules, their cache and the pipeline from acquisition to execution."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulmen.core import pytree
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.trace import Trace, TraceBuilder
+from fulmen.executors.torch_eager import claim_all
+from fulmen.jit.acquire import Interpreter
+from fulmen.jit.guards import global_state_key, tensor_key
+from fulmen.jit.overrides import AttributeGuard, ModuleInput, ShadowTree, build_shadow
+from fulmen.ops import prims
+from fulmen.options import JitOptions
+from fulmen.transforms.common import cse, dce, delete_last_used
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    fn: Callable[..., tuple]
+    traces: tuple[Trace, ...]
+    out_spec: Any
+    out_objects: dict[int, Any]  # unhashable non-tensor outputs, by id
+    n_outputs: int
+    returns_input: tuple[int | None, ...]  # output i is input tensor returns_input[i] itself (eager identity)
+    rebinds: tuple[tuple[nn.Module, str, str], ...]  # trailing outputs reassigned to module attributes
+    attribute_guards: tuple[AttributeGuard, ...]
+    constants: tuple[torch.Tensor, ...]
+
+    def guards_hold(self) -> bool:
+        return all(guard.holds() for guard in self.attribute_guards)
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+
+
+def _leaf_names(obj: Any, prefix: str, out: list[str]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(prefix)
+    elif isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            _leaf_names(item, f"{prefix}_{i}", out)
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            _leaf_names(item, f"{prefix}_{key}", out)
+    elif hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+        for key in obj.__dataclass_fields__:
+            _leaf_names(getattr(obj, key), f"{prefix}_{key}", out)
+
+
+def _arg_hints(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        pairs = list(bound.arguments.items())
+    except (TypeError, ValueError):
+        pairs = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    names: list[str] = []
+    for name, value in pairs:
+        _leaf_names(value, name, names)
+    return names
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+class JittedFunction:
+    """A callable that runs `fn` through its cached, compiled traces."""
+
+    def __init__(self, fn: Callable[..., Any], options: JitOptions, module: nn.Module | None = None) -> None:
+        self._fn = fn
+        self._module = module
+        self._options = options
+        self._cache: dict[Any, list[CacheEntry]] = {}
+        self._module_inputs: list[ModuleInput] = []
+        self.stats = CacheStats()
+        self.last_entry: CacheEntry | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            tensors, spec = list(args), len(args)
+        else:
+            tensors = []
+            spec = pytree.flatten((args, kwargs), tensors)
+        module_tensors = [source.fetch() for source in self._module_inputs]
+        try:
+            key = (spec, tensor_key(tensors), tensor_key(module_tensors), global_state_key())
+        except AttributeError:  # a module tensor was removed or replaced by a non-tensor: trace anew
+            key = None
+        entry = None
+        for candidate in self._cache.get(key, ()):
+            if candidate.guards_hold():
+                entry = candidate
+                break
+        if entry is None:
+            self.stats.misses += 1
+            entry, module_tensors = self._compile(args, kwargs, tensors)
+            if key is not None and self._module_inputs and len(module_tensors) == len(self._module_inputs):
+                key = (spec, tensor_key(tensors), tensor_key(module_tensors), global_state_key())
+            self._cache.setdefault(key, []).append(entry)
+        else:
+            self.stats.hits += 1
+        self.last_entry = entry
+        outputs = entry.fn(*tensors, *module_tensors, *entry.constants)
+        return self._finish(entry, outputs, tensors)
+
+    @staticmethod
+    def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor]) -> Any:
+        if entry.rebinds:
+            for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
+                getattr(module, container)[name] = value
+            outputs = outputs[: entry.n_outputs]
+        if any(i is not None for i in entry.returns_input):
+            outputs = [tensors[i] if i is not None else out for i, out in zip(entry.returns_input, outputs)]
+        if entry.out_spec == pytree.TENSOR:
+            return outputs[0]
+        return pytree.unflatten(entry.out_spec, outputs, entry.out_objects)
+
+    # --- compilation ---------------------------------------------------------------------------------------------
+    def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[CacheEntry, list]:
+        builder = TraceBuilder(decompose=self._options.decompose)
+        interpreter = Interpreter(builder)
+        hints = _arg_hints(self._module.forward if self._module is not None else self._fn, args, kwargs)
+        if len(hints) != len(tensors):
+            hints = [f"arg{i}" for i in range(len(tensors))]
+        proxies = [builder.make_proxy(_meta_like(t), t.device, t.requires_grad, name=h) for t, h in zip(tensors, hints)]
+        originals: dict[int, Any] = {}
+        pytree.identity_objects((args, kwargs), originals)
+        spec = pytree.flatten((args, kwargs), [])
+        proxy_args, proxy_kwargs = pytree.unflatten(spec, proxies, originals)
+        target: Callable[..., Any] = self._fn
+        tree: ShadowTree | None = None
+        if self._module is not None:
+            tree = build_shadow(
+                self._module, lambda t, name: builder.make_proxy(_meta_like(t), t.device, t.requires_grad, name=name)
+            )
+            target = tree.root
+            self._module_inputs = tree.inputs
+        with builder, interpreter:
+            result = target(*proxy_args, **proxy_kwargs)
+        with builder:
+            entry_parts = self._outputs(result, proxies, tree, interpreter)
+        trace_inputs = proxies + (tree.proxies if tree else []) + [p for _, p in interpreter.constants]
+        values, out_spec, out_objects, returns_input, rebinds = entry_parts
+        acquired = Trace("computation", trace_inputs, builder.bound_symbols, tuple(values), "Acquisition (fulmen.jit)",
+                         builder.namespace)
+        traces = [acquired, dce(acquired)]
+        if self._options.cse:
+            traces.append(cse(traces[-1]))
+            traces.append(dce(traces[-1]))
+        traces.append(claim_all(traces[-1]))
+        traces.append(delete_last_used(traces[-1]))
+        entry = CacheEntry(
+            fn=traces[-1].python_callable(),
+            traces=tuple(traces),
+            out_spec=out_spec,
+            out_objects=out_objects,
+            n_outputs=len(values) - len(rebinds),
+            returns_input=returns_input,
+            rebinds=tuple(rebinds),
+            attribute_guards=tree.guards() if tree else (),
+            constants=tuple(t for t, _ in interpreter.constants),
+        )
+        module_tensors = [source.fetch() for source in self._module_inputs]
+        return entry, module_tensors
+
+    @staticmethod
+    def _outputs(result: Any, proxies: list[TensorProxy], tree: ShadowTree | None, interpreter: Interpreter):
+        functional = interpreter.functional
+        leaves: list[torch.Tensor] = []
+        out_spec = pytree.flatten(result, leaves)
+        out_objects: dict[int, Any] = {}
+        pytree.identity_objects(result, out_objects)
+        input_index = {id(p): i for i, p in enumerate(proxies)}
+        values, returns_input = [], []
+        for leaf in leaves:
+            if type(leaf) is TensorProxy:
+                values.append(functional.resolve(leaf))
+            else:
+                values.append(interpreter._constant(leaf))
+            returns_input.append(input_index.get(id(leaf)))
+        rebinds = []
+        if tree is not None:
+            for module, container, name, given, now in tree.rebinds():
+                value = functional.resolve(now)
+                if (value.shape, value.dtype, value.device) == (given.shape, given.dtype, given.device):
+                    prims.copy_(value, given)
+                else:
+                    values.append(value)
+                    rebinds.append((module, container, name))
+        functional.write_back(proxies + (tree.proxies if tree else []))
+        return values, out_spec, out_objects, tuple(returns_input), rebinds
+
+
+class JittedModule(nn.Module):
+    """An `nn.Module` that runs the wrapped module's forward through fulmen.
+
+    Parameters, buffers, state dicts, train/eval and device moves are the wrapped module's own (no prefix), so
+    optimizers, Fabric and checkpoints see the original module.
+    """
+
+    def __init__(self, model: nn.Module, options: JitOptions) -> None:
+        super().__init__()
+        self._model = model
+        self._jit = JittedFunction(model.forward, options, module=model)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._jit(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._model.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
+        return self._model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_model"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        model = self.__dict__.get("_modules", {}).get("_model")
+        if model is not None and not name.startswith("_") and hasattr(model, name) and name not in self.__dict__:
+            setattr(model, name, value)  # e.g. `jitted.max_seq_length = 64` configures the wrapped model
+        else:
+            super().__setattr__(name, value)

@@ -1,0 +1,141 @@
+"""Parameters, buffers and tensor attributes of a module enter the trace as named inputs.
+
+The user's module is never changed. Acquisition runs the forward of a *shadow* tree: a shallow copy of every
+submodule whose `_parameters`, `_buffers` and tensor attributes hold proxies (the override map), and whose class
+records which plain attributes (`training`, flags, sizes) the program read, so guards check exactly those.
+Assignments the program makes during the forward land on the shadow; buffer rebinds are reported back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulmen.core.proxies import TensorProxy
+
+PLAIN_TYPES = (bool, int, float, str, type(None))
+CONTAINERS = ("_parameters", "_buffers", "__dict__")
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleInput:
+    """Where a tensor input of the trace lives: `getattr(module, container)[name]`."""
+
+    module: nn.Module
+    container: str  # "_parameters", "_buffers" or "__dict__"
+    name: str
+    qualified: str  # "transformer.h.0.attn.qkv.weight"
+
+    def fetch(self) -> Any:
+        return getattr(self.module, self.container).get(self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class AttributeGuard:
+    module: nn.Module
+    name: str
+    value: Any
+
+    def holds(self) -> bool:
+        current = self.module.__dict__.get(self.name, _MISSING)
+        return type(current) is type(self.value) and current == self.value
+
+
+_MISSING = object()
+
+
+@dataclass
+class ShadowTree:
+    root: nn.Module
+    inputs: list[ModuleInput] = field(default_factory=list)
+    proxies: list[TensorProxy] = field(default_factory=list)
+    # id(shadow) -> (shadow, original, {container: {name: proxy given}})
+    given: dict[int, tuple[nn.Module, nn.Module, dict[str, dict[str, TensorProxy]]]] = field(default_factory=dict)
+    reads: dict[tuple[int, str], AttributeGuard] = field(default_factory=dict)
+
+    def guards(self) -> tuple[AttributeGuard, ...]:
+        return tuple(self.reads.values())
+
+    def rebinds(self) -> list[tuple[nn.Module, str, str, TensorProxy, TensorProxy]]:
+        """(original module, container, name, proxy given, value now) for tensors the forward reassigned."""
+        changed = []
+        for shadow, original, given in self.given.values():
+            for container, names in given.items():
+                now_map = getattr(shadow, container)
+                for name, proxy in names.items():
+                    now = now_map.get(name)
+                    if now is not proxy and isinstance(now, torch.Tensor):
+                        changed.append((original, container, name, proxy, now))
+        return changed
+
+
+_SHADOW_CLASSES: dict[type, type] = {}
+
+
+def _shadow_class(cls: type) -> type:
+    shadow = _SHADOW_CLASSES.get(cls)
+    if shadow is None:
+        shadow = type(cls.__name__, (cls,), {"__getattribute__": _recording_getattribute, "__module__": cls.__module__})
+        _SHADOW_CLASSES[cls] = shadow
+    return shadow
+
+
+def _recording_getattribute(self: nn.Module, name: str) -> Any:
+    value = object.__getattribute__(self, name)
+    if type(value) in PLAIN_TYPES and not name.startswith("__"):
+        state = object.__getattribute__(self, "__dict__")
+        original = state.get("_fulmen_original")
+        if original is not None and original.__dict__.get(name, _MISSING) is value:
+            state["_fulmen_tree"].reads.setdefault((id(original), name), AttributeGuard(original, name, value))
+    return value
+
+
+def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], TensorProxy]) -> ShadowTree:
+    tree = ShadowTree(root=module)
+    by_tensor: dict[int, TensorProxy] = {}  # tied weights share one proxy
+    shadows: dict[int, nn.Module] = {}
+
+    def proxy_for(tensor: torch.Tensor, qualified: str, where: ModuleInput) -> TensorProxy:
+        proxy = by_tensor.get(id(tensor))
+        if proxy is None:
+            proxy = make_proxy(tensor, "t_" + qualified.replace(".", "_"))
+            by_tensor[id(tensor)] = proxy
+            tree.inputs.append(where)
+            tree.proxies.append(proxy)
+        return proxy
+
+    def visit(original: nn.Module, prefix: str) -> nn.Module:
+        if id(original) in shadows:
+            return shadows[id(original)]
+        shadow = object.__new__(_shadow_class(type(original)))
+        shadows[id(original)] = shadow
+        state = dict(original.__dict__)
+        given: dict[str, dict[str, TensorProxy]] = {}
+        for container in CONTAINERS:
+            source = original.__dict__ if container == "__dict__" else original.__dict__[container]
+            replaced = {}
+            for name, value in source.items():
+                if isinstance(value, torch.Tensor):
+                    qualified = f"{prefix}{name}"
+                    replaced[name] = proxy_for(value, qualified, ModuleInput(original, container, name, qualified))
+            given[container] = replaced
+            if container == "__dict__":
+                state.update(replaced)
+            else:
+                state[container] = {**source, **replaced}
+        state["_modules"] = {
+            name: (visit(child, f"{prefix}{name}.") if child is not None else None)
+            for name, child in original._modules.items()
+        }
+        state["_fulmen_original"] = original
+        state["_fulmen_tree"] = tree
+        shadow.__dict__.update(state)
+        tree.given[id(shadow)] = (shadow, original, given)
+        return shadow
+
+    tree.root = visit(module, "")
+    return tree

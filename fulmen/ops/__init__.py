@@ -1,0 +1,9 @@
+"""Torch-level symbols and the prims they decompose into.
+
+Importing this package registers every supported torch callable (see `registry.TORCH_BINDINGS`).
+"""
+
+from fulmen.ops import elementwise, factories, nn, reductions, shape  # noqa: F401  (registration side effects)
+from fulmen.ops.registry import TORCH_BINDINGS, TorchBinding, lookup
+
+__all__ = ["TORCH_BINDINGS", "TorchBinding", "lookup"]

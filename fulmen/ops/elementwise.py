@@ -1,0 +1,277 @@
+"""Elementwise torch-level symbols: unary and binary families, where, clamp, masked_fill."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fulmen.core.symbol import Symbol
+from fulmen.ops import prims
+from fulmen.ops.registry import method, methods, torch_symbol
+from fulmen.ops.utils import broadcast_shape, convert, expand_to, is_tensor, result_dtype, to_float
+
+# --- unary ---------------------------------------------------------------------------------------------------------
+# name -> promotion kind: INT_TO_FLOAT ops give floats for integer inputs, DEFAULT ones keep the dtype,
+# ALWAYS_BOOL ones give bool.
+UNARY_KINDS: dict[str, str] = {
+    **dict.fromkeys("abs neg sign floor ceil round trunc bitwise_not frac".split(), "DEFAULT"),
+    **dict.fromkeys(
+        "exp exp2 expm1 log log1p log2 log10 sqrt rsqrt sin cos tan asin acos atan sinh cosh tanh asinh acosh "
+        "atanh erf erfc erfinv sigmoid reciprocal lgamma digamma".split(),
+        "INT_TO_FLOAT",
+    ),
+    **dict.fromkeys("logical_not isfinite isnan isinf signbit".split(), "ALWAYS_BOOL"),
+}
+# Extra torch callables that are the same op.
+UNARY_ALIASES: dict[str, tuple[Callable[..., Any], ...]] = {
+    "neg": (torch.negative, torch.Tensor.__neg__, torch.Tensor.negative),
+    "abs": (torch.absolute, torch.Tensor.__abs__, torch.Tensor.absolute),
+    "bitwise_not": (torch.Tensor.__invert__,),
+    "sigmoid": (F.sigmoid, torch.special.expit),
+    "tanh": (F.tanh,),
+    "erf": (torch.special.erf,),
+    "erfc": (torch.special.erfc,),
+    "erfinv": (torch.special.erfinv,),
+    "exp2": (torch.special.exp2,),
+    "expm1": (torch.special.expm1,),
+    "log1p": (torch.special.log1p,),
+    "asin": (torch.arcsin,),
+    "acos": (torch.arccos,),
+    "atan": (torch.arctan,),
+    "asinh": (torch.arcsinh,),
+    "acosh": (torch.arccosh,),
+    "atanh": (torch.arctanh,),
+    "trunc": (torch.fix,),
+}
+
+
+def _unary_decomposition(prim: Symbol, kind: str) -> Callable[..., Any]:
+    def decomposition(x: torch.Tensor) -> Any:
+        if kind == "INT_TO_FLOAT":
+            x = convert(x, to_float(x.dtype))
+        if prim is prims.bitwise_not and x.dtype == torch.bool:
+            return prims.logical_not(x)
+        return prim(x)
+
+    return decomposition
+
+
+def _unary(name: str, kind: str) -> Symbol:
+    return torch_symbol(
+        getattr(torch, name),
+        decomposition=_unary_decomposition(getattr(prims, name), kind),
+        aliases=methods(name) + UNARY_ALIASES.get(name, ()),
+        inplace=methods(f"{name}_"),
+    )
+
+
+for _name, _kind in UNARY_KINDS.items():
+    _unary(_name, _kind)
+
+
+def relu_decomposition(x: torch.Tensor, inplace: bool = False) -> Any:
+    return prims.maximum(x, convert(0, x.dtype))
+
+
+torch_symbol(torch.relu, decomposition=relu_decomposition, aliases=(method("relu"),), inplace=(method("relu_"),))
+torch_symbol(F.relu, decomposition=relu_decomposition)
+
+# --- binary --------------------------------------------------------------------------------------------------------
+
+
+def _binary_operands(a: Any, b: Any, kind: str) -> tuple[Any, Any, torch.dtype]:
+    dtype = result_dtype(a, b, kind=kind)
+    compute = result_dtype(a, b) if kind == "ALWAYS_BOOL" else dtype
+    shape = broadcast_shape(a, b)
+    return expand_to(convert(a, compute), shape), expand_to(convert(b, compute), shape), dtype
+
+
+def _binary_decomposition(prim: Symbol, kind: str) -> Callable[..., Any]:
+    def decomposition(a: Any, b: Any) -> Any:
+        a, b, _ = _binary_operands(a, b, kind)
+        return prim(a, b)
+
+    return decomposition
+
+
+def _with_alpha(prim: Symbol) -> Callable[..., Any]:
+    def decomposition(a: Any, b: Any, *, alpha: Any = None) -> Any:
+        if alpha is not None and alpha != 1:
+            b = prims.mul(b, alpha) if is_tensor(b) else b * alpha
+        a, b, _ = _binary_operands(a, b, "DEFAULT")
+        return prim(a, b)
+
+    return decomposition
+
+
+# name -> (promotion kind, operator dunders that alias it, reflected dunders of a commutative op)
+BINARY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "mul": ("DEFAULT", ("__mul__", "__rmul__", "multiply")),
+    "maximum": ("DEFAULT", ()),
+    "minimum": ("DEFAULT", ()),
+    "remainder": ("DEFAULT", ("__mod__",)),
+    "fmod": ("DEFAULT", ()),
+    "atan2": ("INT_TO_FLOAT", ("arctan2",)),
+    "copysign": ("INT_TO_FLOAT", ()),
+    "hypot": ("DEFAULT", ()),
+    "nextafter": ("DEFAULT", ()),
+    "eq": ("ALWAYS_BOOL", ("__eq__",)),
+    "ne": ("ALWAYS_BOOL", ("__ne__", "not_equal")),
+    "lt": ("ALWAYS_BOOL", ("__lt__", "less")),
+    "le": ("ALWAYS_BOOL", ("__le__", "less_equal")),
+    "gt": ("ALWAYS_BOOL", ("__gt__", "greater")),
+    "ge": ("ALWAYS_BOOL", ("__ge__", "greater_equal")),
+    "bitwise_and": ("DEFAULT", ("__and__", "__rand__")),
+    "bitwise_or": ("DEFAULT", ("__or__", "__ror__")),
+    "bitwise_xor": ("DEFAULT", ("__xor__", "__rxor__")),
+    "bitwise_left_shift": ("DEFAULT", ("__lshift__",)),
+    "bitwise_right_shift": ("DEFAULT", ("__rshift__",)),
+    "logical_and": ("ALWAYS_BOOL", ()),
+    "logical_or": ("ALWAYS_BOOL", ()),
+    "logical_xor": ("ALWAYS_BOOL", ()),
+}
+INPLACE_DUNDERS = {"mul": "__imul__", "remainder": "__imod__", "bitwise_and": "__iand__", "bitwise_or": "__ior__",
+                   "bitwise_xor": "__ixor__", "bitwise_left_shift": "__ilshift__", "bitwise_right_shift": "__irshift__"}
+
+
+def _logical_decomposition(prim: Symbol) -> Callable[..., Any]:
+    def decomposition(a: Any, b: Any) -> Any:
+        shape = broadcast_shape(a, b)
+        a = expand_to(convert(a, torch.bool), shape)
+        b = expand_to(convert(b, torch.bool), shape)
+        return prim(a, b)
+
+    return decomposition
+
+
+for _name, (_kind, _dunders) in BINARY.items():
+    _prim = getattr(prims, _name)
+    _decomposition = (
+        _logical_decomposition(_prim) if _name.startswith("logical") else _binary_decomposition(_prim, _kind)
+    )
+    _inplace = methods(f"{_name}_") + methods(*(INPLACE_DUNDERS.get(_name, "_"),))
+    torch_symbol(
+        getattr(torch, _name),
+        decomposition=_decomposition,
+        aliases=methods(_name, *_dunders) + tuple(getattr(torch, d) for d in _dunders if hasattr(torch, d)),
+        inplace=_inplace,
+    )
+
+torch_symbol(
+    torch.add,
+    decomposition=_with_alpha(prims.add),
+    aliases=methods("add", "__add__", "__radd__"),
+    inplace=methods("add_", "__iadd__"),
+)
+torch_symbol(
+    torch.sub,
+    decomposition=_with_alpha(prims.sub),
+    aliases=methods("sub", "__sub__", "subtract") + (torch.subtract,),
+    inplace=methods("sub_", "__isub__", "subtract_"),
+)
+
+
+def rsub_decomposition(a: Any, b: Any, *, alpha: Any = None) -> Any:
+    if alpha is not None and alpha != 1:
+        a = prims.mul(a, alpha)
+    b_, a_, _ = _binary_operands(b, a, "DEFAULT")
+    return prims.sub(b_, a_)
+
+
+torch_symbol(torch.rsub, decomposition=rsub_decomposition, aliases=methods("__rsub__"))
+
+
+def div_decomposition(a: Any, b: Any, *, rounding_mode: str | None = None) -> Any:
+    if rounding_mode is None:
+        a, b, _ = _binary_operands(a, b, "INT_TO_FLOAT")
+        return prims.div(a, b)
+    a, b, dtype = _binary_operands(a, b, "DEFAULT")
+    if not dtype.is_floating_point:
+        return NotImplemented  # integer division semantics stay with torch
+    quotient = prims.div(a, b)
+    return prims.trunc(quotient) if rounding_mode == "trunc" else prims.floor(quotient)
+
+
+torch_symbol(
+    torch.div,
+    decomposition=div_decomposition,
+    aliases=methods("div", "divide", "true_divide", "__truediv__", "__div__") + (torch.divide, torch.true_divide),
+    inplace=methods("div_", "__itruediv__", "divide_", "true_divide_", "__idiv__"),
+)
+torch_symbol(
+    torch.floor_divide,
+    decomposition=lambda a, b: div_decomposition(a, b, rounding_mode="floor"),
+    aliases=methods("floor_divide", "__floordiv__"),
+    inplace=methods("floor_divide_", "__ifloordiv__"),
+)
+torch_symbol(
+    torch.Tensor.__rtruediv__,
+    decomposition=lambda a, b: prims.mul(prims.reciprocal(convert(a, to_float(a.dtype))), b),
+    aliases=methods("__rdiv__"),
+)
+torch_symbol(torch.Tensor.__rfloordiv__)
+torch_symbol(torch.Tensor.__rmod__)
+
+
+def pow_decomposition(a: Any, b: Any) -> Any:
+    if not is_tensor(b) and b == 2 and is_tensor(a):
+        return prims.mul(a, a)
+    a, b, _ = _binary_operands(a, b, "DEFAULT")
+    return prims.pow(a, b)
+
+
+torch_symbol(torch.pow, decomposition=pow_decomposition, aliases=methods("pow", "__pow__"),
+             inplace=methods("pow_", "__ipow__"))
+torch_symbol(torch.Tensor.__rpow__, decomposition=lambda a, b: pow_decomposition(b, a))
+torch_symbol(torch.float_power, aliases=methods("float_power"))
+torch_symbol(torch.fmax)
+torch_symbol(torch.fmin)
+torch_symbol(torch.xlogy, aliases=methods("xlogy"))
+torch_symbol(torch.lerp, aliases=methods("lerp"), inplace=methods("lerp_"))
+torch_symbol(torch.addcmul, aliases=methods("addcmul"), inplace=methods("addcmul_"))
+torch_symbol(torch.addcdiv, aliases=methods("addcdiv"), inplace=methods("addcdiv_"))
+torch_symbol(torch.nan_to_num, aliases=methods("nan_to_num"), inplace=methods("nan_to_num_"))
+torch_symbol(torch.isclose, aliases=methods("isclose"))
+torch_symbol(torch.square, decomposition=lambda x: prims.mul(x, x) if x.dtype != torch.bool else NotImplemented,
+             aliases=methods("square"), inplace=methods("square_"))
+torch_symbol(torch.positive, decomposition=lambda x: x, aliases=methods("positive", "__pos__"))
+
+
+def where_decomposition(condition: Any, input: Any = None, other: Any = None) -> Any:
+    a, b, dtype = _binary_operands(input, other, "NO_OPMATH")
+    shape = broadcast_shape(condition, a, b)
+    return prims.where(expand_to(condition, shape), expand_to(a, shape), expand_to(b, shape))
+
+
+torch_symbol(torch.where, decomposition=where_decomposition, aliases=methods("where"))
+
+
+def masked_fill_decomposition(x: Any, mask: Any, value: Any) -> Any:
+    value = convert(value, x.dtype)
+    shape = x.shape
+    return prims.where(expand_to(mask, shape), expand_to(value, shape), x)
+
+
+torch_symbol(torch.masked_fill, decomposition=masked_fill_decomposition, aliases=methods("masked_fill"),
+             inplace=methods("masked_fill_"))
+
+
+def clamp_decomposition(x: Any, min: Any = None, max: Any = None) -> Any:
+    dtype = result_dtype(x, min, max)
+    x = convert(x, dtype)
+    if min is not None:
+        lower = expand_to(convert(min, dtype), x.shape)
+        x = prims.where(prims.lt(x, lower), lower, x) if is_tensor(lower) else prims.maximum(x, lower)
+    if max is not None:
+        upper = expand_to(convert(max, dtype), x.shape)
+        x = prims.where(prims.gt(x, upper), upper, x) if is_tensor(upper) else prims.minimum(x, upper)
+    return x
+
+
+torch_symbol(torch.clamp, decomposition=clamp_decomposition, aliases=methods("clamp", "clip") + (torch.clip,),
+             inplace=methods("clamp_", "clip_"))
+torch_symbol(torch.clamp_min, aliases=methods("clamp_min"), inplace=methods("clamp_min_"))
+torch_symbol(torch.clamp_max, aliases=methods("clamp_max"), inplace=methods("clamp_max_"))

@@ -1,0 +1,56 @@
+"""Tensor factories: full, zeros, ones, arange, *_like, new_*, random draws and `torch.tensor` constants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fulmen.core.symbol import Tag
+from fulmen.ops import prims
+from fulmen.ops.registry import method, torch_symbol
+from fulmen.ops.utils import shape_arg
+
+
+def _full_decomposition(value_of):
+    def decomposition(*args, dtype=None, device=None, layout=None, pin_memory=False, requires_grad=False, **kwargs):
+        shape, value = value_of(args, kwargs)
+        dtype = dtype or (torch.result_type(torch.empty(0), value) if not isinstance(value, bool) else torch.bool)
+        return prims.full(shape, value, dtype=dtype, device=torch.device(device or "cpu"))
+
+    return decomposition
+
+
+torch_symbol(torch.zeros, decomposition=_full_decomposition(lambda args, kwargs: (shape_arg(args), 0.0)))
+torch_symbol(torch.ones, decomposition=_full_decomposition(lambda args, kwargs: (shape_arg(args), 1.0)))
+torch_symbol(torch.full)
+torch_symbol(torch.empty)
+torch_symbol(torch.arange)
+torch_symbol(torch.linspace)
+torch_symbol(torch.eye)
+torch_symbol(torch.tensor)
+torch_symbol(torch.scalar_tensor)
+torch_symbol(torch.as_tensor)
+
+
+def _like_decomposition(value: Any):
+    def decomposition(x, *, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False,
+                      memory_format=None):
+        return prims.full(tuple(x.shape), value, dtype=dtype or x.dtype, device=torch.device(device or x.device))
+
+    return decomposition
+
+
+torch_symbol(torch.zeros_like, decomposition=_like_decomposition(0))
+torch_symbol(torch.ones_like, decomposition=_like_decomposition(1))
+torch_symbol(torch.full_like)
+torch_symbol(torch.empty_like)
+for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
+    torch_symbol(method(_name))
+
+# Random draws consume the RNG exactly as eager does, so they are never merged or reordered.
+for _fn in (torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+            torch.bernoulli, torch.multinomial, torch.normal, torch.randperm):
+    torch_symbol(_fn, tags=Tag.RANDOM)
+torch_symbol(torch.nn.functional.dropout, tags=Tag.RANDOM)
+torch_symbol(torch.dropout, tags=Tag.RANDOM)

@@ -1,0 +1,213 @@
+"""Neural-network composites: linear, matmul, softmax, norms, activations, attention, embedding, losses.
+
+These are the symbols executors want to claim whole (and autodiff gives their own rules); each still
+decomposes into prims so anything that is not claimed can descend to its parts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fulmen.ops import prims
+from fulmen.ops.registry import method, torch_symbol
+from fulmen.ops.utils import canonical_dim, convert, expand_to, keepdim_shape, to_float
+
+
+def _matmul_decomposition(a, b) -> Any:
+    return prims.matmul(a, b)
+
+
+torch_symbol(torch.matmul, decomposition=_matmul_decomposition,
+             aliases=(method("matmul"), method("__matmul__"), torch.mm, method("mm"), torch.bmm, method("bmm")))
+torch_symbol(method("__rmatmul__"))
+torch_symbol(torch.einsum)
+torch_symbol(torch.outer, aliases=(method("outer"), torch.ger))
+torch_symbol(torch.baddbmm, aliases=(method("baddbmm"),))
+torch_symbol(torch.addmm, aliases=(method("addmm"),))
+
+
+def linear_decomposition(x, weight, bias=None) -> Any:
+    w = prims.permute(weight, (1, 0)) if weight.dim() == 2 else weight
+    out = prims.matmul(x, w)
+    if bias is not None:
+        out = prims.add(out, expand_to(bias, out.shape))
+    return out
+
+
+torch_symbol(F.linear, decomposition=linear_decomposition)
+
+
+def _softmax_parts(x, dim, dtype):
+    x = convert(x, dtype) if dtype is not None else convert(x, to_float(x.dtype))
+    dim = canonical_dim(dim, x.dim())
+    shifted = prims.sub(x, expand_to(prims.reshape(prims.amax(x, (dim,)), keepdim_shape(x.shape, (dim,))), x.shape))
+    return x, dim, shifted
+
+
+def softmax_decomposition(x, dim=None, _stacklevel=3, dtype=None) -> Any:
+    if dim is None:
+        return NotImplemented
+    x, dim, shifted = _softmax_parts(x, dim, dtype)
+    exp = prims.exp(shifted)
+    total = prims.reshape(prims.sum(exp, (dim,)), keepdim_shape(x.shape, (dim,)))
+    return prims.div(exp, expand_to(total, x.shape))
+
+
+def log_softmax_decomposition(x, dim=None, _stacklevel=3, dtype=None) -> Any:
+    if dim is None:
+        return NotImplemented
+    x, dim, shifted = _softmax_parts(x, dim, dtype)
+    total = prims.reshape(prims.sum(prims.exp(shifted), (dim,)), keepdim_shape(x.shape, (dim,)))
+    return prims.sub(shifted, expand_to(prims.log(total), x.shape))
+
+
+torch_symbol(F.softmax, decomposition=softmax_decomposition)
+torch_symbol(torch.softmax, decomposition=lambda x, dim, dtype=None: softmax_decomposition(x, dim, dtype=dtype),
+             aliases=(method("softmax"), torch.special.softmax))
+torch_symbol(F.log_softmax, decomposition=log_softmax_decomposition)
+torch_symbol(torch.log_softmax, decomposition=lambda x, dim, dtype=None: log_softmax_decomposition(x, dim, dtype=dtype),
+             aliases=(method("log_softmax"), torch.special.log_softmax))
+
+
+def _normalize(x, normalized_shape, eps, *, center: bool):
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    kept = keepdim_shape(x.shape, dims)
+    count = math.prod(x.shape[d] for d in dims)
+    if center:
+        mean = prims.div(prims.sum(x, dims), count)
+        x = prims.sub(x, expand_to(prims.reshape(mean, kept), x.shape))
+    meansq = prims.div(prims.sum(prims.mul(x, x), dims), count)
+    rstd = prims.rsqrt(prims.add(meansq, eps))
+    return prims.mul(x, expand_to(prims.reshape(rstd, kept), x.shape))
+
+
+def _affine(out, weight, bias):
+    if weight is not None:
+        out = prims.mul(out, expand_to(convert(weight, out.dtype), out.shape))
+    if bias is not None:
+        out = prims.add(out, expand_to(convert(bias, out.dtype), out.shape))
+    return out
+
+
+def layer_norm_decomposition(x, normalized_shape, weight=None, bias=None, eps=1e-5) -> Any:
+    dtype = x.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    out = _affine(_normalize(convert(x, compute), normalized_shape, eps, center=True), weight, bias)
+    return convert(out, dtype)
+
+
+def rms_norm_decomposition(x, normalized_shape, weight=None, eps=None) -> Any:
+    dtype = x.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    eps = torch.finfo(compute).eps if eps is None else eps
+    out = _affine(_normalize(convert(x, compute), normalized_shape, eps, center=False), weight, None)
+    return convert(out, dtype)
+
+
+torch_symbol(F.layer_norm, decomposition=layer_norm_decomposition)
+torch_symbol(F.rms_norm, decomposition=rms_norm_decomposition)
+torch_symbol(F.group_norm)
+torch_symbol(F.batch_norm)
+torch_symbol(F.normalize)
+
+
+def gelu_decomposition(x, approximate: str = "none") -> Any:
+    if approximate == "tanh":
+        inner = prims.mul(prims.add(x, prims.mul(prims.mul(prims.mul(x, x), x), 0.044715)), math.sqrt(2 / math.pi))
+        return prims.mul(prims.mul(x, 0.5), prims.add(prims.tanh(inner), 1.0))
+    return prims.mul(prims.mul(x, 0.5), prims.add(prims.erf(prims.mul(x, 1 / math.sqrt(2))), 1.0))
+
+
+def silu_decomposition(x, inplace: bool = False) -> Any:
+    return prims.mul(x, prims.sigmoid(x))
+
+
+torch_symbol(F.gelu, decomposition=gelu_decomposition)
+torch_symbol(F.silu, decomposition=silu_decomposition)
+for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish, F.hardsigmoid,
+            F.logsigmoid, F.glu, F.softsign, F.tanhshrink, F.threshold):
+    torch_symbol(_fn)
+
+
+def sdpa_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> Any:
+    if dropout_p != 0.0 or enable_gqa:
+        return NotImplemented
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    lq, lk = q.shape[-2], k.shape[-2]
+    scores_shape = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])) + (lq, lk)
+    kt = prims.permute(k, tuple(range(k.dim() - 2)) + (k.dim() - 1, k.dim() - 2))
+    scores = prims.mul(prims.matmul(q, kt), scale)
+    if is_causal:
+        row = expand_to(prims.reshape(prims.iota(lq, 0, 1, dtype=torch.int64, device=q.device), (lq, 1)), (lq, lk))
+        col = expand_to(prims.reshape(prims.iota(lk, 0, 1, dtype=torch.int64, device=q.device), (1, lk)), (lq, lk))
+        keep = expand_to(prims.le(col, row), scores_shape)
+        scores = prims.where(keep, scores, expand_to(prims.full((), -math.inf, dtype=q.dtype, device=q.device),
+                                                     scores_shape))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            ninf = expand_to(prims.full((), -math.inf, dtype=q.dtype, device=q.device), scores_shape)
+            scores = prims.where(expand_to(attn_mask, scores_shape), scores, ninf)
+        else:
+            scores = prims.add(scores, expand_to(convert(attn_mask, scores.dtype), scores_shape))
+    probs = softmax_decomposition(scores, -1)
+    return prims.matmul(convert(probs, v.dtype), v)
+
+
+torch_symbol(F.scaled_dot_product_attention, decomposition=sdpa_decomposition)
+
+
+def embedding_decomposition(index, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                            sparse=False) -> Any:
+    if max_norm is not None:
+        return NotImplemented
+    flat = prims.reshape(index, (index.numel(),))
+    rows = prims.take(weight, flat, 0)
+    return prims.reshape(rows, tuple(index.shape) + (weight.shape[1],))
+
+
+torch_symbol(F.embedding, decomposition=embedding_decomposition)
+torch_symbol(F.one_hot)
+torch_symbol(F.pad, decomposition=lambda x, pad, mode="constant", value=None: prims.pad(x, tuple(pad), value or 0.0)
+             if mode == "constant" else NotImplemented)
+
+
+def nll_loss_decomposition(logp, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                           reduction="mean") -> Any:
+    if weight is not None or size_average is not None or reduce is not None or logp.dim() != 2:
+        return NotImplemented
+    n = logp.shape[0]
+    valid = prims.ne(target, ignore_index)
+    safe = prims.where(valid, target, expand_to(prims.full((), 0, dtype=target.dtype, device=target.device), (n,)))
+    picked = prims.reshape(prims.take_along_axis(logp, prims.reshape(safe, (n, 1)), 1), (n,))
+    zero = expand_to(prims.full((), 0.0, dtype=logp.dtype, device=logp.device), (n,))
+    losses = prims.where(valid, prims.neg(picked), zero)
+    if reduction == "none":
+        return losses
+    total = prims.sum(losses, (0,))
+    if reduction == "sum":
+        return total
+    return prims.div(total, prims.sum(convert(valid, logp.dtype), (0,)))
+
+
+def cross_entropy_decomposition(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                                reduction="mean", label_smoothing=0.0) -> Any:
+    if label_smoothing != 0.0 or logits.dim() != 2 or target.dtype.is_floating_point:
+        return NotImplemented
+    logp = log_softmax_decomposition(logits, 1)
+    return nll_loss_decomposition(logp, target, weight, size_average, ignore_index, reduce, reduction)
+
+
+torch_symbol(F.cross_entropy, decomposition=cross_entropy_decomposition)
+torch_symbol(F.nll_loss, decomposition=nll_loss_decomposition)
+torch_symbol(F.mse_loss)
+torch_symbol(F.l1_loss)
+torch_symbol(F.smooth_l1_loss)
+torch_symbol(F.binary_cross_entropy)
+torch_symbol(F.binary_cross_entropy_with_logits)
+torch_symbol(F.kl_div)
+torch_symbol(F.conv1d)
+torch_symbol(F.conv2d)

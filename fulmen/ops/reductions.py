@@ -1,0 +1,98 @@
+"""Reductions: sum, mean, amax/amin, max/min, var/std, prod, arg-reductions, topk, sorts, scans."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fulmen.core.symbol import Symbol
+from fulmen.ops import prims
+from fulmen.ops.registry import method, torch_symbol
+from fulmen.ops.utils import canonical_dims, convert, keepdim_shape
+
+
+def _finish(out: Any, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> Any:
+    return prims.reshape(out, keepdim_shape(x.shape, dims)) if keepdim and dims else out
+
+
+def sum_decomposition(x, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
+    if dtype is None and (not x.dtype.is_floating_point and not x.dtype.is_complex):
+        dtype = torch.int64
+    x = convert(x, dtype) if dtype is not None else x
+    dims = canonical_dims(dim, x.dim())
+    return _finish(prims.sum(x, dims), x, dims, keepdim)
+
+
+torch_symbol(torch.sum, decomposition=sum_decomposition, aliases=(method("sum"),))
+
+
+def mean_decomposition(x, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
+    x = convert(x, dtype) if dtype is not None else x
+    dims = canonical_dims(dim, x.dim())
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    total = prims.sum(x, dims)
+    return _finish(prims.div(total, count), x, dims, keepdim)
+
+
+torch_symbol(torch.mean, decomposition=mean_decomposition, aliases=(method("mean"),))
+
+
+def _extremum_decomposition(prim: Symbol):
+    def decomposition(x, dim=None, keepdim: bool = False) -> Any:
+        dims = canonical_dims(dim, x.dim())
+        return _finish(prim(x, dims), x, dims, keepdim)
+
+    return decomposition
+
+
+torch_symbol(torch.amax, decomposition=_extremum_decomposition(prims.amax), aliases=(method("amax"),))
+torch_symbol(torch.amin, decomposition=_extremum_decomposition(prims.amin), aliases=(method("amin"),))
+
+
+def _max_min_decomposition(reduce: Symbol, binary: Symbol):
+    def decomposition(x, *args, **kwargs) -> Any:
+        if not args and not kwargs:
+            return reduce(x, tuple(range(x.dim())))
+        if args and isinstance(args[0], torch.Tensor):
+            return NotImplemented  # elementwise max(a, b): left to torch's own rule
+        return NotImplemented  # (values, indices) over a dim: one torch-level op
+
+    return decomposition
+
+
+torch_symbol(torch.max, decomposition=_max_min_decomposition(prims.amax, prims.maximum), aliases=(method("max"),))
+torch_symbol(torch.min, decomposition=_max_min_decomposition(prims.amin, prims.minimum), aliases=(method("min"),))
+
+
+def var_decomposition(x, dim=None, unbiased=None, keepdim: bool = False, *, correction=None) -> Any:
+    if isinstance(dim, bool):  # var(x, unbiased)
+        dim, unbiased = None, dim
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    dims = canonical_dims(dim, x.dim())
+    return _finish(prims.var(x, dims, correction), x, dims, keepdim)
+
+
+torch_symbol(torch.var, decomposition=var_decomposition, aliases=(method("var"),))
+torch_symbol(torch.std, decomposition=lambda *a, **k: prims.sqrt(var_decomposition(*a, **k)), aliases=(method("std"),))
+torch_symbol(torch.var_mean)
+torch_symbol(torch.std_mean)
+torch_symbol(torch.prod, aliases=(method("prod"),))
+torch_symbol(torch.argmax, aliases=(method("argmax"),))
+torch_symbol(torch.argmin, aliases=(method("argmin"),))
+torch_symbol(torch.all, aliases=(method("all"),))
+torch_symbol(torch.any, aliases=(method("any"),))
+torch_symbol(torch.count_nonzero, aliases=(method("count_nonzero"),))
+torch_symbol(torch.logsumexp, aliases=(method("logsumexp"),))
+torch_symbol(torch.norm, aliases=(method("norm"),))
+torch_symbol(torch.linalg.vector_norm)
+torch_symbol(torch.topk, aliases=(method("topk"),))
+torch_symbol(torch.sort, aliases=(method("sort"),))
+torch_symbol(torch.argsort, aliases=(method("argsort"),))
+torch_symbol(torch.cumsum, aliases=(method("cumsum"),))
+torch_symbol(torch.cumprod, aliases=(method("cumprod"),))
+torch_symbol(torch.cummax, aliases=(method("cummax"),))
+torch_symbol(torch.logcumsumexp, aliases=(method("logcumsumexp"),))

@@ -1,0 +1,95 @@
+"""The table from torch callables to fulmen symbols, and the helpers that fill it.
+
+Every torch callable a program may call (function, method, operator, `torch.nn.functional` entry) maps to a
+`TorchBinding`: the symbol it records and whether it is
+the in-place form of that symbol (functionalized during acquisition). A symbol's `impl` is the torch callable
+itself, so the torch executor runs exactly what eager runs. Reflected operators of commutative ops (`__radd__`)
+alias the plain symbol, whose impl accepts (tensor, scalar); the others keep their own symbol (`__rsub__`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import resolve_name
+
+from fulmen.core.symbol import Symbol, Tag
+
+
+@dataclass(frozen=True, slots=True)
+class TorchBinding:
+    symbol: Symbol
+    inplace: bool = False  # `a.add_(b)` records `add(a, b)` and rebinds `a`
+
+
+TORCH_BINDINGS: dict[Callable[..., Any], TorchBinding] = {}
+# Symbols by the name printed in traces, for examine() and tests.
+SYMBOLS: dict[str, Symbol] = {}
+
+
+def lookup(fn: Callable[..., Any]) -> TorchBinding | None:
+    return TORCH_BINDINGS.get(fn)
+
+
+def printed_name(fn: Callable[..., Any]) -> str:
+    name = resolve_name(fn)
+    if name is None:
+        raise ValueError(f"{fn} is not a torch callable")
+    return name
+
+
+def bind(fn: Callable[..., Any], binding: TorchBinding) -> None:
+    existing = TORCH_BINDINGS.get(fn)
+    if existing == binding:  # torch exposes some ops under several names that are one object (`__abs__`)
+        return
+    if existing is not None:
+        raise ValueError(f"{printed_name(fn)} is registered twice")
+    TORCH_BINDINGS[fn] = binding
+
+
+def torch_symbol(
+    fn: Callable[..., Any],
+    *,
+    decomposition: Callable[..., Any] | None = None,
+    meta: Callable[..., Any] | None = None,
+    aliases: tuple[Callable[..., Any], ...] = (),
+    inplace: tuple[Callable[..., Any], ...] = (),
+    tags: Tag = Tag.NONE,
+    name: str | None = None,
+) -> Symbol:
+    """Registers `fn` (and its aliases) as one torch-level symbol executed by `fn` itself."""
+    printed = printed_name(fn)
+    sym = Symbol(
+        name=name or printed.rsplit(".", 1)[-1],
+        printed=printed,
+        impl=fn,
+        decomposition=decomposition,
+        meta=meta,
+        tags=tags,
+    )
+    SYMBOLS[printed] = sym
+    bind(fn, TorchBinding(sym))
+    for alias in aliases:
+        bind(alias, TorchBinding(sym))
+    for alias in inplace:
+        bind(alias, TorchBinding(sym, inplace=True))
+    return sym
+
+
+def impl_symbol(fn: Callable[..., Any], tags: Tag = Tag.NONE) -> Symbol:
+    """A symbol executed by one of fulmen's own functional helpers (`fulmen.ops.impls`), bound to no torch callable."""
+    printed = f"impls.{fn.__name__}"
+    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, tags=tags)
+    SYMBOLS[printed] = sym
+    return sym
+
+
+def method(name: str) -> Callable[..., Any]:
+    return getattr(torch.Tensor, name)
+
+
+def methods(*names: str) -> tuple[Callable[..., Any], ...]:
+    return tuple(getattr(torch.Tensor, n) for n in names if hasattr(torch.Tensor, n))

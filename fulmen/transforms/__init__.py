@@ -1,0 +1,1 @@
+"""Passes over traces; each returns a new trace stamped with its provenance."""

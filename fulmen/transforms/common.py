@@ -1,0 +1,87 @@
+"""Dead-code elimination, common-subexpression elimination and `del` after last use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fulmen.core.codegen import register_printer, render
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
+from fulmen.core.trace import Trace
+
+
+def _keeps(bsym: BoundSymbol) -> bool:
+    return bool(bsym.sym.tags & (Tag.IMPURE | Tag.RANDOM))
+
+
+def dce(trace: Trace) -> Trace:
+    """Drops bound symbols whose outputs nothing uses (side effects and RNG draws stay)."""
+    needed = {p.pname for p in iter_proxies(trace.output)}
+    kept: list[BoundSymbol] = []
+    for bsym in reversed(trace.bound_symbols):
+        if _keeps(bsym) or any(name in needed for name in bsym.output_names()):
+            kept.append(bsym)
+            needed.update(bsym.arg_names())
+    kept.reverse()
+    return trace.from_trace("Dead Code Elimination", bound_symbols=kept)
+
+
+def _key(bsym: BoundSymbol) -> str | None:
+    try:
+        return f"{bsym.sym.printed}|{render(bsym.args)}|{render(bsym.kwargs)}"
+    except TypeError:
+        return None
+
+
+def cse(trace: Trace) -> Trace:
+    """Reuses the outputs of an identical earlier call (same symbol, same arguments)."""
+    seen: dict[str, BoundSymbol] = {}
+    renames: dict[str, TensorProxy] = {}
+
+    def rename(proxy: TensorProxy) -> TensorProxy:
+        return renames.get(proxy.pname, proxy)
+
+    kept: list[BoundSymbol] = []
+    for bsym in trace.bound_symbols:
+        if renames:
+            bsym = bsym.from_bsym(args=map_proxies(bsym.args, rename), kwargs=map_proxies(bsym.kwargs, rename))
+        key = None if _keeps(bsym) else _key(bsym)
+        earlier = seen.get(key) if key is not None else None
+        if earlier is not None:
+            for mine, theirs in zip(bsym.proxy_outputs(), earlier.proxy_outputs()):
+                renames[mine.pname] = theirs
+            continue
+        if key is not None:
+            seen[key] = bsym
+        kept.append(bsym)
+    output = map_proxies(trace.output, rename)
+    return trace.from_trace("Common Subexpression Elimination", bound_symbols=kept, output=output)
+
+
+def _del_impl(*args: Any) -> None:  # pragma: no cover - printed as a `del` statement, never called
+    raise AssertionError("del is printed, not called")
+
+
+DEL = Symbol(name="del", printed="del", impl=_del_impl, tags=Tag.IMPURE)
+register_printer(DEL, lambda bsym: "del " + ", ".join(p.pname for p in bsym.args))
+
+
+def delete_last_used(trace: Trace) -> Trace:
+    """Inserts `del` right after each value's last use, so the generated code frees memory as early as eager."""
+    outputs = {p.pname for p in iter_proxies(trace.output)}
+    seen: set[str] = set(outputs)
+    result: list[BoundSymbol] = []
+    for bsym in reversed(trace.bound_symbols):
+        dead = []
+        for proxy in bsym.proxy_args() + bsym.proxy_outputs():
+            if proxy.pname not in seen:
+                seen.add(proxy.pname)
+                dead.append(proxy)
+        if dead:
+            result.append(BoundSymbol(DEL, tuple(dead), {}, None))
+        result.append(bsym)
+    unused_inputs = [p for p in trace.inputs if p.pname not in seen]
+    result.reverse()
+    if unused_inputs:
+        result.insert(0, BoundSymbol(DEL, tuple(unused_inputs), {}, None))
+    return trace.from_trace("Delete Last Used", bound_symbols=result)
