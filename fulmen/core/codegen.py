@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import resolve_name
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import IMPORTS, BoundSymbol, Symbol
@@ -70,6 +71,8 @@ def render(obj: Any) -> str:
         return "{" + ", ".join(f"{render(k)}: {render(v)}" for k, v in obj.items()) + "}"
     if isinstance(obj, torch.layout):
         return str(obj)
+    if callable(obj) and resolve_name(obj) is not None:  # a torch callable passed as data (view_scatter's view)
+        return resolve_name(obj)
     raise TypeError(f"fulmen cannot print a value of type {type(obj).__name__} in a trace: {obj!r}")
 
 

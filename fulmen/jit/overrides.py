@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fulmen.core.proxies import TensorProxy
+from fulmen.jit.lookasides import method_lookasides
 
 PLAIN_TYPES = (bool, int, float, str, type(None))
 CONTAINERS = ("_parameters", "_buffers", "__dict__")
@@ -79,7 +80,9 @@ _SHADOW_CLASSES: dict[type, type] = {}
 def _shadow_class(cls: type) -> type:
     shadow = _SHADOW_CLASSES.get(cls)
     if shadow is None:
-        shadow = type(cls.__name__, (cls,), {"__getattribute__": _recording_getattribute, "__module__": cls.__module__})
+        namespace = {"__getattribute__": _recording_getattribute, "__module__": cls.__module__}
+        namespace.update(method_lookasides(cls))
+        shadow = type(cls.__name__, (cls,), namespace)
         _SHADOW_CLASSES[cls] = shadow
     return shadow
 

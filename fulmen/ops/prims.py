@@ -7,6 +7,8 @@ scalars. Each is executable outside a trace, so a trace printed at prim depth ru
 
 from __future__ import annotations
 
+import builtins
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,7 +70,7 @@ unsqueeze = _prim("unsqueeze", lambda x, dim: x.unsqueeze(dim), Tag.VIEW)
 
 
 def _slice_impl(x: torch.Tensor, starts: Sequence[int], ends: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
-    return x[tuple(slice(s, e, st) for s, e, st in zip(starts, ends, steps))]
+    return x[tuple(builtins.slice(s, e, st) for s, e, st in zip(starts, ends, steps))]
 
 
 slice = _prim("slice", _slice_impl, Tag.VIEW)  # noqa: A001

@@ -1,0 +1,47 @@
+"""Built-in replacements of module methods during acquisition (the user's classes are never patched).
+
+A lookaside swaps a method for a traceable equivalent only inside fulmen's shadow modules. LitGPT's mixture of
+experts routes tokens with `torch.where(mask)`, whose output shape depends on the routing (data-dependent); the
+replacement runs every expert on every token and weights the outputs by the routing probabilities (zero for the
+experts a token was not routed to), which is the same sum in the same expert order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def litgpt_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
+    batch, time, channels = x.size()
+    residual_x = x
+    x = x.view(-1, channels)
+    if not self.config.n_expert_groups:
+        router = self.gate(x)
+        probs, indices = torch.topk(router, self.config.n_expert_per_token)
+        probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+    else:
+        probs, indices = self.gate(x)
+    if self.config.routed_scaling_factor != 1.0:
+        probs = probs * self.config.routed_scaling_factor
+    routed = indices.unsqueeze(-1) == torch.arange(self.config.n_expert, device=x.device)  # (B*T, k, n_expert)
+    weights = (probs.unsqueeze(-1) * routed).sum(dim=1)  # (B*T, n_expert): zero where not routed
+    y = torch.zeros_like(x)
+    for expert_index, expert in enumerate(self.experts):
+        y = y + weights[:, expert_index, None] * expert(x)
+    y = y.view(batch, time, channels)
+    if self.config.n_shared_expert:
+        y = y + self.shared_experts(residual_x)
+    return y
+
+
+# "module.Class" -> {method name: replacement}
+METHOD_LOOKASIDES: dict[str, dict[str, Callable[..., Any]]] = {
+    "litgpt.model.LLaMAMoE": {"forward": litgpt_moe_forward},
+}
+
+
+def method_lookasides(cls: type) -> dict[str, Callable[..., Any]]:
+    return METHOD_LOOKASIDES.get(f"{cls.__module__}.{cls.__qualname__}", {})

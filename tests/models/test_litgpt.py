@@ -1,0 +1,69 @@
+"""Every LitGPT architecture (shrunk, fp32) under fulmen.jit matches eager logits, with and without a KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from litgpt.config import Config, configs
+from litgpt.model import GPT
+
+import fulmen
+from tests.models.litgpt_configs import architecture_key, representative_names, shrunk
+
+NAMES = representative_names()
+# Decoding with a sliding-window KV cache reads `input_pos.max().item()` in LitGPT's KVCache: data-dependent.
+SLIDING_WINDOW = {name for name in NAMES if Config.from_name(name).sliding_window_size is not None}
+
+
+def _model(name: str) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(shrunk(name))
+    model.eval()
+    return model
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_matches_eager(name):
+    model = _model(name)
+    idx = torch.randint(0, model.config.padded_vocab_size, (2, 9))
+    jitted = fulmen.jit(model)
+    torch.testing.assert_close(jitted(idx), model(idx), rtol=1e-5, atol=1e-5)
+    # a second call with a new batch hits the cache
+    idx2 = torch.randint(0, model.config.padded_vocab_size, (2, 9))
+    torch.testing.assert_close(jitted(idx2), model(idx2), rtol=1e-5, atol=1e-5)
+    assert fulmen.cache_hits(jitted) == 1 and fulmen.cache_misses(jitted) == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kv_cache_decode_matches_eager(name):
+    eager, compiled = _model(name), _model(name)
+    vocab = eager.config.padded_vocab_size
+    for model in (eager, compiled):
+        model.set_kv_cache(batch_size=2)
+    jitted = fulmen.jit(compiled)
+    prompt = torch.randint(0, vocab, (2, 5))
+    pos = torch.arange(5)
+    if name in SLIDING_WINDOW:
+        with pytest.raises(fulmen.DataDependentError, match=r"item.*\n.*model.py"):
+            jitted(prompt, input_pos=pos)
+        return
+    torch.testing.assert_close(jitted(prompt, input_pos=pos), eager(prompt, input_pos=pos), rtol=1e-5, atol=1e-5)
+    for step in range(5, 8):
+        token = torch.randint(0, vocab, (2, 1))
+        at = torch.tensor([step])
+        torch.testing.assert_close(jitted(token, input_pos=at), eager(token, input_pos=at), rtol=1e-5, atol=1e-5)
+    # the cache buffers were updated in place exactly as eager updated them
+    for (name_e, buf_e), (name_c, buf_c) in zip(eager.named_buffers(), compiled.named_buffers()):
+        assert name_e == name_c
+        torch.testing.assert_close(buf_c, buf_e, rtol=1e-5, atol=1e-5)
+    assert fulmen.cache_misses(jitted) == 2  # prefill and decode shapes; the decode steps hit
+
+
+def test_coverage_report(capsys):
+    """How many of LitGPT's configs the representative architectures above cover."""
+    covered = {architecture_key(shrunk(name)) for name in NAMES}
+    keys = [architecture_key(Config(**entry)) for entry in configs]
+    n_covered = sum(1 for key in keys if key in {architecture_key(Config.from_name(n)) for n in NAMES})
+    with capsys.disabled():
+        print(f"\nLitGPT coverage: {len(NAMES)} architectures cover {n_covered}/{len(configs)} configs")
+    assert covered and n_covered == len(configs)
