@@ -49,7 +49,9 @@ UNARY_ALIASES: dict[str, tuple[Callable[..., Any], ...]] = {
 
 
 def _unary_decomposition(prim: Symbol, kind: str) -> Callable[..., Any]:
-    def decomposition(x: torch.Tensor) -> Any:
+    def decomposition(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:  # e.g. round(x, decimals=3): left to torch
+            return NotImplemented
         if kind == "INT_TO_FLOAT":
             x = convert(x, to_float(x.dtype))
         if prim is prims.bitwise_not and x.dtype == torch.bool:
@@ -73,7 +75,7 @@ for _name, _kind in UNARY_KINDS.items():
 
 
 def relu_decomposition(x: torch.Tensor, inplace: bool = False) -> Any:
-    return prims.maximum(x, convert(0, x.dtype))
+    return prims.where(prims.le(x, convert(0, x.dtype)), convert(0, x.dtype), x)
 
 
 torch_symbol(torch.relu, decomposition=relu_decomposition, aliases=(method("relu"),), inplace=(method("relu_"),))
@@ -251,7 +253,8 @@ torch_symbol(torch.where, decomposition=where_decomposition, aliases=methods("wh
 
 def masked_fill_decomposition(x: Any, mask: Any, value: Any) -> Any:
     value = convert(value, x.dtype)
-    shape = x.shape
+    shape = broadcast_shape(x, mask)
+    x = expand_to(x, shape)
     return prims.where(expand_to(mask, shape), expand_to(value, shape), x)
 
 

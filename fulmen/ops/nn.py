@@ -49,7 +49,7 @@ def _softmax_parts(x, dim, dtype):
 
 
 def softmax_decomposition(x, dim=None, _stacklevel=3, dtype=None) -> Any:
-    if dim is None:
+    if dim is None or x.numel() == 0:
         return NotImplemented
     x, dim, shifted = _softmax_parts(x, dim, dtype)
     exp = prims.exp(shifted)
@@ -58,7 +58,7 @@ def softmax_decomposition(x, dim=None, _stacklevel=3, dtype=None) -> Any:
 
 
 def log_softmax_decomposition(x, dim=None, _stacklevel=3, dtype=None) -> Any:
-    if dim is None:
+    if dim is None or x.numel() == 0:
         return NotImplemented
     x, dim, shifted = _softmax_parts(x, dim, dtype)
     total = prims.reshape(prims.sum(prims.exp(shifted), (dim,)), keepdim_shape(x.shape, (dim,)))

@@ -63,6 +63,8 @@ def canonical_dim(dim: int, ndim: int) -> int:
 
 
 def canonical_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    if ndim == 0:
+        return ()
     if dims is None or (isinstance(dims, (tuple, list)) and len(dims) == 0):
         return tuple(range(ndim))
     if isinstance(dims, int):

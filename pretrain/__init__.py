@@ -1,0 +1,1 @@
+"""LitGPT pretraining with fulmen (`python -m fulmen.pretrain`)."""

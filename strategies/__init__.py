@@ -1,0 +1,1 @@
+"""Lightning Fabric strategies built on fulmen (ThunderDDPStrategy, ThunderFSDPStrategy): see the strategies issue."""
