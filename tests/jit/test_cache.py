@@ -1,0 +1,132 @@
+"""Guards: each guarded property, changed alone, retraces exactly once; identical calls hit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fulmen
+
+
+def add(a, b):
+    return a + b
+
+
+def _counts(fn):
+    return fulmen.cache_hits(fn), fulmen.cache_misses(fn)
+
+
+def test_identical_calls_hit():
+    fn = fulmen.jit(add)
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(5):
+        torch.testing.assert_close(fn(a, b), a + b)
+    assert _counts(fn) == (4, 1)
+    fn(torch.randn(3, 4), torch.randn(3, 4))  # new values, same metadata
+    assert _counts(fn) == (5, 1)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda a: a.reshape(4, 3), id="shape"),
+        pytest.param(lambda a: a.double(), id="dtype"),
+        pytest.param(lambda a: a.detach().requires_grad_(), id="requires_grad"),
+        pytest.param(lambda a: a.to("meta"), id="device"),
+    ],
+)
+def test_changed_tensor_property_retraces_once(change):
+    fn = fulmen.jit(lambda a: a * 2)
+    a = torch.randn(3, 4)
+    fn(a)
+    changed = change(a)
+    if changed.device.type != "meta":
+        torch.testing.assert_close(fn(changed), changed * 2)
+    else:
+        fn(changed)
+    fn(changed)
+    assert _counts(fn) == (1, 2)
+    fn(a)  # the first entry is still there
+    assert _counts(fn) == (2, 2)
+
+
+def test_grad_mode_retraces_once():
+    fn = fulmen.jit(add)
+    a, b = torch.randn(2), torch.randn(2)
+    fn(a, b)
+    with torch.no_grad():
+        fn(a, b)
+        fn(a, b)
+    assert _counts(fn) == (1, 2)
+
+
+def test_autocast_state_retraces_once():
+    fn = fulmen.jit(add)
+    a, b = torch.randn(2), torch.randn(2)
+    fn(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fn(a, b)
+        fn(a, b)
+    assert _counts(fn) == (1, 2)
+
+
+def test_python_value_is_specialised():
+    fn = fulmen.jit(lambda a, scale: a * scale)
+    a = torch.randn(2)
+    torch.testing.assert_close(fn(a, 2.0), a * 2.0)
+    torch.testing.assert_close(fn(a, 3.0), a * 3.0)
+    fn(a, 3.0)
+    assert _counts(fn) == (1, 2)
+
+
+def test_container_structure_is_guarded():
+    fn = fulmen.jit(lambda xs: sum(xs[1:], xs[0]))
+    xs = [torch.randn(2) for _ in range(3)]
+    torch.testing.assert_close(fn(xs), xs[0] + xs[1] + xs[2])
+    torch.testing.assert_close(fn(xs[:2]), xs[0] + xs[1])
+    fn(xs[:2])
+    assert _counts(fn) == (1, 2)
+
+
+class Dropoutish(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale_outputs = True
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.training:
+            y = y * 2
+        return y * 3 if self.scale_outputs else y
+
+
+def test_module_attributes_read_are_guarded():
+    model = Dropoutish()
+    jitted = fulmen.jit(model)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(jitted(x), model(x))
+    jitted.eval()  # `training` was read by the program: one retrace
+    assert not model.training
+    torch.testing.assert_close(jitted(x), model(x))
+    torch.testing.assert_close(jitted(x), model(x))
+    assert _counts(jitted) == (1, 2)
+    model.scale_outputs = False  # a plain attribute the program read: one retrace
+    torch.testing.assert_close(jitted(x), model(x))
+    jitted(x)
+    assert _counts(jitted) == (2, 3)
+    jitted.train()
+    model.scale_outputs = True
+    jitted(x)  # back to the first configuration: a hit
+    assert _counts(jitted) == (3, 3)
+
+
+def test_parameter_dtype_change_retraces():
+    model = nn.Linear(3, 3)
+    jitted = fulmen.jit(model)
+    x = torch.randn(2, 3)
+    jitted(x)
+    jitted.double()
+    torch.testing.assert_close(jitted(x.double()), model(x.double()))
+    assert _counts(jitted) == (0, 2)

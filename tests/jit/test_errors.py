@@ -1,0 +1,64 @@
+"""Clear errors that name the user's line: data-dependent control flow, value reads, unsupported ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fulmen
+
+
+def branch_on_values(x):
+    if x.sum() > 0:  # the line the error must name
+        return x
+    return -x
+
+
+def reads_item(x):
+    scale = x.max().item()
+    return x / scale
+
+
+def reads_list(x):
+    return x * len(x.tolist())
+
+
+def calls_unsupported(x):
+    return torch.fft.fft(x)
+
+
+@pytest.mark.parametrize(
+    ("fn", "line", "what"),
+    [
+        (branch_on_values, "if x.sum() > 0:", "__bool__"),
+        (reads_item, "scale = x.max().item()", "item"),
+        (reads_list, "return x * len(x.tolist())", "tolist"),
+    ],
+)
+def test_data_dependent_errors_name_the_line(fn, line, what):
+    with pytest.raises(fulmen.DataDependentError) as info:
+        fulmen.jit(fn)(torch.randn(4))
+    message = str(info.value)
+    assert what in message and "tensor values" in message
+    assert __file__ in message and line in message
+
+
+def test_unsupported_op_names_op_and_line():
+    with pytest.raises(fulmen.UnsupportedOpError) as info:
+        fulmen.jit(calls_unsupported)(torch.randn(4))
+    message = str(info.value)
+    assert "torch.fft.fft" in message and "return torch.fft.fft(x)" in message and __file__ in message
+
+
+def test_examine_lists_ops_and_support():
+    report = fulmen.examine(calls_unsupported, torch.randn(4))
+    assert report.unsupported == ["torch.fft.fft"]
+    assert report.error is not None and "torch.fft.fft" in report.error
+
+    def fine(x):
+        return torch.nn.functional.gelu(x) * 2
+
+    report = fulmen.examine(fine, torch.randn(4))
+    assert report.unsupported == [] and report.error is None
+    assert report.ops["torch.nn.functional.gelu"] == (1, True)
+    assert "2 ops, 0 unsupported" in str(report)

@@ -1,0 +1,79 @@
+"""A jitted module behaves as the original for parameters, state dicts, modes, devices and optimizers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fulmen
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 2)
+        self.register_buffer("offset", torch.ones(2))
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) + self.offset
+
+
+def test_module_surface_matches_original():
+    model = Net()
+    jitted = fulmen.jit(model)
+    assert isinstance(jitted, nn.Module)
+    assert [n for n, _ in jitted.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(a is b for a, b in zip(jitted.parameters(), model.parameters()))
+    assert list(jitted.state_dict()) == list(model.state_dict())
+    state = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    jitted.load_state_dict(state)
+    assert torch.count_nonzero(model.fc1.weight) == 0
+    jitted.eval()
+    assert not model.training and not model.fc1.training
+    assert jitted.fc1 is model.fc1  # attribute access reaches the original
+
+
+def test_optimizer_trains_through_jitted_module():
+    torch.manual_seed(0)
+    eager, compiled = Net(), Net()
+    compiled.load_state_dict(eager.state_dict())
+    jitted = fulmen.jit(compiled)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(jitted.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        for model, opt in ((eager, opt_e), (jitted, opt_c)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_user_module_is_not_mutated_by_tracing():
+    model = Net()
+    before = {k: v for k, v in model.__dict__.items()}
+    params = dict(model.named_parameters())
+    fulmen.jit(model)(torch.randn(1, 4))
+    assert model.__dict__.keys() == before.keys()
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert type(model) is Net and type(model.fc1) is nn.Linear
+
+
+def test_dataclass_and_dict_inputs_and_outputs():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        scale: float
+
+    def f(batch, extra):
+        return {"y": batch.x * batch.scale + extra["b"], "shape": tuple(batch.x.shape)}
+
+    batch, extra = Batch(torch.randn(2, 3), 2.0), {"b": torch.randn(3)}
+    out = fulmen.jit(f)(batch, extra)
+    ref = f(batch, extra)
+    torch.testing.assert_close(out["y"], ref["y"])
+    assert out["shape"] == (2, 3)
