@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from fulmen.core.errors import TraceError
-from fulmen.jit.acquire import DATA_DEPENDENT, METADATA, Interpreter
+from fulmen.jit.acquire import DATA_DEPENDENT, METADATA
 from fulmen.ops import lookup
 
 

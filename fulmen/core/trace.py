@@ -169,7 +169,9 @@ class TraceBuilder(Builder):
         produced = {name for bsym in subsymbols for name in bsym.output_names()}
         results, outputs = list(iter_proxies(result)), list(iter_proxies(output))
         if len(results) != len(outputs):
-            raise AssertionError(f"decomposition of {sym.name} returned {len(results)} tensors, expected {len(outputs)}")
+            raise AssertionError(
+                f"decomposition of {sym.name} returned {len(results)} tensors, expected {len(outputs)}"
+            )
         for res, out in zip(results, outputs):
             if res.shape != out.shape or res.dtype != out.dtype:
                 raise AssertionError(

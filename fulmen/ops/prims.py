@@ -8,7 +8,6 @@ scalars. Each is executable outside a trace, so a trace printed at prim depth ru
 from __future__ import annotations
 
 import builtins
-
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,7 +57,9 @@ var = _prim("var", lambda x, dims, correction: torch.var(x, dims, correction=cor
 argmax = _prim("argmax", lambda x, dim: torch.argmax(x, dim))
 argmin = _prim("argmin", lambda x, dim: torch.argmin(x, dim))
 topk = _prim("topk", lambda x, k, dim, largest, sorted: tuple(torch.topk(x, k, dim, largest, sorted)))
-sort = _prim("sort", lambda x, dim, descending, stable: tuple(torch.sort(x, dim=dim, descending=descending, stable=stable)))
+sort = _prim(
+    "sort", lambda x, dim, descending, stable: tuple(torch.sort(x, dim=dim, descending=descending, stable=stable))
+)
 cumsum = _prim("cumsum", lambda x, dim: torch.cumsum(x, dim))
 
 # Shape prims.

@@ -8,7 +8,7 @@ import torch
 
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import impl_symbol, method, torch_symbol
-from fulmen.ops.utils import canonical_dim, convert, expand_to, meta_of, shape_arg
+from fulmen.ops.utils import canonical_dim, convert, expand_to, meta_of
 
 
 def _meta_shape(fn, x, *args, **kwargs) -> tuple[int, ...]:
