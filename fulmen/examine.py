@@ -7,11 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from fulmen.core.errors import TraceError
-from fulmen.jit.acquire import DATA_DEPENDENT, METADATA
+from fulmen.core.trace import TraceBuilder
+from fulmen.jit.acquire import DATA_DEPENDENT, METADATA, Interpreter
 from fulmen.ops import lookup
 
 
@@ -54,12 +54,8 @@ def _supported(func: Callable[..., Any]) -> bool:
     return func in _SPECIAL_FUNCS
 
 
-_T = torch.Tensor
-_SPECIAL_FUNCS = frozenset({
-    _T.__setitem__, _T.copy_, _T.fill_, _T.zero_, _T.contiguous, _T.to, _T.type, _T.cuda, _T.cpu, _T.type_as,
-    _T.requires_grad_, _T.retain_grad, _T.data.__get__, _T.__repr__, _T.__str__, _T.__format__, _T.__getitem__,
-    torch.where, _T.float, _T.double, _T.half, _T.bfloat16, _T.int, _T.long, _T.short, _T.char, _T.byte, _T.bool,
-})
+# The callables acquisition handles itself (conversions, setitem, copy_, ...), read off the interpreter.
+_SPECIAL_FUNCS = frozenset(Interpreter(TraceBuilder()).special)
 
 
 def examine(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExamineReport:

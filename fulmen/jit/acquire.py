@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
-from fulmen.core.symbol import Symbol, iter_proxies
+from fulmen.core.symbol import Symbol
 from fulmen.core.trace import TraceBuilder
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.ops import lookup, shape
@@ -264,6 +264,3 @@ class Interpreter(TorchFunctionMode):
 def _same_device(wanted: torch.device, have: torch.device) -> bool:
     return wanted.type == have.type and (wanted.index is None or wanted.index == have.index)
 
-
-def flat_proxies(obj: Any) -> list[TensorProxy]:
-    return list(iter_proxies(obj))

@@ -7,8 +7,6 @@ checked after the key matched (see overrides.AttributeGuard).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 
@@ -26,6 +24,3 @@ def global_state_key() -> tuple:
     )
     return (torch.is_grad_enabled(), autocast)
 
-
-def describe_key(key: Any) -> str:
-    return repr(key)
