@@ -13,16 +13,18 @@ from typing import Any
 from torch import nn
 
 import fulmen.ops  # noqa: F401  (registers the torch-level symbols)
+import fulmen.transforms.vjp_torch  # noqa: F401  (registers the grad rules)
 from fulmen.core.errors import DataDependentError, FulmenError, TraceError, UnsupportedOpError
 from fulmen.core.trace import Trace
 from fulmen.examine import ExamineReport, examine
 from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule
 from fulmen.options import JitOptions
+from fulmen.transforms.autodiff import get_grad, put_grad, put_grads, register_grad
 
 __all__ = [
     "CacheStats", "DataDependentError", "ExamineReport", "FulmenError", "JitOptions", "JittedFunction",
     "JittedModule", "Trace", "TraceError", "UnsupportedOpError", "cache_hits", "cache_misses", "examine", "jit",
-    "last_traces",
+    "get_grad", "last_backward_traces", "last_traces", "put_grad", "put_grads", "register_grad",
 ]
 
 
@@ -52,6 +54,14 @@ def last_traces(fn: JittedFunction | JittedModule) -> list[Trace]:
     if entry is None:
         raise RuntimeError("last_traces: the jitted callable has not been called yet")
     return list(entry.traces)
+
+
+def last_backward_traces(fn: JittedFunction | JittedModule) -> list[Trace]:
+    """The backward traces of the last call (empty when it built no backward: no input required grad)."""
+    entry = _core(fn).last_entry
+    if entry is None:
+        raise RuntimeError("last_backward_traces: the jitted callable has not been called yet")
+    return list(entry.backward_traces)
 
 
 def cache_hits(fn: JittedFunction | JittedModule) -> int:

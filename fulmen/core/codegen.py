@@ -71,6 +71,8 @@ def render(obj: Any) -> str:
         return "{" + ", ".join(f"{render(k)}: {render(v)}" for k, v in obj.items()) + "}"
     if isinstance(obj, torch.layout):
         return str(obj)
+    if isinstance(obj, Symbol):  # a symbol passed as data (torch_vjp's function)
+        return obj.printed
     if callable(obj) and resolve_name(obj) is not None:  # a torch callable passed as data (view_scatter's view)
         return resolve_name(obj)
     raise TypeError(f"fulmen cannot print a value of type {type(obj).__name__} in a trace: {obj!r}")
@@ -123,9 +125,20 @@ class PythonSource:
 def _imports(trace: Trace, print_depth: int) -> list[str]:
     roots: set[str] = {"torch"}
 
+    def symbols_in(obj: Any):
+        if isinstance(obj, Symbol):
+            yield obj
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                yield from symbols_in(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                yield from symbols_in(item)
+
     def visit(bsyms: list[BoundSymbol], depth: int) -> None:
         for bsym in bsyms:
             roots.add(bsym.sym.printed.split(".", 1)[0])
+            roots.update(sym.printed.split(".", 1)[0] for sym in symbols_in(bsym.args))
             if depth > 0:
                 visit(bsym.subsymbols, depth - 1)
 
@@ -135,7 +148,17 @@ def _imports(trace: Trace, print_depth: int) -> list[str]:
 
 def trace_source(trace: Trace, print_depth: int = 0, include_sources: bool = True) -> PythonSource:
     lines = [f"# Constructed by {trace.provenance}", *_imports(trace, print_depth), ""]
-    lines.append(f"def {trace.name}({', '.join(p.pname for p in trace.inputs)}):")
+    if trace.input_groups:
+        lines.append(f"def {trace.name}({', '.join(name for name, _ in trace.input_groups)}):")
+        position = 0
+        for name, length in trace.input_groups:
+            group = trace.inputs[position : position + length]
+            position += length
+            if group:
+                lines.append(f"  {''.join(p.pname + ', ' for p in group)}= {name}")
+            lines.append(f"  {name}.clear()")
+    else:
+        lines.append(f"def {trace.name}({', '.join(p.pname for p in trace.inputs)}):")
     for proxy in trace.inputs:
         lines.append(f'  # {proxy.pname}: "{proxy.type_string()}"')
     line_map: dict[int, BoundSymbol] = {}
@@ -159,7 +182,7 @@ def trace_source(trace: Trace, print_depth: int = 0, include_sources: bool = Tru
                 lines.append(f"  # {bsym.source.short()}: {bsym.source.line}")
             last_source = bsym.source
         emit(bsym, print_depth, "  ", False)
-    lines.append(f"  return {_render_outputs(tuple(trace.output))}")
+    lines.append(f"  return {render(tuple(trace.output))}")
     return PythonSource("\n".join(lines) + "\n", line_map)
 
 

@@ -22,6 +22,7 @@ class Tag(enum.Flag):
     VIEW = enum.auto()  # the output may alias the first input (functionalization tracks it)
     IMPURE = enum.auto()  # has side effects (never removed, never merged)
     RANDOM = enum.auto()  # draws from an RNG (never merged by CSE)
+    NO_GRAD = enum.auto()  # the output never requires grad (detach)
 
 
 # How the printed callee's root name is imported, so a printed trace executes as it stands.
@@ -62,9 +63,19 @@ class BoundSymbol:
     output: Any
     subsymbols: list[BoundSymbol] = field(default_factory=list)
     source: SourceLocation | None = None
+    checkpointed: bool = False  # inside torch.utils.checkpoint.checkpoint: recomputed, never saved
 
     def from_bsym(self, **changes) -> BoundSymbol:
         return replace(self, **changes)
+
+    def with_args_mapped(self, fn: Callable[[TensorProxy], Any]) -> BoundSymbol:
+        """This call (and its subsymbols) reading `fn(p)` wherever it read the proxy `p`."""
+        return replace(
+            self,
+            args=map_proxies(self.args, fn),
+            kwargs=map_proxies(self.kwargs, fn),
+            subsymbols=[sub.with_args_mapped(fn) for sub in self.subsymbols],
+        )
 
     def proxy_args(self) -> list[TensorProxy]:
         return list(iter_proxies((self.args, self.kwargs)))

@@ -14,7 +14,7 @@ import torch
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
-from fulmen.core.symbol import BoundSymbol, Builder, Symbol, iter_proxies, map_proxies, pop_builder, push_builder
+from fulmen.core.symbol import BoundSymbol, Builder, Symbol, Tag, iter_proxies, map_proxies, pop_builder, push_builder
 
 # Names a generated trace must not shadow.
 _RESERVED = frozenset({"torch", "prims", "impls", "operator", "math", "inf", "nan"}) | frozenset(dir(__builtins__))
@@ -57,6 +57,9 @@ class Trace:
     output: tuple
     provenance: str
     namespace: Namespace = field(default_factory=Namespace, repr=False)
+    # When set, the function takes one list per group (name, length) instead of flat inputs, unpacks and clears
+    # each, so the caller's list no longer keeps the tensors alive (a backward frees saved tensors as it goes).
+    input_groups: tuple[tuple[str, int], ...] = ()
 
     def from_trace(self, provenance: str, **changes) -> Trace:
         return replace(self, provenance=provenance, **changes)
@@ -112,7 +115,7 @@ class TraceBuilder(Builder):
         self.scopes: list[list[BoundSymbol]] = [[]]
         self.source: SourceLocation | None = None
         self.decompose = decompose
-        self.grad_enabled = torch.is_grad_enabled()
+        self.checkpoint_depth = 0  # > 0 inside torch.utils.checkpoint.checkpoint
 
     def __enter__(self) -> TraceBuilder:
         push_builder(self)
@@ -150,12 +153,14 @@ class TraceBuilder(Builder):
                 device = infer_device(args, kwargs)
                 meta_args, meta_kwargs = _to_meta(args, kwargs)
                 meta_out = sym.impl(*meta_args, **meta_kwargs)
-                requires_grad = self.grad_enabled and any(p.requires_grad for p in iter_proxies((args, kwargs)))
+                requires_grad = (torch.is_grad_enabled() and not sym.tags & Tag.NO_GRAD
+                                 and any(p.requires_grad for p in iter_proxies((args, kwargs))))
                 output = self.wrap_outputs(meta_out, device, requires_grad)
             subsymbols: list[BoundSymbol] = []
             if sym.decomposition is not None and self.decompose:
                 subsymbols = self._decompose(sym, args, kwargs, output)
-            self.scopes[-1].append(BoundSymbol(sym, args, kwargs, output, subsymbols, self.source))
+            self.scopes[-1].append(
+                BoundSymbol(sym, args, kwargs, output, subsymbols, self.source, self.checkpoint_depth > 0))
         return output
 
     def _decompose(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], output: Any) -> list[BoundSymbol]:

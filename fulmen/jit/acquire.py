@@ -9,7 +9,8 @@ them (and the guards check them).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,6 +68,7 @@ class Interpreter(TorchFunctionMode):
         self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
         self._constant_ids: dict[int, TensorProxy] = {}
         self.ops_seen: list[str] = []
+        self._pinned: list[Any] = []  # while a grad rule runs, its ops carry the differentiated op's source line
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
             T.__setitem__: self._setitem,
             T.copy_: self._copy_,
@@ -101,7 +103,7 @@ class Interpreter(TorchFunctionMode):
         if func in METADATA:
             with torch._C.DisableTorchFunction():
                 return func(*args, **kwargs)
-        self.builder.source = location = user_location()
+        self.builder.source = location = self._pinned[-1] if self._pinned else user_location()
         self.ops_seen.append(_describe(func))
         if func in DATA_DEPENDENT:
             raise DataDependentError(
@@ -122,6 +124,16 @@ class Interpreter(TorchFunctionMode):
         if binding.inplace:
             return self._inplace(binding.symbol, args, kwargs)
         return self._record(binding.symbol, args, kwargs)
+
+    @contextlib.contextmanager
+    def rule_mode(self, source: Any) -> Iterator[None]:
+        """Runs a grad rule: torch calls on proxies record symbols, attributed to `source`."""
+        self._pinned.append(source)
+        try:
+            with self:
+                yield
+        finally:
+            self._pinned.pop()
 
     # --- recording -----------------------------------------------------------------------------------------------
     def _values(self, obj: Any) -> Any:

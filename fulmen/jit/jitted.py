@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,11 +16,13 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.torch_eager import claim_all
 from fulmen.jit.acquire import Interpreter
+from fulmen.jit.bridge import FulmenFunction, GradProgram
 from fulmen.jit.guards import global_state_key, tensor_key
 from fulmen.jit.overrides import AttributeGuard, ModuleInput, ShadowTree, build_shadow
 from fulmen.ops import prims
 from fulmen.options import JitOptions
 from fulmen.transforms.common import cse, dce, delete_last_used
+from fulmen.transforms.forward_backward import plan_grad
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,8 @@ class CacheEntry:
     rebinds: tuple[tuple[nn.Module, str, str], ...]  # trailing outputs reassigned to module attributes
     attribute_guards: tuple[AttributeGuard, ...]
     constants: tuple[torch.Tensor, ...]
+    backward_traces: tuple[Trace, ...] = ()
+    program: GradProgram | None = None
 
     def guards_hold(self) -> bool:
         return all(guard.holds() for guard in self.attribute_guards)
@@ -72,6 +77,41 @@ def _arg_hints(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> l
 
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+def _needs_grad(trace: Trace) -> bool:
+    return torch.is_grad_enabled() and any(p.requires_grad for p in trace.inputs) and any(
+        isinstance(out, TensorProxy) and out.requires_grad for out in trace.output)
+
+
+def _for_execution(trace: Trace) -> list[Trace]:
+    claimed = claim_all(trace)
+    return [claimed, delete_last_used(claimed)]
+
+
+def _finalize_backward(trace: Trace) -> list[Trace]:
+    traces = [trace, dce(trace)]
+    traces.append(cse(traces[-1]))
+    traces.append(dce(traces[-1]))
+    traces.extend(_for_execution(traces[-1]))
+    return traces
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_on() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
+
+
+def _without_autocast(fn: Callable[..., tuple]) -> Callable[..., tuple]:
+    """The trace already holds autocast's conversions; running it under autocast again must not add more."""
+
+    def run(*args: torch.Tensor) -> tuple:
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args)
+
+    return run
 
 
 class JittedFunction:
@@ -158,10 +198,21 @@ class JittedFunction:
         if self._options.cse:
             traces.append(cse(traces[-1]))
             traces.append(dce(traces[-1]))
-        traces.append(claim_all(traces[-1]))
-        traces.append(delete_last_used(traces[-1]))
+        fn, program = None, None
+        if _needs_grad(traces[-1]):
+            plan = plan_grad(traces[-1], Interpreter)
+            traces.append(plan.forward)
+            traces.extend(_for_execution(plan.forward))
+            program = GradProgram(plan, traces[-1].python_callable(), _finalize_backward,
+                                  _finalize_backward(plan.backward(plan.differentiable)))
+            fn = functools.partial(FulmenFunction.apply, program)
+        else:
+            traces.extend(_for_execution(traces[-1]))
+            fn = traces[-1].python_callable()
+        if _autocast_on():
+            fn = _without_autocast(fn)
         entry = CacheEntry(
-            fn=traces[-1].python_callable(),
+            fn=fn,
             traces=tuple(traces),
             out_spec=out_spec,
             out_objects=out_objects,
@@ -170,6 +221,8 @@ class JittedFunction:
             rebinds=tuple(rebinds),
             attribute_guards=tree.guards() if tree else (),
             constants=tuple(t for t, _ in interpreter.constants),
+            backward_traces=tuple(program.backward_traces) if program is not None else (),
+            program=program,
         )
         module_tensors = [source.fetch() for source in self._module_inputs]
         return entry, module_tensors

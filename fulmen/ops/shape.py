@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core.symbol import Tag
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import impl_symbol, method, torch_symbol
 from fulmen.ops.utils import canonical_dim, convert, expand_to, meta_of
@@ -146,7 +147,7 @@ torch_symbol(torch.select, decomposition=lambda x, dim, index: prims.select(x, c
 torch_symbol(torch.diagonal, aliases=(method("diagonal"),))
 torch_symbol(torch.as_strided, aliases=(method("as_strided"),))
 torch_symbol(method("unfold"))
-torch_symbol(torch.detach, decomposition=lambda x: prims.alias(x), aliases=(method("detach"),))
+torch_symbol(torch.detach, decomposition=lambda x: prims.alias(x), aliases=(method("detach"),), tags=Tag.NO_GRAD)
 torch_symbol(torch.clone, decomposition=lambda x, memory_format=None: prims.clone(x), aliases=(method("clone"),))
 torch_symbol(method("contiguous"), decomposition=lambda x, memory_format=None: prims.clone(x))
 

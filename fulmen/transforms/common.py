@@ -44,7 +44,7 @@ def cse(trace: Trace) -> Trace:
     kept: list[BoundSymbol] = []
     for bsym in trace.bound_symbols:
         if renames:
-            bsym = bsym.from_bsym(args=map_proxies(bsym.args, rename), kwargs=map_proxies(bsym.kwargs, rename))
+            bsym = bsym.with_args_mapped(rename)
         key = None if _keeps(bsym) else _key(bsym)
         earlier = seen.get(key) if key is not None else None
         if earlier is not None:

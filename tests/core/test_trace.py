@@ -25,8 +25,10 @@ def test_printed_trace_round_trips_through_exec():
     namespace: dict = {}
     exec(trace.python(), namespace)  # noqa: S102 - the point of the test
     inputs = [idx] + [source.fetch() for source in jitted._jit._module_inputs]
-    (result,) = namespace["computation"](*inputs)
+    # With parameters that require grad this is the forward trace: the output, then what it saves for backward.
+    result, *saved = namespace["computation"](*inputs)
     torch.testing.assert_close(result, expected, rtol=0, atol=0)
+    assert len(saved) == len(fulmen.last_traces(jitted)[-1].output) - 1 > 0
 
 
 def test_trace_text_has_type_comments_sources_and_provenance():

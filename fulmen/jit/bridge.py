@@ -1,0 +1,90 @@
+"""The one `torch.autograd.Function` that runs a forward trace and, on `backward()`, its backward trace.
+
+Saved tensors live on the autograd node in a plain list that the backward trace unpacks and clears, so each is
+freed as soon as the backward has used it (tensors saved with `ctx.save_for_backward` stay alive until the
+node finishes). Their version counters are checked as eager's would be. When saved-tensor hooks are active
+(`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`), the tensors go through `save_for_backward` so the
+hooks see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fulmen.core.trace import Trace
+from fulmen.transforms.forward_backward import GradPlan
+
+Finalize = Callable[[Trace], list[Trace]]  # the passes from a backward trace to the one that runs
+
+
+@dataclass
+class GradProgram:
+    plan: GradPlan
+    forward_fn: Callable[..., tuple]
+    finalize: Finalize
+    backward_traces: list[Trace]  # for all cotangents present (fulmen.last_backward_traces)
+    _backward_fns: dict[tuple[bool, ...], Callable[..., tuple]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._backward_fns[self.plan.differentiable] = self.backward_traces[-1].python_callable()
+        self.n_outputs = self.plan.n_outputs
+        self.non_differentiable = tuple(i for i, d in enumerate(self.plan.differentiable) if not d)
+        self.saved_names = tuple(p.pname for p in self.plan.saved)
+
+    def backward_fn(self, present: tuple[bool, ...]) -> Callable[..., tuple]:
+        fn = self._backward_fns.get(present)
+        if fn is None:
+            fn = self.finalize(self.plan.backward(present))[-1].python_callable()
+            self._backward_fns[present] = fn
+        return fn
+
+
+def _hooks_active() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+class FulmenFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        results = program.forward_fn(*inputs)
+        outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
+        ctx.program = program
+        if _hooks_active():
+            ctx.save_for_backward(*saved)
+            ctx.saved = None
+        else:
+            ctx.saved = list(saved)
+            ctx.versions = [t._version for t in saved]
+        ctx.set_materialize_grads(False)
+        if program.non_differentiable:
+            ctx.mark_non_differentiable(*(outputs[i] for i in program.non_differentiable))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fulmen does not support double backward or backward(create_graph=True) through a jitted function"
+            )
+        program: GradProgram = ctx.program
+        if ctx.saved is None:
+            saved = list(ctx.saved_tensors)
+        else:
+            saved, ctx.saved = ctx.saved, None
+            if saved is None:
+                raise RuntimeError("Trying to backward through a fulmen-jitted function a second time: its saved "
+                                   "tensors are freed during the first backward (retain_graph is not supported)")
+            for name, tensor, version in zip(program.saved_names, saved, ctx.versions):
+                if tensor._version != version:
+                    raise RuntimeError(
+                        f"one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: {name} (saved by a fulmen-jitted function) is at version {tensor._version}; "
+                        f"expected version {version} instead."
+                    )
+        present = tuple(d and g is not None for d, g in zip(program.plan.differentiable, grads))
+        cotangents = [g for g, p in zip(grads, present) if p]
+        input_grads = program.backward_fn(present)(saved, cotangents)
+        return (None, *input_grads)

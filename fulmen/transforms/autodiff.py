@@ -1,0 +1,347 @@
+"""Reverse-mode autodiff on a trace: grad rules, `get_grad` / `put_grad`, and the joint forward-backward program.
+
+A grad rule is written like the symbol it differentiates: it takes the same arguments, computes the forward
+result with symbols (or plain torch code on the proxies), asks for the cotangent of its outputs with
+`get_grad(out)` and hands the cotangents of its inputs back with `put_grad(x, grad)`:
+
+    @register_grad(torch.nn.functional.silu)
+    def silu_grad(x, inplace=False):
+        y = torch.nn.functional.silu(x)
+        s = torch.sigmoid(x)
+        put_grad(x, get_grad(y) * s * (1 + x * (1 - s)))
+        return y
+
+Running each rule over the forward trace gives a joint program. Everything that does not depend on a
+`get_grad` is forward work; the rest forms one backward `Chunk` per differentiated symbol. The backward trace
+is the chunks in reverse order, with the cotangents that several uses of a value put summed on the way.
+
+A symbol without a rule is differentiated through its decomposition: the forward keeps the symbol itself (the
+one torch call eager makes) and its backward recomputes whatever parts of the decomposition it needs. A leaf
+without a rule falls back to torch autograd on its own callable (`impls.torch_vjp`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fulmen.core.errors import TraceError
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
+from fulmen.core.trace import Trace, TraceBuilder
+from fulmen.ops import impls, lookup
+from fulmen.ops.registry import SYMBOLS, impl_symbol
+
+GradRule = Callable[..., Any]
+
+# symbol -> rule. Executors put their own grad_transform ahead of these (fulmen.extend).
+GRAD_RULES: dict[Symbol, GradRule] = {}
+
+
+def register_grad(target: Symbol | Callable[..., Any]) -> Callable[[GradRule], GradRule]:
+    """Registers the decorated function as the grad rule of `target` (a symbol or a torch callable)."""
+    sym = target if isinstance(target, Symbol) else _symbol_of(target)
+
+    def decorator(rule: GradRule) -> GradRule:
+        GRAD_RULES[sym] = rule
+        return rule
+
+    return decorator
+
+
+def _symbol_of(fn: Callable[..., Any]) -> Symbol:
+    binding = lookup(fn)
+    if binding is None:
+        raise ValueError(f"{fn} has no fulmen symbol to register a grad rule for")
+    return binding.symbol
+
+
+# --- get_grad / put_grad -------------------------------------------------------------------------------------------
+def _get_grad_meta(builder: TraceBuilder, x: TensorProxy) -> TensorProxy:
+    return builder.make_proxy(torch.empty_like(x.meta), x.device, False, name=f"grad_{x.pname}")
+
+
+def _marker_impl(*args: Any) -> Any:  # pragma: no cover - markers never reach a final trace
+    raise AssertionError("get_grad/put_grad markers are resolved by the grad transform")
+
+
+GET_GRAD = Symbol("get_grad", "get_grad", _marker_impl, meta=_get_grad_meta)
+PUT_GRAD = Symbol("put_grad", "put_grad", _marker_impl, meta=lambda builder, x, grad: None, tags=Tag.IMPURE)
+
+
+@dataclass
+class _RuleScope:
+    bsym: BoundSymbol
+    inputs: set[str]
+
+
+_ACTIVE: list[_RuleScope] = []
+
+
+def _active(what: str) -> _RuleScope:
+    if not _ACTIVE:
+        raise RuntimeError(f"{what} can only be called inside a grad rule (a grad_transform run by fulmen)")
+    return _ACTIVE[-1]
+
+
+def get_grad(x: TensorProxy) -> TensorProxy:
+    """The cotangent of `x`, an output of the forward computation of the rule being run."""
+    _active("get_grad")
+    if type(x) is not TensorProxy:
+        raise TypeError(f"get_grad expects a tensor of the trace, got {type(x).__name__}")
+    return GET_GRAD(x)
+
+
+def put_grad(x: Any, grad: Any) -> None:
+    """Adds `grad` to the cotangent of `x`, an input of the symbol being differentiated."""
+    scope = _active("put_grad")
+    if type(x) is not TensorProxy:
+        return  # Python numbers and constants have no cotangent
+    if x.pname not in scope.inputs:
+        raise TraceError(
+            f"put_grad on {x.pname}, which is not an input of {scope.bsym.sym.printed}; a grad rule may only put "
+            "grads for the inputs of the symbol it differentiates",
+            scope.bsym.source,
+        )
+    if type(grad) is not TensorProxy or tuple(grad.shape) != tuple(x.shape) or grad.dtype != x.dtype:
+        got = grad.type_string() if type(grad) is TensorProxy else type(grad).__name__
+        raise TraceError(
+            f"the grad rule of {scope.bsym.sym.printed} put a grad of {got} for {x.pname}: {x.type_string()}",
+            scope.bsym.source,
+        )
+    PUT_GRAD(x, grad)
+
+
+def put_grads(xs: Any, grads: Any) -> None:
+    """`put_grad` over matching structures of inputs and grads."""
+    for x, grad in zip(_flat(xs), _flat(grads)):
+        put_grad(x, grad)
+
+
+def _flat(obj: Any) -> list[Any]:
+    if isinstance(obj, (tuple, list)):
+        return [leaf for item in obj for leaf in _flat(item)]
+    return [obj]
+
+
+# --- the fallback: torch autograd on the symbol's own callable ------------------------------------------------------
+def _torch_vjp_meta(builder: TraceBuilder, fn, args, kwargs, wrt, cotangents) -> tuple[TensorProxy, ...]:
+    flat = list(iter_proxies((args, kwargs)))
+    return tuple(builder.make_proxy(torch.empty_like(flat[i].meta), flat[i].device) for i in wrt)
+
+
+torch_vjp = impl_symbol(impls.torch_vjp)
+torch_vjp.meta = _torch_vjp_meta
+
+
+def _fallback_rule(bsym: BoundSymbol) -> GradRule:
+    if bsym.sym.tags & Tag.RANDOM:
+        raise TraceError(f"fulmen has no grad rule for the random op {bsym.sym.printed}", bsym.source)
+
+    def rule(*args: Any, **kwargs: Any) -> Any:
+        out = bsym.sym(*args, **kwargs)
+        flat = list(iter_proxies((args, kwargs)))
+        wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
+        outs = [o for o in iter_proxies(out) if o.dtype.is_floating_point or o.dtype.is_complex]
+        grads = torch_vjp(bsym.sym, args, kwargs, wrt, tuple(get_grad(o) for o in outs))
+        for i, grad in zip(wrt, grads):
+            put_grad(flat[i], grad)
+        return out
+
+    return rule
+
+
+# --- the joint program ---------------------------------------------------------------------------------------------
+@dataclass
+class Chunk:
+    """The backward work of one differentiated symbol.
+
+    `recompute` are forward ops the backward reruns (the decomposition of a symbol without a rule); `children`
+    are then the chunks of that decomposition, and `bsyms` is empty.
+    """
+
+    targets: list[str]  # the forward values whose cotangents this chunk reads
+    bsyms: list[BoundSymbol] = field(default_factory=list)
+    recompute: list[BoundSymbol] = field(default_factory=list)
+    children: list[Chunk] | None = None
+
+
+@dataclass
+class Joint:
+    forward: list[BoundSymbol]
+    chunks: list[Chunk]
+
+
+def _differentiable(p: Any) -> bool:
+    return type(p) is TensorProxy and p.requires_grad
+
+
+def _run_rule(rule: GradRule, bsym: BoundSymbol, builder: TraceBuilder, interpreter) -> list[BoundSymbol] | None:
+    """Runs `rule` on the arguments of `bsym`; returns what it recorded, with its results named as bsym's outputs."""
+    inputs = {p.pname for p in bsym.proxy_args()}
+    _ACTIVE.append(_RuleScope(bsym, inputs))
+    builder.scopes.append([])
+    builder.source = bsym.source
+    try:
+        with interpreter.rule_mode(bsym.source):
+            result = rule(*bsym.args, **bsym.kwargs)
+    except TraceError:
+        raise
+    except Exception as error:
+        raise TraceError(f"the grad rule of {bsym.sym.printed} failed: {type(error).__name__}: {error}",
+                         bsym.source) from error
+    finally:
+        recorded = builder.scopes.pop()
+        _ACTIVE.pop()
+    if result is NotImplemented:
+        return None
+    results, outputs = list(iter_proxies(result)), bsym.proxy_outputs()
+    if len(results) != len(outputs):
+        raise TraceError(f"the grad rule of {bsym.sym.printed} returned {len(results)} tensors, "
+                         f"the symbol gives {len(outputs)}", bsym.source)
+    produced = {name for b in recorded for name in b.output_names()}
+    for res, out in zip(results, outputs):
+        if res.pname not in produced:
+            raise TraceError(f"the grad rule of {bsym.sym.printed} must compute its outputs, not return its "
+                             f"input {res.pname}", bsym.source)
+        res.pname = out.pname  # the rule's results are the symbol's outputs
+    return recorded
+
+
+def _split(recorded: list[BoundSymbol], targets_from: BoundSymbol) -> tuple[list[BoundSymbol], Chunk]:
+    """Forward work (independent of any cotangent) and the backward chunk of a rule's recording."""
+    tainted: set[str] = set()
+    forward, backward = [], []
+    for b in recorded:
+        if b.sym is GET_GRAD or b.sym is PUT_GRAD or any(name in tainted for name in b.arg_names()):
+            backward.append(b)
+            tainted.update(b.output_names())
+        else:
+            forward.append(b)
+    targets = [b.args[0].pname for b in backward if b.sym is GET_GRAD]
+    outputs = set(targets_from.output_names())
+    stray = [name for name in targets if name not in outputs]
+    if stray:
+        raise TraceError(f"the grad rule of {targets_from.sym.printed} asked get_grad of {stray}, which are not "
+                         "outputs of the symbol; ask for the grads of the outputs the rule returns",
+                         targets_from.source)
+    return forward, Chunk(targets, backward)
+
+
+class GradTransform:
+    """Builds the joint program of a forward trace."""
+
+    def __init__(self, trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any]) -> None:
+        self.builder = TraceBuilder(namespace=trace.namespace)
+        self.interpreter = interpreter_factory(self.builder)
+        self.trace = trace
+
+    def joint(self) -> Joint:
+        forward: list[BoundSymbol] = []
+        chunks: list[Chunk] = []
+        with self.builder:
+            for bsym in self.trace.bound_symbols:
+                self._augment(bsym, forward, chunks, top=True)
+        return Joint(forward, chunks)
+
+    def _augment(self, bsym: BoundSymbol, forward: list[BoundSymbol], chunks: list[Chunk], top: bool) -> None:
+        if bsym.sym.tags & Tag.IMPURE:
+            # A write-back into a program input: the values inside this call are right, but no grad flows through
+            # the written tensor into later calls, so writing into a tensor that requires grad is refused.
+            written = bsym.args[-1]
+            if _differentiable(written):
+                raise TraceError(f"fulmen cannot differentiate an in-place update of {written.pname}, an input that "
+                                 "requires grad", bsym.source)
+            forward.append(bsym)
+            return
+        needs_grad = any(_differentiable(p) for p in bsym.proxy_args()) and any(
+            _differentiable(o) for o in bsym.proxy_outputs())
+        if not needs_grad:
+            forward.append(bsym)
+            return
+        rule = GRAD_RULES.get(bsym.sym)
+        if rule is not None:
+            recorded = _run_rule(rule, bsym, self.builder, self.interpreter)
+            if recorded is not None:
+                fwd, chunk = _split(recorded, bsym)
+                forward.extend(fwd)
+                chunks.append(chunk)
+                return
+        if bsym.subsymbols and not _draws_random(bsym):
+            # Differentiate through the decomposition, keeping the composite itself in the forward.
+            sub_forward: list[BoundSymbol] = []
+            children: list[Chunk] = []
+            for sub in bsym.subsymbols:
+                self._augment(sub, sub_forward, children, top=False)
+            forward.append(bsym)
+            chunks.append(Chunk(bsym.output_names(), recompute=sub_forward, children=children))
+            return
+        if bsym.subsymbols:  # random draws must happen once: the decomposition itself becomes forward work
+            for sub in bsym.subsymbols:
+                self._augment(sub, forward, chunks, top=False)
+            return
+        recorded = _run_rule(_fallback_rule(bsym), bsym, self.builder, self.interpreter)
+        fwd, chunk = _split(recorded, bsym)
+        forward.extend(fwd)
+        chunks.append(chunk)
+
+
+def _draws_random(bsym: BoundSymbol) -> bool:
+    return bool(bsym.sym.tags & Tag.RANDOM) or any(_draws_random(s) for s in bsym.subsymbols)
+
+
+# --- backward assembly ---------------------------------------------------------------------------------------------
+def substitute(bsym: BoundSymbol, mapping: dict[str, TensorProxy]) -> BoundSymbol:
+    """`bsym` (and its subsymbols) reading `mapping[name]` wherever it read `name`."""
+    return bsym.with_args_mapped(lambda p: mapping.get(p.pname, p)) if mapping else bsym
+
+
+class BackwardAssembler:
+    """Emits the chunks in reverse order, summing cotangents, into the builder's current scope."""
+
+    def __init__(self, builder: TraceBuilder, cotangents: dict[str, TensorProxy]) -> None:
+        self.builder = builder
+        self.cot = dict(cotangents)
+        self.add = SYMBOLS["torch.add"]
+        self.zeros = SYMBOLS["torch.zeros"]
+
+    def run(self, chunks: list[Chunk]) -> None:
+        for chunk in reversed(chunks):
+            self._emit(chunk)
+
+    def _emit(self, chunk: Chunk) -> None:
+        if not any(name in self.cot for name in chunk.targets):
+            return
+        emitted = self.builder.scopes[-1]
+        if chunk.children is not None:
+            emitted.extend(chunk.recompute)
+            for child in reversed(chunk.children):
+                self._emit(child)
+            return
+        mapping: dict[str, TensorProxy] = {}
+        for b in chunk.bsyms:
+            if b.sym is GET_GRAD:
+                x = b.args[0]
+                grad = self.cot.get(x.pname)
+                if grad is None:
+                    self.builder.source = b.source
+                    grad = self.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
+                mapping[b.output.pname] = grad
+            elif b.sym is PUT_GRAD:
+                x, grad = b.args
+                grad = mapping.get(grad.pname, grad)
+                if x.requires_grad:
+                    self.accumulate(x, grad, b)
+            else:
+                emitted.append(substitute(b, mapping))
+
+    def accumulate(self, x: TensorProxy, grad: TensorProxy, where: BoundSymbol | None = None) -> None:
+        earlier = self.cot.get(x.pname)
+        if earlier is None:
+            self.cot[x.pname] = grad
+        else:
+            self.builder.source = where.source if where is not None else None
+            self.cot[x.pname] = self.add(earlier, grad)

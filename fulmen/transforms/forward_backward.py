@@ -1,0 +1,129 @@
+"""Splitting a differentiated program into a forward trace and backward traces.
+
+The forward trace returns the program's outputs followed by the values saved for the backward (chosen by
+`fulmen.transforms.remat`). A backward trace takes `(saved, cotangents)` as two lists, unpacks and clears
+them, so each saved tensor is freed right after its last use; it recomputes what was not saved just before
+the first op that reads it. Backward traces are built per pattern of present cotangents (outputs the caller
+did not differentiate get no cotangent, and their chunks are skipped rather than fed zeros).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol
+from fulmen.core.trace import Trace, TraceBuilder
+from fulmen.transforms.autodiff import BackwardAssembler, Chunk, GradTransform
+from fulmen.transforms.common import dce
+from fulmen.transforms.remat import choose_saved
+
+
+@dataclass
+class GradPlan:
+    forward: Trace  # returns the program's outputs, then `saved`
+    saved: list[TensorProxy]
+    differentiable: tuple[bool, ...]  # per program output: whether it gets a cotangent
+    grad_inputs: tuple[bool, ...]  # per trace input: whether the backward returns its grad
+    chunks: list[Chunk] = field(repr=False)
+    producers: dict[str, BoundSymbol] = field(repr=False)
+    source: Trace = field(repr=False)
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.differentiable)
+
+    def assemble(self, present: tuple[bool, ...]) -> tuple[list[BoundSymbol], list[TensorProxy], tuple]:
+        """The backward ops for the outputs whose cotangent is present, their cotangent inputs and the grads."""
+        builder = TraceBuilder(namespace=self.source.namespace)
+        cotangents: list[TensorProxy] = []
+        with builder:
+            assembler = BackwardAssembler(builder, {})
+            for out, wanted in zip(self.source.output, present):
+                if not wanted:
+                    continue
+                grad = builder.make_proxy(torch.empty_like(out.meta), out.device, name=f"grad_{out.pname}")
+                cotangents.append(grad)
+                assembler.accumulate(out, grad)
+            assembler.run(self.chunks)
+        grads = tuple(
+            assembler.cot.get(p.pname) if wanted else None for p, wanted in zip(self.source.inputs, self.grad_inputs)
+        )
+        live = dce(Trace("backward", cotangents, builder.bound_symbols, grads, "", self.source.namespace))
+        return live.bound_symbols, cotangents, grads
+
+    def backward(self, present: tuple[bool, ...]) -> Trace:
+        """The backward trace for the outputs whose cotangent is present (a subset of the differentiable ones)."""
+        bsyms, cotangents, grads = self.assemble(present)
+        available = {p.pname for p in self.saved} | {p.pname for p in cotangents}
+        bsyms = _with_recomputation(bsyms, grads, available, self.producers)
+        return Trace("backward", self.saved + cotangents, bsyms, grads, "Backward (fulmen grad transform)",
+                     self.source.namespace, input_groups=(("saved", len(self.saved)), ("cotangents", len(cotangents))))
+
+
+def _with_recomputation(bsyms: list[BoundSymbol], outputs: tuple, available: set[str],
+                        producers: dict[str, BoundSymbol]) -> list[BoundSymbol]:
+    """`bsyms` with each unsaved forward value recomputed right before the first op that reads it."""
+    result: list[BoundSymbol] = []
+    produced = set(available)
+
+    def ensure(name: str) -> None:
+        if name in produced:
+            return
+        producer = producers.get(name)
+        if producer is None:
+            raise AssertionError(f"internal error: the backward reads {name}, which the forward neither saves nor "
+                                 "computes")
+        for arg in producer.arg_names():
+            ensure(arg)
+        result.append(producer)
+        produced.update(producer.output_names())
+
+    for bsym in bsyms:
+        for arg in bsym.arg_names():
+            ensure(arg)
+        result.append(bsym)
+        produced.update(bsym.output_names())
+    for out in outputs:
+        if out is not None:
+            ensure(out.pname)
+    return result
+
+
+def _external_reads(bsyms: list[BoundSymbol], outputs: tuple, given: set[str]) -> set[str]:
+    """Names `bsyms` read before producing them, other than `given`."""
+    produced, reads = set(given), set()
+    for bsym in bsyms:
+        reads.update(name for name in bsym.arg_names() if name not in produced)
+        produced.update(bsym.output_names())
+    reads.update(p.pname for p in outputs if p is not None and p.pname not in produced)
+    return reads
+
+
+def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any]) -> GradPlan:
+    """Differentiates `trace` with respect to its inputs that require grad, and splits it."""
+    joint = GradTransform(trace, interpreter_factory).joint()
+    input_names = {p.pname for p in trace.inputs}
+    differentiable = tuple(
+        type(out) is TensorProxy and out.requires_grad and out.pname not in input_names for out in trace.output
+    )
+    grad_inputs = tuple(p.requires_grad for p in trace.inputs)
+    producers = {name: bsym for bsym in joint.forward for name in bsym.output_names()}
+    draft = GradPlan(trace, [], differentiable, grad_inputs, joint.chunks, producers, trace)
+    bsyms, cotangents, grads = draft.assemble(differentiable)
+    needed = _external_reads(bsyms, grads, {p.pname for p in cotangents})
+    saved_names = choose_saved(joint.forward, trace.inputs, needed)
+    order = [p for p in trace.inputs] + [o for b in joint.forward for o in b.proxy_outputs()]
+    saved, seen = [], set()
+    for proxy in order:
+        if proxy.pname in saved_names and proxy.pname not in seen:
+            seen.add(proxy.pname)
+            saved.append(proxy)
+    forward = trace.from_trace("Forward (fulmen grad transform)", bound_symbols=joint.forward,
+                               output=tuple(trace.output) + tuple(saved))
+    forward = dce(forward).from_trace("Forward (fulmen grad transform)")
+    return GradPlan(forward, saved, differentiable, grad_inputs, joint.chunks, producers, trace)

@@ -1,0 +1,389 @@
+"""Grad rules of the prims: what every symbol without a rule of its own is differentiated through.
+
+Rules run as torch code on proxies (the acquisition mode records it), so each reads like its formula. Prims
+without an entry here and with floating outputs fall back to torch autograd on the prim (`impls.torch_vjp`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fulmen.ops import prims, shape
+from fulmen.transforms.autodiff import get_grad, put_grad, register_grad
+
+T = torch.Tensor
+
+# prim name -> d(input) from (x, y, g): the input, the output and the output's cotangent.
+UNARY_VJPS: dict[str, Callable[[T, T, T], T]] = {
+    "abs": lambda x, y, g: g * torch.sign(x),
+    "neg": lambda x, y, g: -g,
+    "exp": lambda x, y, g: g * y,
+    "exp2": lambda x, y, g: g * y * math.log(2.0),
+    "expm1": lambda x, y, g: g * (y + 1),
+    "log": lambda x, y, g: g / x,
+    "log1p": lambda x, y, g: g / (x + 1),
+    "log2": lambda x, y, g: g / (x * math.log(2.0)),
+    "log10": lambda x, y, g: g / (x * math.log(10.0)),
+    "sqrt": lambda x, y, g: g / (2 * y),
+    "rsqrt": lambda x, y, g: g * -0.5 * y * y * y,
+    "sin": lambda x, y, g: g * torch.cos(x),
+    "cos": lambda x, y, g: -g * torch.sin(x),
+    "tan": lambda x, y, g: g * (1 + y * y),
+    "asin": lambda x, y, g: g * torch.rsqrt(1 - x * x),
+    "acos": lambda x, y, g: -g * torch.rsqrt(1 - x * x),
+    "atan": lambda x, y, g: g / (1 + x * x),
+    "sinh": lambda x, y, g: g * torch.cosh(x),
+    "cosh": lambda x, y, g: g * torch.sinh(x),
+    "tanh": lambda x, y, g: g * (1 - y * y),
+    "asinh": lambda x, y, g: g * torch.rsqrt(x * x + 1),
+    "acosh": lambda x, y, g: g * torch.rsqrt((x - 1) * (x + 1)),
+    "atanh": lambda x, y, g: g / (1 - x * x),
+    "erf": lambda x, y, g: g * (2 / math.sqrt(math.pi)) * torch.exp(-x * x),
+    "erfc": lambda x, y, g: g * (-2 / math.sqrt(math.pi)) * torch.exp(-x * x),
+    "erfinv": lambda x, y, g: g * (math.sqrt(math.pi) / 2) * torch.exp(y * y),
+    "sigmoid": lambda x, y, g: g * y * (1 - y),
+    "reciprocal": lambda x, y, g: -g * y * y,
+    "lgamma": lambda x, y, g: g * torch.digamma(x),
+    "frac": lambda x, y, g: g,
+    # Piecewise constant: eager's backward gives zeros, and so does ours (not "no grad").
+    **dict.fromkeys("sign floor ceil round trunc".split(), lambda x, y, g: torch.zeros_like(x)),
+}
+
+
+def _unary_rule(prim, vjp: Callable[[T, T, T], T]):
+    def rule(x):
+        y = prim(x)
+        put_grad(x, vjp(x, y, get_grad(y)))
+        return y
+
+    return rule
+
+
+for _name, _vjp in UNARY_VJPS.items():
+    register_grad(getattr(prims, _name))(_unary_rule(getattr(prims, _name), _vjp))
+
+
+def _is_proxy(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+# prim name -> (d(a), d(b)) from (a, b, y, g); a or b may be a Python number (its grad is not asked for).
+BINARY_VJPS: dict[str, Callable[[Any, Any, T, T], tuple[Any, Any]]] = {
+    "add": lambda a, b, y, g: (g, g),
+    "sub": lambda a, b, y, g: (g, -g),
+    "mul": lambda a, b, y, g: (g * b, g * a),
+    "div": lambda a, b, y, g: (g / b, -g * y / b),
+    "remainder": lambda a, b, y, g: (g, -g * torch.floor(a / b)),
+    "fmod": lambda a, b, y, g: (g, -g * torch.trunc(a / b)),
+    "atan2": lambda a, b, y, g: (g * b / (a * a + b * b), -g * a / (a * a + b * b)),
+    "hypot": lambda a, b, y, g: (g * a / y, g * b / y),
+    "maximum": lambda a, b, y, g: _select_grads(a, b, g, torch.gt),
+    "minimum": lambda a, b, y, g: _select_grads(a, b, g, torch.lt),
+    "pow": lambda a, b, y, g: _pow_grads(a, b, y, g),
+}
+
+
+def _select_grads(a, b, g, wins):
+    """max/min: the winner gets the cotangent, ties split it evenly (as eager does)."""
+    half = g / 2
+    tie = a == b
+    return (torch.where(tie, half, torch.where(wins(a, b), g, 0.0)),
+            torch.where(tie, half, torch.where(wins(b, a), g, 0.0)))
+
+
+def _pow_grads(a, b, y, g):
+    grad_a = grad_b = None
+    if _is_proxy(a):
+        grad_a = torch.where(b == 0, 0.0, g * b * torch.pow(a, b - 1)) if _is_proxy(b) else (
+            torch.zeros_like(a) if b == 0 else g * b * torch.pow(a, b - 1))
+    if _is_proxy(b):
+        # d(a^b)/db = a^b log(a), which eager defines as 0 where a == 0 and b >= 0.
+        if _is_proxy(a):
+            grad_b = torch.where((a == 0) & (b >= 0), 0.0, g * y * torch.log(a))
+        elif a == 0:
+            grad_b = torch.where(b >= 0, 0.0, g * y * -math.inf)
+        else:
+            grad_b = g * y * (math.log(a) if a > 0 else math.nan)
+    return grad_a, grad_b
+
+
+def _binary_rule(prim, vjp):
+    def rule(a, b):
+        y = prim(a, b)
+        grad_a, grad_b = vjp(a, b, y, get_grad(y))
+        for x, grad in ((a, grad_a), (b, grad_b)):
+            if _is_proxy(x) and x.requires_grad:
+                put_grad(x, _to(grad, x))
+        return y
+
+    return rule
+
+
+def _to(grad: Any, like: T) -> T:
+    if not isinstance(grad, torch.Tensor):
+        return torch.full_like(like, grad)
+    return grad if grad.dtype == like.dtype else grad.to(like.dtype)
+
+
+for _name, _vjp in BINARY_VJPS.items():
+    register_grad(getattr(prims, _name))(_binary_rule(getattr(prims, _name), _vjp))
+
+
+# --- the rest, one rule each ---------------------------------------------------------------------------------------
+@register_grad(prims.where)
+def _where(cond, a, b):
+    y = prims.where(cond, a, b)
+    g = get_grad(y)
+    if _is_proxy(a) and a.requires_grad:
+        put_grad(a, torch.where(cond, g, 0.0))
+    if _is_proxy(b) and b.requires_grad:
+        put_grad(b, torch.where(cond, 0.0, g))
+    return y
+
+
+@register_grad(prims.convert_element_type)
+def _convert(x, dtype):
+    y = prims.convert_element_type(x, dtype)
+    put_grad(x, get_grad(y).to(x.dtype))
+    return y
+
+
+@register_grad(prims.device_put)
+def _device_put(x, device):
+    y = prims.device_put(x, device)
+    put_grad(x, get_grad(y).to(x.device))
+    return y
+
+
+@register_grad(prims.alias)
+def _alias(x):
+    y = prims.alias(x)
+    put_grad(x, get_grad(y))
+    return y
+
+
+@register_grad(prims.clone)
+def _clone(x):
+    y = prims.clone(x)
+    put_grad(x, get_grad(y))
+    return y
+
+
+def _keepdim(g: T, x: T, dims) -> T:
+    """`g`, reduced over `dims` of `x`, broadcast back to `x`'s shape."""
+    shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+    return g.reshape(shape).expand(x.shape)
+
+
+@register_grad(prims.sum)
+def _sum(x, dims):
+    y = prims.sum(x, dims)
+    put_grad(x, _keepdim(get_grad(y), x, dims))
+    return y
+
+
+def _extremum(prim):
+    def rule(x, dims):
+        y = prim(x, dims)
+        hit = (x == _keepdim(y, x, dims)).to(x.dtype)
+        count = _keepdim(hit.sum(dims), x, dims)
+        put_grad(x, _keepdim(get_grad(y), x, dims) * hit / count)
+        return y
+
+    return rule
+
+
+register_grad(prims.amax)(_extremum(prims.amax))
+register_grad(prims.amin)(_extremum(prims.amin))
+
+
+@register_grad(prims.var)
+def _var(x, dims, correction):
+    y = prims.var(x, dims, correction)
+    n = math.prod(x.shape[d] for d in dims)
+    centered = x - _keepdim(x.mean(dims), x, dims)
+    put_grad(x, _keepdim(get_grad(y), x, dims) * centered * (2.0 / max(n - correction, 0)))
+    return y
+
+
+@register_grad(prims.cumsum)
+def _cumsum(x, dim):
+    y = prims.cumsum(x, dim)
+    put_grad(x, torch.flip(torch.cumsum(torch.flip(get_grad(y), (dim,)), dim), (dim,)))
+    return y
+
+
+def _sorted_values(prim):
+    def rule(x, *args):
+        values, indices = prim(x, *args)
+        dim = args[1] if prim is prims.topk else args[0]
+        grad = torch.zeros_like(x).scatter_add(dim, indices, get_grad(values))
+        put_grad(x, grad)
+        return values, indices
+
+    return rule
+
+
+register_grad(prims.topk)(_sorted_values(prims.topk))
+register_grad(prims.sort)(_sorted_values(prims.sort))
+
+
+# --- shapes --------------------------------------------------------------------------------------------------------
+@register_grad(prims.reshape)
+def _reshape(x, shape):
+    y = prims.reshape(x, shape)
+    put_grad(x, get_grad(y).reshape(x.shape))
+    return y
+
+
+@register_grad(prims.permute)
+def _permute(x, perm):
+    y = prims.permute(x, perm)
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    put_grad(x, get_grad(y).permute(inverse))
+    return y
+
+
+@register_grad(prims.expand)
+def _expand(x, shape):
+    y = prims.expand(x, shape)
+    g = get_grad(y)
+    lead = len(shape) - x.dim()
+    dims = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(x.shape) if s == 1 and shape[lead + i] != 1)
+    put_grad(x, (g.sum(dims) if dims else g).reshape(x.shape))
+    return y
+
+
+@register_grad(prims.squeeze)
+def _squeeze(x, dims):
+    y = prims.squeeze(x, dims)
+    put_grad(x, get_grad(y).reshape(x.shape))
+    return y
+
+
+@register_grad(prims.unsqueeze)
+def _unsqueeze(x, dim):
+    y = prims.unsqueeze(x, dim)
+    put_grad(x, get_grad(y).reshape(x.shape))
+    return y
+
+
+@register_grad(prims.slice)
+def _slice(x, starts, ends, steps):
+    y = prims.slice(x, starts, ends, steps)
+    index = tuple(slice(s, e, st) for s, e, st in zip(starts, ends, steps))
+    put_grad(x, shape.setitem(torch.zeros_like(x), index, get_grad(y)))
+    return y
+
+
+@register_grad(prims.select)
+def _select(x, dim, index):
+    y = prims.select(x, dim, index)
+    put_grad(x, torch.select_scatter(torch.zeros_like(x), get_grad(y), dim, index))
+    return y
+
+
+@register_grad(prims.cat)
+def _cat(tensors, dim):
+    y = prims.cat(tensors, dim)
+    pieces = torch.split(get_grad(y), [t.shape[dim] for t in tensors], dim)
+    for t, piece in zip(tensors, pieces):
+        put_grad(t, piece)
+    return y
+
+
+@register_grad(prims.flip)
+def _flip(x, dims):
+    y = prims.flip(x, dims)
+    put_grad(x, torch.flip(get_grad(y), dims))
+    return y
+
+
+@register_grad(prims.pad)
+def _pad(x, pad, value):
+    y = prims.pad(x, pad, value)
+    put_grad(x, torch.nn.functional.pad(get_grad(y), [-p for p in pad]))
+    return y
+
+
+def _along(index: T, dim: int, like: T) -> T:
+    """A 1-D `index` placed along `dim` and broadcast to `like`'s shape."""
+    shape = [1] * like.dim()
+    shape[dim] = index.numel()
+    return index.reshape(shape).expand(like.shape)
+
+
+@register_grad(prims.take)
+def _take(x, index, dim):
+    y = prims.take(x, index, dim)
+    g = get_grad(y)
+    put_grad(x, torch.zeros_like(x).index_add(dim, index, g))
+    return y
+
+
+@register_grad(prims.take_along_axis)
+def _take_along_axis(x, index, dim):
+    y = prims.take_along_axis(x, index, dim)
+    put_grad(x, torch.zeros_like(x).scatter_add(dim, index, get_grad(y)))
+    return y
+
+
+@register_grad(prims.scatter_add)
+def _scatter_add(x, dim, index, src):
+    y = prims.scatter_add(x, dim, index, src)
+    g = get_grad(y)
+    put_grad(x, g)
+    if _is_proxy(src) and src.requires_grad:
+        put_grad(src, torch.gather(g, dim, index))
+    return y
+
+
+@register_grad(prims.slice_scatter)
+def _slice_scatter(x, src, dim, start, end, step):
+    y = prims.slice_scatter(x, src, dim, start, end, step)
+    g = get_grad(y)
+    put_grad(x, torch.slice_scatter(g, torch.zeros_like(src), dim, start, end, step))
+    put_grad(src, g[(slice(None),) * dim + (slice(start, end, step),)])
+    return y
+
+
+@register_grad(prims.select_scatter)
+def _select_scatter(x, src, dim, index):
+    y = prims.select_scatter(x, src, dim, index)
+    g = get_grad(y)
+    put_grad(x, torch.select_scatter(g, torch.zeros_like(src), dim, index))
+    put_grad(src, g.select(dim, index))
+    return y
+
+
+def _sum_to(grad: T, shape: tuple[int, ...]) -> T:
+    """Sums the broadcast (leading and size-1) dims of `grad` away so it has `shape`."""
+    lead = grad.dim() - len(shape)
+    dims = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and grad.shape[lead + i] != 1)
+    return (grad.sum(dims, keepdim=True) if dims else grad).reshape(shape)
+
+
+def matmul_grads(a: T, b: T, g: T) -> tuple[T | None, T | None]:
+    """Grads of `a @ b` for operands of two or more dims (batch dims broadcast)."""
+    grad_a = _sum_to(torch.matmul(g, b.mT), tuple(a.shape)) if a.requires_grad else None
+    grad_b = _sum_to(torch.matmul(a.mT, g), tuple(b.shape)) if b.requires_grad else None
+    return grad_a, grad_b
+
+
+@register_grad(prims.matmul)
+def _matmul(a, b):
+    if a.dim() < 2 or b.dim() < 2:
+        return NotImplemented  # vector operands: the torch autograd fallback
+    y = prims.matmul(a, b)
+    grad_a, grad_b = matmul_grads(a, b, get_grad(y))
+    if grad_a is not None:
+        put_grad(a, grad_a)
+    if grad_b is not None:
+        put_grad(b, grad_b)
+    return y

@@ -1,0 +1,271 @@
+"""Grad rules of the torch-level composites executors want to claim whole.
+
+Each keeps the one torch call eager makes in the forward and writes the backward with torch ops, so a forward
+trace reads like the program and an executor can replace the forward and backward of a composite together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fulmen.core.symbol import Tag
+from fulmen.ops import shape
+from fulmen.ops.registry import SYMBOLS, torch_symbol
+from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp
+from fulmen.transforms.vjp_prims import matmul_grads
+
+native_layer_norm = torch_symbol(torch.native_layer_norm)
+native_dropout = torch_symbol(torch.native_dropout, tags=Tag.RANDOM)
+
+
+def _wants(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+@register_grad(F.linear)
+def linear_grad(x, weight, bias=None):
+    if weight.dim() != 2:
+        return NotImplemented
+    y = F.linear(x, weight, bias)
+    g = get_grad(y)
+    if _wants(x):
+        put_grad(x, torch.matmul(g, weight))
+    if _wants(weight) or _wants(bias):
+        g2 = g.reshape(-1, g.shape[-1])
+        if _wants(weight):
+            put_grad(weight, torch.matmul(g2.t(), x.reshape(-1, x.shape[-1])))
+        if _wants(bias):
+            put_grad(bias, g2.sum(0))
+    return y
+
+
+@register_grad(torch.matmul)
+def matmul_grad(a, b):
+    if a.dim() < 2 or b.dim() < 2:
+        return NotImplemented
+    y = torch.matmul(a, b)
+    grad_a, grad_b = matmul_grads(a, b, get_grad(y))
+    if grad_a is not None:
+        put_grad(a, grad_a)
+    if grad_b is not None:
+        put_grad(b, grad_b)
+    return y
+
+
+def _softmax_dtype(x, dtype):
+    return dtype if dtype is not None else x.dtype
+
+
+@register_grad(F.softmax)
+def softmax_grad(x, dim=None, _stacklevel=3, dtype=None):
+    if dim is None:
+        return NotImplemented
+    y = F.softmax(x, dim, dtype=dtype)
+    g = get_grad(y)
+    put_grad(x, (y * (g - (g * y).sum(dim, keepdim=True))).to(x.dtype))
+    return y
+
+
+@register_grad(torch.softmax)
+def torch_softmax_grad(x, dim, dtype=None):
+    return softmax_grad(x, dim, dtype=dtype)
+
+
+@register_grad(F.log_softmax)
+def log_softmax_grad(x, dim=None, _stacklevel=3, dtype=None):
+    if dim is None:
+        return NotImplemented
+    y = F.log_softmax(x, dim, dtype=dtype)
+    g = get_grad(y)
+    put_grad(x, (g - torch.exp(y) * g.sum(dim, keepdim=True)).to(x.dtype))
+    return y
+
+
+@register_grad(torch.log_softmax)
+def torch_log_softmax_grad(x, dim, dtype=None):
+    return log_softmax_grad(x, dim, dtype=dtype)
+
+
+@register_grad(F.cross_entropy)
+def cross_entropy_grad(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                       reduction="mean", label_smoothing=0.0):
+    if (logits.dim() != 2 or target.dtype.is_floating_point or weight is not None or size_average is not None
+            or reduce is not None or label_smoothing != 0.0):
+        return NotImplemented
+    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    g = get_grad(loss)
+    valid = target != ignore_index
+    safe = torch.where(valid, target, 0)
+    probs = torch.softmax(logits, 1)
+    onehot = F.one_hot(safe, logits.shape[1]).to(logits.dtype)
+    if reduction == "none":
+        scale = (g * valid.to(g.dtype)).unsqueeze(1)
+    else:
+        scale = valid.to(g.dtype).unsqueeze(1) * g
+        if reduction == "mean":
+            scale = scale / valid.sum().to(g.dtype)
+    put_grad(logits, ((probs - onehot) * scale).to(logits.dtype))
+    return loss
+
+
+def _norm_dims(x, normalized_shape) -> tuple[int, ...]:
+    return tuple(range(x.dim() - len(normalized_shape), x.dim()))
+
+
+def _norm_backward(x, g, weight, rstd, mean, dims):
+    """Grads of (x - mean) * rstd * weight for the normalized `dims` (mean None: RMS norm)."""
+    compute = rstd.dtype
+    x, g = x.to(compute), g.to(compute)
+    xhat = (x - mean if mean is not None else x) * rstd
+    gxhat = g * weight.to(compute) if weight is not None else g
+    inner = (gxhat * xhat).mean(dims, keepdim=True)
+    if mean is not None:
+        gx = rstd * (gxhat - gxhat.mean(dims, keepdim=True) - xhat * inner)
+    else:
+        gx = rstd * (gxhat - xhat * inner)
+    batch = tuple(range(x.dim() - len(dims)))
+    return gx, xhat, g, batch
+
+
+def _param_grad(total, param):
+    return total.to(param.dtype)
+
+
+@register_grad(F.layer_norm)
+def layer_norm_grad(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    dims = _norm_dims(x, normalized_shape)
+    y, mean, rstd = native_layer_norm(x, normalized_shape, weight, bias, eps)
+    g = get_grad(y)
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    gx, xhat, g, batch = _norm_backward(x, g, weight, rstd.to(compute), mean.to(compute), dims)
+    put_grad(x, gx.to(x.dtype))
+    if _wants(weight):
+        put_grad(weight, _param_grad((g * xhat).sum(batch), weight))
+    if _wants(bias):
+        put_grad(bias, _param_grad(g.sum(batch), bias))
+    return y
+
+
+@register_grad(F.rms_norm)
+def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
+    dims = _norm_dims(x, normalized_shape)
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    eps = torch.finfo(compute).eps if eps is None else eps
+    y = F.rms_norm(x, normalized_shape, weight, eps)
+    xc = x.to(compute)
+    rstd = torch.rsqrt((xc * xc).mean(dims, keepdim=True) + eps)
+    g = get_grad(y)
+    gx, xhat, g, batch = _norm_backward(x, g, weight, rstd, None, dims)
+    put_grad(x, gx.to(x.dtype))
+    if _wants(weight):
+        put_grad(weight, _param_grad((g * xhat).sum(batch), weight))
+    return y
+
+
+@register_grad(F.embedding)
+def embedding_grad(index, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                   sparse=False):
+    if max_norm is not None or scale_grad_by_freq or sparse or weight.dim() != 2:
+        return NotImplemented
+    y = F.embedding(index, weight, padding_idx)
+    g = get_grad(y).reshape(-1, weight.shape[1])
+    flat = index.reshape(-1)
+    if padding_idx is not None:
+        g = torch.where((flat == padding_idx % weight.shape[0]).unsqueeze(1), 0.0, g)
+    put_grad(weight, torch.zeros_like(weight).index_add(0, flat, g))
+    return y
+
+
+@register_grad(F.gelu)
+def gelu_grad(x, approximate="none"):
+    y = F.gelu(x, approximate=approximate)
+    g = get_grad(y)
+    if approximate == "tanh":
+        k = math.sqrt(2 / math.pi)
+        t = torch.tanh(k * (x + 0.044715 * x * x * x))
+        dx = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x)
+    else:
+        cdf = 0.5 * (1 + torch.erf(x * (1 / math.sqrt(2))))
+        pdf = torch.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+        dx = cdf + x * pdf
+    put_grad(x, g * dx)
+    return y
+
+
+@register_grad(F.silu)
+def silu_grad(x, inplace=False):
+    y = F.silu(x)
+    s = torch.sigmoid(x)
+    put_grad(x, get_grad(y) * s * (1 + x * (1 - s)))
+    return y
+
+
+@register_grad(F.scaled_dot_product_attention)
+def sdpa_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p != 0.0:
+        return NotImplemented  # the random draw must happen once: differentiated through torch autograd
+    kwargs = {"attn_mask": attn_mask, "dropout_p": 0.0, "is_causal": is_causal, "scale": scale}
+    if enable_gqa:
+        kwargs["enable_gqa"] = True
+    y = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    # Attention is recomputed in the backward (as flash attention does), so only q, k, v are saved.
+    wrt = tuple(i for i, t in enumerate((q, k, v)) if _wants(t))
+    grads = torch_vjp(SYMBOLS["torch.nn.functional.scaled_dot_product_attention"], (q, k, v), kwargs, wrt,
+                      (get_grad(y),))
+    for i, grad in zip(wrt, grads):
+        put_grad((q, k, v)[i], grad)
+    return y
+
+
+@register_grad(torch.cat)
+def cat_grad(tensors, dim=0):
+    y = torch.cat(tensors, dim)
+    dim = dim % y.dim()
+    pieces = torch.split(get_grad(y), [t.shape[dim] for t in tensors], dim)
+    for t, piece in zip(tensors, pieces):
+        if _wants(t):
+            put_grad(t, piece)
+    return y
+
+
+@register_grad(torch.Tensor.__getitem__)
+def getitem_grad(x, index):
+    if not _basic(index):
+        return NotImplemented
+    y = x[index]
+    put_grad(x, shape.setitem(torch.zeros_like(x), index, get_grad(y)))
+    return y
+
+
+def _basic(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(item is None or item is Ellipsis or isinstance(item, (int, slice)) for item in items)
+
+
+def _pieces_grad(fn):
+    def rule(x, *args, **kwargs):
+        pieces = fn(x, *args, **kwargs)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % x.dim()
+        grads = [get_grad(p) for p in pieces]
+        put_grad(x, torch.cat(grads, dim))
+        return pieces
+
+    return rule
+
+
+for _fn in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
+    register_grad(_fn)(_pieces_grad(_fn))
+
+
+@register_grad(F.dropout)
+def dropout_grad(x, p=0.5, training=True, inplace=False):
+    if not training or p == 0.0:
+        y = F.dropout(x, p, training)  # the identity
+        put_grad(x, get_grad(y))
+        return y
+    y, mask = native_dropout(x, p, True)
+    put_grad(x, get_grad(y) * mask.to(x.dtype) * (1.0 / (1.0 - p)))
+    return y
