@@ -137,9 +137,17 @@ torch_vjp = impl_symbol(impls.torch_vjp)
 torch_vjp.meta = _torch_vjp_meta
 
 
+# Ops whose result depends on storage layout, which traces do not model: their grads would differ from eager's
+# for inputs that are views, so they are refused rather than differentiated.
+STORAGE_OPS = frozenset({"torch.as_strided", "torch.Tensor.as_strided", "torch.as_strided_scatter"})
+
+
 def _fallback_rule(bsym: BoundSymbol) -> GradRule:
     if bsym.sym.tags & Tag.RANDOM:
         raise TraceError(f"fulmen has no grad rule for the random op {bsym.sym.printed}", bsym.source)
+    if bsym.sym.printed in STORAGE_OPS:
+        raise TraceError(f"fulmen cannot differentiate {bsym.sym.printed}: it addresses storage, which traces do not "
+                         "model", bsym.source)
 
     def rule(*args: Any, **kwargs: Any) -> Any:
         out = bsym.sym(*args, **kwargs)

@@ -117,7 +117,8 @@ def _binary_rule(prim, vjp):
         grad_a, grad_b = vjp(a, b, y, get_grad(y))
         for x, grad in ((a, grad_a), (b, grad_b)):
             if _is_proxy(x) and x.requires_grad:
-                put_grad(x, _to(grad, x))
+                # A 0-dim CPU tensor may meet a dimensioned operand (it acts as a scalar): sum its grad down.
+                put_grad(x, _to(_sum_to(grad, tuple(x.shape)) if _is_proxy(grad) else grad, x))
         return y
 
     return rule

@@ -130,8 +130,9 @@ def _norm_backward(x, g, weight, rstd, mean, dims):
     return gx, xhat, g, batch
 
 
-def _param_grad(total, param):
-    return total.to(param.dtype)
+def _param_grad(grad, batch, param):
+    """The grad of an affine parameter: `grad` summed over the batch dims."""
+    return (grad.sum(batch) if batch else grad).to(param.dtype)
 
 
 @register_grad(F.layer_norm)
@@ -143,9 +144,9 @@ def layer_norm_grad(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     gx, xhat, g, batch = _norm_backward(x, g, weight, rstd.to(compute), mean.to(compute), dims)
     put_grad(x, gx.to(x.dtype))
     if _wants(weight):
-        put_grad(weight, _param_grad((g * xhat).sum(batch), weight))
+        put_grad(weight, _param_grad(g * xhat, batch, weight))
     if _wants(bias):
-        put_grad(bias, _param_grad(g.sum(batch), bias))
+        put_grad(bias, _param_grad(g, batch, bias))
     return y
 
 
@@ -161,7 +162,7 @@ def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
     gx, xhat, g, batch = _norm_backward(x, g, weight, rstd, None, dims)
     put_grad(x, gx.to(x.dtype))
     if _wants(weight):
-        put_grad(weight, _param_grad((g * xhat).sum(batch), weight))
+        put_grad(weight, _param_grad(g * xhat, batch, weight))
     return y
 
 
@@ -224,8 +225,10 @@ def sdpa_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 def cat_grad(tensors, dim=0):
     y = torch.cat(tensors, dim)
     dim = dim % y.dim()
-    pieces = torch.split(get_grad(y), [t.shape[dim] for t in tensors], dim)
-    for t, piece in zip(tensors, pieces):
+    # torch.cat skips 1-D empty tensors of any other rank (a legacy rule); they get no cotangent.
+    joined = [t for t in tensors if t.dim() == y.dim()]
+    pieces = torch.split(get_grad(y), [t.shape[dim] for t in joined], dim)
+    for t, piece in zip(joined, pieces):
         if _wants(t):
             put_grad(t, piece)
     return y

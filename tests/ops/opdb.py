@@ -84,3 +84,74 @@ def run_case(case: Case) -> None:
         assert (actual.shape, actual.dtype, actual.device) == (expected.shape, expected.dtype, expected.device)
         return
     torch.testing.assert_close(actual, expected, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+# --- float64 VJP checks -------------------------------------------------------------------------------------------
+VJP_SAMPLES_PER_OP = 8
+VJP_XFAIL_OPS: dict[str, str] = {
+    "as_strided": "fulmen refuses to differentiate as_strided (storage layout is not modeled)",
+    "as_strided.partial_views": "fulmen refuses to differentiate as_strided (storage layout is not modeled)",
+    "as_strided_scatter": "fulmen refuses to differentiate as_strided_scatter (storage layout is not modeled)",
+}
+
+
+def vjp_xfail_reason(case: Case) -> str | None:
+    return VJP_XFAIL_OPS.get(case.op_name) or case.xfail_reason
+
+
+def vjp_cases() -> Iterator[Case]:
+    for opinfo in supported_opinfos():
+        if not opinfo.supports_autograd or torch.float64 not in opinfo.supported_dtypes("cpu"):
+            continue
+        name = opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
+        samples = opinfo.sample_inputs("cpu", torch.float64, requires_grad=True)
+        for index, sample in enumerate(samples):
+            if index >= VJP_SAMPLES_PER_OP:
+                break
+            yield Case(name, opinfo, index, sample)
+
+
+class NotDifferentiable(Exception):
+    """The sample has no floating output that depends on an input requiring grad: nothing to check."""
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def run_vjp_case(case: Case, eps: float = 1e-6) -> None:
+    """Checks <J u, v> == <u, J^T v>: J u by central differences of eager, J^T v by fulmen's backward."""
+    op, sample = case.opinfo.op, case.sample
+    structure = (sample.input, sample.args, sample.kwargs)
+    wrt = [t for t in _tensors(structure) if t.requires_grad and t.dtype.is_floating_point]
+    if not wrt:
+        raise NotDifferentiable
+
+    def program(inp, args, kwargs):
+        return op(inp, *args, **kwargs)
+
+    def floating(out) -> list[torch.Tensor]:
+        return [t for t in _tensors(out) if t.dtype.is_floating_point]
+
+    outs = [o for o in floating(fulmen.jit(program)(*structure)) if o.requires_grad]
+    if not outs:
+        raise NotDifferentiable
+    generator = torch.Generator().manual_seed(case.index)
+    v = [torch.randn(o.shape, dtype=o.dtype, generator=generator) for o in outs]
+    u = [torch.randn(t.shape, dtype=t.dtype, generator=generator) for t in wrt]
+    grads = torch.autograd.grad(outs, wrt, v, allow_unused=True)
+    vjp = sum((g * d).sum() for g, d in zip(grads, u) if g is not None)
+
+    def shifted(sign: float):
+        replacement = {id(t): (t.detach() + sign * eps * d) for t, d in zip(wrt, u)}
+        moved = torch.utils._pytree.tree_map(
+            lambda x: replacement.get(id(x), x.detach() if isinstance(x, torch.Tensor) else x), structure)
+        with torch.no_grad():
+            return [o for o in floating(program(*moved))]
+
+    plus, minus = shifted(1.0), shifted(-1.0)
+    eager_outs = [o for o in floating(program(*structure))]
+    keep = [i for i, o in enumerate(eager_outs) if o.requires_grad]
+    jvp = sum(((plus[i] - minus[i]) / (2 * eps) * w).sum() for i, w in zip(keep, v))
+    torch.testing.assert_close(torch.as_tensor(vjp, dtype=torch.float64), torch.as_tensor(jvp, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-5, equal_nan=True)
