@@ -67,3 +67,51 @@ def test_coverage_report(capsys):
     with capsys.disabled():
         print(f"\nLitGPT coverage: {len(NAMES)} architectures cover {n_covered}/{len(configs)} configs")
     assert covered and n_covered == len(configs)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _grads(model: GPT) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_loss_and_grads_match_eager(name):
+    """The jitted module inside an eager loss: loss and every parameter's grad equal eager's (fp32, rtol 1e-5)."""
+    model = _model(name).train()
+    vocab = model.config.padded_vocab_size
+    idx, targets = torch.randint(0, vocab, (2, 9)), torch.randint(0, vocab, (2, 9))
+    loss = _loss(fulmen.jit(model)(idx), targets)
+    loss.backward()
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    expected_loss = _loss(model(idx), targets)
+    expected_loss.backward()
+    expected = _grads(model)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-8B", "Gemma-2-2b", "falcon-7b", "phi-1_5"])
+def test_jitted_loss_function_with_captured_model(name):
+    """A jitted function that calls the (captured) model and the loss: parameters are captured inputs with grads."""
+    model = _model(name).train()
+    vocab = model.config.padded_vocab_size
+    idx, targets = torch.randint(0, vocab, (2, 9)), torch.randint(0, vocab, (2, 9))
+    step = fulmen.jit(lambda i, t: _loss(model(i), t))
+    loss = step(idx, targets)
+    loss.backward()
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    expected_loss = _loss(model(idx), targets)
+    expected_loss.backward()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+    for key, grad in _grads(model).items():
+        torch.testing.assert_close(got[key], grad, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
+    backward = fulmen.last_backward_traces(step)[-1].python()
+    assert "torch.nn.functional.cross_entropy" in fulmen.last_traces(step)[-1].python()
+    assert "def backward(saved, cotangents):" in backward and "saved.clear()" in backward
