@@ -12,7 +12,9 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from fulmen.core.errors import TraceError
 from fulmen.core.trace import TraceBuilder
 from fulmen.jit.acquire import DATA_DEPENDENT, METADATA, Interpreter
+from fulmen.jit.jitted import JittedFunction
 from fulmen.ops import lookup
+from fulmen.transforms.remat import nbytes
 
 
 class _Recorder(TorchFunctionMode):
@@ -32,6 +34,12 @@ class _Recorder(TorchFunctionMode):
 class ExamineReport:
     ops: dict[str, tuple[int, bool]] = field(default_factory=dict)  # torch op -> (calls, supported)
     error: str | None = None  # why acquisition failed, if it did
+    # What the forward saves for the backward: (name, type, bytes), when inputs required grad.
+    saved: list[tuple[str, str, int]] = field(default_factory=list)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.saved)
 
     @property
     def unsupported(self) -> list[str]:
@@ -43,6 +51,9 @@ class ExamineReport:
             lines.append(f"{count:>6}  {'yes' if ok else 'NO':<9}  {name}")
         lines.append(f"{len(self.ops)} ops, {len(self.unsupported)} unsupported")
         lines.append(f"acquisition: {'ok' if self.error is None else self.error}")
+        if self.saved:
+            lines.append(f"saved for backward: {len(self.saved)} tensors, {self.saved_bytes} bytes")
+            lines.extend(f"  {name}: {kind} ({nbytes} bytes)" for name, kind, nbytes in self.saved)
         return "\n".join(lines)
 
 
@@ -69,8 +80,13 @@ def examine(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExamineReport:
     for func, count in recorder.calls.items():
         name = resolve_name(func) or repr(func)
         report.ops[name] = (count, _supported(func))
+    jitted = jit(fn)
     try:
-        jit(fn)(*args, **kwargs)
+        jitted(*args, **kwargs)
     except TraceError as error:
         report.error = str(error)
+        return report
+    program = jitted.last_entry.program if isinstance(jitted, JittedFunction) else jitted._jit.last_entry.program
+    if program is not None:
+        report.saved = [(p.pname, p.type_string(), nbytes(p)) for p in program.plan.saved]
     return report

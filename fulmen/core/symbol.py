@@ -63,7 +63,8 @@ class BoundSymbol:
     output: Any
     subsymbols: list[BoundSymbol] = field(default_factory=list)
     source: SourceLocation | None = None
-    checkpointed: bool = False  # inside torch.utils.checkpoint.checkpoint: recomputed, never saved
+    # Which torch.utils.checkpoint.checkpoint call the op ran in (0: none): its values are recomputed, not saved.
+    checkpoint_region: int = 0
 
     def from_bsym(self, **changes) -> BoundSymbol:
         return replace(self, **changes)

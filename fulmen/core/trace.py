@@ -115,7 +115,8 @@ class TraceBuilder(Builder):
         self.scopes: list[list[BoundSymbol]] = [[]]
         self.source: SourceLocation | None = None
         self.decompose = decompose
-        self.checkpoint_depth = 0  # > 0 inside torch.utils.checkpoint.checkpoint
+        self.checkpoint_region = 0  # the torch.utils.checkpoint.checkpoint call being traced (0: none)
+        self.checkpoint_regions = 0
 
     def __enter__(self) -> TraceBuilder:
         push_builder(self)
@@ -160,7 +161,7 @@ class TraceBuilder(Builder):
             if sym.decomposition is not None and self.decompose:
                 subsymbols = self._decompose(sym, args, kwargs, output)
             self.scopes[-1].append(
-                BoundSymbol(sym, args, kwargs, output, subsymbols, self.source, self.checkpoint_depth > 0))
+                BoundSymbol(sym, args, kwargs, output, subsymbols, self.source, self.checkpoint_region))
         return output
 
     def _decompose(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], output: Any) -> list[BoundSymbol]:

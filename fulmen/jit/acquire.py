@@ -24,6 +24,7 @@ from fulmen.core.trace import TraceBuilder
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.ops import lookup, shape
 from fulmen.ops.registry import SYMBOLS
+from fulmen.transforms.autocast import autocast_arguments
 
 T = torch.Tensor
 
@@ -40,6 +41,16 @@ METADATA: frozenset = frozenset(
         torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type, torch.can_cast,
         torch.promote_types, torch.is_grad_enabled, torch.get_default_dtype, torch.is_autocast_enabled,
         torch.get_autocast_dtype, torch.is_inference_mode_enabled,
+    }
+)
+
+# Changes of global state the program makes (`with torch.no_grad():`, `with torch.autocast(...):`): applied for
+# real while tracing, so the ops after them are recorded under that state.
+STATE: frozenset = frozenset(
+    {
+        torch._C._set_grad_enabled, torch.set_autocast_enabled, torch.set_autocast_dtype,
+        torch.autocast_increment_nesting, torch.autocast_decrement_nesting, torch.set_autocast_cache_enabled,
+        torch.clear_autocast_cache, torch.is_autocast_cache_enabled,
     }
 )
 
@@ -100,7 +111,7 @@ class Interpreter(TorchFunctionMode):
     # --- the entry point -----------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in METADATA:
+        if func in METADATA or func in STATE:
             with torch._C.DisableTorchFunction():
                 return func(*args, **kwargs)
         self.builder.source = location = self._pinned[-1] if self._pinned else user_location()
@@ -161,6 +172,8 @@ class Interpreter(TorchFunctionMode):
     def _record(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         values, kwvalues = self._values(args), self._values(kwargs)
         try:
+            if not self._pinned:  # grad rules state their dtypes; autocast applies to the user's program only
+                values, kwvalues = autocast_arguments(sym, values, kwvalues)
             output = sym(*values, **kwvalues)
         except TraceError:
             raise

@@ -52,9 +52,9 @@ class FulmenFunction(torch.autograd.Function):
         results = program.forward_fn(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program = program
-        if _hooks_active():
+        ctx.hooked = _hooks_active()
+        if ctx.hooked:
             ctx.save_for_backward(*saved)
-            ctx.saved = None
         else:
             ctx.saved = list(saved)
             ctx.versions = [t._version for t in saved]
@@ -70,7 +70,7 @@ class FulmenFunction(torch.autograd.Function):
                 "fulmen does not support double backward or backward(create_graph=True) through a jitted function"
             )
         program: GradProgram = ctx.program
-        if ctx.saved is None:
+        if ctx.hooked:
             saved = list(ctx.saved_tensors)
         else:
             saved, ctx.saved = ctx.saved, None

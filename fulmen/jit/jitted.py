@@ -18,6 +18,7 @@ from fulmen.executors.torch_eager import claim_all
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.bridge import FulmenFunction, GradProgram
 from fulmen.jit.guards import global_state_key, tensor_key
+from fulmen.jit.lookasides import function_lookasides
 from fulmen.jit.overrides import AttributeGuard, ModuleInput, ShadowTree, build_shadow
 from fulmen.ops import prims
 from fulmen.options import JitOptions
@@ -186,7 +187,7 @@ class JittedFunction:
             )
             target = tree.root
             self._module_inputs = tree.inputs
-        with builder, interpreter:
+        with builder, interpreter, function_lookasides(builder):
             result = target(*proxy_args, **proxy_kwargs)
         with builder:
             entry_parts = self._outputs(result, proxies, tree, interpreter)

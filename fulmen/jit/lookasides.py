@@ -1,4 +1,4 @@
-"""Built-in replacements of module methods during acquisition (the user's classes are never patched).
+"""Built-in replacements of module methods and functions during acquisition (user classes are never patched).
 
 A lookaside swaps a method for a traceable equivalent only inside fulmen's shadow modules. LitGPT's mixture of
 experts routes tokens with `torch.where(mask)`, whose output shape depends on the routing (data-dependent); the
@@ -8,10 +8,14 @@ experts a token was not routed to), which is the same sum in the same expert ord
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
+
+from fulmen.core.trace import TraceBuilder
 
 
 def litgpt_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,3 +49,38 @@ METHOD_LOOKASIDES: dict[str, dict[str, Callable[..., Any]]] = {
 
 def method_lookasides(cls: type) -> dict[str, Callable[..., Any]]:
     return METHOD_LOOKASIDES.get(f"{cls.__module__}.{cls.__qualname__}", {})
+
+
+def _checkpoint_lookaside(builder: TraceBuilder) -> Callable[..., Any]:
+    def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
+                   context_fn: Any = None, determinism_check: str = "default", debug: bool = False,
+                   preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+        """Traces `function` inline, marking its ops to be recomputed in the backward instead of saved."""
+        outer = builder.checkpoint_region
+        builder.checkpoint_regions += 1
+        builder.checkpoint_region = builder.checkpoint_regions
+        try:
+            return function(*args, **kwargs)
+        finally:
+            builder.checkpoint_region = outer
+
+    return checkpoint
+
+
+# (module, attribute) -> factory of the replacement, given the trace builder. Swapped on the module only while
+# acquiring, so `torch.utils.checkpoint.checkpoint(...)` calls are seen (a name imported before is not).
+FUNCTION_LOOKASIDES: dict[tuple[Any, str], Callable[[TraceBuilder], Callable[..., Any]]] = {
+    (torch.utils.checkpoint, "checkpoint"): _checkpoint_lookaside,
+}
+
+
+@contextlib.contextmanager
+def function_lookasides(builder: TraceBuilder) -> Iterator[None]:
+    originals = [(module, name, getattr(module, name)) for module, name in FUNCTION_LOOKASIDES]
+    try:
+        for (module, name), factory in FUNCTION_LOOKASIDES.items():
+            setattr(module, name, factory(builder))
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)

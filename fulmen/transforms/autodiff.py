@@ -61,7 +61,7 @@ def _symbol_of(fn: Callable[..., Any]) -> Symbol:
 
 # --- get_grad / put_grad -------------------------------------------------------------------------------------------
 def _get_grad_meta(builder: TraceBuilder, x: TensorProxy) -> TensorProxy:
-    return builder.make_proxy(torch.empty_like(x.meta), x.device, False, name=f"grad_{x.pname}")
+    return builder.make_proxy(torch.empty_like(x.meta), x.device, False)  # a placeholder: never printed
 
 
 def _marker_impl(*args: Any) -> Any:  # pragma: no cover - markers never reach a final trace
@@ -193,6 +193,7 @@ def _run_rule(rule: GradRule, bsym: BoundSymbol, builder: TraceBuilder, interpre
     _ACTIVE.append(_RuleScope(bsym, inputs))
     builder.scopes.append([])
     builder.source = bsym.source
+    builder.checkpoint_region = bsym.checkpoint_region  # a checkpointed op's forward stays checkpointed
     try:
         with interpreter.rule_mode(bsym.source):
             result = rule(*bsym.args, **bsym.kwargs)
@@ -203,6 +204,7 @@ def _run_rule(rule: GradRule, bsym: BoundSymbol, builder: TraceBuilder, interpre
                          bsym.source) from error
     finally:
         recorded = builder.scopes.pop()
+        builder.checkpoint_region = 0
         _ACTIVE.pop()
     if result is NotImplemented:
         return None
@@ -325,7 +327,9 @@ class BackwardAssembler:
             return
         emitted = self.builder.scopes[-1]
         if chunk.children is not None:
-            emitted.extend(chunk.recompute)
+            # The composite's own outputs are forward values (saved, or recomputed by the composite itself).
+            outputs = set(chunk.targets)
+            emitted.extend(b for b in chunk.recompute if not outputs.issuperset(b.output_names()))
             for child in reversed(chunk.children):
                 self._emit(child)
             return

@@ -116,7 +116,10 @@ def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any]) 
     draft = GradPlan(trace, [], differentiable, grad_inputs, joint.chunks, producers, trace)
     bsyms, cotangents, grads = draft.assemble(differentiable)
     needed = _external_reads(bsyms, grads, {p.pname for p in cotangents})
-    saved_names = choose_saved(joint.forward, trace.inputs, needed)
+    computed = dce(trace.from_trace("", bound_symbols=joint.forward))
+    forward_needs = {name for b in computed.bound_symbols for name in b.output_names()}
+    outputs = {p.pname for p in trace.output if type(p) is TensorProxy}
+    saved_names = choose_saved(joint.forward, trace.inputs, outputs, needed, forward_needs)
     order = [p for p in trace.inputs] + [o for b in joint.forward for o in b.proxy_outputs()]
     saved, seen = [], set()
     for proxy in order:

@@ -31,7 +31,7 @@ def recomputable(bsym: BoundSymbol) -> bool:
     """Whether the backward may rerun `bsym` instead of having its outputs saved."""
     if bsym.sym.tags & (Tag.RANDOM | Tag.IMPURE):
         return False
-    if bsym.checkpointed:
+    if bsym.checkpoint_region:
         return True
     if bsym.sym.is_prim:
         return bsym.sym in CHEAP_PRIMS
@@ -42,12 +42,33 @@ def nbytes(proxy: TensorProxy) -> int:
     return proxy.numel() * proxy.element_size()
 
 
+def held_bytes(proxy: TensorProxy) -> int:
+    """What saving `proxy` keeps alive: a view holds its whole base."""
+    base = proxy.meta._base if proxy.meta._is_view() else None
+    return max(nbytes(proxy), base.numel() * base.element_size() if base is not None else 0)
+
+
+# Saving a value the forward computes only for the backward also costs forward work: at equal bytes, prefer
+# saving what the forward computes anyway.
+BACKWARD_ONLY_PENALTY = 1.1
+
+
 _SOURCE, _SINK = "source", "sink"
 
 
-def choose_saved(forward: list[BoundSymbol], inputs: list[TensorProxy], needed: set[str]) -> set[str]:
-    """The names of the forward values to save so that every name in `needed` is available to the backward."""
+def choose_saved(forward: list[BoundSymbol], inputs: list[TensorProxy], outputs: set[str], needed: set[str],
+                 forward_needs: set[str]) -> set[str]:
+    """The names of the forward values to save so that every name in `needed` is available to the backward.
+
+    `forward_needs` are the values the forward computes for its own outputs anyway.
+    """
     graph = nx.DiGraph()
+    # A checkpointed value read outside its region (by later ops, another region or the outputs) is what eager's
+    # checkpointing keeps too; only the values internal to a region are never saved.
+    region_of = {name: b.checkpoint_region for b in forward for name in b.output_names()}
+    escaping = set(outputs)
+    for bsym in forward:
+        escaping.update(n for n in bsym.arg_names() if region_of.get(n, 0) not in (0, bsym.checkpoint_region))
     for proxy in inputs:
         graph.add_edge(_SOURCE, ("in", proxy.pname))
         graph.add_edge(("in", proxy.pname), ("out", proxy.pname), capacity=0)
@@ -55,10 +76,11 @@ def choose_saved(forward: list[BoundSymbol], inputs: list[TensorProxy], needed: 
         cheap = recomputable(bsym)
         for out in bsym.proxy_outputs():
             node = ("in", out.pname)
-            if bsym.checkpointed and cheap:
+            if bsym.checkpoint_region and cheap and out.pname not in escaping:
                 graph.add_edge(node, ("out", out.pname))  # no capacity: never saved
             else:
-                graph.add_edge(node, ("out", out.pname), capacity=nbytes(out))
+                cost = held_bytes(out) * (1 if out.pname in forward_needs else BACKWARD_ONLY_PENALTY)
+                graph.add_edge(node, ("out", out.pname), capacity=int(cost) + 1)
             if cheap:
                 for arg in bsym.proxy_args():
                     graph.add_edge(("out", arg.pname), node)

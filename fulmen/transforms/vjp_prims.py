@@ -365,6 +365,8 @@ def _select_scatter(x, src, dim, index):
 
 def _sum_to(grad: T, shape: tuple[int, ...]) -> T:
     """Sums the broadcast (leading and size-1) dims of `grad` away so it has `shape`."""
+    if tuple(grad.shape) == tuple(shape):
+        return grad
     lead = grad.dim() - len(shape)
     dims = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and grad.shape[lead + i] != 1)
     return (grad.sum(dims, keepdim=True) if dims else grad).reshape(shape)

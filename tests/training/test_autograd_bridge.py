@@ -1,0 +1,196 @@
+"""fulmen's forward and backward traces inside torch.autograd: what users do with gradients works as in eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+from fulmen.ops.registry import SYMBOLS
+from fulmen.transforms.autodiff import GRAD_RULES, get_grad, put_grad
+
+
+def _mlp(x, w1, b1, w2):
+    return F.linear(F.silu(F.linear(x, w1, b1)), w2).sum()
+
+
+def _params(requires=(True, True, True, True)):
+    torch.manual_seed(0)
+    shapes = [(4, 8), (16, 8), (16,), (3, 16)]
+    return [torch.randn(s, requires_grad=r) for s, r in zip(shapes, requires)]
+
+
+def _grads(fn, args):
+    for a in args:
+        a.grad = None
+    fn(*args).backward()
+    return [None if a.grad is None else a.grad.clone() for a in args]
+
+
+def test_grads_match_eager_and_accumulate_across_calls():
+    args = _params()
+    jitted = fulmen.jit(_mlp)
+    expected = _grads(_mlp, args)
+    for a in args:
+        a.grad = None
+    jitted(*args).backward()
+    jitted(*args).backward()  # a second call accumulates into .grad, as eager does
+    for got, want in zip(args, expected):
+        torch.testing.assert_close(got.grad, 2 * want)
+    assert fulmen.cache_misses(jitted) == 1 and fulmen.cache_hits(jitted) == 1
+
+
+def test_inputs_that_do_not_require_grad_get_none():
+    args = _params(requires=(False, True, False, True))
+    got = _grads(fulmen.jit(_mlp), args)
+    want = _grads(_mlp, args)
+    assert [g is None for g in got] == [True, False, True, False]
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w)
+
+
+def test_unused_parameter_gets_none_like_eager():
+    x, w, unused = (torch.randn(3, requires_grad=True) for _ in range(3))
+    fulmen.jit(lambda a, b, c: (a * b).sum())(x, w, unused).backward()
+    assert unused.grad is None and x.grad is not None
+
+
+def test_mixing_eager_and_jitted_code_in_one_graph():
+    torch.manual_seed(0)
+    a = torch.randn(5, 5, requires_grad=True)
+    jitted = fulmen.jit(lambda x: torch.tanh(x @ x).exp())
+
+    def program(f):
+        h = torch.sin(a) * 2  # eager before
+        y = f(h)
+        return (y.cos() + h).sum()  # eager after, and h reused
+
+    program(jitted).backward()
+    got = a.grad.clone()
+    a.grad = None
+    program(lambda x: torch.tanh(x @ x).exp()).backward()
+    torch.testing.assert_close(got, a.grad)
+
+
+def test_non_differentiable_outputs_and_unused_outputs():
+    def f(x):
+        return x.argmax(-1), torch.exp(x), (x * 2).sum()
+
+    x = torch.randn(4, 6, requires_grad=True)
+    jitted = fulmen.jit(f)
+    index, expo, total = jitted(x)
+    assert not index.requires_grad and expo.requires_grad
+    total.backward()  # exp's output gets no grad: its backward is skipped, not fed zeros
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    program = jitted.last_entry.program
+    assert (False, False, True) in program._backward_fns  # a backward built for this pattern of cotangents
+
+
+def test_no_grad_builds_no_backward_and_saves_nothing():
+    args = _params()
+    jitted = fulmen.jit(_mlp)
+    with torch.no_grad():
+        out = jitted(*args)
+    assert not out.requires_grad
+    assert fulmen.last_backward_traces(jitted) == []
+    assert "saved" not in fulmen.last_traces(jitted)[-1].python()
+    out = jitted(*args)  # grad mode is part of the cache key: a new entry with a backward
+    assert out.requires_grad and fulmen.last_backward_traces(jitted)
+    assert fulmen.cache_misses(jitted) == 2
+
+
+def test_no_grad_region_inside_the_program_stops_gradients():
+    def f(x):
+        with torch.no_grad():
+            scale = x.abs().max()
+        return (x * scale).sum()
+
+    x = torch.randn(6, requires_grad=True)
+    fulmen.jit(f)(x).backward()
+    got = x.grad.clone()
+    x.grad = None
+    f(x).backward()
+    torch.testing.assert_close(got, x.grad)
+
+
+def test_detach_stops_gradients():
+    x = torch.randn(6, requires_grad=True)
+    fulmen.jit(lambda a: (a * a.detach()).sum())(x).backward()
+    torch.testing.assert_close(x.grad, x.detach())
+
+
+def test_double_backward_is_a_clear_error():
+    x = torch.randn(4, requires_grad=True)
+    y = fulmen.jit(lambda a: (a.sin() ** 2).sum())(x)
+    with pytest.raises(RuntimeError, match="double backward or backward\\(create_graph=True\\)"):
+        torch.autograd.grad(y, x, create_graph=True)
+
+
+def test_second_backward_is_a_clear_error():
+    x = torch.randn(4, requires_grad=True)
+    y = fulmen.jit(lambda a: (a.sin() ** 2).sum())(x)
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second time"):
+        y.backward()
+
+
+def test_saved_input_modified_in_place_is_detected():
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(4)
+    y = fulmen.jit(lambda a, b: (a * b).sum())(w, x)
+    x.add_(1)  # b is saved for w's grad
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_in_place_update_of_an_input_that_requires_grad_is_refused():
+    def f(a):
+        a.mul_(2)
+        return a.sum()
+
+    leaf = torch.randn(3, requires_grad=True)
+    with pytest.raises(fulmen.TraceError, match="in-place update"):
+        fulmen.jit(f)(leaf * 1)
+
+
+def test_backward_trace_frees_saved_tensors_as_it_goes():
+    args = _params()
+    jitted = fulmen.jit(_mlp)
+    jitted(*args).backward()
+    text = fulmen.last_backward_traces(jitted)[-1].python()
+    assert "def backward(saved, cotangents):" in text and "saved.clear()" in text
+    saved = [p.pname for p in jitted.last_entry.program.plan.saved]
+    for name in saved:  # every saved tensor is deleted right after its last use
+        assert f"del {name}" in text or f", {name}" in text.split("del ", 1)[-1]
+
+
+def test_custom_grad_rule_with_get_grad_and_put_grad():
+    """A rule in the style of the seed's grad_transform replaces silu's backward; grads still equal eager's."""
+    calls = []
+
+    def silu_rule(x, inplace=False):
+        y = F.silu(x)
+        g = get_grad(y)
+        calls.append(g)
+        sig = torch.sigmoid(x)
+        put_grad(x, g * (sig + y * (1 - sig)))
+        return y
+
+    silu = SYMBOLS["torch.nn.functional.silu"]
+    previous = GRAD_RULES[silu]
+    GRAD_RULES[silu] = silu_rule
+    try:
+        args = _params()
+        got = _grads(fulmen.jit(_mlp), args)
+    finally:
+        GRAD_RULES[silu] = previous
+    assert calls, "the custom rule ran"
+    for g, w in zip(got, _grads(_mlp, args)):
+        torch.testing.assert_close(g, w)
+
+
+def test_get_grad_outside_a_rule_is_an_error():
+    with pytest.raises(RuntimeError, match="inside a grad rule"):
+        get_grad(torch.randn(2))
