@@ -24,7 +24,8 @@ from fulmen.core.trace import TraceBuilder
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.ops import lookup, shape
 from fulmen.ops.registry import SYMBOLS
-from fulmen.transforms.autocast import autocast_arguments
+from fulmen.transforms.autocast import cast_arguments, cast_output
+from fulmen.transforms.autocast import plan as autocast_plan
 
 T = torch.Tensor
 
@@ -172,9 +173,13 @@ class Interpreter(TorchFunctionMode):
     def _record(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         values, kwvalues = self._values(args), self._values(kwargs)
         try:
-            if not self._pinned:  # grad rules state their dtypes; autocast applies to the user's program only
-                values, kwvalues = autocast_arguments(sym, values, kwvalues)
+            # Grad rules state their dtypes; autocast applies to the user's program only.
+            autocast = autocast_plan(sym, values, kwvalues) if not self._pinned else None
+            if autocast is not None:
+                values, kwvalues = cast_arguments(autocast, values, kwvalues)
             output = sym(*values, **kwvalues)
+            if autocast is not None:
+                output = cast_output(autocast, output)
         except TraceError:
             raise
         except Exception as error:

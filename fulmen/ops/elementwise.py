@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fulmen.core.symbol import Symbol
+from fulmen.core.trace import infer_device
 from fulmen.ops import prims
 from fulmen.ops.registry import method, methods, torch_symbol
 from fulmen.ops.utils import broadcast_shape, convert, expand_to, is_tensor, result_dtype, to_float
@@ -88,6 +89,8 @@ def _binary_operands(a: Any, b: Any, kind: str) -> tuple[Any, Any, torch.dtype]:
     dtype = result_dtype(a, b, kind=kind)
     compute = result_dtype(a, b) if kind == "ALWAYS_BOOL" else dtype
     shape = broadcast_shape(a, b)
+    device = infer_device((a, b), {})  # a 0-dim CPU tensor meets a CUDA one as a scalar: move it over
+    a, b = (prims.device_put(x, device) if is_tensor(x) and x.device != device else x for x in (a, b))
     return expand_to(convert(a, compute), shape), expand_to(convert(b, compute), shape), dtype
 
 

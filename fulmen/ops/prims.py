@@ -45,6 +45,9 @@ for _name in UNARY + BINARY:
 where = _prim("where", torch.where)
 convert_element_type = _prim("convert_element_type", lambda x, dtype: x.to(dtype))
 device_put = _prim("device_put", lambda x, device: x.to(device))
+# Meta tensors cannot be copied to a device: the output is the input's metadata on the new device.
+device_put.meta = lambda builder, x, device: builder.make_proxy(
+    torch.empty_like(x.meta), torch.device(device), x.requires_grad and torch.is_grad_enabled())
 alias = _prim("alias", lambda x: x)
 clone = _prim("clone", lambda x: x.clone())
 

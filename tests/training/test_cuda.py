@@ -1,0 +1,82 @@
+"""The autodiff on the GPU: LitGPT grads, autocast bf16 and peak memory against eager (run on the device)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from litgpt.model import GPT as LitGPT
+
+import fulmen
+from tests.models.gpt2_seed import GPT, tiny_config
+from tests.models.litgpt_configs import shrunk
+
+pytestmark = pytest.mark.cuda
+
+
+def _loss(net, idx, targets):
+    return F.cross_entropy(net(idx).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-8B", "Gemma-2-2b", "phi-1_5"])
+def test_litgpt_grads_match_eager_on_cuda(name):
+    torch.manual_seed(0)
+    model = LitGPT(shrunk(name)).cuda().train()
+    vocab = model.config.padded_vocab_size
+    idx, targets = (torch.randint(0, vocab, (2, 16), device="cuda") for _ in range(2))
+    loss = _loss(fulmen.jit(model), idx, targets)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    expected = _loss(model, idx, targets)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, k=n: f"{k}: {m}")
+
+
+def test_seed_gpt2_autocast_bf16_on_cuda():
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).cuda().train()
+    jitted = fulmen.jit(model)
+    x, y = (torch.randint(0, 96, (4, 32), device="cuda") for _ in range(2))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits, loss = jitted(x, y)
+        eager_logits, eager_loss = model(x, y)
+    assert (logits.dtype, loss.dtype) == (eager_logits.dtype, eager_loss.dtype)
+    torch.testing.assert_close(loss, eager_loss, rtol=1.6e-2, atol=1e-3)
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    eager_loss.backward()
+    for g, p in zip(got, model.parameters()):
+        assert g.dtype == p.grad.dtype
+        torch.testing.assert_close(g, p.grad, rtol=1.6e-2, atol=2e-3)
+
+
+def _peak(step) -> int:
+    step().backward()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def test_litgpt_peak_memory_at_most_eagers_on_cuda():
+    config = shrunk("Llama-3.1-8B")
+    config.n_layer, config.n_embd, config.n_head, config.n_query_groups = 4, 256, 4, 4
+    config.head_size, config.intermediate_size, config.block_size = 64, 688, 256
+    torch.manual_seed(0)
+    model = LitGPT(config).cuda().train()
+    jitted = fulmen.jit(copy.deepcopy(model))
+    vocab = config.padded_vocab_size
+    idx, targets = (torch.randint(0, vocab, (8, 256), device="cuda") for _ in range(2))
+    eager = _peak(lambda: _loss(model, idx, targets))
+    model.zero_grad(set_to_none=True)
+    ours = _peak(lambda: _loss(jitted, idx, targets))
+    print(f"\nCUDA fwd+bwd peak above the parameters: eager {eager / 2**20:.1f} MiB, fulmen {ours / 2**20:.1f} MiB")
+    assert ours <= eager
