@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fulmen.core.trace import Trace
+from fulmen.transforms.autocast import without_autocast
 from fulmen.transforms.forward_backward import GradPlan
 
 Finalize = Callable[[Trace], list[Trace]]  # the passes from a backward trace to the one that runs
@@ -26,18 +27,23 @@ class GradProgram:
     forward_fn: Callable[..., tuple]
     finalize: Finalize
     backward_traces: list[Trace]  # for all cotangents present (fulmen.last_backward_traces)
+    autocast: bool = False  # acquired under autocast: the backward runs with autocast off, like the forward
     _backward_fns: dict[tuple[bool, ...], Callable[..., tuple]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._backward_fns[self.plan.differentiable] = self.backward_traces[-1].python_callable()
+        self._backward_fns[self.plan.differentiable] = self._callable(self.backward_traces[-1])
         self.n_outputs = self.plan.n_outputs
         self.non_differentiable = tuple(i for i, d in enumerate(self.plan.differentiable) if not d)
         self.saved_names = tuple(p.pname for p in self.plan.saved)
 
+    def _callable(self, trace: Trace) -> Callable[..., tuple]:
+        fn = trace.python_callable()
+        return without_autocast(fn) if self.autocast else fn
+
     def backward_fn(self, present: tuple[bool, ...]) -> Callable[..., tuple]:
         fn = self._backward_fns.get(present)
         if fn is None:
-            fn = self.finalize(self.plan.backward(present))[-1].python_callable()
+            fn = self._callable(self.finalize(self.plan.backward(present))[-1])
             self._backward_fns[present] = fn
         return fn
 

@@ -22,6 +22,7 @@ from fulmen.jit.lookasides import function_lookasides
 from fulmen.jit.overrides import AttributeGuard, ModuleInput, ShadowTree, build_shadow
 from fulmen.ops import prims
 from fulmen.options import JitOptions
+from fulmen.transforms.autocast import autocast_enabled, without_autocast
 from fulmen.transforms.common import cse, dce, delete_last_used
 from fulmen.transforms.forward_backward import plan_grad
 
@@ -96,23 +97,6 @@ def _finalize_backward(trace: Trace) -> list[Trace]:
     traces.append(dce(traces[-1]))
     traces.extend(_for_execution(traces[-1]))
     return traces
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-def _autocast_on() -> bool:
-    return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
-
-
-def _without_autocast(fn: Callable[..., tuple]) -> Callable[..., tuple]:
-    """The trace already holds autocast's conversions; running it under autocast again must not add more."""
-
-    def run(*args: torch.Tensor) -> tuple:
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-            return fn(*args)
-
-    return run
 
 
 class JittedFunction:
@@ -205,13 +189,13 @@ class JittedFunction:
             traces.append(plan.forward)
             traces.extend(_for_execution(plan.forward))
             program = GradProgram(plan, traces[-1].python_callable(), _finalize_backward,
-                                  _finalize_backward(plan.backward(plan.differentiable)))
+                                  _finalize_backward(plan.backward(plan.differentiable)), autocast_enabled())
             fn = functools.partial(FulmenFunction.apply, program)
         else:
             traces.extend(_for_execution(traces[-1]))
             fn = traces[-1].python_callable()
-        if _autocast_on():
-            fn = _without_autocast(fn)
+        if autocast_enabled():
+            fn = without_autocast(fn)
         entry = CacheEntry(
             fn=fn,
             traces=tuple(traces),

@@ -9,6 +9,7 @@ it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,3 +125,17 @@ def cast_output(autocast: AutocastPlan, output: Any) -> Any:
     if first is not output:
         return output  # several outputs: left as the op gives them
     return SYMBOLS["torch.Tensor.to"](output, dtype=autocast.output)
+
+
+def autocast_enabled() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in DEVICE_TYPES)
+
+
+def without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run with autocast off: a trace acquired under autocast already holds its conversions."""
+
+    def run(*args: Any) -> Any:
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args)
+
+    return run

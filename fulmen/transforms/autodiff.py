@@ -254,10 +254,10 @@ class GradTransform:
         chunks: list[Chunk] = []
         with self.builder:
             for bsym in self.trace.bound_symbols:
-                self._augment(bsym, forward, chunks, top=True)
+                self._augment(bsym, forward, chunks)
         return Joint(forward, chunks)
 
-    def _augment(self, bsym: BoundSymbol, forward: list[BoundSymbol], chunks: list[Chunk], top: bool) -> None:
+    def _augment(self, bsym: BoundSymbol, forward: list[BoundSymbol], chunks: list[Chunk]) -> None:
         if bsym.sym.tags & Tag.IMPURE:
             # A write-back into a program input: the values inside this call are right, but no grad flows through
             # the written tensor into later calls, so writing into a tensor that requires grad is refused.
@@ -285,13 +285,13 @@ class GradTransform:
             sub_forward: list[BoundSymbol] = []
             children: list[Chunk] = []
             for sub in bsym.subsymbols:
-                self._augment(sub, sub_forward, children, top=False)
+                self._augment(sub, sub_forward, children)
             forward.append(bsym)
             chunks.append(Chunk(bsym.output_names(), recompute=sub_forward, children=children))
             return
         if bsym.subsymbols:  # random draws must happen once: the decomposition itself becomes forward work
             for sub in bsym.subsymbols:
-                self._augment(sub, forward, chunks, top=False)
+                self._augment(sub, forward, chunks)
             return
         recorded = _run_rule(_fallback_rule(bsym), bsym, self.builder, self.interpreter)
         fwd, chunk = _split(recorded, bsym)

@@ -234,11 +234,19 @@ register_grad(prims.sort)(_sorted_values(prims.sort))
 
 
 # --- shapes --------------------------------------------------------------------------------------------------------
-@register_grad(prims.reshape)
-def _reshape(x, shape):
-    y = prims.reshape(x, shape)
-    put_grad(x, get_grad(y).reshape(x.shape))
-    return y
+def _reshape_like(prim):
+    """Rules of the prims that only change the shape: the grad is reshaped back."""
+
+    def rule(x, *args):
+        y = prim(x, *args)
+        put_grad(x, get_grad(y).reshape(x.shape))
+        return y
+
+    return rule
+
+
+for _prim in (prims.reshape, prims.squeeze, prims.unsqueeze):
+    register_grad(_prim)(_reshape_like(_prim))
 
 
 @register_grad(prims.permute)
@@ -258,20 +266,6 @@ def _expand(x, shape):
     lead = len(shape) - x.dim()
     dims = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(x.shape) if s == 1 and shape[lead + i] != 1)
     put_grad(x, (g.sum(dims) if dims else g).reshape(x.shape))
-    return y
-
-
-@register_grad(prims.squeeze)
-def _squeeze(x, dims):
-    y = prims.squeeze(x, dims)
-    put_grad(x, get_grad(y).reshape(x.shape))
-    return y
-
-
-@register_grad(prims.unsqueeze)
-def _unsqueeze(x, dim):
-    y = prims.unsqueeze(x, dim)
-    put_grad(x, get_grad(y).reshape(x.shape))
     return y
 
 
@@ -379,14 +373,21 @@ def matmul_grads(a: T, b: T, g: T) -> tuple[T | None, T | None]:
     return grad_a, grad_b
 
 
-@register_grad(prims.matmul)
-def _matmul(a, b):
-    if a.dim() < 2 or b.dim() < 2:
-        return NotImplemented  # vector operands: the torch autograd fallback
-    y = prims.matmul(a, b)
-    grad_a, grad_b = matmul_grads(a, b, get_grad(y))
-    if grad_a is not None:
-        put_grad(a, grad_a)
-    if grad_b is not None:
-        put_grad(b, grad_b)
-    return y
+def matmul_rule(matmul):
+    """The rule of a matmul (the prim or torch.matmul) for operands of two or more dims."""
+
+    def rule(a, b):
+        if a.dim() < 2 or b.dim() < 2:
+            return NotImplemented  # vector operands: differentiated through the torch autograd fallback
+        y = matmul(a, b)
+        grad_a, grad_b = matmul_grads(a, b, get_grad(y))
+        if grad_a is not None:
+            put_grad(a, grad_a)
+        if grad_b is not None:
+            put_grad(b, grad_b)
+        return y
+
+    return rule
+
+
+register_grad(prims.matmul)(matmul_rule(prims.matmul))

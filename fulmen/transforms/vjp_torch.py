@@ -15,7 +15,7 @@ from fulmen.core.symbol import Tag
 from fulmen.ops import shape
 from fulmen.ops.registry import SYMBOLS, torch_symbol
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp
-from fulmen.transforms.vjp_prims import matmul_grads
+from fulmen.transforms.vjp_prims import matmul_rule
 
 native_layer_norm = torch_symbol(torch.native_layer_norm)
 native_dropout = torch_symbol(torch.native_dropout, tags=Tag.RANDOM)
@@ -42,17 +42,7 @@ def linear_grad(x, weight, bias=None):
     return y
 
 
-@register_grad(torch.matmul)
-def matmul_grad(a, b):
-    if a.dim() < 2 or b.dim() < 2:
-        return NotImplemented
-    y = torch.matmul(a, b)
-    grad_a, grad_b = matmul_grads(a, b, get_grad(y))
-    if grad_a is not None:
-        put_grad(a, grad_a)
-    if grad_b is not None:
-        put_grad(b, grad_b)
-    return y
+register_grad(torch.matmul)(matmul_rule(torch.matmul))
 
 
 def _softmax_dtype(x, dtype):
