@@ -17,7 +17,7 @@ import fulmen.transforms.vjp_torch  # noqa: F401  (registers the grad rules)
 from fulmen.core.errors import DataDependentError, FulmenError, TraceError, UnsupportedOpError
 from fulmen.core.trace import Trace
 from fulmen.examine import ExamineReport, examine
-from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule
+from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule, core
 from fulmen.options import JitOptions
 from fulmen.transforms.autodiff import get_grad, put_grad, put_grads, register_grad
 
@@ -40,17 +40,9 @@ def jit(fn: Callable[..., Any] | nn.Module, options: JitOptions | None = None) -
     return JittedFunction(fn, options)
 
 
-def _core(fn: JittedFunction | JittedModule) -> JittedFunction:
-    if isinstance(fn, JittedModule):
-        return fn._jit
-    if isinstance(fn, JittedFunction):
-        return fn
-    raise TypeError(f"expected the result of fulmen.jit, got {type(fn).__name__}")
-
-
 def last_traces(fn: JittedFunction | JittedModule) -> list[Trace]:
     """The traces of the last call, in the order the passes produced them (the last one is what ran)."""
-    entry = _core(fn).last_entry
+    entry = core(fn).last_entry
     if entry is None:
         raise RuntimeError("last_traces: the jitted callable has not been called yet")
     return list(entry.traces)
@@ -58,15 +50,15 @@ def last_traces(fn: JittedFunction | JittedModule) -> list[Trace]:
 
 def last_backward_traces(fn: JittedFunction | JittedModule) -> list[Trace]:
     """The backward traces of the last call (empty when it built no backward: no input required grad)."""
-    entry = _core(fn).last_entry
+    entry = core(fn).last_entry
     if entry is None:
         raise RuntimeError("last_backward_traces: the jitted callable has not been called yet")
     return list(entry.backward_traces)
 
 
 def cache_hits(fn: JittedFunction | JittedModule) -> int:
-    return _core(fn).stats.hits
+    return core(fn).stats.hits
 
 
 def cache_misses(fn: JittedFunction | JittedModule) -> int:
-    return _core(fn).stats.misses
+    return core(fn).stats.misses

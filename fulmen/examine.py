@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from fulmen.core.errors import TraceError
 from fulmen.core.trace import TraceBuilder
 from fulmen.jit.acquire import DATA_DEPENDENT, METADATA, Interpreter
-from fulmen.jit.jitted import JittedFunction
+from fulmen.jit.jitted import core
 from fulmen.ops import lookup
 from fulmen.transforms.remat import nbytes
 
@@ -86,7 +86,7 @@ def examine(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExamineReport:
     except TraceError as error:
         report.error = str(error)
         return report
-    program = jitted.last_entry.program if isinstance(jitted, JittedFunction) else jitted._jit.last_entry.program
+    program = core(jitted).last_entry.program
     if program is not None:
         report.saved = [(p.pname, p.type_string(), nbytes(p)) for p in program.plan.saved]
     return report

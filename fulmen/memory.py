@@ -7,8 +7,6 @@ block with a dispatch mode, so it needs no CUDA caching allocator: it works on C
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,7 +16,6 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-@dataclass
 class SavedTensors:
     """Inside the block, records each distinct storage autograd saves for backward.
 
@@ -26,12 +23,9 @@ class SavedTensors:
     does not keep alive any longer than their owners do.
     """
 
-    existing: set[int] = field(default_factory=set)
-    tensors: dict[int, tuple[tuple[int, ...], torch.dtype, int]] = field(default_factory=dict)
-
     def __init__(self, *existing: torch.Tensor) -> None:
         self.existing = {_storage_key(t) for t in existing}
-        self.tensors = {}
+        self.tensors: dict[int, tuple[tuple[int, ...], torch.dtype, int]] = {}  # storage -> shape, dtype, bytes
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -183,7 +183,7 @@ class JittedFunction:
         if self._options.cse:
             traces.append(cse(traces[-1]))
             traces.append(dce(traces[-1]))
-        fn, program = None, None
+        program = None
         if _needs_grad(traces[-1]):
             plan = plan_grad(traces[-1], Interpreter)
             traces.append(plan.forward)
@@ -279,3 +279,12 @@ class JittedModule(nn.Module):
             setattr(model, name, value)  # e.g. `jitted.max_seq_length = 64` configures the wrapped model
         else:
             super().__setattr__(name, value)
+
+
+def core(fn: JittedFunction | JittedModule) -> JittedFunction:
+    """The `JittedFunction` behind the result of `fulmen.jit`."""
+    if isinstance(fn, JittedModule):
+        return fn._jit
+    if isinstance(fn, JittedFunction):
+        return fn
+    raise TypeError(f"expected the result of fulmen.jit, got {type(fn).__name__}")

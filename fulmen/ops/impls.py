@@ -6,10 +6,12 @@ symbol), so traces are pure until the final `prims.copy_` write-backs into the p
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 
 def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
@@ -45,25 +47,13 @@ def view_scatter(
     return out
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`obj` with each tensor replaced by `fn(tensor)`, in the order traces list proxies."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        items = [_map_tensors(item, fn) for item in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, dict):
-        return {key: _map_tensors(value, fn) for key, value in obj.items()}
-    return obj
-
-
 def torch_vjp(fn: Callable[..., Any], args: tuple, kwargs: dict, wrt: tuple[int, ...], cotangents: tuple) -> tuple:
     """Grads of `fn(*args, **kwargs)` for its `wrt`-th tensor arguments, by torch autograd on `fn` itself.
 
     The backward of an op fulmen has no grad rule for: it recomputes the op under autograd and pulls the
     cotangents back through it.
     """
-    position = iter(range(1 << 30))
+    position = itertools.count()
     leaves: list[torch.Tensor] = []
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -73,11 +63,10 @@ def torch_vjp(fn: Callable[..., Any], args: tuple, kwargs: dict, wrt: tuple[int,
         return t
 
     with torch.enable_grad():
-        args, kwargs = _map_tensors((args, kwargs), leaf)
+        args, kwargs = tree_map_only(torch.Tensor, leaf, (args, kwargs))
         out = fn(*args, **kwargs)
-    outs: list[torch.Tensor] = []
-    _map_tensors(out, outs.append)
-    pairs = [(o, g) for o, g in zip([o for o in outs if o.dtype.is_floating_point or o.dtype.is_complex],
-                                    cotangents) if o.requires_grad]
+    floating = [o for o in tree_leaves(out)
+                if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())]
+    pairs = [(o, g) for o, g in zip(floating, cotangents) if o.requires_grad]
     grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))

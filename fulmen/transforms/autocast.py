@@ -9,6 +9,7 @@ it).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +109,7 @@ def cast_arguments(autocast: AutocastPlan, args: tuple, kwargs: dict[str, Any]) 
     if not autocast.casts:
         return args, kwargs
     to = SYMBOLS["torch.Tensor.to"]
-    position = iter(range(1 << 30))
+    position = itertools.count()
 
     def cast(p: TensorProxy) -> TensorProxy:
         dtype = autocast.casts.get(next(position))
@@ -119,11 +120,8 @@ def cast_arguments(autocast: AutocastPlan, args: tuple, kwargs: dict[str, Any]) 
 
 def cast_output(autocast: AutocastPlan, output: Any) -> Any:
     """The op's output converted to the dtype autocast gives it, where the arguments' conversions did not."""
-    first = output[0] if isinstance(output, (tuple, list)) and output else output
-    if autocast.output is None or type(first) is not TensorProxy or first.dtype == autocast.output:
-        return output
-    if first is not output:
-        return output  # several outputs: left as the op gives them
+    if autocast.output is None or type(output) is not TensorProxy or output.dtype == autocast.output:
+        return output  # several outputs are left as the op gives them
     return SYMBOLS["torch.Tensor.to"](output, dtype=autocast.output)
 
 

@@ -273,13 +273,8 @@ class GradTransform:
             forward.append(bsym)
             return
         rule = GRAD_RULES.get(bsym.sym)
-        if rule is not None:
-            recorded = _run_rule(rule, bsym, self.builder, self.interpreter)
-            if recorded is not None:
-                fwd, chunk = _split(recorded, bsym)
-                forward.extend(fwd)
-                chunks.append(chunk)
-                return
+        if rule is not None and self._apply(rule, bsym, forward, chunks):
+            return
         if bsym.subsymbols and not _draws_random(bsym):
             # Differentiate through the decomposition, keeping the composite itself in the forward.
             sub_forward: list[BoundSymbol] = []
@@ -293,10 +288,17 @@ class GradTransform:
             for sub in bsym.subsymbols:
                 self._augment(sub, forward, chunks)
             return
-        recorded = _run_rule(_fallback_rule(bsym), bsym, self.builder, self.interpreter)
+        self._apply(_fallback_rule(bsym), bsym, forward, chunks)
+
+    def _apply(self, rule: GradRule, bsym: BoundSymbol, forward: list[BoundSymbol], chunks: list[Chunk]) -> bool:
+        """Runs `rule` for `bsym`, adding its forward work and its chunk; False when the rule declines."""
+        recorded = _run_rule(rule, bsym, self.builder, self.interpreter)
+        if recorded is None:
+            return False
         fwd, chunk = _split(recorded, bsym)
         forward.extend(fwd)
         chunks.append(chunk)
+        return True
 
 
 def _draws_random(bsym: BoundSymbol) -> bool:
@@ -312,9 +314,9 @@ def substitute(bsym: BoundSymbol, mapping: dict[str, TensorProxy]) -> BoundSymbo
 class BackwardAssembler:
     """Emits the chunks in reverse order, summing cotangents, into the builder's current scope."""
 
-    def __init__(self, builder: TraceBuilder, cotangents: dict[str, TensorProxy]) -> None:
+    def __init__(self, builder: TraceBuilder) -> None:
         self.builder = builder
-        self.cot = dict(cotangents)
+        self.cot: dict[str, TensorProxy] = {}  # forward value -> its cotangent so far
         self.add = SYMBOLS["torch.add"]
         self.zeros = SYMBOLS["torch.zeros"]
 

@@ -32,6 +32,7 @@ class GradPlan:
     chunks: list[Chunk] = field(repr=False)
     producers: dict[str, BoundSymbol] = field(repr=False)
     source: Trace = field(repr=False)
+    _assembled: dict[tuple[bool, ...], tuple] = field(default_factory=dict, repr=False)
 
     @property
     def n_outputs(self) -> int:
@@ -39,10 +40,12 @@ class GradPlan:
 
     def assemble(self, present: tuple[bool, ...]) -> tuple[list[BoundSymbol], list[TensorProxy], tuple]:
         """The backward ops for the outputs whose cotangent is present, their cotangent inputs and the grads."""
+        if present in self._assembled:
+            return self._assembled[present]
         builder = TraceBuilder(namespace=self.source.namespace)
         cotangents: list[TensorProxy] = []
         with builder:
-            assembler = BackwardAssembler(builder, {})
+            assembler = BackwardAssembler(builder)
             for out, wanted in zip(self.source.output, present):
                 if not wanted:
                     continue
@@ -54,7 +57,8 @@ class GradPlan:
             assembler.cot.get(p.pname) if wanted else None for p, wanted in zip(self.source.inputs, self.grad_inputs)
         )
         live = dce(Trace("backward", cotangents, builder.bound_symbols, grads, "", self.source.namespace))
-        return live.bound_symbols, cotangents, grads
+        self._assembled[present] = live.bound_symbols, cotangents, grads
+        return self._assembled[present]
 
     def backward(self, present: tuple[bool, ...]) -> Trace:
         """The backward trace for the outputs whose cotangent is present (a subset of the differentiable ones)."""
@@ -120,13 +124,13 @@ def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any]) 
     forward_needs = {name for b in computed.bound_symbols for name in b.output_names()}
     outputs = {p.pname for p in trace.output if type(p) is TensorProxy}
     saved_names = choose_saved(joint.forward, trace.inputs, outputs, needed, forward_needs)
-    order = [p for p in trace.inputs] + [o for b in joint.forward for o in b.proxy_outputs()]
+    order = list(trace.inputs) + [o for b in joint.forward for o in b.proxy_outputs()]
     saved, seen = [], set()
     for proxy in order:
         if proxy.pname in saved_names and proxy.pname not in seen:
             seen.add(proxy.pname)
             saved.append(proxy)
-    forward = trace.from_trace("Forward (fulmen grad transform)", bound_symbols=joint.forward,
-                               output=tuple(trace.output) + tuple(saved))
-    forward = dce(forward).from_trace("Forward (fulmen grad transform)")
-    return GradPlan(forward, saved, differentiable, grad_inputs, joint.chunks, producers, trace)
+    forward = dce(trace.from_trace("", bound_symbols=joint.forward, output=tuple(trace.output) + tuple(saved)))
+    # The final plan reuses the draft's assembly of the full backward.
+    return GradPlan(forward.from_trace("Forward (fulmen grad transform)"), saved, differentiable, grad_inputs,
+                    joint.chunks, producers, trace, draft._assembled)

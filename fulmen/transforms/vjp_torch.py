@@ -45,38 +45,27 @@ def linear_grad(x, weight, bias=None):
 register_grad(torch.matmul)(matmul_rule(torch.matmul))
 
 
-def _softmax_dtype(x, dtype):
-    return dtype if dtype is not None else x.dtype
+# Grads of softmax and log_softmax from their output `y` and its cotangent `g`.
+SOFTMAX_VJPS = {
+    F.softmax: lambda y, g, dim: y * (g - (g * y).sum(dim, keepdim=True)),
+    F.log_softmax: lambda y, g, dim: g - torch.exp(y) * g.sum(dim, keepdim=True),
+}
 
 
-@register_grad(F.softmax)
-def softmax_grad(x, dim=None, _stacklevel=3, dtype=None):
-    if dim is None:
-        return NotImplemented
-    y = F.softmax(x, dim, dtype=dtype)
-    g = get_grad(y)
-    put_grad(x, (y * (g - (g * y).sum(dim, keepdim=True))).to(x.dtype))
-    return y
+def _softmax_rule(fn, vjp):
+    def rule(x, dim=None, _stacklevel=3, dtype=None):
+        if dim is None:
+            return NotImplemented
+        y = fn(x, dim, dtype=dtype)
+        put_grad(x, vjp(y, get_grad(y), dim).to(x.dtype))
+        return y
+
+    return rule
 
 
-@register_grad(torch.softmax)
-def torch_softmax_grad(x, dim, dtype=None):
-    return softmax_grad(x, dim, dtype=dtype)
-
-
-@register_grad(F.log_softmax)
-def log_softmax_grad(x, dim=None, _stacklevel=3, dtype=None):
-    if dim is None:
-        return NotImplemented
-    y = F.log_softmax(x, dim, dtype=dtype)
-    g = get_grad(y)
-    put_grad(x, (g - torch.exp(y) * g.sum(dim, keepdim=True)).to(x.dtype))
-    return y
-
-
-@register_grad(torch.log_softmax)
-def torch_log_softmax_grad(x, dim, dtype=None):
-    return log_softmax_grad(x, dim, dtype=dtype)
+for _fn, _torch_fn in ((F.softmax, torch.softmax), (F.log_softmax, torch.log_softmax)):
+    _rule = register_grad(_fn)(_softmax_rule(_fn, SOFTMAX_VJPS[_fn]))
+    register_grad(_torch_fn)(lambda x, dim, dtype=None, rule=_rule: rule(x, dim, dtype=dtype))
 
 
 @register_grad(F.cross_entropy)

@@ -62,14 +62,18 @@ def supported_opinfos() -> list:
     return chosen
 
 
-def cases() -> Iterator[Case]:
-    for opinfo in supported_opinfos():
+def _samples(opinfos, dtype: torch.dtype, requires_grad: bool, limit: int) -> Iterator[Case]:
+    for opinfo in opinfos:
         name = opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
-        samples = opinfo.sample_inputs("cpu", torch.float32, requires_grad=False)
+        samples = opinfo.sample_inputs("cpu", dtype, requires_grad=requires_grad)
         for index, sample in enumerate(samples):
-            if index >= SAMPLES_PER_OP:
+            if index >= limit:
                 break
             yield Case(name, opinfo, index, sample)
+
+
+def cases() -> Iterator[Case]:
+    return _samples(supported_opinfos(), torch.float32, False, SAMPLES_PER_OP)
 
 
 def run_case(case: Case) -> None:
@@ -100,15 +104,9 @@ def vjp_xfail_reason(case: Case) -> str | None:
 
 
 def vjp_cases() -> Iterator[Case]:
-    for opinfo in supported_opinfos():
-        if not opinfo.supports_autograd or torch.float64 not in opinfo.supported_dtypes("cpu"):
-            continue
-        name = opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
-        samples = opinfo.sample_inputs("cpu", torch.float64, requires_grad=True)
-        for index, sample in enumerate(samples):
-            if index >= VJP_SAMPLES_PER_OP:
-                break
-            yield Case(name, opinfo, index, sample)
+    differentiable = [o for o in supported_opinfos()
+                      if o.supports_autograd and torch.float64 in o.supported_dtypes("cpu")]
+    return _samples(differentiable, torch.float64, True, VJP_SAMPLES_PER_OP)
 
 
 class NotDifferentiable(Exception):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,9 +163,17 @@ def test_backward_trace_frees_saved_tensors_as_it_goes():
     jitted(*args).backward()
     text = fulmen.last_backward_traces(jitted)[-1].python()
     assert "def backward(saved, cotangents):" in text and "saved.clear()" in text
+    lines = text.splitlines()
+    deleted_at = {name: i for i, line in enumerate(lines) if line.strip().startswith("del ")
+                  for name in line.strip()[4:].split(", ")}
+    returned_at = next(i for i, line in enumerate(lines) if line.strip().startswith("return "))
     saved = [p.pname for p in jitted.last_entry.program.plan.saved]
-    for name in saved:  # every saved tensor is deleted right after its last use
-        assert f"del {name}" in text or f", {name}" in text.split("del ", 1)[-1]
+    assert saved
+    for name in saved:  # every saved tensor is deleted after its last use, before the backward returns
+        assert name in deleted_at and deleted_at[name] < returned_at, name
+        used = re.compile(rf"\b{name}\b")
+        last_use = max(i for i, line in enumerate(lines[: deleted_at[name]]) if used.search(line.split("#")[0]))
+        assert last_use == deleted_at[name] - 1 or lines[last_use + 1].strip().startswith(("del ", "#")), name
 
 
 def test_custom_grad_rule_with_get_grad_and_put_grad():
