@@ -7,37 +7,49 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 
 import fulmen.ops  # noqa: F401  (registers the torch-level symbols)
 import fulmen.transforms.vjp_torch  # noqa: F401  (registers the grad rules)
+from fulmen import extend, torch  # noqa: F401  (public namespaces: fulmen.extend, fulmen.torch)
 from fulmen.core.errors import DataDependentError, FulmenError, TraceError, UnsupportedOpError
+from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace
 from fulmen.examine import ExamineReport, examine
+from fulmen.executors.base import Executor
+from fulmen.executors.registry import get_default_executors, get_executor
+from fulmen.executors.registry import resolve as resolve_executors
 from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule, core
 from fulmen.options import JitOptions
 from fulmen.transforms.autodiff import get_grad, put_grad, put_grads, register_grad
 
 __all__ = [
     "CacheStats", "DataDependentError", "ExamineReport", "FulmenError", "JitOptions", "JittedFunction",
-    "JittedModule", "Trace", "TraceError", "UnsupportedOpError", "cache_hits", "cache_misses", "examine", "jit",
-    "get_grad", "last_backward_traces", "last_traces", "put_grad", "put_grads", "register_grad",
+    "JittedModule", "TensorProxy", "Trace", "TraceError", "UnsupportedOpError", "cache_hits", "cache_misses",
+    "examine", "extend", "get_default_executors", "get_executor", "get_grad", "jit", "last_backward_traces",
+    "last_traces", "put_grad", "put_grads", "register_grad", "torch",
 ]
 
 
-def jit(fn: Callable[..., Any] | nn.Module, options: JitOptions | None = None) -> JittedFunction | JittedModule:
-    """Acquires `fn` (a function or an `nn.Module`) into traces on its first call and runs them after."""
+def jit(fn: Callable[..., Any] | nn.Module, executors: Sequence[Executor | str] | None = None,
+        options: JitOptions | None = None) -> JittedFunction | JittedModule:
+    """Acquires `fn` (a function or an `nn.Module`) into traces on its first call and runs them after.
+
+    `executors` is a priority list of executor objects or names (default: `get_default_executors()`); the torch
+    executor always comes last.
+    """
     options = options or JitOptions()
+    resolved = resolve_executors(executors)
     if isinstance(fn, JittedModule | JittedFunction):
         return fn
     if isinstance(fn, nn.Module):
-        return JittedModule(fn, options)
+        return JittedModule(fn, options, resolved)
     if not callable(fn):
         raise TypeError(f"fulmen.jit expects a function or an nn.Module, got {type(fn).__name__}")
-    return JittedFunction(fn, options)
+    return JittedFunction(fn, options, executors=resolved)
 
 
 def last_traces(fn: JittedFunction | JittedModule) -> list[Trace]:

@@ -71,6 +71,10 @@ def render(obj: Any) -> str:
         return "{" + ", ".join(f"{render(k)}: {render(v)}" for k, v in obj.items()) + "}"
     if isinstance(obj, torch.layout):
         return str(obj)
+    if isinstance(obj, torch.nn.Module):
+        # `self` of a replaced method (fulmen.extend): such calls are claimed or descend to their parts before a
+        # trace runs, so the name only has to be readable and distinct per module (CSE must not merge modules).
+        return f"module_{type(obj).__name__}_{id(obj):x}"
     if isinstance(obj, Symbol):  # a symbol passed as data (torch_vjp's function)
         return obj.printed
     if callable(obj) and resolve_name(obj) is not None:  # a torch callable passed as data (view_scatter's view)
@@ -135,15 +139,20 @@ def _imports(trace: Trace, print_depth: int) -> list[str]:
             for item in obj.values():
                 yield from symbols_in(item)
 
+    from_executors: dict[str, str] = {}
+
     def visit(bsyms: list[BoundSymbol], depth: int) -> None:
         for bsym in bsyms:
+            if bsym.sym.executor is not None:
+                from_executors[bsym.sym.printed] = bsym.sym.executor.name
             roots.add(bsym.sym.printed.split(".", 1)[0])
             roots.update(sym.printed.split(".", 1)[0] for sym in symbols_in(bsym.args))
             if depth > 0:
                 visit(bsym.subsymbols, depth - 1)
 
     visit(trace.bound_symbols, print_depth)
-    return sorted(IMPORTS[root] for root in roots if root in IMPORTS)
+    lines = sorted(IMPORTS[root] for root in roots if root in IMPORTS)
+    return lines + [f"# {name}: from executor {owner!r}" for name, owner in sorted(from_executors.items())]
 
 
 def trace_source(trace: Trace, print_depth: int = 0, include_sources: bool = True) -> PythonSource:
@@ -195,6 +204,9 @@ def compile_trace(trace: Trace) -> Callable[..., Any]:
     filename = f"<fulmen trace {next(_counter)}: {trace.provenance}>"
     # Registered so tracebacks through the generated code show its lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace: dict[str, Any] = {}
+    # Executor symbols (custom operators, fusion regions) are not importable by name: they enter as globals.
+    namespace: dict[str, Any] = {
+        bsym.sym.printed: bsym.sym.impl for bsym in trace.bound_symbols if bsym.sym.executor is not None
+    }
     exec(compile(source, filename, "exec"), namespace)
     return namespace[trace.name]

@@ -25,7 +25,16 @@ class TensorProxy(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, name: str, meta: torch.Tensor, device: torch.device, requires_grad: bool = False):
+    def __new__(cls, name: str | None = None, meta: torch.Tensor | None = None, device: torch.device | None = None,
+                requires_grad: bool = False, *, like: TensorProxy | None = None, shape=None,
+                dtype: torch.dtype | None = None):
+        if like is not None:
+            # A template, as an operator's `like=` function returns it: the symbol's binding names it.
+            meta = torch.empty(tuple(like.shape) if shape is None else tuple(shape), dtype=dtype or like.dtype,
+                               device="meta")
+            name, device = name or "template", like.device
+        elif name is None or meta is None or device is None:
+            raise TypeError("TensorProxy(name, meta, device) or TensorProxy(like=proxy, shape=..., dtype=...)")
         proxy = torch.Tensor._make_wrapper_subclass(
             cls,
             meta.shape,

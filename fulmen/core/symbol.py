@@ -44,6 +44,8 @@ class Symbol:
     # Computes output metadata; None means "run `impl` on meta tensors" (torch's own meta kernels).
     meta: Callable[..., Any] | None = None
     tags: Tag = Tag.NONE
+    # The operator executor that registered this symbol (fulmen.extend); None for fulmen's own symbols.
+    executor: Any = None
 
     def __call__(self, *args, **kwargs):
         builder = current_builder()
@@ -65,6 +67,8 @@ class BoundSymbol:
     source: SourceLocation | None = None
     # Which torch.utils.checkpoint.checkpoint call the op ran in (0: none): its values are recomputed, not saved.
     checkpoint_region: int = 0
+    # The executor that runs this call (set by the transform for execution).
+    executor: Any = None
 
     def from_bsym(self, **changes) -> BoundSymbol:
         return replace(self, **changes)

@@ -164,6 +164,11 @@ class TraceBuilder(Builder):
                 BoundSymbol(sym, args, kwargs, output, subsymbols, self.source, self.checkpoint_region))
         return output
 
+    def bind_meta(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The outputs `sym`'s meta function gives for these arguments, without recording a call."""
+        with torch._C.DisableTorchFunction():
+            return sym.meta(self, *args, **kwargs)
+
     def _decompose(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], output: Any) -> list[BoundSymbol]:
         self.scopes.append([])
         try:

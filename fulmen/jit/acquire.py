@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
-from fulmen.core.symbol import Symbol
+from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.ops import lookup, shape
@@ -81,6 +81,7 @@ class Interpreter(TorchFunctionMode):
         self._constant_ids: dict[int, TensorProxy] = {}
         self.ops_seen: list[str] = []
         self._pinned: list[Any] = []  # while a grad rule runs, its ops carry the differentiated op's source line
+        self.replaced: dict[Callable[..., Any], Symbol] = {}  # torch callables an active executor replaces
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
             T.__setitem__: self._setitem,
             T.copy_: self._copy_,
@@ -128,14 +129,52 @@ class Interpreter(TorchFunctionMode):
         if special is not None:
             return special(*args, **kwargs)
         binding = lookup(func)
+        replacement = self.replaced.get(func)
+        if replacement is not None and binding is not None and not binding.inplace:
+            return self.record_replacement(replacement, lambda: self._dispatch(func, binding, args, kwargs),
+                                           args, kwargs)
+        return self._dispatch(func, binding, args, kwargs)
+
+    def _dispatch(self, func: Callable[..., Any], binding: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        location = self.builder.source
         if binding is None:
             raise UnsupportedOpError(f"fulmen does not support {_describe(func)} (no symbol for it)", location)
         if kwargs.get("out") is not None:
             raise UnsupportedOpError(f"fulmen does not support the out= argument of {_describe(func)}", location)
         kwargs.pop("out", None)
+        if binding.normalize is not None:
+            args, kwargs = binding.normalize(*args, **kwargs)
         if binding.inplace:
             return self._inplace(binding.symbol, args, kwargs)
         return self._record(binding.symbol, args, kwargs)
+
+    def record_replacement(self, sym: Symbol, call_original: Callable[[], Any], args: tuple,
+                           kwargs: dict[str, Any]) -> Any:
+        """Records a call of a replaced function as `sym`, keeping the original's ops as its parts."""
+        location = user_location()
+        values, kwvalues = self._values(args), self._values(kwargs)
+        builder = self.builder
+        builder.scopes.append([])
+        try:
+            result = call_original()
+        finally:
+            parts = builder.scopes.pop()
+        expected = builder.bind_meta(sym, values, kwvalues) if sym.meta is not None else result
+        got, want = list(iter_proxies(result)), list(iter_proxies(expected))
+        if [(tuple(p.shape), p.dtype) for p in got] != [(tuple(p.shape), p.dtype) for p in want]:
+            raise TraceError(
+                f"operator {sym.name} replaces a function that returned {[p.type_string() for p in got]}, but its "
+                f"like= function says {[p.type_string() for p in want]}", location)
+        produced = {name for bsym in parts for name in bsym.output_names()}
+        for proxy in got:
+            if proxy.pname not in produced:  # the original returned an input: the operator's output aliases it
+                alias = builder.make_proxy(proxy.meta, proxy.device, proxy.requires_grad)
+                parts.append(BoundSymbol(builder.alias_symbol, (proxy,), {}, alias, [], location))
+                result = map_proxies(result, lambda p, old=proxy, new=alias: new if p is old else p)
+        builder.scopes[-1].append(BoundSymbol(sym, tuple(values), kwvalues, result, parts, location,
+                                              builder.checkpoint_region))
+        builder.source = location
+        return result
 
     @contextlib.contextmanager
     def rule_mode(self, source: Any) -> Iterator[None]:

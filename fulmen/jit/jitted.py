@@ -14,12 +14,14 @@ from torch import nn
 from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.executors.torch_eager import claim_all
+from fulmen.executors.base import Executor
+from fulmen.executors.passes import transform_for_execution
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.bridge import FulmenFunction, GradProgram
 from fulmen.jit.guards import global_state_key, tensor_key
 from fulmen.jit.lookasides import function_lookasides
 from fulmen.jit.overrides import AttributeGuard, ModuleInput, ShadowTree, build_shadow
+from fulmen.jit.replacements import replacements
 from fulmen.ops import prims
 from fulmen.options import JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
@@ -86,26 +88,28 @@ def _needs_grad(trace: Trace) -> bool:
         isinstance(out, TensorProxy) and out.requires_grad for out in trace.output)
 
 
-def _for_execution(trace: Trace) -> list[Trace]:
-    claimed = claim_all(trace)
+def _for_execution(trace: Trace, executors: tuple[Executor, ...]) -> list[Trace]:
+    claimed = transform_for_execution(trace, executors, Interpreter)
     return [claimed, delete_last_used(claimed)]
 
 
-def _finalize_backward(trace: Trace) -> list[Trace]:
+def _finalize_backward(executors: tuple[Executor, ...], trace: Trace) -> list[Trace]:
     traces = [trace, dce(trace)]
     traces.append(cse(traces[-1]))
     traces.append(dce(traces[-1]))
-    traces.extend(_for_execution(traces[-1]))
+    traces.extend(_for_execution(traces[-1], executors))
     return traces
 
 
 class JittedFunction:
     """A callable that runs `fn` through its cached, compiled traces."""
 
-    def __init__(self, fn: Callable[..., Any], options: JitOptions, module: nn.Module | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], options: JitOptions, module: nn.Module | None = None,
+                 executors: tuple[Executor, ...] = ()) -> None:
         self._fn = fn
         self._module = module
         self._options = options
+        self.executors = executors
         self._cache: dict[Any, list[CacheEntry]] = {}
         self._module_inputs: list[ModuleInput] = []
         self.stats = CacheStats()
@@ -171,7 +175,7 @@ class JittedFunction:
             )
             target = tree.root
             self._module_inputs = tree.inputs
-        with builder, interpreter, function_lookasides(builder):
+        with builder, interpreter, function_lookasides(builder), replacements(self.executors, interpreter):
             result = target(*proxy_args, **proxy_kwargs)
         with builder:
             entry_parts = self._outputs(result, proxies, tree, interpreter)
@@ -185,14 +189,15 @@ class JittedFunction:
             traces.append(dce(traces[-1]))
         program = None
         if _needs_grad(traces[-1]):
-            plan = plan_grad(traces[-1], Interpreter)
+            plan = plan_grad(traces[-1], Interpreter, self.executors)
             traces.append(plan.forward)
-            traces.extend(_for_execution(plan.forward))
-            program = GradProgram(plan, traces[-1].python_callable(), _finalize_backward,
-                                  _finalize_backward(plan.backward(plan.differentiable)), autocast_enabled())
+            traces.extend(_for_execution(plan.forward, self.executors))
+            finalize = functools.partial(_finalize_backward, self.executors)
+            program = GradProgram(plan, traces[-1].python_callable(), finalize,
+                                  finalize(plan.backward(plan.differentiable)), autocast_enabled())
             fn = functools.partial(FulmenFunction.apply, program)
         else:
-            traces.extend(_for_execution(traces[-1]))
+            traces.extend(_for_execution(traces[-1], self.executors))
             fn = traces[-1].python_callable()
         if autocast_enabled():
             fn = without_autocast(fn)
@@ -247,10 +252,10 @@ class JittedModule(nn.Module):
     optimizers, Fabric and checkpoints see the original module.
     """
 
-    def __init__(self, model: nn.Module, options: JitOptions) -> None:
+    def __init__(self, model: nn.Module, options: JitOptions, executors: tuple[Executor, ...] = ()) -> None:
         super().__init__()
         self._model = model
-        self._jit = JittedFunction(model.forward, options, module=model)
+        self._jit = JittedFunction(model.forward, options, module=model, executors=executors)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._jit(*args, **kwargs)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fulmen.ops import prims
-from fulmen.ops.registry import method, torch_symbol
+from fulmen.ops.registry import TorchBinding, bind, method, torch_symbol
 from fulmen.ops.utils import canonical_dim, convert, expand_to, keepdim_shape, to_float
 
 
@@ -65,12 +65,20 @@ def log_softmax_decomposition(x, dim=None, _stacklevel=3, dtype=None) -> Any:
     return prims.sub(shifted, expand_to(prims.log(total), x.shape))
 
 
-torch_symbol(F.softmax, decomposition=softmax_decomposition)
-torch_symbol(torch.softmax, decomposition=lambda x, dim, dtype=None: softmax_decomposition(x, dim, dtype=dtype),
-             aliases=(method("softmax"), torch.special.softmax))
-torch_symbol(F.log_softmax, decomposition=log_softmax_decomposition)
-torch_symbol(torch.log_softmax, decomposition=lambda x, dim, dtype=None: log_softmax_decomposition(x, dim, dtype=dtype),
-             aliases=(method("log_softmax"), torch.special.log_softmax))
+def _functional_softmax_args(input, dim=None, _stacklevel=3, dtype=None) -> tuple[tuple, dict[str, Any]]:
+    if dim is None:  # torch's deprecated implicit dim
+        dim = 0 if input.dim() in (0, 1, 3) else 1
+    return (input, dim), ({"dtype": dtype} if dtype is not None else {})
+
+
+_softmax = torch_symbol(
+    torch.softmax, decomposition=lambda x, dim, dtype=None: softmax_decomposition(x, dim, dtype=dtype),
+    aliases=(method("softmax"), torch.special.softmax))
+_log_softmax = torch_symbol(
+    torch.log_softmax, decomposition=lambda x, dim, dtype=None: log_softmax_decomposition(x, dim, dtype=dtype),
+    aliases=(method("log_softmax"), torch.special.log_softmax))
+bind(F.softmax, TorchBinding(_softmax, normalize=_functional_softmax_args))
+bind(F.log_softmax, TorchBinding(_log_softmax, normalize=_functional_softmax_args))
 
 
 def _normalize(x, normalized_shape, eps, *, center: bool):

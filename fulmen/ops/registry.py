@@ -23,6 +23,9 @@ from fulmen.core.symbol import Symbol, Tag
 class TorchBinding:
     symbol: Symbol
     inplace: bool = False  # `a.add_(b)` records `add(a, b)` and rebinds `a`
+    # Maps another spelling's arguments onto the symbol's signature (`F.softmax(x, dim=d)` records
+    # `torch.softmax(x, d)`), so one op has one symbol: one grad rule, one place for executors to claim it.
+    normalize: Callable[..., tuple[tuple, dict[str, Any]]] | None = None
 
 
 TORCH_BINDINGS: dict[Callable[..., Any], TorchBinding] = {}

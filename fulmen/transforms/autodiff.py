@@ -34,6 +34,7 @@ from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.ops import impls, lookup
 from fulmen.ops.registry import SYMBOLS, impl_symbol
+from fulmen.transforms.recording import record_call
 
 GradRule = Callable[..., Any]
 
@@ -143,6 +144,9 @@ STORAGE_OPS = frozenset({"torch.as_strided", "torch.Tensor.as_strided", "torch.a
 
 
 def _fallback_rule(bsym: BoundSymbol) -> GradRule:
+    if bsym.sym.executor is not None:
+        raise TraceError(f"operator {bsym.sym.name} of executor {bsym.sym.executor.name!r} has no grad: give it a "
+                         "grad_transform with register_implementation", bsym.source)
     if bsym.sym.tags & Tag.RANDOM:
         raise TraceError(f"fulmen has no grad rule for the random op {bsym.sym.printed}", bsym.source)
     if bsym.sym.printed in STORAGE_OPS:
@@ -189,36 +193,12 @@ def _differentiable(p: Any) -> bool:
 
 def _run_rule(rule: GradRule, bsym: BoundSymbol, builder: TraceBuilder, interpreter) -> list[BoundSymbol] | None:
     """Runs `rule` on the arguments of `bsym`; returns what it recorded, with its results named as bsym's outputs."""
-    inputs = {p.pname for p in bsym.proxy_args()}
-    _ACTIVE.append(_RuleScope(bsym, inputs))
-    builder.scopes.append([])
-    builder.source = bsym.source
-    builder.checkpoint_region = bsym.checkpoint_region  # a checkpointed op's forward stays checkpointed
+    _ACTIVE.append(_RuleScope(bsym, {p.pname for p in bsym.proxy_args()}))
     try:
-        with interpreter.rule_mode(bsym.source):
-            result = rule(*bsym.args, **bsym.kwargs)
-    except TraceError:
-        raise
-    except Exception as error:
-        raise TraceError(f"the grad rule of {bsym.sym.printed} failed: {type(error).__name__}: {error}",
-                         bsym.source) from error
+        return record_call(rule, bsym, builder, interpreter, f"the grad rule of {bsym.sym.printed}",
+                           may_return_inputs=False)
     finally:
-        recorded = builder.scopes.pop()
-        builder.checkpoint_region = 0
         _ACTIVE.pop()
-    if result is NotImplemented:
-        return None
-    results, outputs = list(iter_proxies(result)), bsym.proxy_outputs()
-    if len(results) != len(outputs):
-        raise TraceError(f"the grad rule of {bsym.sym.printed} returned {len(results)} tensors, "
-                         f"the symbol gives {len(outputs)}", bsym.source)
-    produced = {name for b in recorded for name in b.output_names()}
-    for res, out in zip(results, outputs):
-        if res.pname not in produced:
-            raise TraceError(f"the grad rule of {bsym.sym.printed} must compute its outputs, not return its "
-                             f"input {res.pname}", bsym.source)
-        res.pname = out.pname  # the rule's results are the symbol's outputs
-    return recorded
 
 
 def _split(recorded: list[BoundSymbol], targets_from: BoundSymbol) -> tuple[list[BoundSymbol], Chunk]:
@@ -244,10 +224,22 @@ def _split(recorded: list[BoundSymbol], targets_from: BoundSymbol) -> tuple[list
 class GradTransform:
     """Builds the joint program of a forward trace."""
 
-    def __init__(self, trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any]) -> None:
+    def __init__(self, trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any],
+                 executors: tuple[Any, ...] = ()) -> None:
         self.builder = TraceBuilder(namespace=trace.namespace)
         self.interpreter = interpreter_factory(self.builder)
         self.trace = trace
+        self.executors = executors
+
+    def _rules(self, bsym: BoundSymbol):
+        """The grad rules to try for `bsym`: active executors' grad_transforms in priority order, then fulmen's."""
+        for executor in self.executors:
+            rule = executor.grad_rule(bsym)
+            if rule is not None:
+                yield rule
+        rule = GRAD_RULES.get(bsym.sym)
+        if rule is not None:
+            yield rule
 
     def joint(self) -> Joint:
         forward: list[BoundSymbol] = []
@@ -272,8 +264,7 @@ class GradTransform:
         if not needs_grad:
             forward.append(bsym)
             return
-        rule = GRAD_RULES.get(bsym.sym)
-        if rule is not None and self._apply(rule, bsym, forward, chunks):
+        if any(self._apply(rule, bsym, forward, chunks) for rule in self._rules(bsym)):
             return
         if bsym.subsymbols and not _draws_random(bsym):
             # Differentiate through the decomposition, keeping the composite itself in the forward.

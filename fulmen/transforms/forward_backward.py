@@ -108,9 +108,10 @@ def _external_reads(bsyms: list[BoundSymbol], outputs: tuple, given: set[str]) -
     return reads
 
 
-def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any]) -> GradPlan:
+def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any],
+              executors: tuple[Any, ...] = ()) -> GradPlan:
     """Differentiates `trace` with respect to its inputs that require grad, and splits it."""
-    joint = GradTransform(trace, interpreter_factory).joint()
+    joint = GradTransform(trace, interpreter_factory, executors).joint()
     input_names = {p.pname for p in trace.inputs}
     differentiable = tuple(
         type(out) is TensorProxy and out.requires_grad and out.pname not in input_names for out in trace.output

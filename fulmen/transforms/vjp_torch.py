@@ -47,15 +47,13 @@ register_grad(torch.matmul)(matmul_rule(torch.matmul))
 
 # Grads of softmax and log_softmax from their output `y` and its cotangent `g`.
 SOFTMAX_VJPS = {
-    F.softmax: lambda y, g, dim: y * (g - (g * y).sum(dim, keepdim=True)),
-    F.log_softmax: lambda y, g, dim: g - torch.exp(y) * g.sum(dim, keepdim=True),
+    torch.softmax: lambda y, g, dim: y * (g - (g * y).sum(dim, keepdim=True)),
+    torch.log_softmax: lambda y, g, dim: g - torch.exp(y) * g.sum(dim, keepdim=True),
 }
 
 
 def _softmax_rule(fn, vjp):
-    def rule(x, dim=None, _stacklevel=3, dtype=None):
-        if dim is None:
-            return NotImplemented
+    def rule(x, dim, dtype=None):
         y = fn(x, dim, dtype=dtype)
         put_grad(x, vjp(y, get_grad(y), dim).to(x.dtype))
         return y
@@ -63,9 +61,8 @@ def _softmax_rule(fn, vjp):
     return rule
 
 
-for _fn, _torch_fn in ((F.softmax, torch.softmax), (F.log_softmax, torch.log_softmax)):
-    _rule = register_grad(_fn)(_softmax_rule(_fn, SOFTMAX_VJPS[_fn]))
-    register_grad(_torch_fn)(lambda x, dim, dtype=None, rule=_rule: rule(x, dim, dtype=dtype))
+for _fn, _vjp in SOFTMAX_VJPS.items():
+    register_grad(_fn)(_softmax_rule(_fn, _vjp))
 
 
 @register_grad(F.cross_entropy)

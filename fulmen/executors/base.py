@@ -1,0 +1,193 @@
+"""Executor objects: who may run which symbols of a final trace.
+
+An executor list is a priority order. For each call in a trace the first executor that can run it claims it:
+
+* an `OperatorExecutor` runs its own operators (`register_operator`) and the symbols it has an implementation
+  for (`register_implementation`), when the implementation's checker accepts the call's arguments; an
+  implementation with an `execution_transform` replaces the call by the transform's program, whose calls are
+  claimed in turn; one with a `grad_transform` is the symbol's grad rule while the executor is active.
+* a `FusionExecutor` sees the trace after the calls are claimed and groups the calls it can fuse, among those
+  no earlier executor claimed, into regions it compiles.
+* the torch executor (always last) runs every symbol fulmen defines with its torch callable.
+
+A call nobody claims descends to its parts (a composite's decomposition); a leaf nobody claims is an error.
+"""
+
+from __future__ import annotations
+
+import keyword
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies
+from fulmen.core.trace import TraceBuilder
+from fulmen.ops import lookup
+
+
+class Executor:
+    """An executor: a name, unique among registered executors."""
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an executor name must be a non-empty string, got {name!r}")
+        self.name = name
+
+    def claims(self, bsym: BoundSymbol) -> Implementation | None:
+        """How this executor runs `bsym`, or None when it cannot."""
+        return None
+
+    def grad_rule(self, bsym: BoundSymbol) -> Callable[..., Any] | None:
+        """A grad rule this executor has for `bsym` (its implementation's grad_transform), if any."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+@dataclass(frozen=True, slots=True)
+class Implementation:
+    """How an executor runs a symbol. Without an execution_transform it runs the symbol's own callable."""
+
+    checker: Callable[..., bool] | None = None
+    execution_transform: Callable[..., Any] | None = None
+    grad_transform: Callable[..., Any] | None = None
+
+    def accepts(self, bsym: BoundSymbol) -> bool:
+        return self.checker is None or bool(self.checker(*bsym.args, **bsym.kwargs))
+
+
+DIRECT = Implementation()
+
+# Operator names print as globals of the generated code: unique over all executors.
+_OPERATOR_NAMES: dict[str, Symbol] = {}
+
+
+def _templates_to_metas(obj: Any) -> Any:
+    if type(obj) is TensorProxy:
+        return obj.meta
+    if isinstance(obj, list):
+        return [_templates_to_metas(item) for item in obj]
+    if isinstance(obj, tuple):
+        return tuple(_templates_to_metas(item) for item in obj)
+    return obj
+
+
+def _template_meta(name: str, like: Callable[..., Any]) -> Callable[..., Any]:
+    """A symbol meta from a `like` function that returns TensorProxy templates."""
+
+    def meta(builder: TraceBuilder, *args: Any, **kwargs: Any) -> Any:
+        templates = like(*args, **kwargs)
+        proxies = list(iter_proxies(templates))
+        if not proxies:
+            raise TypeError(f"the like= function of operator {name} must return TensorProxy templates, "
+                            f"got {templates!r}")
+        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in iter_proxies((args, kwargs)))
+        return builder.wrap_outputs(_templates_to_metas(templates), proxies[0].device, requires_grad)
+
+    return meta
+
+
+class OperatorExecutor(Executor):
+    """An executor of individual operators: custom kernels and replacements of torch symbols or user functions."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.implementations: dict[Symbol, Implementation] = {}
+        self.operators: dict[str, Symbol] = {}
+        # replaced callable -> the operator recorded in its place while this executor is active
+        self.replacements: dict[Callable[..., Any], Symbol] = {}
+
+    def register_operator(
+        self,
+        name: str,
+        *,
+        like: Callable[..., Any] | None = None,
+        meta: Callable[..., Any] | None = None,
+        fn: Callable[..., Any],
+        replaces: Callable[..., Any] | None = None,
+    ) -> Symbol:
+        """A new symbol run by this executor with `fn`; its outputs are described by `like` (or `meta`), a function
+        of the symbol's arguments returning `TensorProxy(like=x, shape=..., dtype=...)` templates (without either,
+        `fn` runs on meta tensors to find them).
+
+        With `replaces=`, calls to that function (a torch function, a function of the user's program or a method
+        such as `NewGELU.forward`) are acquired as this symbol while this executor is in the executor list; the
+        call keeps the torch ops of the original as its parts, so it descends to them when nothing claims it.
+        """
+        if like is not None and meta is not None:
+            raise ValueError(f"register_operator({name!r}): give like= or meta=, not both")
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"register_operator: {name!r} is not a valid Python identifier (traces print it)")
+        if name in _OPERATOR_NAMES:
+            owner = _OPERATOR_NAMES[name].executor
+            raise ValueError(f"an operator named {name!r} is already registered by executor {owner.name!r}")
+        if not callable(fn):
+            raise TypeError(f"register_operator({name!r}): fn must be callable, got {fn!r}")
+        shapes = like or meta
+        # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
+        sym = Symbol(name=name, printed=name, impl=fn, meta=_template_meta(name, shapes) if shapes else None,
+                     executor=self)
+        _OPERATOR_NAMES[name] = sym
+        self.operators[name] = sym
+        if replaces is not None:
+            if not callable(replaces):
+                raise TypeError(f"register_operator({name!r}): replaces= must be a function, got {replaces!r}")
+            if replaces in self.replacements:
+                raise ValueError(f"executor {self.name!r} already replaces {replaces!r} by "
+                                 f"{self.replacements[replaces].name}")
+            self.replacements[replaces] = sym
+        return sym
+
+    def register_implementation(
+        self,
+        sym: Symbol | Callable[..., Any],
+        *,
+        checker: Callable[..., bool] | None = None,
+        execution_transform: Callable[..., Any] | None = None,
+        grad_transform: Callable[..., Any] | None = None,
+    ) -> None:
+        """Lets this executor run `sym` (a symbol, e.g. `fulmen.torch.softmax`, or a torch callable) when `checker`
+        accepts the call's arguments: by `execution_transform` (a program of other symbols with the same signature)
+        or, without one, by the symbol's own callable; `grad_transform` is then its grad rule."""
+        if not isinstance(sym, Symbol):
+            binding = lookup(sym)
+            if binding is None:
+                raise ValueError(f"register_implementation: {sym!r} is neither a symbol nor a torch callable "
+                                 "fulmen knows")
+            sym = binding.symbol
+        self.implementations[sym] = Implementation(checker, execution_transform, grad_transform)
+
+    def claims(self, bsym: BoundSymbol) -> Implementation | None:
+        impl = self.implementations.get(bsym.sym)
+        if impl is not None and impl.execution_transform is not None:
+            return impl if impl.accepts(bsym) else None
+        # Its own kernels run directly. A replacing operator (it has the original's ops as parts) descends to
+        # them instead: its `fn` is the user's function, which may take objects a trace cannot pass.
+        if bsym.sym.executor is self and not bsym.subsymbols:
+            return DIRECT if impl is None or impl.accepts(bsym) else None
+        return None
+
+    def grad_rule(self, bsym: BoundSymbol) -> Callable[..., Any] | None:
+        impl = self.implementations.get(bsym.sym)
+        if impl is None or impl.grad_transform is None or not impl.accepts(bsym):
+            return None
+        return impl.grad_transform
+
+
+class FusionExecutor(Executor):
+    """An executor that compiles regions of consecutive fusible calls (see fulmen.executors.passes)."""
+
+    def can_fuse(self, bsym: BoundSymbol) -> bool:
+        raise NotImplementedError
+
+    def worth_fusing(self, bsyms: list[BoundSymbol]) -> bool:
+        return len(bsyms) > 1
+
+    def fuse(self, bsyms: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy],
+             index: int) -> BoundSymbol:
+        """One call computing `outputs` from `inputs` by running `bsyms`; `index` numbers a trace's regions."""
+        raise NotImplementedError

@@ -1,0 +1,70 @@
+"""Registered executors by name, the default list, and resolving a user's executor list."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fulmen.executors.base import Executor
+from fulmen.executors.torch_eager import torch_executor
+
+EXECUTORS: dict[str, Executor] = {}
+_defaults: list[str] | None = None  # None: the built-in choice (see get_default_executors)
+
+
+def register_executor(executor: Executor) -> Executor:
+    """Makes `executor` known by its name, so `fulmen.jit(..., executors=["name"])` finds it."""
+    if not isinstance(executor, Executor):
+        raise TypeError(f"register_executor expects an executor, got {type(executor).__name__}")
+    known = EXECUTORS.get(executor.name)
+    if known is not None and known is not executor:
+        raise ValueError(f"an executor named {executor.name!r} is already registered")
+    EXECUTORS[executor.name] = executor
+    return executor
+
+
+def get_executor(name: str) -> Executor:
+    try:
+        return EXECUTORS[name]
+    except KeyError:
+        raise ValueError(f"unknown executor {name!r}; registered executors: {sorted(EXECUTORS)}") from None
+
+
+def get_all_executors() -> tuple[Executor, ...]:
+    return tuple(EXECUTORS.values())
+
+
+def get_default_executors() -> tuple[Executor, ...]:
+    """The executors `fulmen.jit` uses when given none: SDPA attention, torch.compile fusion regions where CUDA is
+    available (on CPU, compiling C++ regions costs more than it saves for most programs; name "torchcompile" to
+    have it), then torch."""
+    if _defaults is not None:
+        return tuple(get_executor(name) for name in _defaults)
+    names = ["sdpa", "torchcompile"] if torch.cuda.is_available() else ["sdpa"]
+    return (*(get_executor(name) for name in names), torch_executor)
+
+
+def set_default_executors(executors: Sequence[Executor | str] | None) -> None:
+    """Replaces the default list (None restores the built-in one)."""
+    global _defaults
+    _defaults = None if executors is None else [ex.name for ex in resolve(executors)]
+
+
+def resolve(executors: Sequence[Executor | str] | None) -> tuple[Executor, ...]:
+    """Executor objects in priority order, without repeats, torch last."""
+    if executors is None:
+        return get_default_executors()
+    if isinstance(executors, (str, Executor)):
+        raise TypeError("executors must be a list of executors or names, e.g. ['sdpa', 'torchcompile']")
+    resolved: list[Executor] = []
+    for item in executors:
+        executor = get_executor(item) if isinstance(item, str) else item
+        if not isinstance(executor, Executor):
+            raise TypeError(f"executors must hold executor objects or names, got {item!r}")
+        if executor is not torch_executor and executor not in resolved:
+            resolved.append(executor)
+    return (*resolved, torch_executor)
+
+
+register_executor(torch_executor)

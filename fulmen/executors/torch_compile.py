@@ -1,0 +1,95 @@
+"""The `torchcompile` executor: fusion regions of the final traces compiled with torch.compile (Inductor).
+
+A region is a run of consecutive calls built only from elementwise, shape, conversion and reduction prims (so
+norms, activations, RoPE, softmax, the cross-entropy parts, and their grads); matmuls, attention, random draws,
+collectives, in-place writes and custom kernels end a region, since Inductor does not beat cuBLAS or fused
+attention kernels and regions must not move communication. Each region becomes one callable printed as
+`TorchCompileN(...)`, and its parts print under it at depth 1.
+
+Regions are printed with canonical names and compiled once per distinct source: the repeated blocks of a
+transformer give identical regions (same ops, same shapes), which share one compiled function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag, map_proxies
+from fulmen.core.trace import Namespace, Trace
+from fulmen.executors.base import FusionExecutor
+from fulmen.executors.registry import register_executor
+from fulmen.ops import prims
+from fulmen.transforms.remat import CHEAP_PRIMS
+
+_SHAPE_PRIMS = frozenset(prims.PRIMS[name] for name in (
+    "alias", "reshape", "permute", "expand", "squeeze", "unsqueeze", "slice", "select"))
+FUSIBLE_PRIMS = CHEAP_PRIMS | frozenset(prims.PRIMS[name] for name in (
+    "sum", "amax", "amin", "prod", "var", "cumsum", "argmax", "argmin", "take", "take_along_axis"))
+
+
+def _leaves(bsym: BoundSymbol):
+    if not bsym.subsymbols:
+        yield bsym
+    for sub in bsym.subsymbols:
+        yield from _leaves(sub)
+
+
+class TorchCompileExecutor(FusionExecutor):
+    def __init__(self, name: str = "torchcompile", compile_options: dict[str, Any] | None = None) -> None:
+        super().__init__(name)
+        self.compile_options = {"fullgraph": True, "dynamic": False, **(compile_options or {})}
+        self._compiled: dict[str, Callable[..., Any]] = {}
+
+    def can_fuse(self, bsym: BoundSymbol) -> bool:
+        if bsym.sym.executor is not None or bsym.sym.tags & (Tag.RANDOM | Tag.IMPURE):
+            return False
+        if any(p.device.type not in ("cuda", "cpu") for p in bsym.proxy_args() + bsym.proxy_outputs()):
+            return False
+        leaves = list(_leaves(bsym))
+        return all(leaf.sym in FUSIBLE_PRIMS and not leaf.sym.tags & (Tag.RANDOM | Tag.IMPURE) for leaf in leaves)
+
+    def worth_fusing(self, bsyms: list[BoundSymbol]) -> bool:
+        # Worth a compiled call when it saves a kernel launch: two or more ops that compute (views are free).
+        computing = sum(1 for bsym in bsyms for leaf in _leaves(bsym) if leaf.sym not in _SHAPE_PRIMS)
+        return computing > 1
+
+    def fuse(self, bsyms: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy],
+             index: int) -> BoundSymbol:
+        source, region = _canonical_region(bsyms, inputs, outputs)
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            compiled = torch.compile(region.python_callable(), **self.compile_options)
+            self._compiled[source] = compiled
+        name = f"TorchCompile{index}"
+        sym = Symbol(name=name, printed=name, impl=compiled, meta=None, executor=self)
+        return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), list(bsyms), bsyms[0].source, executor=self)
+
+
+def _canonical_region(bsyms: list[BoundSymbol], inputs: list[TensorProxy],
+                      outputs: list[TensorProxy]) -> tuple[str, Trace]:
+    """The region as a trace of its own with names by position, and its printed source (the cache key)."""
+    namespace = Namespace()
+    renamed: dict[str, TensorProxy] = {}
+
+    def rename(proxy: TensorProxy) -> TensorProxy:
+        new = renamed.get(proxy.pname)
+        if new is None:
+            new = TensorProxy(namespace.fresh(), proxy.meta, proxy.device, False)
+            renamed[proxy.pname] = new
+        return new
+
+    region_inputs = [rename(p) for p in inputs]
+    body = []
+    for bsym in bsyms:
+        body.append(bsym.from_bsym(args=map_proxies(bsym.args, rename), kwargs=map_proxies(bsym.kwargs, rename),
+                                   output=map_proxies(bsym.output, rename), subsymbols=[], source=None))
+    region_outputs = tuple(rename(p) for p in outputs)
+    trace = Trace("region", region_inputs, body, region_outputs, "fusion region (torchcompile)", namespace)
+    return trace.python(include_sources=False), trace
+
+
+torchcompile = register_executor(TorchCompileExecutor())

@@ -1,0 +1,50 @@
+"""Running a Python function of a symbol's arguments (a grad rule, an execution transform) into bound symbols."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fulmen.core.errors import TraceError
+from fulmen.core.symbol import BoundSymbol, iter_proxies
+from fulmen.core.trace import TraceBuilder
+
+
+def record_call(fn: Callable[..., Any], bsym: BoundSymbol, builder: TraceBuilder, interpreter: Any, what: str,
+                *, may_return_inputs: bool) -> list[BoundSymbol] | None:
+    """Runs `fn(*bsym.args, **bsym.kwargs)` and returns the calls it made, its results named as `bsym`'s outputs.
+
+    None when `fn` returns NotImplemented (it declines these arguments). Torch calls on proxies inside `fn`
+    record symbols, attributed to `bsym`'s source line.
+    """
+    builder.scopes.append([])
+    builder.source = bsym.source
+    builder.checkpoint_region = bsym.checkpoint_region  # a checkpointed op's replacement stays checkpointed
+    try:
+        with interpreter.rule_mode(bsym.source):
+            result = fn(*bsym.args, **bsym.kwargs)
+    except TraceError:
+        raise
+    except Exception as error:
+        raise TraceError(f"{what} failed: {type(error).__name__}: {error}", bsym.source) from error
+    finally:
+        recorded = builder.scopes.pop()
+        builder.checkpoint_region = 0
+    if result is NotImplemented:
+        return None
+    results, outputs = list(iter_proxies(result)), bsym.proxy_outputs()
+    if len(results) != len(outputs):
+        raise TraceError(f"{what} returned {len(results)} tensors, {bsym.sym.printed} gives {len(outputs)}",
+                         bsym.source)
+    produced = {name for b in recorded for name in b.output_names()}
+    for res, out in zip(results, outputs):
+        if tuple(res.shape) != tuple(out.shape) or res.dtype != out.dtype:
+            raise TraceError(f"{what} returned {res.type_string()} where {bsym.sym.printed} gives "
+                             f"{out.type_string()}", bsym.source)
+        if res.pname in produced:
+            res.pname = out.pname  # the results are the symbol's outputs
+        elif may_return_inputs:
+            recorded.append(BoundSymbol(builder.alias_symbol, (res,), {}, out, [], bsym.source))
+        else:
+            raise TraceError(f"{what} must compute its outputs, not return its input {res.pname}", bsym.source)
+    return recorded
