@@ -73,8 +73,10 @@ def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Execut
         last_use[proxy.pname] = len(trace.bound_symbols)
     bsyms: list[BoundSymbol] = []
     run: list[BoundSymbol] = []
+    regions = 0
 
     def flush(end: int) -> None:
+        nonlocal regions
         if run and executor.worth_fusing(run):
             produced: dict[str, TensorProxy] = {}
             inputs: dict[str, TensorProxy] = {}
@@ -85,7 +87,8 @@ def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Execut
                 for proxy in bsym.proxy_outputs():
                     produced[proxy.pname] = proxy
             outputs = [proxy for name, proxy in produced.items() if last_use.get(name, -1) >= end]
-            bsyms.append(executor.fuse(list(run), list(inputs.values()), outputs, len(bsyms)))
+            bsyms.append(executor.fuse(list(run), list(inputs.values()), outputs, regions))
+            regions += 1
         else:
             bsyms.extend(run)
         run.clear()

@@ -23,12 +23,16 @@ from fulmen.core.trace import Namespace, Trace
 from fulmen.executors.base import FusionExecutor
 from fulmen.executors.registry import register_executor
 from fulmen.ops import prims
+from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.remat import CHEAP_PRIMS
 
 _SHAPE_PRIMS = frozenset(prims.PRIMS[name] for name in (
     "alias", "reshape", "permute", "expand", "squeeze", "unsqueeze", "slice", "select"))
 FUSIBLE_PRIMS = CHEAP_PRIMS | frozenset(prims.PRIMS[name] for name in (
-    "sum", "amax", "amin", "prod", "var", "cumsum", "argmax", "argmin", "take", "take_along_axis"))
+    "sum", "amax", "amin", "prod", "var", "cumsum", "argmax", "argmin", "take", "take_along_axis", "slice_scatter",
+    "select_scatter"))
+# Leaves without a prim decomposition that Inductor still fuses well.
+FUSIBLE_LEAVES = frozenset(SYMBOLS[name] for name in ("torch.logsumexp", "torch.arange", "impls.setitem"))
 
 
 def _leaves(bsym: BoundSymbol):
@@ -49,8 +53,7 @@ class TorchCompileExecutor(FusionExecutor):
             return False
         if any(p.device.type not in ("cuda", "cpu") for p in bsym.proxy_args() + bsym.proxy_outputs()):
             return False
-        leaves = list(_leaves(bsym))
-        return all(leaf.sym in FUSIBLE_PRIMS and not leaf.sym.tags & (Tag.RANDOM | Tag.IMPURE) for leaf in leaves)
+        return all(leaf.sym in FUSIBLE_PRIMS or leaf.sym in FUSIBLE_LEAVES for leaf in _leaves(bsym))
 
     def worth_fusing(self, bsyms: list[BoundSymbol]) -> bool:
         # Worth a compiled call when it saves a kernel launch: two or more ops that compute (views are free).

@@ -68,22 +68,34 @@ for _fn, _vjp in SOFTMAX_VJPS.items():
 @register_grad(F.cross_entropy)
 def cross_entropy_grad(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                        reduction="mean", label_smoothing=0.0):
+    """Class-index cross-entropy through the log-sum-exp: the forward keeps only `logits` (in their own dtype) and
+    one float per row; the backward rebuilds softmax from them. Eager keeps the float log-softmax of every logit,
+    and materialising one-hot targets would cost a vocabulary-sized tensor per row, so the target's column is
+    picked by comparing with an iota (fusible with the rest of the backward)."""
     if (logits.dim() != 2 or target.dtype.is_floating_point or weight is not None or size_average is not None
             or reduce is not None or label_smoothing != 0.0):
         return NotImplemented
-    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
-    g = get_grad(loss)
+    compute = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
+    x = logits.to(compute)
     valid = target != ignore_index
     safe = torch.where(valid, target, 0)
-    probs = torch.softmax(logits, 1)
-    onehot = F.one_hot(safe, logits.shape[1]).to(logits.dtype)
+    lse = torch.logsumexp(x, 1)
+    picked = torch.gather(x, 1, safe.unsqueeze(1)).squeeze(1)
+    losses = torch.where(valid, lse - picked, 0.0)
     if reduction == "none":
-        scale = (g * valid.to(g.dtype)).unsqueeze(1)
+        loss = losses.to(logits.dtype)
+    elif reduction == "sum":
+        loss = losses.sum().to(logits.dtype)
     else:
-        scale = valid.to(g.dtype).unsqueeze(1) * g
-        if reduction == "mean":
-            scale = scale / valid.sum().to(g.dtype)
-    put_grad(logits, ((probs - onehot) * scale).to(logits.dtype))
+        loss = (losses.sum() / valid.sum().to(compute)).to(logits.dtype)
+    g = get_grad(loss).to(compute)
+    if reduction == "none":
+        scale = torch.where(valid, g, 0.0).unsqueeze(1)
+    else:
+        scale = valid.to(compute).unsqueeze(1) * (g / valid.sum().to(compute) if reduction == "mean" else g)
+    probs = torch.exp(x - lse.unsqueeze(1))
+    is_target = torch.arange(logits.shape[1], device=logits.device) == safe.unsqueeze(1)
+    put_grad(logits, (torch.where(is_target, probs - 1.0, probs) * scale).to(logits.dtype))
     return loss
 
 

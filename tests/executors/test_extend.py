@@ -1,0 +1,276 @@
+"""The extend API against eager: custom operators replacing user code, checkers, grad transforms, priority."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fulmen
+from fulmen import TensorProxy, get_grad, put_grad, put_grads
+from fulmen.executors.registry import resolve
+from fulmen.extend import OperatorExecutor, register_executor
+
+_names = itertools.count()
+CALLS: Counter = Counter()
+
+
+def tanh_gelu(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class NewGELU(nn.Module):
+    def forward(self, x):
+        return tanh_gelu(x)
+
+
+def scale_rows(x, w):
+    """A module-level helper of the user's program, replaced by name."""
+    return x * w.unsqueeze(0)
+
+
+def narrowing_helper(x):
+    return x[:, :2] * 2
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+        self.act = NewGELU()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return F.softmax(self.norm(scale_rows(self.act(self.fc(x)), self.w)), dim=-1)
+
+
+# Kernels: eager code standing in for custom kernels, counting their calls.
+def gelu_kernel(x):
+    CALLS["gelu"] += 1
+    return tanh_gelu(x)
+
+
+def gelu_backward_kernel(x, g):
+    CALLS["gelu_backward"] += 1
+    with torch.enable_grad():
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(tanh_gelu(x), x, g)[0]
+
+
+def scale_backward_kernel(x, w, g):
+    CALLS["scale_backward"] += 1
+    return g * w.unsqueeze(0), (g * x).sum(0)
+
+
+def _executor(gelu_checker=lambda self, x: True):
+    """A fresh executor replacing NewGELU.forward and scale_rows (names are unique per executor)."""
+    n = next(_names)
+    ex = OperatorExecutor(f"test{n}")
+    gelu = ex.register_operator(f"gelu{n}", like=lambda x: TensorProxy(like=x), fn=gelu_kernel)
+    gelu_bwd = ex.register_operator(f"gelu_bwd{n}", like=lambda x, g: TensorProxy(like=x), fn=gelu_backward_kernel)
+    module_gelu = ex.register_operator(f"module_gelu{n}", like=lambda self, x: TensorProxy(like=x),
+                                       fn=NewGELU.forward, replaces=NewGELU.forward)
+
+    def gelu_grad(self, x):
+        y = gelu(x)
+        put_grad(x, gelu_bwd(x, get_grad(y)))
+        return y
+
+    ex.register_implementation(module_gelu, checker=gelu_checker, execution_transform=lambda self, x: gelu(x),
+                               grad_transform=gelu_grad)
+    scale_bwd = ex.register_operator(f"scale_bwd{n}", like=lambda x, w, g: (TensorProxy(like=x), TensorProxy(like=w)),
+                                     fn=scale_backward_kernel)
+    scale = ex.register_operator(f"scale{n}", like=lambda x, w: TensorProxy(like=x), fn=scale_rows,
+                                 replaces=scale_rows)
+
+    def scale_grad(x, w):
+        y = x * w.unsqueeze(0)  # plain torch on proxies
+        put_grads((x, w), scale_bwd(x, w, get_grad(y)))
+        return y
+
+    ex.register_implementation(scale, grad_transform=scale_grad)
+    return ex, n
+
+
+def _names_in(trace) -> set[str]:
+    return {bsym.sym.name for bsym in trace.bound_symbols}
+
+
+def _compare(model, jitted, x):
+    CALLS.clear()
+    out = jitted(x)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    ref = model(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(got, want)
+
+
+def test_replaced_method_and_helper_are_claimed_in_forward_and_backward():
+    ex, n = _executor()
+    model = Net()
+    jitted = fulmen.jit(model, executors=[ex])
+    _compare(model, jitted, torch.randn(5, 8))
+    acquired = _names_in(fulmen.last_traces(jitted)[0])
+    assert {f"module_gelu{n}", f"scale{n}"} <= acquired
+    forward = _names_in(fulmen.last_traces(jitted)[-1])
+    backward = _names_in(fulmen.last_backward_traces(jitted)[-1])
+    assert f"gelu{n}" in forward and f"module_gelu{n}" not in forward
+    assert {f"gelu_bwd{n}", f"scale_bwd{n}"} <= backward
+    assert CALLS["gelu"] == 1 and CALLS["gelu_backward"] == 1 and CALLS["scale_backward"] == 1
+    assert "tanh" not in forward  # the user's GELU did not run
+    # acquisition restored the user's program
+    assert NewGELU.forward.__name__ == "forward" and NewGELU.__dict__["forward"].__code__.co_name == "forward"
+    assert scale_rows.__module__ == __name__ and globals()["scale_rows"] is scale_rows
+
+
+def test_checker_false_descends_to_the_original_ops():
+    ex, n = _executor(gelu_checker=lambda self, x: x.shape[0] > 100)
+    model = Net()
+    jitted = fulmen.jit(model, executors=[ex])
+    _compare(model, jitted, torch.randn(5, 8))
+    forward = _names_in(fulmen.last_traces(jitted)[-1])
+    assert not any(name.startswith(("gelu", "module_gelu")) for name in forward)
+    assert "tanh" in forward
+    assert CALLS["gelu"] == 0 and CALLS["gelu_backward"] == 0
+    # the helper's grad transform still applies (no checker)
+    assert f"scale_bwd{n}" in _names_in(fulmen.last_backward_traces(jitted)[-1])
+
+
+def test_without_the_executor_nothing_is_replaced():
+    _executor()  # registered, but not in this jit's list
+    model = Net()
+    jitted = fulmen.jit(model, executors=["torch"])
+    _compare(model, jitted, torch.randn(3, 8))
+    assert all(bsym.sym.executor is None for bsym in fulmen.last_traces(jitted)[0].bound_symbols)
+
+
+def test_no_grad_call_uses_the_execution_transform():
+    ex, n = _executor()
+    model = Net()
+    jitted = fulmen.jit(model, executors=[ex])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        out = jitted(x)
+        ref = model(x)
+    torch.testing.assert_close(out, ref)
+    forward = _names_in(fulmen.last_traces(jitted)[-1])
+    assert f"gelu{n}" in forward
+    # scale has no execution transform: it descends to the helper's torch ops
+    assert f"scale{n}" not in forward and "mul" in forward
+
+
+def _softmax_executor(tag: str):
+    ex = OperatorExecutor(f"softmax_{tag}_{next(_names)}")
+    calls = []
+
+    def kernel(x):
+        if x.device.type != "meta":  # without like=, shapes come from running the kernel on meta tensors
+            calls.append(tag)
+        return torch.softmax(x, -1)
+
+    op = ex.register_operator(f"softmax_{tag}_{next(_names)}", fn=kernel)  # shapes from running it on meta
+    ex.register_implementation(fulmen.torch.softmax, checker=lambda x, dim, dtype=None: dim in (-1, x.dim() - 1),
+                               execution_transform=lambda x, dim, dtype=None: op(x))
+    return ex, op, calls
+
+
+def test_torch_symbol_implementation_and_executor_order_decide_who_claims():
+    first, first_op, first_calls = _softmax_executor("a")
+    second, second_op, second_calls = _softmax_executor("b")
+    x = torch.randn(3, 5, requires_grad=True)
+
+    def f(x):
+        return F.softmax(x * 2, dim=-1).sum(0) + torch.softmax(x, 0).sum(0)  # dim 0 is declined
+
+    for order, winner in (([first, second], first_op), ([second, first], second_op)):
+        jitted = fulmen.jit(f, executors=order)
+        out = jitted(x)
+        torch.testing.assert_close(out, f(x))
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        (want,) = torch.autograd.grad(f(x).sum(), x)
+        torch.testing.assert_close(grad, want)
+        names = _names_in(fulmen.last_traces(jitted)[-1])
+        assert winner.name in names and ({first_op.name, second_op.name} - {winner.name}).isdisjoint(names)
+        assert "softmax" in names  # the dim-0 call stays with torch
+    assert first_calls == ["a"] and second_calls == ["b"]
+
+
+def test_replacing_a_torch_function():
+    ex = OperatorExecutor(f"ln{next(_names)}")
+    seen = []
+
+    def layer_norm_kernel(x, shape, weight, bias, eps):
+        if x.device.type != "meta":
+            seen.append(x.shape)
+        return F.layer_norm(x, shape, weight, bias, eps)
+
+    kernel = ex.register_operator(f"ln_kernel{next(_names)}", fn=layer_norm_kernel)
+    op = ex.register_operator(f"ln{next(_names)}", like=lambda x, *args, **kwargs: TensorProxy(like=x),
+                              fn=F.layer_norm, replaces=F.layer_norm)
+    # F.layer_norm hands weight, bias and eps over as keywords (torch's __torch_function__ protocol)
+    ex.register_implementation(op, execution_transform=lambda x, shape, weight=None, bias=None, eps=1e-5:
+                               kernel(x, shape, weight, bias, eps))
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
+    x = torch.randn(2, 4)
+    jitted = fulmen.jit(model, executors=[ex])
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(x), model(x))
+    assert kernel.name in _names_in(fulmen.last_traces(jitted)[-1]) and seen == [(2, 6)]
+    # with grad, no grad_transform: the grad comes from layer_norm's own rule, the forward still uses the kernel
+    out = jitted(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for got, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(got, p.grad)
+
+
+def test_errors_are_clear():
+    ex = OperatorExecutor(f"errors{next(_names)}")
+    name = f"op{next(_names)}"
+    ex.register_operator(name, like=lambda x: TensorProxy(like=x), fn=torch.neg)
+    with pytest.raises(ValueError, match="already registered"):
+        ex.register_operator(name, like=lambda x: TensorProxy(like=x), fn=torch.neg)
+    with pytest.raises(ValueError, match="identifier"):
+        ex.register_operator("not valid", fn=torch.neg)
+    with pytest.raises(ValueError, match="unknown executor 'nope'"):
+        fulmen.jit(lambda x: x, executors=["nope"])
+    with pytest.raises(TypeError, match="list of executors"):
+        fulmen.jit(lambda x: x, executors="sdpa")
+    with pytest.raises(AttributeError, match="no symbol 'frobnicate'"):
+        fulmen.torch.frobnicate  # noqa: B018
+    register_executor(ex)
+    with pytest.raises(ValueError, match="already registered"):
+        register_executor(OperatorExecutor(ex.name))
+
+
+def test_wrong_like_and_missing_grad_are_reported_at_the_user_line():
+    ex = OperatorExecutor(f"bad{next(_names)}")
+    bad = ex.register_operator(f"bad{next(_names)}", like=lambda x: TensorProxy(like=x), fn=narrowing_helper,
+                               replaces=narrowing_helper)
+    assert bad.executor is ex
+    with pytest.raises(fulmen.TraceError, match=r"(?s)like= function says.*test_extend.py"):
+        fulmen.jit(lambda x: narrowing_helper(x) + 1, executors=[ex])(torch.randn(3, 4))
+
+    ex2 = OperatorExecutor(f"nograd{next(_names)}")
+    op = ex2.register_operator(f"nograd{next(_names)}", like=lambda x: TensorProxy(like=x), fn=torch.neg)
+    with pytest.raises(fulmen.TraceError, match="has no grad"):
+        fulmen.jit(lambda x: op(x) * 2, executors=[ex2])(torch.randn(3, requires_grad=True))
+
+
+def test_executor_list_resolution():
+    sdpa = fulmen.get_executor("sdpa")
+    assert [e.name for e in resolve(["torch", sdpa, "sdpa"])] == ["sdpa", "torch"]
+    assert resolve(None)[-1].name == "torch"
+    assert fulmen.get_default_executors()[0] is sdpa

@@ -1,0 +1,61 @@
+"""The torchcompile executor on CPU: LitGPT forward and backward against eager, regions and their reuse."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from litgpt import GPT
+
+import fulmen
+from fulmen.executors.torch_compile import torchcompile
+from tests.models.litgpt_configs import shrunk
+
+
+def _loss(model, idx, targets):
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _regions(trace) -> list:
+    return [bsym for bsym in trace.bound_symbols if bsym.sym.executor is torchcompile]
+
+
+def test_litgpt_forward_and_backward_match_eager():
+    config = shrunk("Llama-3.2-1B")
+    config.n_layer = 3
+    model = GPT(config)
+    idx, targets = (torch.randint(0, config.padded_vocab_size, (2, 16)) for _ in range(2))
+    jitted = fulmen.jit(_loss, executors=["torchcompile"])
+    compiled_before = len(torchcompile._compiled)
+    loss = jitted(model, idx, targets)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    expected = _loss(model, idx, targets)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+    forward, backward = fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1]
+    regions = _regions(forward) + _regions(backward)
+    assert len(_regions(forward)) >= config.n_layer and len(_regions(backward)) >= config.n_layer
+    for region in regions:  # no matmul or attention inside a region
+        assert not {sub.sym.name for sub in region.subsymbols} & {"linear", "matmul", "scaled_dot_product_attention"}
+    assert "TorchCompile0(" in str(forward)
+    # the layers' identical regions share compiled functions
+    compiled = len(torchcompile._compiled) - compiled_before
+    assert 0 < compiled < len(regions)
+
+
+def test_regions_follow_the_executor_order():
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def f(x):
+        return torch.softmax(torch.tanh(x) * 2, -1).sum()
+
+    torch_only = fulmen.jit(f, executors=["torch"])
+    fused = fulmen.jit(f, executors=["torchcompile"])
+    torch.testing.assert_close(fused(x), torch_only(x))
+    assert not _regions(fulmen.last_traces(torch_only)[-1])
+    assert len(_regions(fulmen.last_traces(fused)[-1])) == 1
