@@ -253,6 +253,9 @@ class Interpreter(TorchFunctionMode):
     # --- special cases -------------------------------------------------------------------------------------------
     def _setitem(self, x: TensorProxy, index: Any, value: Any) -> None:
         self._check_index(index)
+        if type(x) is not TensorProxy:
+            raise TraceError("in-place __setitem__ on a tensor created outside the program is not supported",
+                             self.builder.source)
         current = self.functional.resolve(x)
         new = shape.setitem(current, self._values(index), self._values(value))
         self.functional.write(x, new)
@@ -294,7 +297,7 @@ class Interpreter(TorchFunctionMode):
         return self._fill_(x, 0)
 
     def _contiguous(self, x: TensorProxy, memory_format: torch.memory_format = torch.contiguous_format) -> Any:
-        if self.functional.resolve(x).meta.is_contiguous(memory_format=memory_format):
+        if self._values(x).meta.is_contiguous(memory_format=memory_format):
             return x  # eager returns the tensor itself
         return self._record(lookup(T.contiguous).symbol, (x,), {})
 
@@ -315,7 +318,7 @@ class Interpreter(TorchFunctionMode):
     def _convert(
         self, x: TensorProxy, device: torch.device | None = None, dtype: torch.dtype | None = None, copy: bool = False
     ) -> Any:
-        current = self.functional.resolve(x)
+        current = self._values(x)  # a captured real tensor becomes a constant
         same_device = device is None or _same_device(torch.device(device), current.device)
         same_dtype = dtype is None or dtype == current.dtype
         if same_device and same_dtype and not copy:

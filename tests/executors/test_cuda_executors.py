@@ -37,7 +37,7 @@ def _grads(model, loss_fn, idx, targets):
 
 @pytest.mark.parametrize("executors", [["sdpa"], ["torchcompile"], None], ids=["sdpa", "torchcompile", "default"])
 def test_litgpt_bf16_matches_eager(executors):
-    model, config = _model(head_size=64, n_embd=256, n_head=4)
+    model, config = _model(head_size=64, n_embd=256, n_head=4, block_size=128)
     idx, targets = (torch.randint(0, config.padded_vocab_size, (2, 64), device="cuda") for _ in range(2))
     jitted = fulmen.jit(_loss, executors=executors)
     loss, grads = _grads(model, jitted, idx, targets)

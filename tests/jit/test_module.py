@@ -77,3 +77,14 @@ def test_dataclass_and_dict_inputs_and_outputs():
     ref = f(batch, extra)
     torch.testing.assert_close(out["y"], ref["y"])
     assert out["shape"] == (2, 3)
+
+
+def test_half_precision_parameter_of_a_module_passed_as_argument_converts():
+    """`weight.float()` on a real bf16 parameter (LitGPT's RMSNorm) captures it as a constant."""
+    norm = torch.nn.Linear(4, 4).to(torch.bfloat16)
+
+    def f(module, x):
+        return x * module.weight.float()
+
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(fulmen.jit(f)(norm, x), f(norm, x))
