@@ -1,10 +1,11 @@
-"""The `sdpa` executor: `scaled_dot_product_attention` by torch's fused flash or memory-efficient kernels, with
-their own backward kernels.
+"""The `sdpa` executor: `scaled_dot_product_attention` by torch's fused cuDNN, flash or memory-efficient kernels,
+with their own backward kernels.
 
 Without it, the torch executor runs `F.scaled_dot_product_attention` (torch picks a kernel) and the backward
 recomputes attention through torch autograd. With it, the forward calls the fused kernel once, saves its
 output and log-sum-exp, and the backward calls the matching fused backward: no attention matrix is ever stored
-or recomputed. Flash serves fp16/bf16; memory-efficient serves fp32 and head sizes flash does not. Calls with an
+or recomputed. cuDNN serves fp16/bf16 on Hopper and later, flash fp16/bf16 before; memory-efficient serves fp32 and
+head sizes the others do not. Calls with an
 attention mask, dropout or `enable_gqa` are declined (the torch executor runs them).
 """
 
@@ -33,6 +34,19 @@ def flash_backward(g, q, k, v, out, lse, seed, offset, is_causal: bool, scale: f
         g, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, is_causal, seed, offset, scale=scale)
 
 
+def cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
+    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+    return out, lse, seed, offset
+
+
+def cudnn_backward(g, q, k, v, out, lse, seed, offset, is_causal: bool, scale: float | None):
+    if g.stride() != out.stride():  # cuDNN reads the output's cotangent in the output's layout
+        g = torch.empty_like(out).copy_(g)
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        g, q, k, v, out, lse, seed, offset, None, None, None, q.shape[-2], k.shape[-2], 0.0, is_causal, scale=scale)
+
+
 def efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
     return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
 
@@ -46,8 +60,17 @@ def efficient_backward(g, q, k, v, out, lse, seed, offset, is_causal: bool, scal
 sdpa = register_executor(OperatorExecutor("sdpa"))
 sdpa_flash_forward = sdpa.register_operator("sdpa_flash_forward", fn=flash_forward)
 sdpa_flash_backward = sdpa.register_operator("sdpa_flash_backward", fn=flash_backward)
+sdpa_cudnn_forward = sdpa.register_operator("sdpa_cudnn_forward", fn=cudnn_forward)
+sdpa_cudnn_backward = sdpa.register_operator("sdpa_cudnn_backward", fn=cudnn_backward)
 sdpa_efficient_forward = sdpa.register_operator("sdpa_efficient_forward", fn=efficient_forward)
 sdpa_efficient_backward = sdpa.register_operator("sdpa_efficient_backward", fn=efficient_backward)
+
+
+def _cudnn_fits(q: TensorProxy) -> bool:
+    # cuDNN's fused attention is the fastest on Hopper (eager torch picks it there too).
+    head = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and head % 8 == 0 and head <= 128
+            and torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (9, 0))
 
 
 def _flash_fits(q: TensorProxy) -> bool:
@@ -61,6 +84,8 @@ def _efficient_fits(q: TensorProxy) -> bool:
 
 
 def _kernels(q: TensorProxy):
+    if _cudnn_fits(q):
+        return sdpa_cudnn_forward, sdpa_cudnn_backward
     if _flash_fits(q):
         return sdpa_flash_forward, sdpa_flash_backward
     return sdpa_efficient_forward, sdpa_efficient_backward
@@ -78,7 +103,7 @@ def checker(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.
     same_heads = q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[-1] == k.shape[-1] == v.shape[-1]
     if not same_heads or k.shape[-2] != v.shape[-2] or (is_causal and q.shape[-2] != k.shape[-2]):
         return False
-    return _flash_fits(q) or _efficient_fits(q)
+    return _cudnn_fits(q) or _flash_fits(q) or _efficient_fits(q)
 
 
 def execution_transform(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -51,12 +51,42 @@ def test_litgpt_bf16_matches_eager(executors):
     executors_seen = {b.sym.executor for t in (forward, backward) for b in t.bound_symbols}
     if executors in (["sdpa"], None):
         names = {b.sym.name for t in (forward, backward) for b in t.bound_symbols}
-        assert {"sdpa_flash_forward", "sdpa_flash_backward"} <= names
+        kernel = "cudnn" if torch.cuda.get_device_capability() >= (9, 0) else "flash"
+        assert {f"sdpa_{kernel}_forward", f"sdpa_{kernel}_backward"} <= names
         assert "torch_vjp" not in names  # attention is not recomputed through autograd
     if executors in (["torchcompile"], None):
         assert torchcompile in executors_seen
     if executors == ["torchcompile"]:
         assert sdpa not in executors_seen
+
+
+@pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_attention_kernel_matches_eager(backend, dtype):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2) * 2
+
+    with sdpa_kernel([getattr(SDPBackend, backend)]):
+        jitted = fulmen.jit(f, executors=["sdpa"])
+        out = jitted(q, k, v)
+        names = {b.sym.name for b in fulmen.last_traces(jitted)[-1].bound_symbols}
+        if not any(name.startswith("sdpa_") for name in names):  # this kernel does not take these inputs
+            assert dtype == torch.float32 and backend != "EFFICIENT_ATTENTION"
+            return
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        expected = f(q, k, v)
+        want = torch.autograd.grad(expected.float().square().sum(), (q, k, v))
+    kernel = backend.split("_")[0].lower()
+    assert f"sdpa_{kernel}_forward" in names
+    assert f"sdpa_{kernel}_backward" in {b.sym.name for b in fulmen.last_backward_traces(jitted)[-1].bound_symbols}
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, expected, **tol)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref, **tol)
 
 
 def _peak(step) -> int:
