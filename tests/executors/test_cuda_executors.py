@@ -51,8 +51,7 @@ def test_litgpt_bf16_matches_eager(executors):
     executors_seen = {b.sym.executor for t in (forward, backward) for b in t.bound_symbols}
     if executors in (["sdpa"], None):
         names = {b.sym.name for t in (forward, backward) for b in t.bound_symbols}
-        kernel = "cudnn" if torch.cuda.get_device_capability() >= (9, 0) else "flash"
-        assert {f"sdpa_{kernel}_forward", f"sdpa_{kernel}_backward"} <= names
+        assert {"sdpa_flash_forward", "sdpa_flash_backward"} <= names
         assert "torch_vjp" not in names  # attention is not recomputed through autograd
     if executors in (["torchcompile"], None):
         assert torchcompile in executors_seen
@@ -65,6 +64,8 @@ def test_litgpt_bf16_matches_eager(executors):
 def test_each_attention_kernel_matches_eager(backend, dtype):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if dtype == torch.float32 and backend != "EFFICIENT_ATTENTION":
+        pytest.skip("cuDNN and flash attention take half precision only (eager has no kernel either)")
     q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
 
     def f(q, k, v):
@@ -74,9 +75,6 @@ def test_each_attention_kernel_matches_eager(backend, dtype):
         jitted = fulmen.jit(f, executors=["sdpa"])
         out = jitted(q, k, v)
         names = {b.sym.name for b in fulmen.last_traces(jitted)[-1].bound_symbols}
-        if not any(name.startswith("sdpa_") for name in names):  # this kernel does not take these inputs
-            assert dtype == torch.float32 and backend != "EFFICIENT_ATTENTION"
-            return
         grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
         expected = f(q, k, v)
         want = torch.autograd.grad(expected.float().square().sum(), (q, k, v))
