@@ -177,7 +177,6 @@ class TraceBuilder(Builder):
             subsymbols = self.scopes.pop()
         if result is NotImplemented:  # no decomposition for these arguments: the symbol stays a leaf
             return []
-        produced = {name for bsym in subsymbols for name in bsym.output_names()}
         results, outputs = list(iter_proxies(result)), list(iter_proxies(output))
         if len(results) != len(outputs):
             raise AssertionError(
@@ -188,8 +187,16 @@ class TraceBuilder(Builder):
                 raise AssertionError(
                     f"decomposition of {sym.name} gives {res.type_string()}, torch gives {out.type_string()}"
                 )
-            if res.pname in produced:
-                res.pname = out.pname  # the composite's output names the decomposition's result
-            else:
-                subsymbols.append(BoundSymbol(self.alias_symbol, (res,), {}, out, [], self.source))
+        self.adopt_results(subsymbols, results, outputs, self.source)
         return subsymbols
+
+    def adopt_results(self, parts: list[BoundSymbol], results: list[TensorProxy], outputs: list[TensorProxy],
+                      source: SourceLocation | None) -> None:
+        """Makes `parts` compute `outputs`: a result the parts computed takes its output's name; one they did not
+        (an input given back as it is) gets an alias call."""
+        produced = {name for bsym in parts for name in bsym.output_names()}
+        for res, out in zip(results, outputs):
+            if res.pname in produced:
+                res.pname = out.pname
+            else:
+                parts.append(BoundSymbol(self.alias_symbol, (res,), {}, out, [], source))

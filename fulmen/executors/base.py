@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies
+from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops import lookup
 
@@ -66,16 +66,6 @@ DIRECT = Implementation()
 _OPERATOR_NAMES: dict[str, Symbol] = {}
 
 
-def _templates_to_metas(obj: Any) -> Any:
-    if type(obj) is TensorProxy:
-        return obj.meta
-    if isinstance(obj, list):
-        return [_templates_to_metas(item) for item in obj]
-    if isinstance(obj, tuple):
-        return tuple(_templates_to_metas(item) for item in obj)
-    return obj
-
-
 def _template_meta(name: str, like: Callable[..., Any]) -> Callable[..., Any]:
     """A symbol meta from a `like` function that returns TensorProxy templates."""
 
@@ -86,7 +76,7 @@ def _template_meta(name: str, like: Callable[..., Any]) -> Callable[..., Any]:
             raise TypeError(f"the like= function of operator {name} must return TensorProxy templates, "
                             f"got {templates!r}")
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in iter_proxies((args, kwargs)))
-        return builder.wrap_outputs(_templates_to_metas(templates), proxies[0].device, requires_grad)
+        return builder.wrap_outputs(map_proxies(templates, lambda p: p.meta), proxies[0].device, requires_grad)
 
     return meta
 

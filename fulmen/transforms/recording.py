@@ -41,10 +41,7 @@ def record_call(fn: Callable[..., Any], bsym: BoundSymbol, builder: TraceBuilder
         if tuple(res.shape) != tuple(out.shape) or res.dtype != out.dtype:
             raise TraceError(f"{what} returned {res.type_string()} where {bsym.sym.printed} gives "
                              f"{out.type_string()}", bsym.source)
-        if res.pname in produced:
-            res.pname = out.pname  # the results are the symbol's outputs
-        elif may_return_inputs:
-            recorded.append(BoundSymbol(builder.alias_symbol, (res,), {}, out, [], bsym.source))
-        else:
+        if res.pname not in produced and not may_return_inputs:
             raise TraceError(f"{what} must compute its outputs, not return its input {res.pname}", bsym.source)
+    builder.adopt_results(recorded, results, outputs, bsym.source)
     return recorded

@@ -10,6 +10,7 @@ from litgpt import GPT
 import fulmen
 from fulmen.executors.sdpa import sdpa
 from fulmen.executors.torch_compile import torchcompile
+from tests.cuda_memory import cuda_peak
 from tests.models.litgpt_configs import shrunk
 
 pytestmark = pytest.mark.cuda
@@ -87,25 +88,13 @@ def test_each_attention_kernel_matches_eager(backend, dtype):
         torch.testing.assert_close(got, ref, **tol)
 
 
-def _peak(step) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def test_default_executors_peak_memory_at_most_eagers():
     model, config = _model(n_layer=4, n_embd=512, n_head=8, head_size=64, intermediate_size=1536,
                            padded_vocab_size=8192, vocab_size=8192, block_size=512)
     idx, targets = (torch.randint(0, 8192, (4, 512), device="cuda") for _ in range(2))
     jitted = fulmen.jit(_loss)
-    for _ in range(2):  # compile, then measure the steady state
-        jitted(model, idx, targets).backward()
+    fulmen_peak = cuda_peak(lambda: jitted(model, idx, targets))
     model.zero_grad(set_to_none=True)
-    fulmen_peak = _peak(lambda: jitted(model, idx, targets).backward())
-    model.zero_grad(set_to_none=True)
-    eager_peak = _peak(lambda: _loss(model, idx, targets).backward())
+    eager_peak = cuda_peak(lambda: _loss(model, idx, targets))
     print(f"peak forward+backward: eager {eager_peak / 2**20:.1f} MiB, fulmen {fulmen_peak / 2**20:.1f} MiB")
     assert fulmen_peak <= eager_peak

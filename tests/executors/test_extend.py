@@ -34,6 +34,9 @@ def scale_rows(x, w):
     return x * w.unsqueeze(0)
 
 
+ORIGINAL_FORWARD, ORIGINAL_SCALE_ROWS = NewGELU.forward, scale_rows
+
+
 def narrowing_helper(x):
     return x[:, :2] * 2
 
@@ -129,8 +132,8 @@ def test_replaced_method_and_helper_are_claimed_in_forward_and_backward():
     assert CALLS["gelu"] == 1 and CALLS["gelu_backward"] == 1 and CALLS["scale_backward"] == 1
     assert "tanh" not in forward  # the user's GELU did not run
     # acquisition restored the user's program
-    assert NewGELU.forward.__name__ == "forward" and NewGELU.__dict__["forward"].__code__.co_name == "forward"
-    assert scale_rows.__module__ == __name__ and globals()["scale_rows"] is scale_rows
+    assert NewGELU.__dict__["forward"] is ORIGINAL_FORWARD
+    assert globals()["scale_rows"] is ORIGINAL_SCALE_ROWS
 
 
 def test_checker_false_descends_to_the_original_ops():

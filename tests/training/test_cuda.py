@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from litgpt.model import GPT as LitGPT
 
 import fulmen
+from tests.cuda_memory import cuda_peak
 from tests.models.gpt2_seed import GPT, tiny_config
 from tests.models.litgpt_configs import shrunk
 
@@ -56,16 +57,6 @@ def test_seed_gpt2_autocast_bf16_on_cuda():
         torch.testing.assert_close(g, p.grad, rtol=1.6e-2, atol=2e-3)
 
 
-def _peak(step) -> int:
-    step().backward()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step().backward()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def test_litgpt_peak_memory_at_most_eagers_on_cuda():
     config = shrunk("Llama-3.1-8B")
     config.n_layer, config.n_embd, config.n_head, config.n_query_groups = 4, 256, 4, 4
@@ -75,8 +66,8 @@ def test_litgpt_peak_memory_at_most_eagers_on_cuda():
     jitted = fulmen.jit(copy.deepcopy(model))
     vocab = config.padded_vocab_size
     idx, targets = (torch.randint(0, vocab, (8, 256), device="cuda") for _ in range(2))
-    eager = _peak(lambda: _loss(model, idx, targets))
+    eager = cuda_peak(lambda: _loss(model, idx, targets))
     model.zero_grad(set_to_none=True)
-    ours = _peak(lambda: _loss(jitted, idx, targets))
+    ours = cuda_peak(lambda: _loss(jitted, idx, targets))
     print(f"\nCUDA fwd+bwd peak above the parameters: eager {eager / 2**20:.1f} MiB, fulmen {ours / 2**20:.1f} MiB")
     assert ours <= eager
