@@ -21,6 +21,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
+from fulmen.distributed.specs import logical_meta
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.ops import lookup, shape
 from fulmen.ops.registry import SYMBOLS
@@ -203,8 +204,8 @@ class Interpreter(TorchFunctionMode):
     def _constant(self, tensor: torch.Tensor) -> TensorProxy:
         proxy = self._constant_ids.get(id(tensor))
         if proxy is None:
-            meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-            proxy = self.builder.make_proxy(meta, tensor.device, tensor.requires_grad, name=f"c{len(self.constants)}")
+            proxy = self.builder.make_proxy(logical_meta(tensor), tensor.device, tensor.requires_grad,
+                                            name=f"c{len(self.constants)}")
             self.constants.append((tensor, proxy))
             self._constant_ids[id(tensor)] = proxy
         return proxy

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fulmen.core.trace import Trace
+from fulmen.distributed.transform import DistributedProgram, GradSync
 from fulmen.transforms.autocast import without_autocast
 from fulmen.transforms.forward_backward import GradPlan
 
-Finalize = Callable[[Trace], list[Trace]]  # the passes from a backward trace to the one that runs
+Finalize = Callable[[Trace, GradSync], list[Trace]]  # the passes from a backward trace to the one that runs
 
 
 @dataclass
@@ -28,10 +29,11 @@ class GradProgram:
     finalize: Finalize
     backward_traces: list[Trace]  # for all cotangents present (fulmen.last_backward_traces)
     autocast: bool = False  # acquired under autocast: the backward runs with autocast off, like the forward
-    _backward_fns: dict[tuple[bool, ...], Callable[..., tuple]] = field(default_factory=dict)
+    dist: DistributedProgram | None = None  # collectives of ddp / fsdp parameters
+    _backward_fns: dict[tuple[tuple[bool, ...], GradSync], Callable[..., tuple]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._backward_fns[self.plan.differentiable] = self._callable(self.backward_traces[-1])
+        self._backward_fns[self.plan.differentiable, GradSync.SYNC] = self._callable(self.backward_traces[-1])
         self.n_outputs = self.plan.n_outputs
         self.non_differentiable = tuple(i for i, d in enumerate(self.plan.differentiable) if not d)
         self.saved_names = tuple(p.pname for p in self.plan.saved)
@@ -40,12 +42,37 @@ class GradProgram:
         fn = trace.python_callable()
         return without_autocast(fn) if self.autocast else fn
 
-    def backward_fn(self, present: tuple[bool, ...]) -> Callable[..., tuple]:
-        fn = self._backward_fns.get(present)
+    def backward_fn(self, present: tuple[bool, ...], mode: GradSync = GradSync.SYNC) -> Callable[..., tuple]:
+        fn = self._backward_fns.get((present, mode))
         if fn is None:
-            fn = self._callable(self.finalize(self.plan.backward(present))[-1])
-            self._backward_fns[present] = fn
+            fn = self._callable(self.finalize(self.plan.backward(present), mode)[-1])
+            self._backward_fns[present, mode] = fn
         return fn
+
+    def run_backward(self, present: tuple[bool, ...], sync: bool, saved: list, cotangents: list) -> tuple:
+        """The input grads; gradients of distributed parameters are reduced across ranks when `sync`, else
+        held back (as `ParamSpec.pending`) for the next synced backward to add before reducing."""
+        if self.dist is None:
+            return self.backward_fn(present)(saved, cotangents)
+        owners = self.dist.grad_owners(self.plan.grad_inputs)
+        if not sync:
+            grads = list(self.backward_fn(present, GradSync.LOCAL)(saved, cotangents))
+            for i in owners:
+                spec, grad = self.dist.specs[i], grads[i]
+                if grad is not None:
+                    spec.pending = grad if spec.pending is None else spec.pending + grad
+                grads[i] = None
+            return tuple(grads)
+        specs = [self.dist.specs[i] for i in owners]
+        if all(spec.pending is None for spec in specs):
+            return self.backward_fn(present)(saved, cotangents)
+        pending = []
+        for i, spec in zip(owners, specs):
+            full = self.dist.inputs[i]
+            pending.append(spec.pending if spec.pending is not None else
+                           torch.zeros(full.shape, dtype=full.dtype, device=full.device))
+            spec.pending = None
+        return self.backward_fn(present, GradSync.PENDING)(saved, cotangents, pending)
 
 
 def _hooks_active() -> bool:
@@ -58,6 +85,7 @@ class FulmenFunction(torch.autograd.Function):
         results = program.forward_fn(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program = program
+        ctx.sync = program.dist is None or program.dist.sync  # no_sync() is decided when the forward runs
         ctx.hooked = _hooks_active()
         if ctx.hooked:
             ctx.save_for_backward(*saved)
@@ -92,5 +120,5 @@ class FulmenFunction(torch.autograd.Function):
                     )
         present = tuple(d and g is not None for d, g in zip(program.plan.differentiable, grads))
         cotangents = [g for g, p in zip(grads, present) if p]
-        input_grads = program.backward_fn(present)(saved, cotangents)
+        input_grads = program.run_backward(present, ctx.sync, saved, cotangents)
         return (None, *input_grads)

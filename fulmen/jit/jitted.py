@@ -14,6 +14,8 @@ from torch import nn
 from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace, TraceBuilder
+from fulmen.distributed.specs import logical_meta
+from fulmen.distributed.transform import DistributedProgram, GradSync
 from fulmen.executors.base import Executor
 from fulmen.executors.passes import transform_for_execution
 from fulmen.jit.acquire import Interpreter
@@ -79,10 +81,6 @@ def _arg_hints(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> l
     return names
 
 
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-
-
 def _needs_grad(trace: Trace) -> bool:
     return torch.is_grad_enabled() and any(p.requires_grad for p in trace.inputs) and any(
         isinstance(out, TensorProxy) and out.requires_grad for out in trace.output)
@@ -93,10 +91,13 @@ def _for_execution(trace: Trace, executors: tuple[Executor, ...]) -> list[Trace]
     return [claimed, delete_last_used(claimed)]
 
 
-def _finalize_backward(executors: tuple[Executor, ...], trace: Trace) -> list[Trace]:
+def _finalize_backward(executors: tuple[Executor, ...], dist: DistributedProgram | None, trace: Trace,
+                       mode: GradSync) -> list[Trace]:
     traces = [trace, dce(trace)]
     traces.append(cse(traces[-1]))
     traces.append(dce(traces[-1]))
+    if dist is not None:
+        traces.append(dist.backward(traces[-1], mode))
     traces.extend(_for_execution(traces[-1], executors))
     return traces
 
@@ -162,7 +163,8 @@ class JittedFunction:
         hints = _arg_hints(self._module.forward if self._module is not None else self._fn, args, kwargs)
         if len(hints) != len(tensors):
             hints = [f"arg{i}" for i in range(len(tensors))]
-        proxies = [builder.make_proxy(_meta_like(t), t.device, t.requires_grad, name=h) for t, h in zip(tensors, hints)]
+        proxies = [builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=hint)
+                   for t, hint in zip(tensors, hints)]
         originals: dict[int, Any] = {}
         pytree.identity_objects((args, kwargs), originals)
         spec = pytree.flatten((args, kwargs), [])
@@ -170,8 +172,9 @@ class JittedFunction:
         target: Callable[..., Any] = self._fn
         tree: ShadowTree | None = None
         if self._module is not None:
+            # A sharded parameter enters with its full shape (fulmen.distributed gathers it before use).
             tree = build_shadow(
-                self._module, lambda t, name: builder.make_proxy(_meta_like(t), t.device, t.requires_grad, name=name)
+                self._module, lambda t, name: builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=name)
             )
             target = tree.root
             self._module_inputs = tree.inputs
@@ -187,16 +190,23 @@ class JittedFunction:
         if self._options.cse:
             traces.append(cse(traces[-1]))
             traces.append(dce(traces[-1]))
+        module_tensors = [source.fetch() for source in self._module_inputs]
+        dist = DistributedProgram.of(acquired, [*tensors, *module_tensors, *(t for t, _ in interpreter.constants)])
         program = None
         if _needs_grad(traces[-1]):
             plan = plan_grad(traces[-1], Interpreter, self.executors)
             traces.append(plan.forward)
-            traces.extend(_for_execution(plan.forward, self.executors))
-            finalize = functools.partial(_finalize_backward, self.executors)
+            if dist is not None:
+                traces.append(dist.forward(plan.forward, plan.n_outputs))
+            traces.extend(_for_execution(traces[-1], self.executors))
+            finalize = functools.partial(_finalize_backward, self.executors, dist)
             program = GradProgram(plan, traces[-1].python_callable(), finalize,
-                                  finalize(plan.backward(plan.differentiable)), autocast_enabled())
+                                  finalize(plan.backward(plan.differentiable), GradSync.SYNC), autocast_enabled(),
+                                  dist)
             fn = functools.partial(FulmenFunction.apply, program)
         else:
+            if dist is not None:
+                traces.append(dist.forward(traces[-1], len(traces[-1].output)))
             traces.extend(_for_execution(traces[-1], self.executors))
             fn = traces[-1].python_callable()
         if autocast_enabled():
@@ -214,7 +224,6 @@ class JittedFunction:
             backward_traces=tuple(program.backward_traces) if program is not None else (),
             program=program,
         )
-        module_tensors = [source.fetch() for source in self._module_inputs]
         return entry, module_tensors
 
     @staticmethod

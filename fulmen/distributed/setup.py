@@ -1,0 +1,186 @@
+"""`ddp` and `fsdp`: mark a module's parameters as replicated or sharded before it is jitted.
+
+Neither wraps the module: they broadcast or shard the parameters in place (each `nn.Parameter` keeps its
+identity, so optimizers and state dicts see the same objects) and attach a `ParamSpec` to each. The collectives
+themselves are inserted into the traces when the module (or a function that calls it) is jitted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fulmen.distributed.prims import group_name
+from fulmen.distributed.specs import (
+    DistributedState,
+    FSDPBucketingStrategy,
+    FSDPType,
+    ParamSpec,
+    local_shard,
+    spec_of,
+)
+
+
+def _unwrap(model: nn.Module, what: str) -> nn.Module:
+    from fulmen.jit.jitted import JittedModule  # fulmen.jit reads the specs this package attaches
+
+    if isinstance(model, JittedModule):
+        if model._jit.stats.misses:
+            raise RuntimeError(f"fulmen.distributed.{what} must be applied before the jitted module first runs: "
+                               f"apply it to the module, then call fulmen.jit")
+        return model._model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fulmen.distributed.{what} expects an nn.Module, got {type(model).__name__}")
+    if getattr(model, "_fulmen_dist", None) is not None:
+        raise RuntimeError(f"this module is already distributed with fulmen.distributed.{model._fulmen_dist.kind}")
+    return model
+
+
+def _state(kind: str, process_group: dist.ProcessGroup | None, **options) -> DistributedState:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"fulmen.distributed.{kind} needs an initialized process group "
+                           "(torch.distributed.init_process_group) or a process_group argument")
+    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    return DistributedState(kind, group, group_name(group), dist.get_world_size(group), dist.get_rank(group),
+                            **options)
+
+
+def _broadcast(tensor: torch.Tensor, state: DistributedState, source: int) -> None:
+    dist.broadcast(tensor, src=dist.get_global_rank(state.group, source), group=state.group)
+
+
+def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: float = 25.0,
+        process_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Data parallelism: every rank holds the whole model and gradients are averaged with bucketed all_reduce.
+
+    Parameters and buffers are broadcast from rank `broadcast_from` of the group (None: already equal). The
+    backward starts each bucket's all_reduce as soon as its last gradient is computed and waits for all of them
+    at its end, so communication overlaps the rest of the backward. `bucket_size_in_mb=0` gives one all_reduce
+    per parameter.
+    """
+    module = _unwrap(model, "ddp")
+    if bucket_size_in_mb < 0:
+        raise ValueError(f"bucket_size_in_mb must be >= 0, got {bucket_size_in_mb}")
+    state = _state("ddp", process_group, bucket_bytes=int(bucket_size_in_mb * 2**20))
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if broadcast_from is not None:
+                _broadcast(param.data, state, broadcast_from)
+            param._fulmen_dist = ParamSpec(state, name, None, name)
+            state.params[name] = param
+        if broadcast_from is not None:
+            for buffer in module.buffers():
+                _broadcast(buffer, state, broadcast_from)
+    module._fulmen_dist = state
+    return model
+
+
+def _bucket_keys(module: nn.Module, strategy: FSDPBucketingStrategy) -> dict[str, str]:
+    """Parameter name -> the name of the collective it travels in."""
+    blocks: set[str] = set()
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList):
+            blocks.update(f"{name}.{child}" if name else child for child, _ in sub.named_children())
+    keys: dict[str, str] = {}
+    for owner, sub in module.named_modules():
+        for pname, _ in sub.named_parameters(recurse=False):
+            name = f"{owner}.{pname}" if owner else pname
+            if strategy is FSDPBucketingStrategy.NONE:
+                key = name
+            elif strategy is FSDPBucketingStrategy.LAYER:
+                key = owner
+            else:
+                block = next((b for b in blocks if owner == b or owner.startswith(b + ".")), None)
+                key = block if block is not None else owner
+            keys.setdefault(name, key)
+    return keys
+
+
+def _enum(value: object, kind: type, what: str):
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value.upper() in kind.__members__:
+        return kind[value.upper()]
+    raise ValueError(f"{what} must be one of {', '.join(kind.__members__)}, got {value!r}")
+
+
+def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcast_from: int | None = None,
+         sharding_strategy: FSDPType | str = FSDPType.ZERO2,
+         bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
+         process_group: dist.ProcessGroup | None = None, max_in_flight: int = 2) -> nn.Module:
+    """Fully sharded data parallelism: each rank keeps a dim-0 shard of every parameter.
+
+    The forward all-gathers parameters before their first use (at most `max_in_flight` collectives ahead);
+    ZERO3 frees them after their last use and gathers them again in the backward, ZERO2 keeps them for it. The
+    backward reduce-scatters gradients, one collective per bucket (`bucketing_strategy`). Parameters are moved
+    to `device` shard by shard; parameters on the meta device are materialised module by module with
+    `reset_parameters()` and sharded at once, so no rank ever holds the whole model. `broadcast_from` broadcasts
+    each full parameter from that rank before sharding it (None: every rank already has the same values).
+    """
+    module = _unwrap(model, "fsdp")
+    sharding = _enum(sharding_strategy, FSDPType, "sharding_strategy")
+    bucketing = _enum(bucketing_strategy, FSDPBucketingStrategy, "bucketing_strategy")
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    state = _state("fsdp", process_group, sharding=sharding, bucketing=bucketing, max_in_flight=max_in_flight)
+    device = torch.device(device) if device is not None else None
+    keys = _bucket_keys(module, bucketing)
+    with torch.no_grad():
+        for owner, sub in module.named_modules():
+            own = [t for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None]
+            if any(t.is_meta for t in own):
+                sub.to_empty(device=device or torch.device("cpu"), recurse=False)
+                if hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
+            for pname, param in sub._parameters.items():
+                if param is None or spec_of(param) is not None:  # shared with a module seen earlier
+                    continue
+                name = f"{owner}.{pname}" if owner else pname
+                if param.dim() == 0:
+                    raise ValueError(f"fsdp cannot shard the 0-dimensional parameter {name!r}")
+                full = param.data if device is None else param.data.to(device)
+                if broadcast_from is not None:
+                    _broadcast(full, state, broadcast_from)
+                shape = full.shape
+                param.data = local_shard(full, state.rank, state.world)
+                del full
+                param._fulmen_dist = ParamSpec(state, name, shape, keys[name])
+                state.params[name] = param
+            for bname, buffer in sub._buffers.items():
+                if buffer is None:
+                    continue
+                if device is not None and buffer.device != device:
+                    sub._buffers[bname] = buffer = buffer.to(device)
+                if broadcast_from is not None:
+                    _broadcast(buffer, state, broadcast_from)
+    module._fulmen_dist = state
+    return model
+
+
+def distributed_state(model: nn.Module) -> DistributedState:
+    from fulmen.jit.jitted import JittedModule
+
+    module = model._model if isinstance(model, JittedModule) else model
+    state = getattr(module, "_fulmen_dist", None)
+    if state is None:
+        raise ValueError("this module was not set up with fulmen.distributed.ddp or fulmen.distributed.fsdp")
+    return state
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Gradient accumulation: forwards run inside skip gradient communication in their backward.
+
+    The local gradients are held back (not added to `.grad`) and folded into the next synced backward's
+    reduction, so the gradient after it is exactly the average over ranks of the sum over micro-batches.
+    """
+    state = distributed_state(model)
+    previous, state.sync = state.sync, False
+    try:
+        yield
+    finally:
+        state.sync = previous

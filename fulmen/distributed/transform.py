@@ -1,0 +1,300 @@
+"""The DDP / FSDP trace transforms: collectives inserted into the split forward and backward traces.
+
+They run after the grad transform, on its results, and touch only the traces' interface (inputs, saved values,
+gradient outputs), so changes to autodiff cannot silently move or drop a collective:
+
+- forward: each sharded parameter input becomes its shard; the full parameter is all-gathered (one collective
+  per bucket) before its first use, at most `max_in_flight` buckets ahead. ZeRO-3 saves the shard instead of the
+  full parameter, so the full one dies after its last forward use.
+- backward: ZeRO-3 gathers the saved shards again before their first use. Gradients of distributed parameters
+  are packed per bucket and their reduction (all_reduce for DDP, reduce_scatter for FSDP) starts right after the
+  bucket's last gradient is computed; all waits sit at the end, so communication overlaps the rest of the
+  backward. Gradients are divided by the world size before the reduction (an average, as torch's DDP computes).
+- under `no_sync` (GradSync.LOCAL) the backward keeps its full local gradients; the bridge holds them back and the
+  next synced backward (GradSync.PENDING) takes them as a `pending` input group and adds them before the reduction.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import fulmen.torch as ft
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol
+from fulmen.core.trace import Namespace, Trace, TraceBuilder
+from fulmen.distributed import prims as dist
+from fulmen.distributed.specs import ParamSpec, spec_of
+
+
+class GradSync(enum.Enum):
+    SYNC = enum.auto()  # reduce the gradients across ranks
+    LOCAL = enum.auto()  # inside no_sync: no communication, full local gradients
+    PENDING = enum.auto()  # reduce the gradients plus those accumulated under no_sync
+
+
+@dataclass(slots=True)
+class _Bucket:
+    names: list[str]  # the full parameters (forward) or the gradient owners (backward), in pack order
+    ready: int  # forward: first use; backward: position of the last gradient computed
+    start: list[BoundSymbol] = field(default_factory=list)
+    finish: list[BoundSymbol] = field(default_factory=list)
+
+
+def _first_uses(bsyms: list[BoundSymbol], outputs: Sequence, names: set[str]) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for index, bsym in enumerate(bsyms):
+        for name in bsym.arg_names() & names:
+            first.setdefault(name, index)
+    for out in outputs:
+        if type(out) is TensorProxy and out.pname in names:
+            first.setdefault(out.pname, len(bsyms))
+    return first
+
+
+def _shard_layout(spec: ParamSpec) -> tuple[int, int, int]:
+    """(rows per rank, elements per rank, rows of padding)."""
+    rows = spec.rows
+    rest = math.prod(spec.full_shape[1:])
+    return rows, rows * rest, rows * spec.state.world - spec.full_shape[0]
+
+
+class DistributedProgram:
+    """The distribution of one jitted program's inputs and the transforms that follow from it."""
+
+    def __init__(self, inputs: Sequence[TensorProxy], specs: Sequence[ParamSpec | None], namespace: Namespace):
+        self.inputs = list(inputs)  # the acquired trace's inputs, in the (full) shapes the program sees
+        self.specs = tuple(specs)
+        self.namespace = namespace
+        self.by_name = {p.pname: s for p, s in zip(inputs, specs) if s is not None}
+        self.sharded = {name: spec for name, spec in self.by_name.items() if spec.sharded}
+        self._shards: dict[str, TensorProxy] = {}
+        self.states = tuple({id(s.state): s.state for s in self.by_name.values()}.values())
+
+    @classmethod
+    def of(cls, trace: Trace, tensors: Sequence[torch.Tensor]) -> DistributedProgram | None:
+        specs = [spec_of(t) for t in tensors]
+        return cls(trace.inputs, specs, trace.namespace) if any(s is not None for s in specs) else None
+
+    @property
+    def sync(self) -> bool:
+        return all(state.sync for state in self.states)
+
+    def shard(self, full: TensorProxy) -> TensorProxy:
+        """The trace input holding `full`'s local shard (one proxy per parameter, shared by forward and backward)."""
+        proxy = self._shards.get(full.pname)
+        if proxy is None:
+            spec = self.sharded[full.pname]
+            meta = torch.empty((spec.rows, *spec.full_shape[1:]), dtype=full.dtype, device="meta")
+            proxy = TensorProxy(self.namespace.create(f"{full.pname}_shard"), meta, full.device, full.requires_grad)
+            self._shards[full.pname] = proxy
+        return proxy
+
+    # --- forward ---------------------------------------------------------------------------------------------
+    def forward(self, trace: Trace, n_outputs: int) -> Trace:
+        """`trace` (outputs, then saved values from position `n_outputs`) reading shards and gathering them."""
+        if not self.sharded:
+            return trace
+        outputs = list(trace.output)
+        for i in range(n_outputs, len(outputs)):
+            out = outputs[i]
+            if type(out) is TensorProxy and out.pname in self.sharded and self.sharded[out.pname].state.zero3:
+                outputs[i] = self.shard(out)
+        full = {p.pname: p for p in trace.inputs if p.pname in self.sharded}
+        bsyms = self._with_gathers(trace.bound_symbols, outputs, full)
+        inputs = [self.shard(p) if p.pname in self.sharded else p for p in trace.inputs]
+        return trace.from_trace("FSDP: shards gathered before use", inputs=inputs, bound_symbols=bsyms,
+                                output=tuple(outputs))
+
+    def _with_gathers(self, bsyms: list[BoundSymbol], outputs: Sequence, full: dict[str, TensorProxy]
+                      ) -> list[BoundSymbol]:
+        first = _first_uses(bsyms, outputs, set(full))
+        groups: dict[tuple, list[str]] = {}
+        for name in sorted(first, key=first.__getitem__):
+            spec = self.sharded[name]
+            groups.setdefault((id(spec.state), spec.bucket, full[name].dtype), []).append(name)
+        buckets = sorted((_Bucket(names, first[names[0]]) for names in groups.values()), key=lambda b: b.ready)
+        for bucket in buckets:
+            self._gather(bucket, [full[name] for name in bucket.names])
+        in_flight = self.sharded[buckets[0].names[0]].state.max_in_flight if buckets else 1
+        result: list[BoundSymbol] = []
+        started = 0
+
+        def start_next() -> None:
+            nonlocal started
+            if started < len(buckets):
+                result.extend(buckets[started].start)
+                started += 1
+
+        for _ in range(in_flight):
+            start_next()
+        finishing = {}
+        for index, bucket in enumerate(buckets):
+            finishing.setdefault(bucket.ready, []).append(index)
+        for position in range(len(bsyms) + 1):
+            for index in finishing.get(position, ()):
+                while started <= index:
+                    start_next()
+                result.extend(buckets[index].finish)
+                start_next()  # the next bucket takes the freed slot
+            if position < len(bsyms):
+                result.append(bsyms[position])
+        return result
+
+    def _gather(self, bucket: _Bucket, fulls: list[TensorProxy]) -> None:
+        specs = [self.sharded[p.pname] for p in fulls]
+        state = specs[0].state
+        world = state.world
+        with TraceBuilder(self.namespace) as builder:
+            shards = [self.shard(p) for p in fulls]
+            flat = shards[0] if len(shards) == 1 else ft.cat([ft.reshape(s, (-1,)) for s in shards], 0)
+            gathered = dist.all_gather(flat, state.group_name, world)
+        bucket.start = builder.bound_symbols
+        with TraceBuilder(self.namespace) as builder:
+            done = dist.wait(gathered)
+            results = []
+            if len(shards) == 1:
+                padded = [done]
+            else:
+                table = ft.reshape(done, (world, -1))
+                padded, offset = [], 0
+                for spec in specs:
+                    rows, numel, _ = _shard_layout(spec)
+                    piece = ft.narrow(table, 1, offset, numel)
+                    padded.append(ft.reshape(piece, (rows * world, *spec.full_shape[1:])))
+                    offset += numel
+            for value, spec in zip(padded, specs):
+                n = spec.full_shape[0]
+                results.append(ft.narrow(value, 0, 0, n) if value.shape[0] != n else value)
+        builder.adopt_results(builder.bound_symbols, results, fulls, None)
+        bucket.finish = builder.bound_symbols
+
+    # --- backward --------------------------------------------------------------------------------------------
+    def backward(self, trace: Trace, mode: GradSync) -> Trace:
+        """The backward trace with ZeRO-3's gathers and, unless `mode` is LOCAL, the gradient reduction."""
+        saved_count = trace.input_groups[0][1] if trace.input_groups else 0
+        regather = {p.pname: p for p in trace.inputs[:saved_count]
+                    if p.pname in self.sharded and self.sharded[p.pname].state.zero3}
+        bsyms = list(trace.bound_symbols)
+        inputs = list(trace.inputs)
+        if regather:
+            bsyms = self._with_gathers(bsyms, trace.output, regather)
+            inputs = [self.shard(p) if p.pname in regather else p for p in inputs]
+        groups = tuple(trace.input_groups)
+        output = list(trace.output)
+        provenance = "FSDP: ZeRO-3 gathers" if regather else trace.provenance
+        if mode is not GradSync.LOCAL:
+            pending = self._pending_inputs(output) if mode is GradSync.PENDING else {}
+            bsyms, output = self._reduce_grads(bsyms, output, pending)
+            if pending:
+                inputs += list(pending.values())
+                groups += (("pending", len(pending)),)
+            provenance = "Distributed: gradients reduced across ranks"
+        return trace.from_trace(provenance, inputs=inputs, bound_symbols=bsyms, output=tuple(output),
+                                input_groups=groups)
+
+    def grad_owners(self, grads: Sequence) -> list[int]:
+        """Indices of the gradient outputs that belong to distributed parameters requiring grad."""
+        return [i for i, (p, spec) in enumerate(zip(self.inputs, self.specs)) if spec is not None and p.requires_grad
+                and i < len(grads)]
+
+    def _pending_inputs(self, grads: Sequence) -> dict[int, TensorProxy]:
+        pending = {}
+        for i in self.grad_owners(grads):
+            full = self.inputs[i]
+            meta = torch.empty(full.shape, dtype=full.dtype, device="meta")
+            pending[i] = TensorProxy(self.namespace.create(f"pending_{full.pname}"), meta, full.device)
+        return pending
+
+    def _reduce_grads(self, bsyms: list[BoundSymbol], grads: list, pending: dict[int, TensorProxy]
+                      ) -> tuple[list[BoundSymbol], list]:
+        producer = {name: index for index, bsym in enumerate(bsyms) for name in bsym.output_names()}
+        after: dict[int, list[BoundSymbol]] = {}
+        ready: dict[int, int] = {}
+        values: dict[int, TensorProxy] = {}
+        for i in self.grad_owners(grads):
+            grad = grads[i]
+            position = producer.get(grad.pname, -1) if grad is not None else -1
+            if i in pending:
+                if grad is None:
+                    grad = pending[i]
+                else:
+                    with TraceBuilder(self.namespace) as builder:
+                        grad = ft.add(grad, pending[i])
+                    after.setdefault(position, []).extend(builder.bound_symbols)
+            if grad is not None:
+                values[i], ready[i] = grad, position
+        buckets = self._grad_buckets(values, ready)
+        finish: list[BoundSymbol] = []
+        for owners in buckets:
+            start, end = self._reduce(owners, values, grads)
+            after.setdefault(max(ready[i] for i in owners), []).extend(start)
+            finish.extend(end)
+        result = list(after.get(-1, ()))
+        for index, bsym in enumerate(bsyms):
+            result.append(bsym)
+            result.extend(after.get(index, ()))
+        return result + finish, grads
+
+    def _grad_buckets(self, values: dict[int, TensorProxy], ready: dict[int, int]) -> list[list[int]]:
+        """Gradient owners per collective, in the order their buckets become ready."""
+        buckets: list[list[int]] = []
+        open_ddp: dict[tuple, tuple[list[int], list[int]]] = {}  # (state, dtype) -> (owners, [bytes])
+        fsdp: dict[tuple, list[int]] = {}
+        for i in sorted(values, key=lambda i: ready[i]):
+            spec, grad = self.specs[i], values[i]
+            if spec.sharded:
+                fsdp.setdefault((id(spec.state), spec.bucket, grad.dtype), []).append(i)
+                continue
+            key = (id(spec.state), grad.dtype)
+            if key not in open_ddp:
+                open_ddp[key] = ([], [0])
+                buckets.append(open_ddp[key][0])
+            owners, size = open_ddp[key]
+            owners.append(i)
+            size[0] += grad.numel() * grad.element_size()
+            if size[0] >= spec.state.bucket_bytes:
+                del open_ddp[key]
+        buckets.extend(fsdp.values())
+        return sorted(buckets, key=lambda owners: max(ready[i] for i in owners))
+
+    def _reduce(self, owners: list[int], values: dict[int, TensorProxy], grads: list
+                ) -> tuple[list[BoundSymbol], list[BoundSymbol]]:
+        """The pack + start and the wait + unpack of one bucket; `grads` gets the reduced gradients."""
+        specs = [self.specs[i] for i in owners]
+        state = specs[0].state
+        world = state.world
+        with TraceBuilder(self.namespace) as builder:
+            if state.kind == "fsdp":
+                pieces = []
+                for i, spec in zip(owners, specs):
+                    grad = values[i]
+                    _, numel, padding = _shard_layout(spec)
+                    if padding:
+                        grad = ft.pad(grad, (0, 0) * (grad.dim() - 1) + (0, padding))
+                    pieces.append(ft.reshape(grad, (world, numel)))
+                table = pieces[0] if len(pieces) == 1 else ft.cat(pieces, 1)
+                flat = ft.div(ft.reshape(table, (-1,)), world)
+                started = dist.reduce_scatter(flat, state.group_name, world)
+            else:
+                pieces = [ft.reshape(values[i], (-1,)) for i in owners]
+                flat = ft.div(pieces[0] if len(pieces) == 1 else ft.cat(pieces, 0), world)
+                started = dist.all_reduce(flat, state.group_name)
+        start = builder.bound_symbols
+        with TraceBuilder(self.namespace) as builder:
+            done = dist.wait(started)
+            offset = 0
+            for i, spec in zip(owners, specs):
+                if spec.sharded:
+                    rows, numel, _ = _shard_layout(spec)
+                    shape = (rows, *spec.full_shape[1:])
+                else:
+                    shape, numel = tuple(values[i].shape), values[i].numel()
+                piece = done if len(owners) == 1 else ft.narrow(done, 0, offset, numel)
+                grads[i] = ft.reshape(piece, shape)
+                offset += numel
+        return start, builder.bound_symbols
