@@ -161,11 +161,15 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
     return model
 
 
-def distributed_state(model: nn.Module) -> DistributedState:
+def unwrap_module(model: nn.Module) -> nn.Module:
+    """The user's module behind a `fulmen.jit` result."""
     from fulmen.jit.jitted import JittedModule
 
-    module = model._model if isinstance(model, JittedModule) else model
-    state = getattr(module, "_fulmen_dist", None)
+    return model._model if isinstance(model, JittedModule) else model
+
+
+def distributed_state(model: nn.Module) -> DistributedState:
+    state = getattr(unwrap_module(model), "_fulmen_dist", None)
     if state is None:
         raise ValueError("this module was not set up with fulmen.distributed.ddp or fulmen.distributed.fsdp")
     return state

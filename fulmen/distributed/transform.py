@@ -46,10 +46,13 @@ class _Bucket:
 
 
 def _first_uses(bsyms: list[BoundSymbol], outputs: Sequence, names: set[str]) -> dict[str, int]:
+    # Iterated in argument order, never over a set: every rank must issue its collectives in the same order, and
+    # set order follows each process's string-hash seed.
     first: dict[str, int] = {}
     for index, bsym in enumerate(bsyms):
-        for name in bsym.arg_names() & names:
-            first.setdefault(name, index)
+        for proxy in bsym.proxy_args():
+            if proxy.pname in names:
+                first.setdefault(proxy.pname, index)
     for out in outputs:
         if type(out) is TensorProxy and out.pname in names:
             first.setdefault(out.pname, len(bsyms))

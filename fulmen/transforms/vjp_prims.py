@@ -15,6 +15,12 @@ import torch
 from fulmen.ops import prims, shape
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad
 
+
+def zeros_shaped(x: torch.Tensor) -> torch.Tensor:
+    """Zeros of `x`'s shape, dtype and device that do not read `x`, so the backward need not keep `x` alive (nor
+    ZeRO-3 gather a parameter again) just for its metadata."""
+    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+
 T = torch.Tensor
 
 # prim name -> d(input) from (x, y, g): the input, the output and the output's cotangent.
@@ -50,7 +56,7 @@ UNARY_VJPS: dict[str, Callable[[T, T, T], T]] = {
     "lgamma": lambda x, y, g: g * torch.digamma(x),
     "frac": lambda x, y, g: g,
     # Piecewise constant: eager's backward gives zeros, and so does ours (not "no grad").
-    **dict.fromkeys("sign floor ceil round trunc".split(), lambda x, y, g: torch.zeros_like(x)),
+    **dict.fromkeys("sign floor ceil round trunc".split(), lambda x, y, g: zeros_shaped(x)),
 }
 
 
@@ -99,7 +105,7 @@ def _pow_grads(a, b, y, g):
     grad_a = grad_b = None
     if _is_proxy(a):
         grad_a = torch.where(b == 0, 0.0, g * b * torch.pow(a, b - 1)) if _is_proxy(b) else (
-            torch.zeros_like(a) if b == 0 else g * b * torch.pow(a, b - 1))
+            zeros_shaped(a) if b == 0 else g * b * torch.pow(a, b - 1))
     if _is_proxy(b):
         # d(a^b)/db = a^b log(a), which eager defines as 0 where a == 0 and b >= 0.
         if _is_proxy(a):
@@ -222,7 +228,7 @@ def _sorted_values(prim):
     def rule(x, *args):
         values, indices = prim(x, *args)
         dim = args[1] if prim is prims.topk else args[0]
-        grad = torch.zeros_like(x).scatter_add(dim, indices, get_grad(values))
+        grad = zeros_shaped(x).scatter_add(dim, indices, get_grad(values))
         put_grad(x, grad)
         return values, indices
 
@@ -273,14 +279,14 @@ def _expand(x, shape):
 def _slice(x, starts, ends, steps):
     y = prims.slice(x, starts, ends, steps)
     index = tuple(slice(s, e, st) for s, e, st in zip(starts, ends, steps))
-    put_grad(x, shape.setitem(torch.zeros_like(x), index, get_grad(y)))
+    put_grad(x, shape.setitem(zeros_shaped(x), index, get_grad(y)))
     return y
 
 
 @register_grad(prims.select)
 def _select(x, dim, index):
     y = prims.select(x, dim, index)
-    put_grad(x, torch.select_scatter(torch.zeros_like(x), get_grad(y), dim, index))
+    put_grad(x, torch.select_scatter(zeros_shaped(x), get_grad(y), dim, index))
     return y
 
 
@@ -318,14 +324,14 @@ def _along(index: T, dim: int, like: T) -> T:
 def _take(x, index, dim):
     y = prims.take(x, index, dim)
     g = get_grad(y)
-    put_grad(x, torch.zeros_like(x).index_add(dim, index, g))
+    put_grad(x, zeros_shaped(x).index_add(dim, index, g))
     return y
 
 
 @register_grad(prims.take_along_axis)
 def _take_along_axis(x, index, dim):
     y = prims.take_along_axis(x, index, dim)
-    put_grad(x, torch.zeros_like(x).scatter_add(dim, index, get_grad(y)))
+    put_grad(x, zeros_shaped(x).scatter_add(dim, index, get_grad(y)))
     return y
 
 
@@ -343,7 +349,7 @@ def _scatter_add(x, dim, index, src):
 def _slice_scatter(x, src, dim, start, end, step):
     y = prims.slice_scatter(x, src, dim, start, end, step)
     g = get_grad(y)
-    put_grad(x, torch.slice_scatter(g, torch.zeros_like(src), dim, start, end, step))
+    put_grad(x, torch.slice_scatter(g, zeros_shaped(src), dim, start, end, step))
     put_grad(src, g[(slice(None),) * dim + (slice(start, end, step),)])
     return y
 
@@ -352,7 +358,7 @@ def _slice_scatter(x, src, dim, start, end, step):
 def _select_scatter(x, src, dim, index):
     y = prims.select_scatter(x, src, dim, index)
     g = get_grad(y)
-    put_grad(x, torch.select_scatter(g, torch.zeros_like(src), dim, index))
+    put_grad(x, torch.select_scatter(g, zeros_shaped(src), dim, index))
     put_grad(src, g.select(dim, index))
     return y
 

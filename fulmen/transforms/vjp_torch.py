@@ -15,7 +15,7 @@ from fulmen.core.symbol import Tag
 from fulmen.ops import shape
 from fulmen.ops.registry import SYMBOLS, torch_symbol
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp
-from fulmen.transforms.vjp_prims import matmul_rule
+from fulmen.transforms.vjp_prims import matmul_rule, zeros_shaped
 
 native_layer_norm = torch_symbol(torch.native_layer_norm)
 native_dropout = torch_symbol(torch.native_dropout, tags=Tag.RANDOM)
@@ -164,7 +164,7 @@ def embedding_grad(index, weight, padding_idx=None, max_norm=None, norm_type=2.0
     flat = index.reshape(-1)
     if padding_idx is not None:
         g = torch.where((flat == padding_idx % weight.shape[0]).unsqueeze(1), 0.0, g)
-    put_grad(weight, torch.zeros_like(weight).index_add(0, flat, g))
+    put_grad(weight, zeros_shaped(weight).index_add(0, flat, g))
     return y
 
 
@@ -227,7 +227,7 @@ def getitem_grad(x, index):
     if not _basic(index):
         return NotImplemented
     y = x[index]
-    put_grad(x, shape.setitem(torch.zeros_like(x), index, get_grad(y)))
+    put_grad(x, shape.setitem(zeros_shaped(x), index, get_grad(y)))
     return y
 
 

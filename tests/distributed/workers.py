@@ -1,0 +1,225 @@
+"""What each rank runs in the distributed tests (module level, so spawned processes can import it), and the
+single-process eager training they are compared with."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+import torch.nn.functional as F
+from litgpt import GPT, Config
+
+import fulmen
+import fulmen.distributed as fd
+from fulmen.distributed import checkpoint
+from fulmen.distributed import prims as dist_prims
+from fulmen.distributed.transform import GradSync
+from fulmen.jit.jitted import core
+
+# Odd sizes on purpose: vocab 67 and the MLP's 45 rows do not split evenly over 2 ranks (padded shards).
+CONFIG = dict(block_size=16, vocab_size=67, padded_vocab_size=67, n_layer=2, n_head=4, n_embd=32, n_query_groups=2,
+              intermediate_size=45, bias=True, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm",
+              rotary_percentage=1.0, parallel_residual=False)
+STEPS = 5
+MICRO = 2  # rows per rank per micro-batch
+SEQ = 16
+LR = 1e-2
+MAX_NORM = 0.5  # below the gradients' norm, so clipping really scales them
+FULL = checkpoint.StateDictOptions(full_state_dict=True, cpu_offload=True, rank0_only=True)
+
+
+@dataclass(frozen=True)
+class Setup:
+    mode: str  # "ddp", "zero2-none", ..., "zero3-block"
+    accumulate: int = 1  # micro-batches per step; all but the last under no_sync
+    clip: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}-{'accumulate' if self.accumulate > 1 else 'clip' if self.clip else 'plain'}"
+
+
+def make_model(seed: int = 0, device: str | torch.device = "cpu") -> GPT:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return GPT(Config(**CONFIG))
+
+
+def distribute(model: torch.nn.Module, mode: str, **kwargs: Any) -> torch.nn.Module:
+    if mode == "ddp":
+        return fd.ddp(model, **kwargs)
+    sharding, bucketing = mode.split("-")
+    return fd.fsdp(model, sharding_strategy=sharding, bucketing_strategy=bucketing, **kwargs)
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def global_batches(world: int, accumulate: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    rows = world * MICRO * accumulate
+    return [(torch.randint(0, CONFIG["vocab_size"], (rows, SEQ), generator=generator),
+             torch.randint(0, CONFIG["vocab_size"], (rows, SEQ), generator=generator)) for _ in range(STEPS)]
+
+
+def eager_training(setup: Setup, world: int = 2) -> dict[str, Any]:
+    """One process, the whole global batch per step: what the distributed runs must reproduce."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for x, y in global_batches(world, setup.accumulate):
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        if setup.clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _collectives(trace) -> dict[str, int]:
+    counts = {sym.name: 0 for sym in dist_prims.COLLECTIVES}
+    for bsym in trace.bound_symbols:
+        if bsym.sym in dist_prims.COLLECTIVES:
+            counts[bsym.sym.name] += 1
+    return counts
+
+
+def _trace_facts(jitted: Any) -> dict[str, Any]:
+    forward = fulmen.last_traces(jitted)[-1]
+    backward = fulmen.last_backward_traces(jitted)[-1]
+    program = core(jitted).last_entry.program
+    local = program.finalize(program.plan.backward(program.plan.differentiable), GradSync.LOCAL)[-1]
+    n_outputs = program.plan.n_outputs
+    all_reduce_bytes = [b.args[0].numel() * b.args[0].element_size() for b in backward.bound_symbols
+                        if b.sym is dist_prims.all_reduce]
+    return {
+        "forward": _collectives(forward),
+        "backward": _collectives(backward),
+        "local_backward": _collectives(local),
+        "saved": [p.pname for p in forward.output[n_outputs:]],
+        "forward_source": str(forward),
+        "backward_source": str(backward),
+        "all_reduce_bytes": all_reduce_bytes,
+    }
+
+
+def train(rank: int, world: int, setup: Setup, **distribute_kwargs: Any) -> dict[str, Any]:
+    model = distribute(make_model(), setup.mode, **distribute_kwargs)
+    param_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    jitted = fulmen.jit(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for x, y in global_batches(world, setup.accumulate):
+        total = torch.zeros(())
+        for micro in range(setup.accumulate):
+            start = (micro * world + rank) * MICRO
+            xs, ys = x[start : start + MICRO], y[start : start + MICRO]
+            syncing = micro == setup.accumulate - 1
+            with contextlib.nullcontext() if syncing else fd.no_sync(jitted):
+                loss = loss_fn(jitted, xs, ys) / setup.accumulate
+                loss.backward()
+            if not syncing:  # the held-back local gradients do not reach .grad before the synced backward
+                assert all(p.grad is None for p in model.parameters())
+            total += loss.detach()
+        if setup.clip:
+            norms.append(fd.clip_grad_norm_(jitted, MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_dist.all_reduce(total)
+        losses.append(total.item() / world)
+    params = checkpoint.get_model_state_dict(jitted, FULL)
+    return {"losses": losses, "norms": norms, "params": params, "param_bytes": param_bytes,
+            "traces": _trace_facts(jitted) if rank == 0 else None}
+
+
+def parity_suite(rank: int, world: int, setups: list[Setup]) -> dict[str, Any]:
+    """Every setup in turn in one process group (one launch for the whole suite)."""
+    results = {}
+    for setup in setups:
+        results[setup.name] = train(rank, world, setup)
+    for mb in (0.0, 0.01):  # DDP bucket caps: one all_reduce per parameter, and buckets of >= 10 KiB
+        results[f"ddp-bucket-{mb}"] = train(rank, world, Setup("ddp"), bucket_size_in_mb=mb)
+    return results
+
+
+# --- checkpoints ------------------------------------------------------------------------------------------------
+def shards_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def save_checkpoints(rank: int, world: int, directory: str) -> dict[str, Any]:
+    model = distribute(make_model(), "zero3-block")
+    checkpoint.save(model, Path(directory) / "full.pt", checkpoint.StateDictOptions(full_state_dict=True))
+    checkpoint.save(model, Path(directory) / "sharded")
+    return {"full": checkpoint.get_model_state_dict(model, FULL)}
+
+
+def load_checkpoints(rank: int, world: int, directory: str) -> dict[str, Any]:
+    results = {}
+    for name, options in (("full", checkpoint.StateDictOptions(full_state_dict=True)),
+                          ("sharded", checkpoint.StateDictOptions())):
+        model = distribute(make_model(seed=123), "zero3-block")  # other values than the checkpoint's
+        checkpoint.load(model, Path(directory) / f"world1_{name}", options)
+        results[name] = {"full": checkpoint.get_model_state_dict(model, FULL), "shards": shards_of(model)}
+    return results
+
+
+# --- meta-device initialisation -----------------------------------------------------------------------------------
+def materialize_from_meta(rank: int, world: int) -> dict[str, Any]:
+    """Creates the model on the meta device and lets fsdp materialise it, recording the most parameter bytes this
+    rank held while doing so."""
+    model = make_model(device="meta")
+    torch.manual_seed(7)
+    peak = [0]
+
+    def held() -> int:
+        return sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.is_meta)
+
+    originals = {}
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            original = module.reset_parameters
+            originals[module] = original
+
+            def reset(original=original) -> None:
+                original()
+                peak[0] = max(peak[0], held())
+
+            module.reset_parameters = reset
+    distribute(model, "zero3-block", device="cpu")
+    peak[0] = max(peak[0], held())
+    return {"peak_bytes": peak[0], "full": checkpoint.get_model_state_dict(model, FULL)}
+
+
+def eager_from_meta() -> dict[str, torch.Tensor]:
+    """The same initialisation on one process: each module materialised and reset in the order fsdp visits them."""
+    model = make_model(device="meta")
+    torch.manual_seed(7)
+    for module in model.modules():
+        own = [*module._parameters.values(), *module._buffers.values()]
+        if any(t is not None and t.is_meta for t in own):
+            module.to_empty(device="cpu", recurse=False)
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# --- a failing rank -----------------------------------------------------------------------------------------------
+def one_rank_fails(rank: int, world: int) -> float:
+    """Rank 1 raises before its second backward; rank 0 must end with an error from the collective."""
+    model = fd.ddp(make_model())
+    jitted = fulmen.jit(model)
+    for step, (x, y) in enumerate(global_batches(world, 1)):
+        if step == 1 and rank == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+        loss_fn(jitted, x[rank * MICRO : (rank + 1) * MICRO], y[rank * MICRO : (rank + 1) * MICRO]).backward()
+    return time.perf_counter()
