@@ -38,16 +38,22 @@ class Setup:
     mode: str  # "ddp", "zero2-none", ..., "zero3-block"
     accumulate: int = 1  # micro-batches per step; all but the last under no_sync
     clip: bool = False
+    device: str = "cpu"  # "cuda": each rank on its own GPU
+    dtype: torch.dtype = torch.float32
+
+    def place(self, rank: int = 0) -> torch.device:
+        return torch.device("cuda", rank) if self.device == "cuda" else torch.device("cpu")
 
     @property
     def name(self) -> str:
         return f"{self.mode}-{'accumulate' if self.accumulate > 1 else 'clip' if self.clip else 'plain'}"
 
 
-def make_model(seed: int = 0, device: str | torch.device = "cpu") -> GPT:
+def make_model(seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
     torch.manual_seed(seed)
     with torch.device(device):
-        return GPT(Config(**CONFIG))
+        model = GPT(Config(**CONFIG))
+    return model.to(dtype) if device != "meta" else model
 
 
 def distribute(model: torch.nn.Module, mode: str, **kwargs: Any) -> torch.nn.Module:
@@ -71,18 +77,18 @@ def global_batches(world: int, accumulate: int) -> list[tuple[torch.Tensor, torc
 
 def eager_training(setup: Setup, world: int = 2) -> dict[str, Any]:
     """One process, the whole global batch per step: what the distributed runs must reproduce."""
-    model = make_model()
+    model = make_model(device=setup.place(), dtype=setup.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for x, y in global_batches(world, setup.accumulate):
-        loss = loss_fn(model, x, y)
+        loss = loss_fn(model, x.to(setup.place()), y.to(setup.place()))
         loss.backward()
         if setup.clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms, "params": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
 
 def _collectives(trace) -> dict[str, int]:
@@ -113,16 +119,17 @@ def _trace_facts(jitted: Any) -> dict[str, Any]:
 
 
 def train(rank: int, world: int, setup: Setup, **distribute_kwargs: Any) -> dict[str, Any]:
-    model = distribute(make_model(), setup.mode, **distribute_kwargs)
+    device = setup.place(rank)
+    model = distribute(make_model(device=device, dtype=setup.dtype), setup.mode, **distribute_kwargs)
     param_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
     jitted = fulmen.jit(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for x, y in global_batches(world, setup.accumulate):
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for micro in range(setup.accumulate):
             start = (micro * world + rank) * MICRO
-            xs, ys = x[start : start + MICRO], y[start : start + MICRO]
+            xs, ys = x[start : start + MICRO].to(device), y[start : start + MICRO].to(device)
             syncing = micro == setup.accumulate - 1
             with contextlib.nullcontext() if syncing else fd.no_sync(jitted):
                 loss = loss_fn(jitted, xs, ys) / setup.accumulate
@@ -214,12 +221,18 @@ def eager_from_meta() -> dict[str, torch.Tensor]:
 
 
 # --- a failing rank -----------------------------------------------------------------------------------------------
-def one_rank_fails(rank: int, world: int) -> float:
-    """Rank 1 raises before its second backward; rank 0 must end with an error from the collective."""
+def one_rank_fails(rank: int, world: int, how: str, stall_seconds: float = 0.0) -> float:
+    """Rank 1 raises (its process ends) or stalls before its second backward; rank 0 must end with an error from
+    the collective. Returns when rank 0 started waiting."""
     model = fd.ddp(make_model())
     jitted = fulmen.jit(model)
+    started = time.perf_counter()
     for step, (x, y) in enumerate(global_batches(world, 1)):
         if step == 1 and rank == 1:
-            raise RuntimeError("rank 1 fails on purpose")
+            if how == "raises":
+                raise RuntimeError("rank 1 fails on purpose")
+            time.sleep(stall_seconds)
+            return started
+        started = time.perf_counter()
         loss_fn(jitted, x[rank * MICRO : (rank + 1) * MICRO], y[rank * MICRO : (rank + 1) * MICRO]).backward()
-    return time.perf_counter()
+    return started
