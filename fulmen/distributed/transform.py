@@ -77,6 +77,8 @@ class DistributedProgram:
         self.sharded = {name: spec for name, spec in self.by_name.items() if spec.sharded}
         self._shards: dict[str, TensorProxy] = {}
         self.states = tuple({id(s.state): s.state for s in self.by_name.values()}.values())
+        # The gradient outputs that belong to distributed parameters requiring grad.
+        self.grad_owners = [i for i, (p, spec) in enumerate(zip(inputs, specs)) if spec is not None and p.requires_grad]
 
     @classmethod
     def of(cls, trace: Trace, tensors: Sequence[torch.Tensor]) -> DistributedProgram | None:
@@ -191,7 +193,7 @@ class DistributedProgram:
         output = list(trace.output)
         provenance = "FSDP: ZeRO-3 gathers" if regather else trace.provenance
         if mode is not GradSync.LOCAL:
-            pending = self._pending_inputs(output) if mode is GradSync.PENDING else {}
+            pending = self._pending_inputs() if mode is GradSync.PENDING else {}
             bsyms, output = self._reduce_grads(bsyms, output, pending)
             if pending:
                 inputs += list(pending.values())
@@ -200,14 +202,9 @@ class DistributedProgram:
         return trace.from_trace(provenance, inputs=inputs, bound_symbols=bsyms, output=tuple(output),
                                 input_groups=groups)
 
-    def grad_owners(self, grads: Sequence) -> list[int]:
-        """Indices of the gradient outputs that belong to distributed parameters requiring grad."""
-        return [i for i, (p, spec) in enumerate(zip(self.inputs, self.specs)) if spec is not None and p.requires_grad
-                and i < len(grads)]
-
-    def _pending_inputs(self, grads: Sequence) -> dict[int, TensorProxy]:
+    def _pending_inputs(self) -> dict[int, TensorProxy]:
         pending = {}
-        for i in self.grad_owners(grads):
+        for i in self.grad_owners:
             full = self.inputs[i]
             meta = torch.empty(full.shape, dtype=full.dtype, device="meta")
             pending[i] = TensorProxy(self.namespace.create(f"pending_{full.pname}"), meta, full.device)
@@ -219,7 +216,7 @@ class DistributedProgram:
         after: dict[int, list[BoundSymbol]] = {}
         ready: dict[int, int] = {}
         values: dict[int, TensorProxy] = {}
-        for i in self.grad_owners(grads):
+        for i in self.grad_owners:
             grad = grads[i]
             position = producer.get(grad.pname, -1) if grad is not None else -1
             if i in pending:

@@ -54,7 +54,7 @@ class GradProgram:
         held back (as `ParamSpec.pending`) for the next synced backward to add before reducing."""
         if self.dist is None:
             return self.backward_fn(present)(saved, cotangents)
-        owners = self.dist.grad_owners(self.plan.grad_inputs)
+        owners = self.dist.grad_owners
         if not sync:
             grads = list(self.backward_fn(present, GradSync.LOCAL)(saved, cotangents))
             for i in owners:

@@ -8,6 +8,7 @@ with eager on the same global batch, or checks the collectives in its traces aga
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -113,6 +114,34 @@ def test_ddp_starts_reductions_before_the_backward_ends(suite):
     matmuls = [i for i, line in enumerate(source) if "torch.matmul(" in line or "linear(" in line]
     assert starts[0] < matmuls[-1]  # the first bucket is in flight while the backward still computes
     assert min(waits) > max(starts) and min(waits) > matmuls[-1]  # every wait comes after all the compute
+
+
+def _max_gathers_in_flight(source: str) -> int:
+    started: set[str] = set()
+    most = 0
+    for line in source.splitlines():
+        gather = re.match(r"\s*(\w+) = dist\.all_gather\(", line)
+        if gather:
+            started.add(gather.group(1))
+            most = max(most, len(started))
+        waited = re.search(r"dist\.wait\((\w+)\)", line)
+        if waited:
+            started.discard(waited.group(1))
+    return most
+
+
+@pytest.mark.parametrize(("name", "bound"), [("zero3-block-plain", 2), ("zero3-block-inflight1", 1)])
+def test_all_gathers_in_flight_are_bounded(suite, name, bound):
+    facts = suite[name]["traces"]
+    assert _max_gathers_in_flight(facts["forward_source"]) == bound  # prefetched up to the bound, never past it
+    assert _max_gathers_in_flight(facts["backward_source"]) == bound
+    assert suite[name]["losses"] == pytest.approx(eager(1, False)["losses"], rel=1e-5)
+
+
+def test_a_process_group_can_be_passed_in(suite):
+    got = suite["zero3-block-group"]
+    assert got["losses"] == pytest.approx(eager(1, False)["losses"], rel=1e-5)
+    assert "'pg1'" in got["traces"]["forward_source"] and "'pg0'" not in got["traces"]["forward_source"]
 
 
 def test_zero3_holds_half_the_parameter_bytes(suite):

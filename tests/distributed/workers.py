@@ -155,6 +155,9 @@ def parity_suite(rank: int, world: int, setups: list[Setup]) -> dict[str, Any]:
         results[setup.name] = train(rank, world, setup)
     for mb in (0.0, 0.01):  # DDP bucket caps: one all_reduce per parameter, and buckets of >= 10 KiB
         results[f"ddp-bucket-{mb}"] = train(rank, world, Setup("ddp"), bucket_size_in_mb=mb)
+    group = torch_dist.new_group(list(range(world)))  # a process group passed in rather than the default one
+    results["zero3-block-group"] = train(rank, world, Setup("zero3-block"), process_group=group)
+    results["zero3-block-inflight1"] = train(rank, world, Setup("zero3-block"), max_in_flight=1)
     return results
 
 
