@@ -19,8 +19,9 @@ batch every step). The rows run in turn in the same processes:
                           does not import
 
 What is compiled and how the optimizer steps follow step.py (whose helpers this script imports): the compiled
-function is `forward_and_loss(model, x, y)` (but for Thunder, above), the weights are bf16-true, the optimizer is AdamW (fused on CUDA,
-foreach on CPU), created after the model is sharded, so for the FSDP rows it holds each rank's shards only.
+function is `forward_and_loss(model, x, y)` (but for Thunder, above), the weights are bf16-true, the optimizer is
+AdamW (fused on CUDA, foreach on CPU), created after the model is sharded, so for the FSDP rows it holds each rank's
+shards only.
 
 Model creation: the FSDP rows build the model on the meta device and let the sharding materialise it, so no rank
 ever holds the whole model: FSDP2 with `to_empty` and then `reset_parameters` (see `init_fsdp2` for why it runs on
