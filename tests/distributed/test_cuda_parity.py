@@ -26,19 +26,31 @@ def suite() -> dict:
     return values(run_ranks(_suite, 2, SETUPS, backend="nccl", timeout=900))[0]
 
 
+def _param_diffs(got: dict, want: dict) -> tuple[float, float]:
+    """(largest element difference relative to its parameter's largest value, norm of all differences relative to
+    the norm of all parameters)."""
+    worst, diff_sq, norm_sq = 0.0, 0.0, 0.0
+    for name, value in want.items():
+        assert got[name].dtype == torch.bfloat16
+        diff = got[name].float() - value.float()
+        worst = max(worst, diff.abs().max().item() / max(value.float().abs().max().item(), 1e-3))
+        diff_sq += diff.square().sum().item()
+        norm_sq += value.float().square().sum().item()
+    return worst, (diff_sq / norm_sq) ** 0.5
+
+
 @pytest.mark.parametrize("setup", SETUPS, ids=lambda s: s.name)
 def test_nccl_bf16_training_matches_eager(suite, setup):
     got, want = suite[setup.name], workers.eager_training(setup)
-    # bf16 (8 bits of mantissa): ranks sum the batch in another order than one GPU does, so values agree to a
-    # few bf16 ulps, not bitwise
+    # bf16 keeps 8 mantissa bits, and AdamW turns a rounding difference in a small gradient into a full-size
+    # update, so no fixed tolerance on parameters means much. The yardstick is eager itself: the same training on
+    # one GPU with the batch accumulated in 4 chunks (sums in another order, as the ranks' are).
+    floor = _param_diffs(workers.eager_training(setup, splits=4)["params"], want["params"])
+    diffs = _param_diffs(got["params"], want["params"])
+    print(f"{setup.name}: losses {got['losses']} vs eager {want['losses']}; param diffs (worst element, norm) "
+          f"{diffs[0]:.2e}, {diffs[1]:.2e}; eager reordered {floor[0]:.2e}, {floor[1]:.2e}")
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-2, atol=0)
-    worst = 0.0
-    for name, value in want["params"].items():
-        assert got["params"][name].dtype == torch.bfloat16
-        diff = (got["params"][name].float() - value.float()).abs().max().item()
-        worst = max(worst, diff / max(value.float().abs().max().item(), 1e-3))
-    print(f"{setup.name}: losses {got['losses']} vs {want['losses']}, worst param diff / max |param| {worst:.2e}")
-    assert worst < 2e-2
+    assert diffs[0] <= 3 * floor[0] and diffs[1] <= 3 * floor[1]
     if setup.clip:
         torch.testing.assert_close(got["norms"], want["norms"], rtol=2e-2, atol=0)
     counts = got["traces"]["backward"]

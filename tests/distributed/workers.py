@@ -75,14 +75,18 @@ def global_batches(world: int, accumulate: int) -> list[tuple[torch.Tensor, torc
              torch.randint(0, CONFIG["vocab_size"], (rows, SEQ), generator=generator)) for _ in range(STEPS)]
 
 
-def eager_training(setup: Setup, world: int = 2) -> dict[str, Any]:
-    """One process, the whole global batch per step: what the distributed runs must reproduce."""
+def eager_training(setup: Setup, world: int = 2, splits: int = 1) -> dict[str, Any]:
+    """One process, the whole global batch per step: what the distributed runs must reproduce. `splits` > 1
+    accumulates the batch in that many chunks: the same training summed in another order."""
     model = make_model(device=setup.place(), dtype=setup.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for x, y in global_batches(world, setup.accumulate):
-        loss = loss_fn(model, x.to(setup.place()), y.to(setup.place()))
-        loss.backward()
+        loss = torch.zeros((), device=setup.place())
+        for xs, ys in zip(x.chunk(splits), y.chunk(splits)):
+            part = loss_fn(model, xs.to(setup.place()), ys.to(setup.place())) / splits
+            part.backward()
+            loss += part.detach()
         if setup.clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
