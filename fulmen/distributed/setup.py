@@ -71,7 +71,6 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
             if broadcast_from is not None:
                 _broadcast(param.data, state, broadcast_from)
             param._fulmen_dist = ParamSpec(state, name, None, name)
-            state.params[name] = param
         if broadcast_from is not None:
             for buffer in module.buffers():
                 _broadcast(buffer, state, broadcast_from)
@@ -149,7 +148,6 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
                 param.data = local_shard(full, state.rank, state.world)
                 del full
                 param._fulmen_dist = ParamSpec(state, name, shape, keys[name])
-                state.params[name] = param
             for bname, buffer in sub._buffers.items():
                 if buffer is None:
                     continue

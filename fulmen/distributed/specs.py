@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,6 @@ class DistributedState:
     bucket_bytes: int = 0  # DDP: gradients per all_reduce
     max_in_flight: int = 2  # FSDP: all-gathers started ahead of their first use
     sync: bool = True  # False inside no_sync(): the backward skips gradient communication
-    params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
 
     @property
     def zero3(self) -> bool:
