@@ -57,7 +57,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -177,45 +176,14 @@ def measure(name: str, args: argparse.Namespace, rank: int, device: torch.device
     else:
         model, mode = build_distributed_model(name, args, device, dtype), "function"
         loss_fn = step.make_loss_fn(COMPILER[name], "function", model, args.executors)
-    params = list(model.parameters())
-    if device.type == "cuda":
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     batch_args = argparse.Namespace(**{**vars(args), "seed": BATCH_SEED + rank})
     x, y = step.make_batch(batch_args, config, device)
-
-    def one_step(count_grads: bool = False) -> tuple[torch.Tensor, int]:
-        loss = loss_fn(x, y)
-        loss.backward()
-        with_grad = sum(p.grad is not None for p in params) if count_grads else 0
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), with_grad
-
-    fence(device)
-    start = time.perf_counter()
-    first_loss, with_grad = one_step(count_grads=True)
-    fence(device)
-    first_step_s = time.perf_counter() - start
-    for _ in range(args.warmup):
-        one_step()
-    iter_ms = []
-    for _ in range(args.iters):
-        fence(device)
-        start = time.perf_counter()
-        loss, _ = one_step()
-        fence(device)
-        iter_ms.append((time.perf_counter() - start) * 1e3)
+    timed = step.time_steps(loss_fn, list(model.parameters()), x, y, args, lambda: fence(device))
     return {
         "status": "ok",
         "mode": mode,
-        "iter_ms": iter_ms,
-        "first_step_s": first_step_s,
+        **timed,
         "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-        "first_loss": first_loss.item(),
-        "final_loss": loss.item(),
-        "params_with_grad": [with_grad, len(params)],
     }
 
 

@@ -140,6 +140,42 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     return next((flops for key, flops in PEAK_BF16_DENSE_FLOPS if key in name), None)
 
 
+def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+               args: argparse.Namespace, fence: Callable[[], None]) -> dict:
+    """AdamW (fused on CUDA, foreach on CPU) over `params`: one first step, `args.warmup` untimed steps, then
+    `args.iters` steps each timed between two `fence()` calls."""
+    if params[0].device.type == "cuda":
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def step(count_grads: bool = False) -> tuple[torch.Tensor, int]:
+        loss = loss_fn(x, y)
+        loss.backward()
+        with_grad = sum(p.grad is not None for p in params) if count_grads else 0
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach(), with_grad
+
+    fence()
+    start = time.perf_counter()
+    first_loss, with_grad = step(count_grads=True)
+    fence()
+    first_step_s = time.perf_counter() - start
+    for _ in range(args.warmup):
+        step()
+    iter_ms = []
+    loss = first_loss
+    for _ in range(args.iters):
+        fence()
+        start = time.perf_counter()
+        loss, _ = step()
+        fence()
+        iter_ms.append((time.perf_counter() - start) * 1e3)
+    return {"iter_ms": iter_ms, "first_step_s": first_step_s, "first_loss": first_loss.item(),
+            "final_loss": loss.item(), "params_with_grad": [with_grad, len(params)]}
+
+
 def run_compiler(name: str, mode: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
     """Builds a fresh model and optimizer, runs 1 + warmup + iters steps and returns the measurements."""
     # what an earlier compiler left allocated (should be ~0) is counted in this one's peak
@@ -150,35 +186,10 @@ def run_compiler(name: str, mode: str, args: argparse.Namespace, device: torch.d
     flops_per_step = estimate_flops(model, training=True) * args.micro_batch_size
     n_params = sum(p.numel() for p in model.parameters())
     params = list(model.parameters())
-    if device.type == "cuda":
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     x, y = make_batch(args, model.config, device)
     loss_fn = make_loss_fn(name, mode, model, args.executors)
-
-    def step(count_grads: bool = False) -> tuple[torch.Tensor, int]:
-        loss = loss_fn(x, y)
-        loss.backward()
-        with_grad = sum(p.grad is not None for p in params) if count_grads else 0
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), with_grad
-
-    sync(device)
-    start = time.perf_counter()
-    first_loss, with_grad = step(count_grads=True)
-    sync(device)
-    first_step_s = time.perf_counter() - start
-    for _ in range(args.warmup):
-        step()
-    iter_ms = []
-    for _ in range(args.iters):
-        sync(device)
-        start = time.perf_counter()
-        loss, _ = step()
-        sync(device)
-        iter_ms.append((time.perf_counter() - start) * 1e3)
+    timed = time_steps(loss_fn, params, x, y, args, lambda: sync(device))
+    iter_ms = timed["iter_ms"]
     median_s = statistics.median(iter_ms) / 1e3
     peak = peak_flops(device, dtype)
     result = {
@@ -188,17 +199,18 @@ def run_compiler(name: str, mode: str, args: argparse.Namespace, device: torch.d
         "ms_per_iter_min": min(iter_ms),
         "ms_per_iter_mean": statistics.fmean(iter_ms),
         "iter_ms": iter_ms,
-        "first_step_s": first_step_s,
+        "first_step_s": timed["first_step_s"],
         "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
         "allocated_before_gb": allocated_before_gb,
         "tokens_per_s": args.micro_batch_size * args.seq_len / median_s,
         "mfu": flops_per_step / (median_s * peak) if peak else None,
         "flops_per_step": flops_per_step,
         "n_params": n_params,
-        "first_loss": first_loss.item(),
-        "final_loss": loss.item(),
-        "params_with_grad": [with_grad, len(params)],
+        "first_loss": timed["first_loss"],
+        "final_loss": timed["final_loss"],
+        "params_with_grad": timed["params_with_grad"],
     }
+    with_grad = timed["params_with_grad"][0]
     if with_grad != len(params):
         result["warning"] = f"only {with_grad} of {len(params)} parameters received a gradient"
     return result

@@ -198,11 +198,9 @@ def materialize_from_meta(rank: int, world: int) -> dict[str, Any]:
     def held() -> int:
         return sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.is_meta)
 
-    originals = {}
     for module in model.modules():
         if hasattr(module, "reset_parameters"):
             original = module.reset_parameters
-            originals[module] = original
 
             def reset(original=original) -> None:
                 original()
