@@ -1,15 +1,23 @@
-"""State dicts of distributed models: full (gathered, on rank 0, on CPU) or sharded (torch.distributed.checkpoint).
+"""State dicts and checkpoints of distributed models and their optimizers: full (gathered on rank 0) or sharded
+(torch.distributed.checkpoint).
 
-A sharded state dict holds each sharded parameter as a `DTensor` (`Shard(0)` over the model's process group, its
-local rows without padding), so DCP records where every row lives and a checkpoint saved at one world size loads
-at another (a plain, undistributed module included). Replicated tensors (DDP parameters, buffers) are plain
-tensors, written once. Saving never destroys the previous checkpoint at `path` before the new one is complete.
+A sharded state dict holds each sharded tensor (a parameter, or optimizer state shaped like one) as a `DTensor`
+(`Shard(0)` over the model's process group, its local rows without padding), so DCP records where every row lives
+and a checkpoint saved at one world size loads at another (a plain, undistributed module included). Replicated
+tensors (DDP parameters, buffers, optimizer step counts) are plain tensors, written once. Optimizer state dicts keep
+torch's layout (state keyed by the parameter's position in the param groups), so a full checkpoint is exactly what
+the same training on one process would save: `torch.optim.Optimizer.load_state_dict` and `nn.Module` take it as is.
+
+A checkpoint is a file (full: `torch.save` of the state, from rank 0) or a directory (sharded: DCP's files for the
+tensors plus `meta.pt`, everything else). Either is written next to `path` and swapped in when complete, so a crash
+mid-save never destroys the previous checkpoint.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,17 +26,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
 
 from fulmen.distributed.prims import _all_gather
 from fulmen.distributed.setup import unwrap_module
 from fulmen.distributed.specs import DistributedState, ParamSpec, local_shard, spec_of, valid_rows
 
+META_FILE = "meta.pt"  # a sharded checkpoint's non-tensor state and the places of its tensors
+
 
 @dataclass(frozen=True, slots=True)
 class StateDictOptions:
-    """full_state_dict: gathered parameters (else sharded DTensors); cpu_offload: full tensors on CPU;
+    """full_state_dict: gathered tensors (else sharded DTensors); cpu_offload: full tensors on CPU;
     rank0_only: only rank 0 gets the full state dict (the others take part in the gathers and get `{}`)."""
 
     full_state_dict: bool = False
@@ -36,8 +48,7 @@ class StateDictOptions:
     rank0_only: bool = False
 
 
-def _state(module: nn.Module) -> DistributedState | None:
-    return getattr(module, "_fulmen_dist", None)
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True, rank0_only=True)  # what a full checkpoint holds
 
 
 def _sharded_spec(value: Any) -> ParamSpec | None:
@@ -65,55 +76,124 @@ def _as_dtensor(shard: torch.Tensor, spec: ParamSpec) -> DTensor:
                               stride=torch.empty(spec.full_shape, device="meta").stride())
 
 
+def _export(value: Any, spec: ParamSpec | None, options: StateDictOptions) -> Any:
+    """A state tensor as a state dict holds it: gathered or a DTensor when it is sharded like `spec`'s parameter."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    if spec is not None:
+        value = _gather(value, spec) if options.full_state_dict else _as_dtensor(value, spec)
+    if options.cpu_offload and not isinstance(value, DTensor):
+        value = value.cpu()
+    return value
+
+
+def _import(value: Any, spec: ParamSpec | None, like: torch.Tensor, what: str) -> Any:
+    """A state dict's tensor as the live object holds it: this rank's padded rows when it is sharded like `spec`'s
+    parameter (`like`: that parameter), the whole tensor otherwise."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if spec is None:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        shard = local.new_zeros((spec.rows, *local.shape[1:]))
+        shard[: local.shape[0]] = local
+        return shard
+    if tuple(value.shape) != tuple(spec.full_shape):
+        raise ValueError(f"{what} has shape {tuple(value.shape)}, the model's parameter {spec.name!r} has "
+                         f"{tuple(spec.full_shape)}")
+    return local_shard(value.to(like.device), spec.state.rank, spec.state.world)
+
+
+def _rank0_only(module_state: DistributedState | None, options: StateDictOptions) -> bool:
+    """True on the ranks that get `{}` because only rank 0 keeps the full state."""
+    return options.full_state_dict and options.rank0_only and module_state is not None and module_state.rank != 0
+
+
 def get_model_state_dict(model: nn.Module, options: StateDictOptions = StateDictOptions()) -> dict[str, Any]:
     """The model's state dict with sharded parameters gathered (full) or as DTensors (sharded)."""
     module = unwrap_module(model)
-    result: dict[str, Any] = {}
-    for key, value in module.state_dict(keep_vars=True).items():
-        spec = _sharded_spec(value)
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-        if spec is not None:
-            value = _gather(value, spec) if options.full_state_dict else _as_dtensor(value, spec)
-        if options.cpu_offload and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            value = value.cpu()
-        result[key] = value
-    state = _state(module)
-    if options.full_state_dict and options.rank0_only and state is not None and state.rank != 0:
-        return {}
-    return result
+    result = {key: _export(value, _sharded_spec(value), options)
+              for key, value in module.state_dict(keep_vars=True).items()}
+    return {} if _rank0_only(getattr(module, "_fulmen_dist", None), options) else result
 
 
 def load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool = True):
     """Loads a full state dict (every rank takes its rows) or a sharded one (DTensors) into the model."""
     module = unwrap_module(model)
     own = module.state_dict(keep_vars=True)
-    converted: dict[str, Any] = {}
+    converted = {}
     for key, value in state_dict.items():
         spec = _sharded_spec(own.get(key))
-        if isinstance(value, DTensor):
-            if spec is None:
-                value = value.full_tensor()
-            else:
-                local = value.to_local()
-                value = local.new_zeros((spec.rows, *local.shape[1:]))
-                value[: local.shape[0]] = local
-        elif spec is not None:
-            if tuple(value.shape) != tuple(spec.full_shape):
-                raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}, the model's parameter "
-                                 f"has {tuple(spec.full_shape)}")
-            value = local_shard(value.to(own[key].device), spec.state.rank, spec.state.world)
-        converted[key] = value
+        converted[key] = _import(value, spec, own.get(key), f"state dict entry {key!r}")
     return module.load_state_dict(converted, strict=strict)
 
 
-def _rank(state: DistributedState | None) -> int:
-    return state.rank if state is not None else 0
+def _optimizer_params(optimizer: Optimizer) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
 
 
-def _barrier(state: DistributedState | None) -> None:
-    if state is not None:
-        dist.barrier(group=state.group)
+def _state_spec(param: torch.Tensor, value: Any, full: bool) -> ParamSpec | None:
+    """The spec of the sharded parameter whose rows this optimizer state tensor holds (None: it holds something
+    else, such as a step count). `full`: `value` comes from a full state dict."""
+    spec = _sharded_spec(param)
+    if spec is None or not isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, DTensor):
+        return spec
+    return spec if tuple(value.shape) == tuple(spec.full_shape if full else param.shape) else None
+
+
+def get_optimizer_state_dict(optimizer: Optimizer, options: StateDictOptions = StateDictOptions()) -> dict[str, Any]:
+    """`optimizer.state_dict()` with the state of sharded parameters gathered (full) or as DTensors (sharded).
+
+    Every rank must call it (the gathers are collectives); they walk the state in the same order because the
+    optimizer's parameters, and so its state, are the same on every rank.
+    """
+    plain = optimizer.state_dict()
+    params = _optimizer_params(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for index in sorted(plain["state"]):
+        param = params[index]
+        state[index] = {key: _export(value, _state_spec(param, value, full=False), options)
+                        for key, value in sorted(plain["state"][index].items())}
+    specs = {spec.state for p in params if (spec := spec_of(p)) is not None}
+    owner = next(iter(specs)) if len(specs) == 1 else None
+    return {} if _rank0_only(owner, options) else {"state": state, "param_groups": plain["param_groups"]}
+
+
+def load_optimizer_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Loads an optimizer state dict in torch's layout, full (every rank takes its rows of sharded parameters'
+    state) or sharded (DTensors); the state of parameter `i` goes to the optimizer's parameter `i`."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ValueError("an optimizer state dict has the keys 'state' and 'param_groups' "
+                         f"(torch.optim.Optimizer.state_dict()), got {type(state_dict).__name__} "
+                         f"{sorted(state_dict) if isinstance(state_dict, dict) else ''}")
+    params = _optimizer_params(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for index, entry in state_dict["state"].items():
+        position = int(index)
+        if not 0 <= position < len(params):
+            raise ValueError(f"the optimizer state dict has state for parameter {position}, the optimizer has "
+                             f"{len(params)} parameters")
+        param = params[position]
+        state[position] = {key: _import(value, _state_spec(param, value, full=True), param,
+                                        f"optimizer state {key!r} of parameter {position}")
+                           for key, value in entry.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+
+# --- checkpoints on disk ------------------------------------------------------------------------------------------
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def _replace(tmp: Path, path: Path) -> None:
@@ -128,40 +208,150 @@ def _replace(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
 
 
-def save(model: nn.Module, path: str | os.PathLike, options: StateDictOptions = StateDictOptions()) -> None:
-    """Writes the model's state: one `torch.save` file from rank 0 (full) or a DCP directory (sharded)."""
-    module = unwrap_module(model)
-    state = _state(module)
+def _flatten(tree: Any, path: tuple = ()) -> tuple[Any, dict[tuple, torch.Tensor]]:
+    """`tree` with its tensors taken out (None in their place) and the tensors by their path of keys."""
+    if isinstance(tree, torch.Tensor):
+        return None, {path: tree}
+    if isinstance(tree, dict):
+        skeleton, tensors = {}, {}
+        for key, value in tree.items():
+            skeleton[key], found = _flatten(value, (*path, key))
+            tensors.update(found)
+        return skeleton, tensors
+    if isinstance(tree, list | tuple):
+        parts = [_flatten(value, (*path, index)) for index, value in enumerate(tree)]
+        tensors = {k: v for _, found in parts for k, v in found.items()}
+        return type(tree)(skeleton for skeleton, _ in parts), tensors
+    return tree, {}
+
+
+def _insert(tree: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(tree, tuple):
+        items = list(tree)
+        items[head] = _insert(items[head], rest, value)
+        return tuple(items)
+    tree[head] = _insert(tree[head], rest, value)
+    return tree
+
+
+def _storage_key(path: tuple) -> str:
+    return "/".join(str(part) for part in path)
+
+
+def write_full(checkpoint: Any, path: str | os.PathLike, group: dist.ProcessGroup | None = None,
+               write: Callable[[Any, Path], None] | None = None) -> None:
+    """Rank 0 writes `checkpoint` (already gathered) with `write(checkpoint, path)` (default `torch.save`)."""
+    path = Path(path)
+    if _group_rank(group) == 0:
+        tmp = path.with_name(path.name + ".tmp")
+        (write or (lambda obj, where: torch.save(obj, where)))(checkpoint, tmp)
+        _replace(tmp, path)
+    _barrier(group)
+
+
+def write_sharded(checkpoint: Any, path: str | os.PathLike, group: dist.ProcessGroup | None = None) -> None:
+    """Writes the tensors of `checkpoint` (DTensors for sharded ones) with DCP and the rest to `meta.pt`."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    if options.full_state_dict:
-        full = get_model_state_dict(module, StateDictOptions(full_state_dict=True, cpu_offload=True, rank0_only=True))
-        if _rank(state) == 0:
-            torch.save(full, tmp)
-            _replace(tmp, path)
-    else:
-        if _rank(state) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _barrier(state)
-        dcp.save(get_model_state_dict(module), checkpoint_id=tmp, process_group=state.group if state else None,
-                 no_dist=state is None)
-        _barrier(state)
-        if _rank(state) == 0:
-            _replace(tmp, path)
-    _barrier(state)
+    skeleton, tensors = _flatten(checkpoint)
+    keys = {_storage_key(p): p for p in tensors}
+    if len(keys) != len(tensors):
+        raise ValueError("two checkpoint entries have the same storage key (a key holds '/'); rename one")
+    if _group_rank(group) == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier(group)
+    dcp.save({key: tensors[p] for key, p in keys.items()}, checkpoint_id=tmp, process_group=group,
+             no_dist=group is None)
+    if _group_rank(group) == 0:
+        torch.save({"skeleton": skeleton, "tensors": list(tensors)}, tmp / META_FILE)
+    _barrier(group)
+    if _group_rank(group) == 0:
+        _replace(tmp, path)
+    _barrier(group)
 
 
-def load(model: nn.Module, path: str | os.PathLike, options: StateDictOptions = StateDictOptions(),
-         strict: bool = True):
-    """Reads what `save` wrote, at any world size (a DCP checkpoint is resharded to this model's layout)."""
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir()
+
+
+def _model_targets(owner: nn.Module) -> Callable[[tuple, TensorStorageMetadata], torch.Tensor | None]:
+    live = get_model_state_dict(owner)
+    return lambda rest, meta: live.get(rest[0]) if len(rest) == 1 else None
+
+
+def _optimizer_targets(owner: Optimizer) -> Callable[[tuple, TensorStorageMetadata], torch.Tensor | None]:
+    params = _optimizer_params(owner)
+
+    def target(rest: tuple, meta: TensorStorageMetadata) -> torch.Tensor | None:
+        if len(rest) == 3 and rest[0] == "state" and 0 <= int(rest[1]) < len(params):
+            param = params[int(rest[1])]
+            spec = _sharded_spec(param)
+            if spec is not None and tuple(meta.size) == tuple(spec.full_shape):
+                return _as_dtensor(param.new_zeros(param.shape, dtype=meta.properties.dtype), spec)
+        return None
+
+    return target
+
+
+def read_sharded(path: str | os.PathLike, owners: dict[tuple, Any], group: dist.ProcessGroup | None = None) -> Any:
+    """The checkpoint `write_sharded` wrote, its tensors read into the layout of the live objects: `owners` maps
+    a path of keys to the module or optimizer whose state is there (its sharded tensors come back as DTensors of
+    this rank's rows); every other tensor comes back whole, on CPU. A model's entry the live model lacks is
+    skipped (non-strict loading decides about it)."""
+    path = Path(path)
+    meta = torch.load(path / META_FILE, weights_only=True)
+    storage = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    resolvers = {prefix: (_model_targets(o) if isinstance(o, nn.Module) else _optimizer_targets(o))
+                 for prefix, o in owners.items() if isinstance(o, nn.Module | Optimizer)}
+    targets: dict[str, torch.Tensor] = {}
+    places: dict[str, tuple] = {}
+    for place in meta["tensors"]:
+        key = _storage_key(place)
+        info = storage[key]
+        target = None
+        prefix = next((p for p in resolvers if place[: len(p)] == p), None)
+        if prefix is not None:
+            target = resolvers[prefix](place[len(prefix):], info)
+            if target is None and isinstance(owners[prefix], nn.Module):
+                continue  # the live model has no such entry
+        if target is None:
+            target = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        targets[key], places[key] = target, place
+    dcp.load(targets, checkpoint_id=path, process_group=group, no_dist=group is None)
+    checkpoint = meta["skeleton"]
+    for key, place in places.items():
+        checkpoint = _insert(checkpoint, place, targets[key])
+    return checkpoint
+
+
+# --- a model alone ------------------------------------------------------------------------------------------------
+
+
+def _group_of(module: nn.Module) -> dist.ProcessGroup | None:
+    state = getattr(module, "_fulmen_dist", None)
+    return state.group if state is not None else None
+
+
+def save(model: nn.Module, path: str | os.PathLike, options: StateDictOptions = StateDictOptions()) -> None:
+    """Writes the model's state dict: one `torch.save` file from rank 0 (full) or a DCP directory (sharded)."""
     module = unwrap_module(model)
-    state = _state(module)
+    if options.full_state_dict:
+        write_full(get_model_state_dict(module, FULL), path, _group_of(module))
+    else:
+        write_sharded(get_model_state_dict(module), path, _group_of(module))
+
+
+def load(model: nn.Module, path: str | os.PathLike, strict: bool = True):
+    """Reads what `save` wrote (either kind, told apart by file or directory), at any world size."""
+    module = unwrap_module(model)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    if options.full_state_dict:
-        full = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        return load_model_state_dict(module, full, strict=strict)
-    sharded = get_model_state_dict(module)
-    dcp.load(sharded, checkpoint_id=path, process_group=state.group if state else None, no_dist=state is None)
-    return load_model_state_dict(module, sharded, strict=strict)
+    if is_sharded_checkpoint(path):
+        state_dict = read_sharded(path, {(): module}, _group_of(module))
+    else:
+        state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return load_model_state_dict(module, state_dict, strict=strict)

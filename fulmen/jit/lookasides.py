@@ -9,6 +9,7 @@ experts a token was not routed to), which is the same sum in the same expert ord
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,20 +68,40 @@ def _checkpoint_lookaside(builder: TraceBuilder) -> Callable[..., Any]:
     return checkpoint
 
 
-# (module, attribute) -> factory of the replacement, given the trace builder. Swapped on the module only while
-# acquiring, so `torch.utils.checkpoint.checkpoint(...)` calls are seen (a name imported before is not).
-FUNCTION_LOOKASIDES: dict[tuple[Any, str], Callable[[TraceBuilder], Callable[..., Any]]] = {
-    (torch.utils.checkpoint, "checkpoint"): _checkpoint_lookaside,
+def _fabric_backward_hook_lookaside(builder: TraceBuilder) -> Callable[..., Any]:
+    def register_backward_hook(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Fabric hooks a set-up module's outputs only to check that `fabric.backward` is used. A hook has no place
+        in a trace, so inside one (a jitted `forward_and_loss(fabric_model, ...)`) the check is skipped."""
+        return tensor
+
+    return register_backward_hook
+
+
+# ("module", "attribute path") -> factory of the replacement, given the trace builder. Swapped only while
+# acquiring, so `torch.utils.checkpoint.checkpoint(...)` calls are seen (a name imported before is not). A module
+# not imported yet is left alone: nothing can call into it from the program.
+FUNCTION_LOOKASIDES: dict[tuple[str, str], Callable[[TraceBuilder], Callable[..., Any]]] = {
+    ("torch.utils.checkpoint", "checkpoint"): _checkpoint_lookaside,
+    ("lightning.fabric.wrappers", "_FabricModule._register_backward_hook"): _fabric_backward_hook_lookaside,
 }
+
+
+def _owner(module_name: str, path: str) -> tuple[Any, str] | None:
+    owner = sys.modules.get(module_name)
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent, None)
+    return (owner, name) if owner is not None else None
 
 
 @contextlib.contextmanager
 def function_lookasides(builder: TraceBuilder) -> Iterator[None]:
-    originals = [(module, name, getattr(module, name)) for module, name in FUNCTION_LOOKASIDES]
+    targets = [(target, factory) for key, factory in FUNCTION_LOOKASIDES.items() if (target := _owner(*key))]
+    originals = [(owner, name, getattr(owner, name)) for (owner, name), _ in targets]
     try:
-        for (module, name), factory in FUNCTION_LOOKASIDES.items():
-            setattr(module, name, factory(builder))
+        for (owner, name), factory in targets:
+            setattr(owner, name, factory(builder))
         yield
     finally:
-        for module, name, original in originals:
-            setattr(module, name, original)
+        for owner, name, original in originals:
+            setattr(owner, name, original)
