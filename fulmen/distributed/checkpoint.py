@@ -191,9 +191,24 @@ def _group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
-def _barrier(group: dist.ProcessGroup | None) -> None:
+def _on_rank0(group: dist.ProcessGroup | None, action: Callable[[], None], what: str) -> None:
+    """Runs `action` on rank 0 and tells every rank how it went: a failure raises on all of them, so none is left
+    waiting in a collective for a rank that gave up."""
+    error: Exception | None = None
+    if _group_rank(group) == 0:
+        try:
+            action()
+        except Exception as caught:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            error = caught
+    message = None if error is None else f"{type(error).__name__}: {error}"
     if group is not None:
-        dist.barrier(group=group)
+        box = [message]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        message = box[0]
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"rank 0 failed to {what}: {message}")
 
 
 def _replace(tmp: Path, path: Path) -> None:
@@ -206,6 +221,13 @@ def _replace(tmp: Path, path: Path) -> None:
         shutil.rmtree(old)
     else:
         os.replace(tmp, path)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _flatten(tree: Any, path: tuple = ()) -> tuple[Any, dict[tuple, torch.Tensor]]:
@@ -245,11 +267,17 @@ def write_full(checkpoint: Any, path: str | os.PathLike, group: dist.ProcessGrou
                write: Callable[[Any, Path], None] | None = None) -> None:
     """Rank 0 writes `checkpoint` (already gathered) with `write(checkpoint, path)` (default `torch.save`)."""
     path = Path(path)
-    if _group_rank(group) == 0:
-        tmp = path.with_name(path.name + ".tmp")
-        (write or (lambda obj, where: torch.save(obj, where)))(checkpoint, tmp)
-        _replace(tmp, path)
-    _barrier(group)
+    tmp = path.with_name(path.name + ".tmp")
+
+    def save() -> None:
+        try:
+            (write or torch.save)(checkpoint, tmp)
+            _replace(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+
+    _on_rank0(group, save, f"write the checkpoint {path}")
 
 
 def write_sharded(checkpoint: Any, path: str | os.PathLike, group: dist.ProcessGroup | None = None) -> None:
@@ -260,17 +288,25 @@ def write_sharded(checkpoint: Any, path: str | os.PathLike, group: dist.ProcessG
     keys = {_storage_key(p): p for p in tensors}
     if len(keys) != len(tensors):
         raise ValueError("two checkpoint entries have the same storage key (a key holds '/'); rename one")
-    if _group_rank(group) == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _barrier(group)
-    dcp.save({key: tensors[p] for key, p in keys.items()}, checkpoint_id=tmp, process_group=group,
-             no_dist=group is None)
-    if _group_rank(group) == 0:
-        torch.save({"skeleton": skeleton, "tensors": list(tensors)}, tmp / META_FILE)
-    _barrier(group)
-    if _group_rank(group) == 0:
-        _replace(tmp, path)
-    _barrier(group)
+    _on_rank0(group, lambda: _remove(tmp), f"clear {tmp}")
+    try:
+        # DCP tells every rank when one fails to write (a CheckpointException on all of them).
+        dcp.save({key: tensors[p] for key, p in keys.items()}, checkpoint_id=tmp, process_group=group,
+                 no_dist=group is None)
+    except BaseException:
+        if _group_rank(group) == 0:
+            _remove(tmp)
+        raise
+
+    def finish() -> None:
+        try:
+            torch.save({"skeleton": skeleton, "tensors": list(tensors)}, tmp / META_FILE)
+            _replace(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+
+    _on_rank0(group, finish, f"write the checkpoint {path}")
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:

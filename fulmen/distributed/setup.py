@@ -99,7 +99,7 @@ def _bucket_keys(module: nn.Module, strategy: FSDPBucketingStrategy) -> dict[str
     return keys
 
 
-def _enum(value: object, kind: type, what: str):
+def parse_enum(value: object, kind: type, what: str):
     if isinstance(value, kind):
         return value
     if isinstance(value, str) and value.upper() in kind.__members__:
@@ -121,8 +121,8 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
     each full parameter from that rank before sharding it (None: every rank already has the same values).
     """
     module = _unwrap(model, "fsdp")
-    sharding = _enum(sharding_strategy, FSDPType, "sharding_strategy")
-    bucketing = _enum(bucketing_strategy, FSDPBucketingStrategy, "bucketing_strategy")
+    sharding = parse_enum(sharding_strategy, FSDPType, "sharding_strategy")
+    bucketing = parse_enum(bucketing_strategy, FSDPBucketingStrategy, "bucketing_strategy")
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     state = _state("fsdp", process_group, sharding=sharding, bucketing=bucketing, max_in_flight=max_in_flight)

@@ -297,6 +297,9 @@ class JittedModule(nn.Module):
 
 def core(fn: JittedFunction | JittedModule) -> JittedFunction:
     """The `JittedFunction` behind the result of `fulmen.jit`."""
+    inner = getattr(fn, "_forward_module", None)  # Lightning Fabric's wrapper of a module it set up
+    if isinstance(inner, JittedModule):
+        fn = inner
     if isinstance(fn, JittedModule):
         return fn._jit
     if isinstance(fn, JittedFunction):

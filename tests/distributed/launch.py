@@ -39,17 +39,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, backend: str, pg_timeout: float,
-           args: tuple) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, backend: str | None,
+           pg_timeout: float, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if backend is None:  # what torchrun sets: Fabric finds a TorchElasticEnvironment and does not spawn
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
+                          TORCHELASTIC_RUN_ID="fulmen-tests")
     torch.set_num_threads(1)
     start = time.perf_counter()
     result = RankResult()
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        if backend is not None:
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=pg_timeout))
         result.value = fn(rank, world, *args)
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which decides
         result.error = f"{type(error).__name__}: {error}"
@@ -62,8 +66,11 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, b
 
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float = 600, pg_timeout: float = 120,
-              backend: str = "gloo") -> list[RankResult]:
-    """Runs `fn(rank, world, *args)` on `world` fresh processes; `fn` must be importable (defined at module level)."""
+              backend: str | None = "gloo") -> list[RankResult]:
+    """Runs `fn(rank, world, *args)` on `world` fresh processes; `fn` must be importable (defined at module level).
+
+    `backend=None`: no process group is created; the ranks get torchrun's environment instead, for Fabric.
+    """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()

@@ -1,0 +1,69 @@
+"""ThunderFSDPStrategy: fully sharded data parallelism with fulmen's FSDP transform (ZeRO-2/3, bucketing)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from fulmen.distributed import FSDPBucketingStrategy, FSDPType, fsdp
+from fulmen.distributed.setup import parse_enum
+from fulmen.strategies.parallel import FulmenParallelStrategy
+
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+class ThunderFSDPStrategy(FulmenParallelStrategy):
+    """Each rank keeps a dim-0 shard of every parameter (and of its gradient and optimizer state).
+
+        strategy = ThunderFSDPStrategy(sharding_strategy="ZERO3", bucketing_strategy="BLOCK", state_dict_type="full")
+        fabric = L.Fabric(devices=8, num_nodes=2, strategy=strategy); fabric.launch()
+        with fabric.init_module(empty_init=True):   # on the meta device: no rank ever holds the whole model
+            model = GPT(config)
+        model = fabric.setup_module(model)            # materialised shard by shard, fsdp + fulmen.jit
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+
+    `sharding_strategy`: "ZERO2" | "ZERO3" (or the `FSDPType`), `bucketing_strategy`: "NONE" | "LAYER" | "BLOCK",
+    in any case; `state_dict_type`: "full" (one file from rank 0, model and optimizer state gathered: the
+    checkpoint one process would write) or "sharded" (a torch.distributed.checkpoint directory, every rank writing
+    its rows; loads at any world size). Extra keyword arguments (`broadcast_from`, default 0 so every rank starts from
+    rank 0's weights, and `max_in_flight`) go to `fulmen.distributed.fsdp`. The other arguments are
+    ThunderDDPStrategy's.
+    """
+
+    transform = staticmethod(fsdp)
+    controlled: ClassVar[frozenset[str]] = frozenset({"process_group", "device", "sharding_strategy",
+                                                      "bucketing_strategy"})
+
+    def __init__(self, *args: Any, sharding_strategy: FSDPType | str = FSDPType.ZERO3,
+                 bucketing_strategy: FSDPBucketingStrategy | str = FSDPBucketingStrategy.NONE,
+                 state_dict_type: str = "sharded", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sharding_strategy = parse_enum(sharding_strategy, FSDPType, "sharding_strategy")
+        self.bucketing_strategy = parse_enum(bucketing_strategy, FSDPBucketingStrategy, "bucketing_strategy")
+        if not isinstance(state_dict_type, str) or state_dict_type.lower() not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type must be one of {', '.join(STATE_DICT_TYPES)}, got {state_dict_type!r}")
+        self._state_dict_type = state_dict_type.lower()
+
+    @property
+    def state_dict_type(self) -> str:
+        return self._state_dict_type
+
+    def _transform_module(self, module: nn.Module) -> None:
+        options = {"broadcast_from": 0, **self.transform_options}
+        fsdp(module, device=self.root_device, sharding_strategy=self.sharding_strategy,
+             bucketing_strategy=self.bucketing_strategy, **options)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Nothing: `fsdp` moves each parameter's shard (not the whole model) to the device."""
+
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """empty_init=True: on the meta device, materialised (`reset_parameters`) module by module and sharded at
+        setup. Otherwise on CPU in the precision's dtype, sharded to the device at setup."""
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack

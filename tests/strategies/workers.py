@@ -1,0 +1,335 @@
+"""What each Fabric rank runs in the strategy tests (module level, so spawned processes import it), and the
+single-process eager training it is compared with. The model, batches and loss are the distributed tests' own."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io import TorchCheckpointIO
+from litgpt import GPT, Config
+
+import fulmen
+from fulmen.distributed import checkpoint
+from fulmen.distributed import prims as dist_prims
+from fulmen.strategies import ThunderDDPStrategy, ThunderFSDPStrategy
+from tests.distributed.workers import CONFIG, LR, MAX_NORM, STEPS, global_batches, loss_fn, make_model
+
+DATA_WORLD = 2  # the global batches are those of 2 ranks, whatever the world size that trains on them
+CLIP_VALUE = 2e-3  # below the largest gradient entries, so clipping by value really changes them
+RESUME_AT = 3  # steps before the checkpoint in the save / resume runs
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    strategy: str  # "ddp" | "fsdp"
+    options: tuple[tuple[str, Any], ...] = ()  # the strategy's keyword arguments
+    accumulate: int = 2  # micro-batches per step, all but the last under fabric.no_backward_sync
+    clip: str | None = "norm"  # fabric.clip_gradients by "norm" or "value"
+    jit: bool = True  # False: the strategy only transforms; the program jits forward_and_loss itself
+    prejit: bool = False  # the module reaches fabric.setup already jitted (not yet run)
+    meta_init: bool = False  # fabric.init_module(empty_init=True), then the weights from a raw state dict
+    precision: str = "32-true"
+    accelerator: str = "cpu"
+
+
+def make_strategy(case: Case) -> ThunderDDPStrategy | ThunderFSDPStrategy:
+    kind = ThunderDDPStrategy if case.strategy == "ddp" else ThunderFSDPStrategy
+    return kind(jit=case.jit, **dict(case.options))
+
+
+def make_fabric(case: Case, world: int, strategy: Any = None, **kwargs: Any) -> L.Fabric:
+    fabric = L.Fabric(accelerator=case.accelerator, devices=world, strategy=strategy or make_strategy(case),
+                      precision=case.precision, **kwargs)
+    fabric.launch()
+    return fabric
+
+
+@dataclass
+class Counter:
+    """A stateful object in the checkpoint (Fabric saves its `state_dict()`)."""
+
+    seen: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = state["seen"]
+
+
+@dataclass
+class Training:
+    fabric: L.Fabric
+    case: Case
+    model: Any
+    optimizer: Any
+    forward_and_loss: Callable[..., torch.Tensor]
+    losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    grads_held_back: list[bool] = field(default_factory=list)  # .grad empty after each no_sync micro-batch
+
+
+def setup(fabric: L.Fabric, case: Case, seed: int = 0, raw_weights: str | None = None) -> Training:
+    if case.meta_init:
+        with fabric.init_module(empty_init=True):
+            model = GPT(Config(**CONFIG))
+    else:
+        model = make_model(seed=seed)
+    if case.prejit:
+        model = fulmen.jit(model)
+    model = fabric.setup_module(model)
+    if raw_weights is not None:
+        fabric.load_raw(raw_weights, model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    step_fn = loss_fn if case.jit else fulmen.jit(loss_fn)
+    return Training(fabric, case, model, optimizer, step_fn)
+
+
+def train(run: Training, steps: range, world: int) -> None:
+    fabric, case = run.fabric, run.case
+    batches = global_batches(DATA_WORLD, case.accumulate)
+    for step in steps:
+        x, y = (t.chunk(world)[fabric.global_rank].chunk(case.accumulate) for t in batches[step])
+        total = torch.zeros((), device=fabric.device)
+        for micro in range(case.accumulate):
+            xs, ys = fabric.to_device((x[micro], y[micro]))
+            syncing = micro == case.accumulate - 1
+            with fabric.no_backward_sync(run.model, enabled=not syncing):
+                loss = run.forward_and_loss(run.model, xs, ys) / case.accumulate
+                fabric.backward(loss)
+            if not syncing:
+                run.grads_held_back.append(all(p.grad is None for p in run.model.parameters()))
+            total += loss.detach()
+        if case.clip == "norm":
+            run.norms.append(fabric.clip_gradients(run.model, run.optimizer, max_norm=MAX_NORM).item())
+        elif case.clip == "value":
+            fabric.clip_gradients(run.model, run.optimizer, clip_val=CLIP_VALUE)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+        run.losses.append(fabric.all_reduce(total, reduce_op="mean").item())
+
+
+def _collectives(trace: Any) -> dict[str, int]:
+    counts = {sym.name: 0 for sym in dist_prims.COLLECTIVES}
+    for bsym in trace.bound_symbols:
+        if bsym.sym in dist_prims.COLLECTIVES:
+            counts[bsym.sym.name] += 1
+    return counts
+
+
+def summary(run: Training) -> dict[str, Any]:
+    jitted = run.model if run.case.jit else run.forward_and_loss
+    return {
+        "losses": run.losses,
+        "norms": run.norms,
+        "grads_held_back": run.grads_held_back,
+        "params": checkpoint.get_model_state_dict(run.model, checkpoint.FULL),
+        "forward": _collectives(fulmen.last_traces(jitted)[-1]),
+        "backward": _collectives(fulmen.last_backward_traces(jitted)[-1]),
+        "forward_source": str(fulmen.last_traces(jitted)[-1]),
+    }
+
+
+def raw_weights_file(fabric: L.Fabric, directory: str) -> str:
+    """A plain `torch.save(model.state_dict())` of the model every run starts from (written by rank 0)."""
+    path = os.path.join(directory, "raw_weights.pt")
+    if fabric.global_rank == 0:
+        torch.save(make_model(seed=0).state_dict(), path)
+    fabric.barrier()
+    return path
+
+
+def training_suite(rank: int, world: int, cases: list[Case], directory: str) -> dict[str, Any]:
+    """Every case in turn in one launch: each trains STEPS steps from the same weights."""
+    results = {}
+    for case in cases:
+        fabric = make_fabric(case, world)
+        raw = raw_weights_file(fabric, directory) if case.meta_init else None
+        run = setup(fabric, case, raw_weights=raw)
+        train(run, range(STEPS), world)
+        results[case.name] = summary(run)
+    return results
+
+
+# --- save and resume ----------------------------------------------------------------------------------------------
+def resume_suite(rank: int, world: int, cases: list[Case], directory: str) -> dict[str, Any]:
+    """For each case: RESUME_AT steps, save (model, optimizer, a step count, a stateful object), a fresh model and
+    optimizer from other weights, load, and the remaining steps. Rank 0 also reports what the checkpoint holds."""
+    results = {}
+    for case in cases:
+        fabric = make_fabric(case, world)
+        path = Path(directory) / case.name
+        first = setup(fabric, case)
+        train(first, range(RESUME_AT), world)
+        counter = Counter(seen=RESUME_AT * 10)
+        fabric.save(path, {"model": first.model, "optimizer": first.optimizer, "step": RESUME_AT, "counter": counter})
+        second = setup(fabric, case, seed=99)
+        state = {"model": second.model, "optimizer": second.optimizer, "step": 0, "counter": Counter()}
+        remainder = fabric.load(path, state)
+        train(second, range(RESUME_AT, STEPS), world)
+        results[case.name] = {
+            "losses": first.losses + second.losses,
+            "step": state["step"],
+            "counter": state["counter"].seen,
+            "remainder": remainder,
+            "is_dir": path.is_dir(),
+            "leftovers": sorted(p.name for p in Path(directory).iterdir() if p.name.startswith(case.name + ".")),
+        }
+    return results
+
+
+def load_elsewhere(rank: int, world: int, cases: list[Case], directory: str) -> dict[str, Any]:
+    """Loads the checkpoints `resume_suite` wrote (at another world size) and trains the remaining steps."""
+    results = {}
+    for case in cases:
+        fabric = make_fabric(case, world)
+        run = setup(fabric, case, seed=99)
+        state = {"model": run.model, "optimizer": run.optimizer, "step": 0}
+        fabric.load(Path(directory) / case.name, state, strict=False)
+        train(run, range(RESUME_AT, STEPS), world)
+        results[case.name] = {"losses": run.losses, "step": state["step"]}
+    return results
+
+
+def eager_resume(path: str | Path, accumulate: int, clip: str | None) -> list[float]:
+    """A full checkpoint loaded into plain PyTorch (torch.load, load_state_dict) and trained on one process."""
+    saved = torch.load(path, weights_only=True)
+    model = make_model(seed=99)
+    model.load_state_dict(saved["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer.load_state_dict(saved["optimizer"])
+    return eager_training(accumulate, clip, model=model, optimizer=optimizer, steps=range(RESUME_AT, STEPS))["losses"]
+
+
+# --- the single-process reference ---------------------------------------------------------------------------------
+def eager_training(accumulate: int, clip: str | None, model: torch.nn.Module | None = None,
+                   optimizer: torch.optim.Optimizer | None = None, steps: range = range(STEPS)) -> dict[str, Any]:
+    """One process, the whole global batch of each step at once."""
+    model = model or make_model()
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR)
+    batches = global_batches(DATA_WORLD, accumulate)
+    losses, norms = [], []
+    for step in steps:
+        x, y = batches[step]
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        if clip == "norm":
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        elif clip == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+# --- errors -------------------------------------------------------------------------------------------------------
+def _error(action: Callable[[], Any]) -> str | None:
+    try:
+        action()
+    except BaseException as error:  # noqa: BLE001 - the test reads the type and message (DCP raises a BaseException)
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+class FailingIO(TorchCheckpointIO):
+    """Writes half a file, then fails: a crash in the middle of saving."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        Path(path).write_bytes(b"half a checkpoint")
+        raise OSError("disk full (on purpose)")
+
+
+def error_paths(rank: int, world: int, directory: str) -> dict[str, str | None]:
+    """Each misuse that needs launched ranks, and the error it gets."""
+    case = Case("errors", "fsdp")
+    fabric = make_fabric(case, world)
+    errors: dict[str, str | None] = {}
+
+    ran = fulmen.jit(make_model())
+    ran(torch.zeros(1, 4, dtype=torch.long))
+    errors["setup_after_run"] = _error(lambda: fabric.setup_module(ran))
+
+    errors["prejit_with_executors"] = _error(lambda: make_fabric(
+        case, world, strategy=ThunderFSDPStrategy(executors=["sdpa"])).setup_module(fulmen.jit(make_model())))
+
+    with fabric.init_module(empty_init=True):
+        meta_model = GPT(Config(**CONFIG))
+    meta_optimizer = torch.optim.AdamW(meta_model.parameters())
+    errors["meta_optimizer"] = _error(lambda: fabric.setup(meta_model, meta_optimizer))
+
+    model = make_model()
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss_fn(model, *global_batches(DATA_WORLD, 1)[0]).backward()
+    stepped.step()
+    errors["stepped_optimizer"] = _error(lambda: fabric.setup(model, stepped))
+
+    run = setup(fabric, case)
+    train(run, range(1), world)
+    full, sharded = Path(directory) / "full.pt", Path(directory) / "sharded"
+    full_fabric = make_fabric(case, world, strategy=ThunderFSDPStrategy(state_dict_type="full"))
+    full_fabric.save(full, {"model": run.model, "optimizer": run.optimizer})
+    fabric.save(sharded, {"model": run.model, "optimizer": run.optimizer})
+    for kind, path in (("full", full), ("sharded", sharded)):
+        extra = {"model": run.model, "optimizer": run.optimizer, "missing": 0}
+        errors[f"{kind}_strict_missing_key"] = _error(lambda p=path, e=extra: fabric.load(p, e))
+        errors[f"{kind}_non_strict_missing_key"] = _error(lambda p=path, e=extra: fabric.load(p, e, strict=False))
+    errors["missing_path"] = _error(lambda: fabric.load(Path(directory) / "nothing", {"model": run.model}))
+    errors["load_raw_directory"] = _error(lambda: fabric.load_raw(sharded, run.model))
+    errors["storage_options_sharded"] = _error(lambda: fabric.strategy.save_checkpoint(
+        sharded, {"model": run.model}, storage_options={"compress": True}))
+    smaller = torch.optim.AdamW(list(run.model.parameters())[:3])
+    raw_optimizer = Path(directory) / "optimizer.pt"
+    if rank == 0:
+        torch.save(torch.load(full, weights_only=True)["optimizer"], raw_optimizer)
+    fabric.barrier()
+    errors["load_raw_optimizer_too_few_params"] = _error(lambda: fabric.load_raw(raw_optimizer, smaller))
+    wrong = {k: torch.zeros(3) if k == "lm_head.weight" else v
+             for k, v in torch.load(full, weights_only=True)["model"].items()}
+    errors["full_state_dict_wrong_shape"] = _error(lambda: fabric.strategy.load_module_state_dict(run.model, wrong))
+    return errors
+
+
+def crash_while_saving(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A save that fails midway (full: the CheckpointIO dies after writing half a file; sharded: rank 1's DCP
+    writer fails) must leave the previous checkpoint loadable and unchanged."""
+    results: dict[str, Any] = {}
+    for kind in ("full", "sharded"):
+        case = Case(f"crash-{kind}", "fsdp", options=(("state_dict_type", kind),))
+        fabric = make_fabric(case, world)
+        run = setup(fabric, case)
+        path = Path(directory) / kind
+        fabric.save(path, {"model": run.model})
+        before = checkpoint.get_model_state_dict(run.model, checkpoint.FULL)
+        train(run, range(1), world)
+        if kind == "full":
+            fabric.strategy.checkpoint_io = FailingIO()
+            error = _error(lambda p=path, r=run, f=fabric: f.save(p, {"model": r.model}))
+        else:
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+            original = FileSystemWriter.write_data
+
+            def fail(self, plan, planner):
+                raise OSError("disk full (on purpose)")
+
+            if rank == 1:
+                FileSystemWriter.write_data = fail
+            try:
+                error = _error(lambda p=path, r=run, f=fabric: f.save(p, {"model": r.model}))
+            finally:
+                FileSystemWriter.write_data = original
+        fabric.barrier()
+        fresh = setup(make_fabric(case, world), case, seed=99)
+        fabric.load(path, {"model": fresh.model})
+        results[kind] = {"error": error, "before": before,
+                         "after": checkpoint.get_model_state_dict(fresh.model, checkpoint.FULL)}
+    return results
+
