@@ -74,6 +74,7 @@ class Training:
     losses: list[float] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
     grads_held_back: list[bool] = field(default_factory=list)  # .grad empty after each no_sync micro-batch
+    created_on_meta: bool = False
 
 
 def setup(fabric: L.Fabric, case: Case, seed: int = 0, raw_weights: str | None = None) -> Training:
@@ -82,6 +83,7 @@ def setup(fabric: L.Fabric, case: Case, seed: int = 0, raw_weights: str | None =
             model = GPT(Config(**CONFIG))
     else:
         model = make_model(seed=seed)
+    on_meta = all(p.is_meta for p in model.parameters())
     if case.prejit:
         model = fulmen.jit(model)
     model = fabric.setup_module(model)
@@ -89,7 +91,7 @@ def setup(fabric: L.Fabric, case: Case, seed: int = 0, raw_weights: str | None =
         fabric.load_raw(raw_weights, model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
     step_fn = loss_fn if case.jit else fulmen.jit(loss_fn)
-    return Training(fabric, case, model, optimizer, step_fn)
+    return Training(fabric, case, model, optimizer, step_fn, created_on_meta=on_meta)
 
 
 def train(run: Training, steps: range, world: int) -> None:
@@ -130,6 +132,7 @@ def summary(run: Training) -> dict[str, Any]:
         "losses": run.losses,
         "norms": run.norms,
         "grads_held_back": run.grads_held_back,
+        "created_on_meta": run.created_on_meta,
         "params": checkpoint.get_model_state_dict(run.model, checkpoint.FULL),
         "forward": _collectives(fulmen.last_traces(jitted)[-1]),
         "backward": _collectives(fulmen.last_backward_traces(jitted)[-1]),
@@ -160,12 +163,14 @@ def training_suite(rank: int, world: int, cases: list[Case], directory: str) -> 
 
 # --- save and resume ----------------------------------------------------------------------------------------------
 def resume_suite(rank: int, world: int, cases: list[Case], directory: str) -> dict[str, Any]:
-    """For each case: RESUME_AT steps, save (model, optimizer, a step count, a stateful object), a fresh model and
-    optimizer from other weights, load, and the remaining steps. Rank 0 also reports what the checkpoint holds."""
+    """For each case: an uninterrupted run, then RESUME_AT steps, save (model, optimizer, a step count, a
+    stateful object), a fresh model and optimizer from other weights, load, and the remaining steps."""
     results = {}
     for case in cases:
         fabric = make_fabric(case, world)
         path = Path(directory) / case.name
+        whole = setup(fabric, case)
+        train(whole, range(STEPS), world)
         first = setup(fabric, case)
         train(first, range(RESUME_AT), world)
         counter = Counter(seen=RESUME_AT * 10)
@@ -176,6 +181,7 @@ def resume_suite(rank: int, world: int, cases: list[Case], directory: str) -> di
         train(second, range(RESUME_AT, STEPS), world)
         results[case.name] = {
             "losses": first.losses + second.losses,
+            "uninterrupted": whole.losses,
             "step": state["step"],
             "counter": state["counter"].seen,
             "remainder": remainder,
