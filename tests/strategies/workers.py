@@ -216,16 +216,23 @@ def eager_resume(path: str | Path, accumulate: int, clip: str | None) -> list[fl
 
 # --- the single-process reference ---------------------------------------------------------------------------------
 def eager_training(accumulate: int, clip: str | None, model: torch.nn.Module | None = None,
-                   optimizer: torch.optim.Optimizer | None = None, steps: range = range(STEPS)) -> dict[str, Any]:
-    """One process, the whole global batch of each step at once."""
-    model = model or make_model()
+                   optimizer: torch.optim.Optimizer | None = None, steps: range = range(STEPS), device: str = "cpu",
+                   precision: str = "32-true", chunks: int = 1) -> dict[str, Any]:
+    """One process, the whole global batch of each step at once (`chunks` > 1: summed over that many chunks, the
+    same training in another summation order). `precision` as Fabric's: "bf16-true" trains a bf16 model,
+    "bf16-mixed" runs the forward under autocast."""
+    model = model or make_model(device=device, dtype=torch.bfloat16 if precision == "bf16-true" else torch.float32)
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR)
+    autocast = torch.autocast(device, torch.bfloat16, enabled=precision == "bf16-mixed")
     batches = global_batches(DATA_WORLD, accumulate)
     losses, norms = [], []
     for step in steps:
-        x, y = batches[step]
-        loss = loss_fn(model, x, y)
-        loss.backward()
+        loss = torch.zeros((), device=device)
+        for x, y in zip(*(t.to(device).chunk(chunks) for t in batches[step])):
+            with autocast:
+                part = loss_fn(model, x, y) / chunks
+            part.backward()
+            loss += part.detach().float()
         if clip == "norm":
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         elif clip == "value":
@@ -233,7 +240,8 @@ def eager_training(accumulate: int, clip: str | None, model: torch.nn.Module | N
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms,
+            "params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
 
 # --- errors -------------------------------------------------------------------------------------------------------
