@@ -221,7 +221,8 @@ def eager_training(accumulate: int, clip: str | None, model: torch.nn.Module | N
     """One process, the whole global batch of each step at once (`chunks` > 1: summed over that many chunks, the
     same training in another summation order). `precision` as Fabric's: "bf16-true" trains a bf16 model,
     "bf16-mixed" runs the forward under autocast."""
-    model = model or make_model(device=device, dtype=torch.bfloat16 if precision == "bf16-true" else torch.float32)
+    # made on CPU and moved, as the Fabric runs do (a model made on a GPU draws other initial weights)
+    model = model or make_model(dtype=torch.bfloat16 if precision == "bf16-true" else torch.float32).to(device)
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR)
     autocast = torch.autocast(device, torch.bfloat16, enabled=precision == "bf16-mixed")
     batches = global_batches(DATA_WORLD, accumulate)
