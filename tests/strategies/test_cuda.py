@@ -72,5 +72,6 @@ def test_save_and_resume_on_gpu(tmp_path):
     _needs_two_gpus()
     got = values(run_ranks(workers.resume_suite, 2, RESUME, str(tmp_path), backend=None, timeout=900))[0]
     for case in RESUME:
-        assert got[case.name]["losses"] == got[case.name]["uninterrupted"], case.name
+        # not bitwise as on CPU: CUDA's attention backward may accumulate in a different order from run to run
+        torch.testing.assert_close(got[case.name]["losses"], got[case.name]["uninterrupted"], rtol=1e-4, atol=0)
         assert got[case.name]["step"] == workers.RESUME_AT

@@ -3,8 +3,9 @@ eager training on the same global batches.
 
 One launch (2 gloo ranks, torchrun's environment) trains every case for 5 AdamW steps: gradient accumulation
 through `fabric.no_backward_sync`, `fabric.clip_gradients` by norm and by value, the strategy's own jit and a
-program that jits its own `forward_and_loss` (jit=False), a module jitted before setup, meta-device init with the
-weights from `fabric.load_raw`, and executors / transform options passed through the strategy.
+program that jits its own `forward_and_loss` (jit=False), a module jitted before setup, model and optimizer set up
+together, meta-device init with the weights from `fabric.load_raw`, and executors / transform options passed
+through the strategy.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ CASES = [
          options=(("sharding_strategy", "zero2"), ("bucketing_strategy", "Layer"))),
     Case("fsdp-jit-false", "fsdp", jit=False, options=(("bucketing_strategy", "block"),)),
     Case("fsdp-meta-init", "fsdp", meta_init=True),
+    Case("fsdp-joint-setup", "fsdp", joint=True, options=(("sharding_strategy", "ZERO2"),)),
+    Case("ddp-joint-setup", "ddp", joint=True, clip=None),
     Case("fsdp-executors-options", "fsdp", accumulate=1,
          options=(("executors", ("sdpa", "torch")), ("max_in_flight", 1), ("broadcast_from", None))),
 ]

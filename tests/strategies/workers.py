@@ -35,6 +35,7 @@ class Case:
     jit: bool = True  # False: the strategy only transforms; the program jits forward_and_loss itself
     prejit: bool = False  # the module reaches fabric.setup already jitted (not yet run)
     meta_init: bool = False  # fabric.init_module(empty_init=True), then the weights from a raw state dict
+    joint: bool = False  # fabric.setup(model, optimizer) with the optimizer made before setup
     precision: str = "32-true"
     accelerator: str = "cpu"
 
@@ -86,10 +87,13 @@ def setup(fabric: L.Fabric, case: Case, seed: int = 0, raw_weights: str | None =
     on_meta = all(p.is_meta for p in model.parameters())
     if case.prejit:
         model = fulmen.jit(model)
-    model = fabric.setup_module(model)
+    if case.joint:  # the optimizer holds the parameters the strategy shards in place
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    else:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
     if raw_weights is not None:
         fabric.load_raw(raw_weights, model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
     step_fn = loss_fn if case.jit else fulmen.jit(loss_fn)
     return Training(fabric, case, model, optimizer, step_fn, created_on_meta=on_meta)
 
