@@ -90,3 +90,12 @@ def test_bucketing_reaches_the_traces(suite):
     # ZeRO-3 gathers again in the backward, ZeRO-2 keeps the forward's gathers
     assert suite["fsdp-zero3-block"]["backward"]["all_gather"] >= 1
     assert suite["fsdp-zero2-layer-value"]["backward"]["all_gather"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_collectives_through_fabric(suite, strategy):
+    got = suite[f"{strategy}-joint-setup"]["collectives"]
+    assert got["all_reduce_sum"] == 3.0 and got["all_reduce_mean"] == 1.5
+    assert got["all_gather"] == [[0, 0], [1, 10]]
+    assert got["broadcast"] == {"from": 1}
+    assert (got["all_true"], got["all_of_rank0"], got["any_of_rank0"]) == (True, False, True)

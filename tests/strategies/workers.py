@@ -153,6 +153,20 @@ def raw_weights_file(fabric: L.Fabric, directory: str) -> str:
     return path
 
 
+def collectives(fabric: L.Fabric) -> dict[str, Any]:
+    """The strategy's collectives as a program calls them through Fabric."""
+    rank = fabric.global_rank
+    return {
+        "all_reduce_sum": fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item(),
+        "all_reduce_mean": fabric.all_reduce(torch.tensor(float(rank + 1))).item(),
+        "all_gather": fabric.all_gather(torch.tensor([rank, 10 * rank])).tolist(),
+        "broadcast": fabric.broadcast({"from": rank}, src=1),
+        "all_true": fabric.strategy.reduce_boolean_decision(True, all=True),
+        "all_of_rank0": fabric.strategy.reduce_boolean_decision(rank == 0, all=True),
+        "any_of_rank0": fabric.strategy.reduce_boolean_decision(rank == 0, all=False),
+    }
+
+
 def training_suite(rank: int, world: int, cases: list[Case], directory: str) -> dict[str, Any]:
     """Every case in turn in one launch: each trains STEPS steps from the same weights."""
     results = {}
@@ -162,6 +176,8 @@ def training_suite(rank: int, world: int, cases: list[Case], directory: str) -> 
         run = setup(fabric, case, raw_weights=raw)
         train(run, range(STEPS), world)
         results[case.name] = summary(run)
+        fabric.barrier()
+        results[case.name]["collectives"] = collectives(fabric)
     return results
 
 
@@ -183,14 +199,19 @@ def resume_suite(rank: int, world: int, cases: list[Case], directory: str) -> di
         state = {"model": second.model, "optimizer": second.optimizer, "step": 0, "counter": Counter()}
         remainder = fabric.load(path, state)
         train(second, range(RESUME_AT, STEPS), world)
+        filtered = Path(directory) / f"{case.name}-filtered"
+        fabric.save(filtered, {"model": second.model, "step": STEPS}, filter={"model": lambda k, v: "lm_head" in k})
         results[case.name] = {
+            "filtered": {key: sorted(value) if isinstance(value, dict) else value
+                         for key, value in fabric.load(filtered).items()},
             "losses": first.losses + second.losses,
             "uninterrupted": whole.losses,
             "step": state["step"],
             "counter": state["counter"].seen,
             "remainder": remainder,
             "is_dir": path.is_dir(),
-            "leftovers": sorted(p.name for p in Path(directory).iterdir() if p.name.startswith(case.name + ".")),
+            "leftovers": sorted(p.name for p in Path(directory).iterdir()
+                                if p.name.startswith(case.name) and p.suffix in (".tmp", ".old")),
         }
     return results
 
