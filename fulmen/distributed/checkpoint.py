@@ -134,15 +134,20 @@ def _optimizer_params(optimizer: Optimizer) -> list[torch.Tensor]:
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
-def _state_spec(param: torch.Tensor, value: Any, full: bool) -> ParamSpec | None:
-    """The spec of the sharded parameter whose rows this optimizer state tensor holds (None: it holds something
-    else, such as a step count). `full`: `value` comes from a full state dict."""
+def _state_spec(param: torch.Tensor, value: Any, full: bool, what: str) -> ParamSpec | None:
+    """The spec of the sharded parameter whose rows this optimizer state tensor holds; None for a scalar (a step
+    count) or the state of a parameter that is not sharded. `full`: `value` comes from a full state dict."""
     spec = _sharded_spec(param)
-    if spec is None or not isinstance(value, torch.Tensor):
+    if spec is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
         return None
     if isinstance(value, DTensor):
         return spec
-    return spec if tuple(value.shape) == tuple(spec.full_shape if full else param.shape) else None
+    expected = tuple(spec.full_shape if full else param.shape)
+    if tuple(value.shape) != expected:
+        # e.g. a factored second moment: its rows are not the parameter's, so how it is sharded is unknown
+        raise ValueError(f"{what} has shape {tuple(value.shape)}; the state of the sharded parameter {spec.name!r} "
+                         f"must be a scalar or shaped like it ({expected})")
+    return spec
 
 
 def get_optimizer_state_dict(optimizer: Optimizer, options: StateDictOptions = StateDictOptions()) -> dict[str, Any]:
@@ -156,7 +161,8 @@ def get_optimizer_state_dict(optimizer: Optimizer, options: StateDictOptions = S
     state: dict[int, dict[str, Any]] = {}
     for index in sorted(plain["state"]):
         param = params[index]
-        state[index] = {key: _export(value, _state_spec(param, value, full=False), options)
+        state[index] = {key: _export(value, _state_spec(param, value, False, f"optimizer state {key!r} of "
+                                                                              f"parameter {index}"), options)
                         for key, value in sorted(plain["state"][index].items())}
     specs = {spec.state for p in params if (spec := spec_of(p)) is not None}
     owner = next(iter(specs)) if len(specs) == 1 else None
@@ -178,9 +184,10 @@ def load_optimizer_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) 
             raise ValueError(f"the optimizer state dict has state for parameter {position}, the optimizer has "
                              f"{len(params)} parameters")
         param = params[position]
-        state[position] = {key: _import(value, _state_spec(param, value, full=True), param,
-                                        f"optimizer state {key!r} of parameter {position}")
-                           for key, value in entry.items()}
+        state[position] = {}
+        for key, value in entry.items():
+            what = f"optimizer state {key!r} of parameter {position}"
+            state[position][key] = _import(value, _state_spec(param, value, True, what), param, what)
     optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
 
 

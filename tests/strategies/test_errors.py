@@ -71,6 +71,8 @@ def errors(tmp_path_factory) -> dict:
     ("storage_options_sharded", r"TypeError: ThunderFSDPStrategy writes sharded checkpoints .* storage_options"),
     ("load_raw_optimizer_too_few_params", r"ValueError: the optimizer state dict has state for parameter 3, the "
                                           r"optimizer has 3 parameters"),
+    ("optimizer_state_wrong_shape", r"ValueError: optimizer state 'exp_avg' of parameter 0 has shape \(3,\); the "
+                                    r"state of the sharded parameter 'lm_head.weight' must be a scalar"),
     ("full_state_dict_wrong_shape", r"ValueError: state dict entry 'lm_head.weight' has shape \(3,\), the "
                                     r"model's parameter 'lm_head.weight' has \(67, 32\)"),
 ])

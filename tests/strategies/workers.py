@@ -331,6 +331,10 @@ def error_paths(rank: int, world: int, directory: str) -> dict[str, str | None]:
         torch.save(torch.load(full, weights_only=True)["optimizer"], raw_optimizer)
     fabric.barrier()
     errors["load_raw_optimizer_too_few_params"] = _error(lambda: fabric.load_raw(raw_optimizer, smaller))
+    mangled = torch.load(full, weights_only=True)["optimizer"]
+    mangled["state"][0]["exp_avg"] = torch.zeros(3)
+    errors["optimizer_state_wrong_shape"] = _error(
+        lambda: checkpoint.load_optimizer_state_dict(run.optimizer, mangled))
     wrong = {k: torch.zeros(3) if k == "lm_head.weight" else v
              for k, v in torch.load(full, weights_only=True)["model"].items()}
     errors["full_state_dict_wrong_shape"] = _error(lambda: fabric.strategy.load_module_state_dict(run.model, wrong))
