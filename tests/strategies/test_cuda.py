@@ -62,6 +62,7 @@ def test_nccl_bf16_training_matches_eager(suite, case):
         torch.testing.assert_close(got["norms"], want["norms"], rtol=2e-2, atol=0)
     kind = torch.bfloat16 if case.precision == "bf16-true" else torch.float32
     assert all(value.dtype == kind for value in got["params"].values() if value.is_floating_point())
+    assert got["collectives"]["all_gather"] == [[0, 0], [1, 10]] and got["collectives"]["all_reduce_sum"] == 3.0
     if case.strategy == "ddp":
         assert got["backward"]["all_reduce"] >= 1 and got["forward"]["all_gather"] == 0
     else:

@@ -155,11 +155,11 @@ def raw_weights_file(fabric: L.Fabric, directory: str) -> str:
 
 def collectives(fabric: L.Fabric) -> dict[str, Any]:
     """The strategy's collectives as a program calls them through Fabric."""
-    rank = fabric.global_rank
+    rank, device = fabric.global_rank, fabric.device
     return {
-        "all_reduce_sum": fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item(),
-        "all_reduce_mean": fabric.all_reduce(torch.tensor(float(rank + 1))).item(),
-        "all_gather": fabric.all_gather(torch.tensor([rank, 10 * rank])).tolist(),
+        "all_reduce_sum": fabric.all_reduce(torch.tensor(rank + 1.0, device=device), reduce_op="sum").item(),
+        "all_reduce_mean": fabric.all_reduce(torch.tensor(rank + 1.0, device=device)).item(),
+        "all_gather": fabric.all_gather(torch.tensor([rank, 10 * rank], device=device)).tolist(),
         "broadcast": fabric.broadcast({"from": rank}, src=1),
         "all_true": fabric.strategy.reduce_boolean_decision(True, all=True),
         "all_of_rank0": fabric.strategy.reduce_boolean_decision(rank == 0, all=True),
