@@ -17,6 +17,11 @@ batch every step). The rows run in turn in the same processes:
     thunder-fsdp          `thunder.distributed.fsdp(thunder.jit(model), ZERO3, BLOCK)`: Thunder's FSDP transforms a
                           jitted module, so the loss is eager here ("mode": "module"); "unavailable" when thunder
                           does not import
+    fabric-fsdp           Lightning Fabric's own FSDPStrategy (torch FSDP1, FULL_SHARD, each LitGPT Block wrapped),
+                          precision "bf16-true", the model made under `fabric.init_module(empty_init=True)`; eager
+    fabric-ThunderFSDPStrategy  the same Fabric program with `fulmen.strategies.ThunderFSDPStrategy(ZERO3, BLOCK,
+                          jit=False)` and `fulmen.jit(forward_and_loss)`, as a pretraining script writes it
+    fabric-ThunderDDPStrategy   the same with `ThunderDDPStrategy(jit=False)` (the model made on the device)
 
 What is compiled and how the optimizer steps follow step.py (whose helpers this script imports): the compiled
 function is `forward_and_loss(model, x, y)` (but for Thunder, above), the weights are bf16-true, the optimizer is
@@ -72,7 +77,9 @@ if str(BENCHMARKS) not in sys.path:  # step.py sits beside this file; the spawne
 import step  # noqa: E402
 
 fulmen = step.fulmen
-ROWS = ("fsdp2", "fsdp2+torch.compile", "fulmen-fsdp", "fulmen-fsdp-zero2", "fulmen-ddp", "thunder-fsdp")
+ROWS = ("fsdp2", "fsdp2+torch.compile", "fulmen-fsdp", "fulmen-fsdp-zero2", "fulmen-ddp", "thunder-fsdp",
+        "fabric-fsdp", "fabric-ThunderFSDPStrategy", "fabric-ThunderDDPStrategy")
+FABRIC_ROWS = ROWS[-3:]
 COMPILER = {  # which of step.py's compilers each row jits `forward_and_loss` with
     "fsdp2": "eager",
     "fsdp2+torch.compile": "torch.compile",
@@ -80,6 +87,9 @@ COMPILER = {  # which of step.py's compilers each row jits `forward_and_loss` wi
     "fulmen-fsdp-zero2": "fulmen",
     "fulmen-ddp": "fulmen",
     "thunder-fsdp": "thunder",
+    "fabric-fsdp": "eager",
+    "fabric-ThunderFSDPStrategy": "fulmen",
+    "fabric-ThunderDDPStrategy": "fulmen",
 }
 BASELINE = "fsdp2"
 BATCH_SEED = 1234  # rank r trains on the batch drawn from seed BATCH_SEED + r
@@ -167,10 +177,42 @@ def fence(device: torch.device) -> None:
     step.sync(device)
 
 
+def fabric_model(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The model set up by `L.Fabric` with the row's strategy, on the ranks this script started (torchrun's
+    environment, so Fabric joins the existing process group instead of launching processes)."""
+    import lightning as L
+    from lightning.fabric.strategies import FSDPStrategy
+    from litgpt.model import Block
+
+    from fulmen.strategies import ThunderDDPStrategy, ThunderFSDPStrategy
+
+    strategies = {
+        "fabric-fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD"),
+        "fabric-ThunderFSDPStrategy": lambda: ThunderFSDPStrategy(sharding_strategy="ZERO3",
+                                                                  bucketing_strategy="BLOCK", jit=False),
+        "fabric-ThunderDDPStrategy": lambda: ThunderDDPStrategy(jit=False),
+    }
+    precision = {torch.bfloat16: "bf16-true", torch.float32: "32-true"}[dtype]
+    fabric = L.Fabric(accelerator=device.type, devices=args.devices, strategy=strategies[name](),
+                      precision=precision)
+    fabric.launch()
+    torch.manual_seed(args.seed)
+    with fabric.init_module(empty_init=name != "fabric-ThunderDDPStrategy"):
+        model = step.build_model(args, fabric.device if name == "fabric-ThunderDDPStrategy" else
+                                 torch.device("meta"), dtype)
+    torch.manual_seed(args.seed)  # the materialisation draws the weights
+    model = fabric.setup_module(model)
+    cast_buffers(model, dtype)
+    return model
+
+
 def measure(name: str, args: argparse.Namespace, rank: int, device: torch.device, dtype: torch.dtype) -> dict:
     """This rank's figures for one row: a fresh model and optimizer, then 1 + warmup + iters steps."""
     config = step.build_model(args, torch.device("meta"), dtype).config
-    if name == "thunder-fsdp":
+    if name in FABRIC_ROWS:
+        model, mode = fabric_model(name, args, device, dtype), "function"
+        loss_fn = step.make_loss_fn(COMPILER[name], "function", model, args.executors)
+    elif name == "thunder-fsdp":
         model, mode = thunder_fsdp_model(args, device, dtype), "module"
         loss_fn = step.make_loss_fn("eager", "function", model, None)  # the loss on the jitted module's logits
     else:
@@ -242,6 +284,9 @@ def run_row(name: str, args: argparse.Namespace, rank: int, device: torch.device
 def _worker(rank: int, args: argparse.Namespace, rows: list[str], port: int, results_path: str) -> None:
     """One rank: runs every row; rank 0 writes the results after each."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    # torchrun's variables: the Fabric rows find a TorchElasticEnvironment and join this process group
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.devices), GROUP_RANK="0",
+                      LOCAL_WORLD_SIZE=str(args.devices), TORCHELASTIC_RUN_ID="fsdp_step")
     if args.device == "cpu":
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))

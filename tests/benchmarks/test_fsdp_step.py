@@ -1,4 +1,5 @@
-"""benchmarks/fsdp_step.py on CPU (2 gloo ranks, one-layer pythia-14m): FSDP2, fulmen's FSDP and DDP reach one loss."""
+"""benchmarks/fsdp_step.py on CPU (2 gloo ranks, one-layer pythia-14m): FSDP2, fulmen's FSDP and DDP, directly and
+through the Fabric strategies, reach one loss."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ def test_fsdp_step_benchmark_smoke(tmp_path, monkeypatch):
     fsdp_step = importlib.import_module("fsdp_step")
     out = tmp_path / "fsdp_step.json"
     argv = "--device cpu --dtype fp32 --model_name pythia-14m --n_layer 1 --seq_len 32 --micro_batch_size 2"
-    argv += f" --iters 2 --warmup 1 --compilers fsdp2,fulmen-fsdp,fulmen-ddp --devices 2 --out {out}"
+    rows = "fsdp2,fulmen-fsdp,fulmen-ddp,fabric-ThunderFSDPStrategy,fabric-ThunderDDPStrategy"
+    argv += f" --iters 2 --warmup 1 --compilers {rows} --devices 2 --out {out}"
     fsdp_step.main(argv.split())
     report = json.loads(out.read_text())
     results = report["results"]
-    assert list(results) == ["fsdp2", "fulmen-fsdp", "fulmen-ddp"]
+    assert list(results) == rows.split(",")
     for name, result in results.items():
         assert result["status"] == "ok", (name, result)
         assert result["ms_per_iter"] > 0 and len(result["iter_ms"]) == 2
@@ -29,7 +31,7 @@ def test_fsdp_step_benchmark_smoke(tmp_path, monkeypatch):
         assert len(result["final_loss_per_rank"]) == 2
     # same init, same per-rank batches, same optimizer: the losses after three AdamW steps agree
     reference = results["fsdp2"]["final_loss"]
-    for name in ("fulmen-fsdp", "fulmen-ddp"):
+    for name in rows.split(",")[1:]:
         assert math.isclose(results[name]["final_loss"], reference, rel_tol=1e-4), (name, results[name], reference)
     assert results["fsdp2"]["final_loss"] < results["fsdp2"]["first_loss"]  # the steps trained
     assert results["fsdp2"]["final_loss_per_rank"][0] != results["fsdp2"]["final_loss_per_rank"][1]  # own batches
