@@ -62,6 +62,7 @@ import socket
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -177,7 +178,8 @@ def fence(device: torch.device) -> None:
     step.sync(device)
 
 
-def fabric_model(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def fabric_model(name: str, args: argparse.Namespace, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.nn.Module, Callable[[torch.Tensor], None]]:
     """The model set up by `L.Fabric` with the row's strategy, on the ranks this script started (torchrun's
     environment, so Fabric joins the existing process group instead of launching processes)."""
     import lightning as L
@@ -203,14 +205,15 @@ def fabric_model(name: str, args: argparse.Namespace, device: torch.device, dtyp
     torch.manual_seed(args.seed)  # the materialisation draws the weights
     model = fabric.setup_module(model)
     cast_buffers(model, dtype)
-    return model
+    return model, fabric.backward
 
 
 def measure(name: str, args: argparse.Namespace, rank: int, device: torch.device, dtype: torch.dtype) -> dict:
     """This rank's figures for one row: a fresh model and optimizer, then 1 + warmup + iters steps."""
     config = step.build_model(args, torch.device("meta"), dtype).config
+    backward = torch.Tensor.backward
     if name in FABRIC_ROWS:
-        model, mode = fabric_model(name, args, device, dtype), "function"
+        (model, backward), mode = fabric_model(name, args, device, dtype), "function"
         loss_fn = step.make_loss_fn(COMPILER[name], "function", model, args.executors)
     elif name == "thunder-fsdp":
         model, mode = thunder_fsdp_model(args, device, dtype), "module"
@@ -220,7 +223,7 @@ def measure(name: str, args: argparse.Namespace, rank: int, device: torch.device
         loss_fn = step.make_loss_fn(COMPILER[name], "function", model, args.executors)
     batch_args = argparse.Namespace(**{**vars(args), "seed": BATCH_SEED + rank})
     x, y = step.make_batch(batch_args, config, device)
-    timed = step.time_steps(loss_fn, list(model.parameters()), x, y, args, lambda: fence(device))
+    timed = step.time_steps(loss_fn, list(model.parameters()), x, y, args, lambda: fence(device), backward)
     return {
         "status": "ok",
         "mode": mode,

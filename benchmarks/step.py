@@ -141,9 +141,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-               args: argparse.Namespace, fence: Callable[[], None]) -> dict:
+               args: argparse.Namespace, fence: Callable[[], None],
+               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> dict:
     """AdamW (fused on CUDA, foreach on CPU) over `params`: one first step, `args.warmup` untimed steps, then
-    `args.iters` steps each timed between two `fence()` calls."""
+    `args.iters` steps each timed between two `fence()` calls. `backward`: `fabric.backward` for Fabric's rows."""
     if params[0].device.type == "cuda":
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
     else:
@@ -151,7 +152,7 @@ def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y
 
     def step(count_grads: bool = False) -> tuple[torch.Tensor, int]:
         loss = loss_fn(x, y)
-        loss.backward()
+        backward(loss)
         with_grad = sum(p.grad is not None for p in params) if count_grads else 0
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
