@@ -18,7 +18,9 @@ batch every step). The rows run in turn in the same processes:
                           jitted module, so the loss is eager here ("mode": "module"); "unavailable" when thunder
                           does not import
     fabric-fsdp           Lightning Fabric's own FSDPStrategy (torch FSDP1, FULL_SHARD, each LitGPT Block wrapped),
-                          precision "bf16-true", the model made under `fabric.init_module(empty_init=True)`; eager
+                          precision "bf16-true", the model made under `fabric.init_module(empty_init=True)`; eager.
+                          Its rows warn that some parameters got no gradient: with FSDP1's `use_orig_params`, a
+                          rank's view of a parameter it holds no piece of is empty and keeps `.grad` None
     fabric-ThunderFSDPStrategy  the same Fabric program with `fulmen.strategies.ThunderFSDPStrategy(ZERO3, BLOCK,
                           jit=False)` and `fulmen.jit(forward_and_loss)`, as a pretraining script writes it
     fabric-ThunderDDPStrategy   the same with `ThunderDDPStrategy(jit=False)` (the model made on the device)
