@@ -6,6 +6,7 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import Any, ClassVar
 
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
 
 from fulmen.distributed import FSDPBucketingStrategy, FSDPType, fsdp
@@ -51,10 +52,17 @@ class ThunderFSDPStrategy(FulmenParallelStrategy):
     def state_dict_type(self) -> str:
         return self._state_dict_type
 
-    def _transform_module(self, module: nn.Module) -> None:
-        options = {"broadcast_from": 0, **self.transform_options}
-        fsdp(module, device=self.root_device, sharding_strategy=self.sharding_strategy,
-             bucketing_strategy=self.bucketing_strategy, **options)
+    def _transform_arguments(self) -> dict[str, Any]:
+        return {"broadcast_from": 0, **self.transform_options, "device": self.root_device,
+                "sharding_strategy": self.sharding_strategy, "bucketing_strategy": self.bucketing_strategy}
+
+    def setup_environment(self) -> None:
+        # GradScaler finds infs in this rank's gradient shards only: ranks would skip different steps
+        if isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None:
+            raise ValueError("ThunderFSDPStrategy does not support precision='16-mixed' (a gradient scaler checks "
+                             "only this rank's shards for infs, so ranks would disagree on which steps to skip): "
+                             "use 'bf16-mixed' or 'bf16-true'")
+        super().setup_environment()
 
     def module_to_device(self, module: nn.Module) -> None:
         """Nothing: `fsdp` moves each parameter's shard (not the whole model) to the device."""

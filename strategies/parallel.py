@@ -17,11 +17,11 @@ import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.plugins.io import CheckpointIO
+from lightning.fabric.plugins.io import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _distributed_is_initialized,
@@ -30,7 +30,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
@@ -38,7 +38,6 @@ import fulmen
 from fulmen.distributed import checkpoint, clip_grad_norm_, distributed_state, no_sync
 from fulmen.executors.base import Executor
 from fulmen.jit.jitted import JittedModule
-from fulmen.strategies import state as checkpoint_state
 
 
 class _NoBackwardSync(_BackwardSyncControl):
@@ -146,8 +145,9 @@ class FulmenParallelStrategy(ParallelStrategy):
                               device_id=device_id)
 
     # --- modules and optimizers -----------------------------------------------------------------------------------
-    def _transform_module(self, module: nn.Module) -> None:
-        type(self).transform(module, **self.transform_options)
+    def _transform_arguments(self) -> dict[str, Any]:
+        """The keyword arguments `setup_module` calls the transform with."""
+        return dict(self.transform_options)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Applies the transform (to the module inside, for one jitted but not yet run) and then `fulmen.jit`."""
@@ -155,16 +155,16 @@ class FulmenParallelStrategy(ParallelStrategy):
         if isinstance(module, JittedModule) and self.executors is not None:
             raise ValueError(f"the module is already jitted with its own executors; pass executors to either "
                              f"fulmen.jit or {name}, not both")
-        self._transform_module(module)
+        type(self).transform(module, **self._transform_arguments())
         if self.jit and not isinstance(module, JittedModule):
             module = fulmen.jit(module, executors=self.executors)
         return module
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Any = None) -> tuple[nn.Module, list[Optimizer], Any]:
-        for optimizer in optimizers:
+        for optimizer in optimizers:  # before the transform changes the module
             self._check_optimizer(optimizer)
-        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+        return self.setup_module(module), optimizers, scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         self._check_optimizer(optimizer)
@@ -222,56 +222,84 @@ class FulmenParallelStrategy(ParallelStrategy):
     def state_dict_type(self) -> str:
         return "full"
 
+    @property
+    def _state_dict_options(self) -> checkpoint.StateDictOptions:
+        return checkpoint.FULL if self.state_dict_type == "full" else checkpoint.StateDictOptions()
+
     def _group(self) -> dist.ProcessGroup | None:
         return dist.group.WORLD if _distributed_is_initialized() else None
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        return checkpoint.get_model_state_dict(module, checkpoint.FULL)
+        """Full: gathered on rank 0 (CPU), `{}` elsewhere. Sharded: DTensors of each rank's rows."""
+        return checkpoint.get_model_state_dict(module, self._state_dict_options)
 
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         checkpoint.load_model_state_dict(module, state_dict, strict=strict)
 
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return checkpoint.get_optimizer_state_dict(optimizer, checkpoint.FULL)
+        """torch's layout, the state of sharded parameters gathered (full) or as DTensors (sharded)."""
+        return checkpoint.get_optimizer_state_dict(optimizer, self._state_dict_options)
 
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """Full: one file written by rank 0 through the CheckpointIO plugin. Sharded: a directory (DCP), every rank
-        writing its rows. Either is swapped in only when complete, keeping the previous checkpoint until then."""
+        writing its rows. Either is written beside `path` and then swapped in (see fulmen.distributed.checkpoint).
+        Paths are on a local or shared filesystem."""
+        collected = self._convert_stateful_objects_in_state(state, filter or {})
         if self.state_dict_type == "sharded":
             if storage_options is not None:
                 raise TypeError(f"{type(self).__name__} writes sharded checkpoints with torch.distributed.checkpoint, "
                                 "not the CheckpointIO plugin, so storage_options are not supported")
-            collected = checkpoint_state.collect(state, checkpoint.StateDictOptions(), filter)
             checkpoint.write_sharded(collected, path, self._group())
         else:
-            collected = checkpoint_state.collect(state, checkpoint.FULL, filter)
 
             def write(obj: Any, where: Path) -> None:
                 self.checkpoint_io.save_checkpoint(obj, where, storage_options=storage_options)
 
             checkpoint.write_full(collected, path, self._group(), write)
 
+    def _read_full(self, path: Path, weights_only: bool | None) -> Any:
+        if type(self.checkpoint_io) is TorchCheckpointIO:  # every rank reads it: map it rather than copy it
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+
+    def _restore(self, obj: Any, value: Any, strict: bool) -> None:
+        if isinstance(obj, nn.Module):
+            self.load_module_state_dict(obj, value, strict=strict)
+        elif isinstance(obj, Optimizer):
+            checkpoint.load_optimizer_state_dict(obj, value)
+        else:
+            obj.load_state_dict(value)
+
     def load_checkpoint(self, path: _PATH, state: nn.Module | Optimizer | dict[str, Any] | None = None,
                         strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
-        """Reads either kind (a file: full; a directory: sharded, at any world size) into the live objects."""
+        """Reads either kind (a file: full; a directory: sharded, at any world size) into the live objects;
+        returns what the checkpoint holds beyond them (all of it when `state` is empty)."""
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"no checkpoint at {path}")
+            raise checkpoint.missing_checkpoint(path)
         sharded = checkpoint.is_sharded_checkpoint(path)
         if isinstance(state, nn.Module | Optimizer):  # fabric.load_raw
             if sharded:
                 raise ValueError(f"{path} is a sharded checkpoint (a directory); fabric.load_raw reads one file "
                                  "holding a module's or an optimizer's state dict: load the directory with "
                                  "fabric.load(path, {'model': model, ...})")
-            raw = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-            checkpoint_state.restore_object(state, raw, strict)
+            self._restore(state, self._read_full(path, weights_only), strict)
             return {}
         if sharded:
             owners = {(key,): obj for key, obj in (state or {}).items() if isinstance(obj, nn.Module | Optimizer)}
-            loaded = checkpoint.read_sharded(path, owners, self._group())
+            loaded = checkpoint.read_sharded(path, owners, self._group(), weights_only)
         else:
-            loaded = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            loaded = self._read_full(path, weights_only)
         if not state:
             return loaded
-        return checkpoint_state.restore(state, loaded, strict)
+        _validate_keys_for_strict_loading(state.keys(), loaded.keys(), strict=strict)
+        for name, obj in list(state.items()):
+            if name not in loaded:
+                continue
+            value = loaded.pop(name)
+            if isinstance(obj, _Stateful):  # modules and optimizers included
+                self._restore(obj, value, strict)
+            else:
+                state[name] = value
+        return loaded

@@ -9,8 +9,9 @@ torch's layout (state keyed by the parameter's position in the param groups), so
 the same training on one process would save: `torch.optim.Optimizer.load_state_dict` and `nn.Module` take it as is.
 
 A checkpoint is a file (full: `torch.save` of the state, from rank 0) or a directory (sharded: DCP's files for the
-tensors plus `meta.pt`, everything else). Either is written next to `path` and swapped in when complete, so a crash
-mid-save never destroys the previous checkpoint.
+tensors plus `meta.pt`, everything else), on a local or shared filesystem. Either is written next to `path` and
+swapped in when complete, so a crash mid-save never destroys the previous checkpoint: it is still at `path`, or at
+`<path>.old` if the crash came during the swap itself.
 """
 
 from __future__ import annotations
@@ -76,13 +77,16 @@ def _as_dtensor(shard: torch.Tensor, spec: ParamSpec) -> DTensor:
                               stride=torch.empty(spec.full_shape, device="meta").stride())
 
 
-def _export(value: Any, spec: ParamSpec | None, options: StateDictOptions) -> Any:
-    """A state tensor as a state dict holds it: gathered or a DTensor when it is sharded like `spec`'s parameter."""
+def _export(value: Any, spec: ParamSpec | None, options: StateDictOptions, keep: bool = True) -> Any:
+    """A state tensor as a state dict holds it: gathered or a DTensor when it is sharded like `spec`'s parameter.
+    `keep=False` (a rank that gets `{}`): only takes part in the gather, copying nothing."""
     if not isinstance(value, torch.Tensor):
         return value
     value = value.detach()
     if spec is not None:
         value = _gather(value, spec) if options.full_state_dict else _as_dtensor(value, spec)
+    if not keep:
+        return None
     if options.cpu_offload and not isinstance(value, DTensor):
         value = value.cpu()
     return value
@@ -114,9 +118,10 @@ def _rank0_only(module_state: DistributedState | None, options: StateDictOptions
 def get_model_state_dict(model: nn.Module, options: StateDictOptions = StateDictOptions()) -> dict[str, Any]:
     """The model's state dict with sharded parameters gathered (full) or as DTensors (sharded)."""
     module = unwrap_module(model)
-    result = {key: _export(value, _sharded_spec(value), options)
+    keep = not _rank0_only(getattr(module, "_fulmen_dist", None), options)
+    result = {key: _export(value, _sharded_spec(value), options, keep)
               for key, value in module.state_dict(keep_vars=True).items()}
-    return {} if _rank0_only(getattr(module, "_fulmen_dist", None), options) else result
+    return result if keep else {}
 
 
 def load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool = True):
@@ -158,15 +163,15 @@ def get_optimizer_state_dict(optimizer: Optimizer, options: StateDictOptions = S
     """
     plain = optimizer.state_dict()
     params = _optimizer_params(optimizer)
+    specs = {spec.state for p in params if (spec := spec_of(p)) is not None}
+    keep = not _rank0_only(next(iter(specs)) if len(specs) == 1 else None, options)
     state: dict[int, dict[str, Any]] = {}
     for index in sorted(plain["state"]):
         param = params[index]
         state[index] = {key: _export(value, _state_spec(param, value, False, f"optimizer state {key!r} of "
-                                                                              f"parameter {index}"), options)
+                                                                              f"parameter {index}"), options, keep)
                         for key, value in sorted(plain["state"][index].items())}
-    specs = {spec.state for p in params if (spec := spec_of(p)) is not None}
-    owner = next(iter(specs)) if len(specs) == 1 else None
-    return {} if _rank0_only(owner, options) else {"state": state, "param_groups": plain["param_groups"]}
+    return {"state": state, "param_groups": plain["param_groups"]} if keep else {}
 
 
 def load_optimizer_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -219,22 +224,39 @@ def _on_rank0(group: dist.ProcessGroup | None, action: Callable[[], None], what:
 
 
 def _replace(tmp: Path, path: Path) -> None:
-    """Puts `tmp` at `path`, keeping the previous checkpoint until the new one is in place."""
-    if path.is_dir():
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old)
-    else:
+    """Puts the complete checkpoint `tmp` at `path`. File over file is one atomic rename; otherwise the previous
+    checkpoint (file or directory) is first moved to `<path>.old` and removed once the new one is in place, so a
+    crash in between leaves it there (see `missing_checkpoint`)."""
+    if path.is_file() and tmp.is_file():
         os.replace(tmp, path)
+        return
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        _remove(old)
+        path.rename(old)
+    tmp.rename(path)
+    _remove(old)
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    """Removes a file or directory if it is there; a failure here does not fail the save that calls it."""
+    try:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def missing_checkpoint(path: str | os.PathLike) -> FileNotFoundError:
+    """The error for a checkpoint that is not there, pointing at the previous one when a save was interrupted."""
+    path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        return FileNotFoundError(f"no checkpoint at {path}, but {old} holds the previous one (a save was interrupted "
+                                 f"while replacing it): rename it to {path.name} to load it")
+    return FileNotFoundError(f"no checkpoint at {path}")
 
 
 def _flatten(tree: Any, path: tuple = ()) -> tuple[Any, dict[tuple, torch.Tensor]]:
@@ -250,8 +272,14 @@ def _flatten(tree: Any, path: tuple = ()) -> tuple[Any, dict[tuple, torch.Tensor
     if isinstance(tree, list | tuple):
         parts = [_flatten(value, (*path, index)) for index, value in enumerate(tree)]
         tensors = {k: v for _, found in parts for k, v in found.items()}
-        return type(tree)(skeleton for skeleton, _ in parts), tensors
+        return _rebuild(tree, [skeleton for skeleton, _ in parts]), tensors
     return tree, {}
+
+
+def _rebuild(sequence: list | tuple, items: list) -> list | tuple:
+    if isinstance(sequence, tuple) and hasattr(sequence, "_fields"):  # a namedtuple
+        return type(sequence)(*items)
+    return type(sequence)(items)
 
 
 def _insert(tree: Any, path: tuple, value: Any) -> Any:
@@ -261,7 +289,7 @@ def _insert(tree: Any, path: tuple, value: Any) -> Any:
     if isinstance(tree, tuple):
         items = list(tree)
         items[head] = _insert(items[head], rest, value)
-        return tuple(items)
+        return _rebuild(tree, items)
     tree[head] = _insert(tree[head], rest, value)
     return tree
 
@@ -339,13 +367,14 @@ def _optimizer_targets(owner: Optimizer) -> Callable[[tuple, TensorStorageMetada
     return target
 
 
-def read_sharded(path: str | os.PathLike, owners: dict[tuple, Any], group: dist.ProcessGroup | None = None) -> Any:
+def read_sharded(path: str | os.PathLike, owners: dict[tuple, Any], group: dist.ProcessGroup | None = None,
+                 weights_only: bool | None = None) -> Any:
     """The checkpoint `write_sharded` wrote, its tensors read into the layout of the live objects: `owners` maps
     a path of keys to the module or optimizer whose state is there (its sharded tensors come back as DTensors of
     this rank's rows); every other tensor comes back whole, on CPU. A model's entry the live model lacks is
-    skipped (non-strict loading decides about it)."""
+    skipped (non-strict loading decides about it). `weights_only` as `torch.load`'s, for `meta.pt`."""
     path = Path(path)
-    meta = torch.load(path / META_FILE, weights_only=True)
+    meta = torch.load(path / META_FILE, weights_only=weights_only)
     storage = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     resolvers = {prefix: (_model_targets(o) if isinstance(o, nn.Module) else _optimizer_targets(o))
                  for prefix, o in owners.items() if isinstance(o, nn.Module | Optimizer)}
@@ -387,12 +416,12 @@ def save(model: nn.Module, path: str | os.PathLike, options: StateDictOptions = 
         write_sharded(get_model_state_dict(module), path, _group_of(module))
 
 
-def load(model: nn.Module, path: str | os.PathLike, strict: bool = True):
+def load(model: nn.Module, path: str | os.PathLike, *, strict: bool = True):
     """Reads what `save` wrote (either kind, told apart by file or directory), at any world size."""
     module = unwrap_module(model)
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
+        raise missing_checkpoint(path)
     if is_sharded_checkpoint(path):
         state_dict = read_sharded(path, {(): module}, _group_of(module))
     else:

@@ -91,7 +91,7 @@ def _owner(module_name: str, path: str) -> tuple[Any, str] | None:
     *parents, name = path.split(".")
     for parent in parents:
         owner = getattr(owner, parent, None)
-    return (owner, name) if owner is not None else None
+    return (owner, name) if owner is not None and hasattr(owner, name) else None
 
 
 @contextlib.contextmanager

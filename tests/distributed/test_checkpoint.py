@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -80,3 +82,31 @@ def test_a_failing_rank_makes_the_other_stop_with_an_error(how):
     else:  # a stalled peer: the collective times out after the process group's timeout, well before the stall ends
         assert results[1].error is None
         assert survivor.seconds < results[1].seconds
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def test_either_kind_replaces_the_other_and_nested_state_round_trips(tmp_path):
+    path = tmp_path / "ckpt"
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "extra": [Point(torch.ones(2), 3), (torch.zeros(1),)],
+             "step": 7}
+    checkpoint.write_full({"old": torch.ones(1)}, path)
+    checkpoint.write_sharded(state, path)  # a directory where a file was
+    assert path.is_dir() and not (tmp_path / "ckpt.old").exists() and not (tmp_path / "ckpt.tmp").exists()
+    loaded = checkpoint.read_sharded(path, {}, weights_only=False)
+    assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], state["model"]["w"])
+    point = loaded["extra"][0]
+    assert type(point) is Point and torch.equal(point.x, torch.ones(2)) and point.y == 3
+    assert isinstance(loaded["extra"][1], tuple) and torch.equal(loaded["extra"][1][0], torch.zeros(1))
+    checkpoint.write_full(state, path)  # and a file where a directory was
+    assert path.is_file() and torch.load(path, weights_only=False)["step"] == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_an_interrupted_swap_points_at_the_previous_checkpoint(tmp_path):
+    (tmp_path / "ckpt.old").mkdir()  # what a crash between moving the old checkpoint aside and the new one in leaves
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*ckpt, but .*ckpt.old holds the previous one"):
+        checkpoint.load(workers.make_model(), tmp_path / "ckpt")
+    checkpoint.save(workers.make_model(), tmp_path / "ckpt")  # the next complete save clears it away
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

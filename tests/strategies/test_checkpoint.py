@@ -20,6 +20,8 @@ CASES = [
     Case("ddp", "ddp"),
     Case("fsdp-full", "fsdp", options=(("state_dict_type", "full"), ("bucketing_strategy", "block"))),
     Case("fsdp-sharded", "fsdp", options=(("state_dict_type", "sharded"), ("sharding_strategy", "zero2"))),
+    Case("fsdp-full-groups", "fsdp", groups=True, options=(("state_dict_type", "full"),)),
+    Case("fsdp-sharded-groups", "fsdp", groups=True, options=(("state_dict_type", "sharded"),)),
 ]
 
 
@@ -41,9 +43,10 @@ def uninterrupted() -> list[float]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_resume_gives_the_uninterrupted_losses(resumed, uninterrupted, case):
     got = resumed[case.name]
-    torch.testing.assert_close(got["losses"], uninterrupted, rtol=1e-5, atol=0)
+    if not case.groups:  # (with param groups and a frozen embedding the training is another one)
+        torch.testing.assert_close(got["losses"], uninterrupted, rtol=1e-5, atol=0)
     assert got["step"] == RESUME_AT and got["counter"] == RESUME_AT * 10 and got["remainder"] == {}
-    assert got["is_dir"] == (case.name == "fsdp-sharded")
+    assert got["is_dir"] == ("sharded" in case.name)
     assert got["leftovers"] == []  # no .tmp / .old next to the checkpoint
     # fabric.save(..., filter=) keeps the model entries the filter accepts; fabric.load(path) returns it all
     assert got["filtered"] == {"model": ["lm_head.weight"], "step": STEPS}
@@ -66,7 +69,7 @@ def test_a_full_checkpoint_is_plain_pytorch(resumed, directory, uninterrupted):
 
 
 def test_fsdp_checkpoints_load_at_another_world_size(resumed, directory, uninterrupted):
-    fsdp = [case for case in CASES if case.strategy == "fsdp"]
+    fsdp = [case for case in CASES if case.strategy == "fsdp" and not case.groups]
     got = values(run_ranks(workers.load_elsewhere, 1, fsdp, str(directory), backend=None, timeout=600))[0]
     for case in fsdp:
         torch.testing.assert_close(got[case.name]["losses"], uninterrupted[RESUME_AT:STEPS], rtol=1e-5, atol=0)
@@ -82,4 +85,4 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
         # every rank raises (none is left waiting for the others), naming what went wrong
         assert "disk full (on purpose)" in got["error"]
         assert "disk full (on purpose)" in ranks[1][kind]["error"]
-        assert not (tmp_path / f"{kind}.tmp").exists()
+        assert got["beside"] == [kind]  # neither a .tmp nor an .old left next to it

@@ -7,6 +7,7 @@ import datetime
 import re
 
 import pytest
+import torch
 
 from fulmen.distributed import FSDPBucketingStrategy, FSDPType
 from fulmen.strategies import ThunderDDPStrategy, ThunderFSDPStrategy
@@ -82,5 +83,18 @@ def test_misuse_on_launched_ranks(errors, name, expected):
 
 
 def test_non_strict_loading_skips_what_the_checkpoint_lacks(errors):
-    assert errors["full_non_strict_missing_key"] is None
-    assert errors["sharded_non_strict_missing_key"] is None
+    for kind in ("full", "sharded"):
+        assert errors[f"{kind}_non_strict_missing_key"] is None
+        assert errors[f"{kind}_non_strict_restored"] is True  # into a model with other weights
+    # a checkpoint of lm_head alone: strict loading names the missing entries; non-strict loads lm_head only
+    assert re.search(r"Missing key\(s\) in state_dict: .*transformer.wte.weight", errors["partial_model_strict"])
+    assert errors["partial_model_non_strict"] == (True, True)
+
+
+def test_fsdp_refuses_a_gradient_scaler():
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    strategy = ThunderFSDPStrategy()
+    strategy.precision = MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda", enabled=False))
+    with pytest.raises(ValueError, match=r"does not support precision='16-mixed'.*use 'bf16-mixed' or 'bf16-true'"):
+        strategy.setup_environment()

@@ -36,6 +36,7 @@ class Case:
     prejit: bool = False  # the module reaches fabric.setup already jitted (not yet run)
     meta_init: bool = False  # fabric.init_module(empty_init=True), then the weights from a raw state dict
     joint: bool = False  # fabric.setup(model, optimizer) with the optimizer made before setup
+    groups: bool = False  # two param groups (no decay first, out of module order) and a frozen parameter
     precision: str = "32-true"
     accelerator: str = "cpu"
 
@@ -91,11 +92,22 @@ def setup(fabric: L.Fabric, case: Case, seed: int = 0, raw_weights: str | None =
         model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
     else:
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(param_groups(model) if case.groups
+                                                              else model.parameters(), lr=LR))
     if raw_weights is not None:
         fabric.load_raw(raw_weights, model)
     step_fn = loss_fn if case.jit else fulmen.jit(loss_fn)
     return Training(fabric, case, model, optimizer, step_fn, created_on_meta=on_meta)
+
+
+def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Biases and norms without weight decay (listed first), the rest with it; the token embedding frozen but still
+    in the optimizer, so it has no optimizer state."""
+    model.transformer.wte.weight.requires_grad_(False)
+    named = list(model.named_parameters())
+    no_decay = [p for n, p in named if n.endswith(".bias") or "norm" in n]
+    return [{"params": no_decay, "weight_decay": 0.0},
+            {"params": [p for _, p in named if all(p is not q for q in no_decay)], "weight_decay": 0.1}]
 
 
 def train(run: Training, steps: range, world: int) -> None:
@@ -223,7 +235,7 @@ def load_elsewhere(rank: int, world: int, cases: list[Case], directory: str) -> 
         fabric = make_fabric(case, world)
         run = setup(fabric, case, seed=99)
         state = {"model": run.model, "optimizer": run.optimizer, "step": 0}
-        fabric.load(Path(directory) / case.name, state, strict=False)
+        fabric.load(Path(directory) / case.name, state)
         train(run, range(RESUME_AT, STEPS), world)
         results[case.name] = {"losses": run.losses, "step": state["step"]}
     return results
@@ -287,11 +299,12 @@ class FailingIO(TorchCheckpointIO):
         raise OSError("disk full (on purpose)")
 
 
-def error_paths(rank: int, world: int, directory: str) -> dict[str, str | None]:
-    """Each misuse that needs launched ranks, and the error it gets."""
+def error_paths(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Each misuse that needs launched ranks and the error it gets (None: no error), and what non-strict loading
+    restored."""
     case = Case("errors", "fsdp")
     fabric = make_fabric(case, world)
-    errors: dict[str, str | None] = {}
+    errors: dict[str, Any] = {}
 
     ran = fulmen.jit(make_model())
     ran(torch.zeros(1, 4, dtype=torch.long))
@@ -317,10 +330,24 @@ def error_paths(rank: int, world: int, directory: str) -> dict[str, str | None]:
     full_fabric = make_fabric(case, world, strategy=ThunderFSDPStrategy(state_dict_type="full"))
     full_fabric.save(full, {"model": run.model, "optimizer": run.optimizer})
     fabric.save(sharded, {"model": run.model, "optimizer": run.optimizer})
+    trained = checkpoint.get_model_state_dict(run.model, checkpoint.FULL)
     for kind, path in (("full", full), ("sharded", sharded)):
-        extra = {"model": run.model, "optimizer": run.optimizer, "missing": 0}
+        fresh = setup(fabric, case, seed=99)
+        extra = {"model": fresh.model, "optimizer": fresh.optimizer, "missing": 0}
         errors[f"{kind}_strict_missing_key"] = _error(lambda p=path, e=extra: fabric.load(p, e))
         errors[f"{kind}_non_strict_missing_key"] = _error(lambda p=path, e=extra: fabric.load(p, e, strict=False))
+        restored = checkpoint.get_model_state_dict(fresh.model, checkpoint.FULL)  # the non-strict load restored it
+        errors[f"{kind}_non_strict_restored"] = all(torch.equal(restored[k], v) for k, v in trained.items())
+    partial = Path(directory) / "lm_head_only"
+    fabric.save(partial, {"model": run.model}, filter={"model": lambda k, v: k == "lm_head.weight"})
+    fresh = setup(fabric, case, seed=99)
+    errors["partial_model_strict"] = _error(lambda: fabric.load(partial, {"model": fresh.model}))
+    fabric.load(partial, {"model": fresh.model}, strict=False)
+    restored = checkpoint.get_model_state_dict(fresh.model, checkpoint.FULL)
+    if rank == 0:  # the full state dicts are rank 0's
+        errors["partial_model_non_strict"] = (
+            torch.equal(restored["lm_head.weight"], trained["lm_head.weight"]),
+            not torch.equal(restored["transformer.wte.weight"], trained["transformer.wte.weight"]))
     errors["missing_path"] = _error(lambda: fabric.load(Path(directory) / "nothing", {"model": run.model}))
     errors["load_raw_directory"] = _error(lambda: fabric.load_raw(sharded, run.model))
     errors["storage_options_sharded"] = _error(lambda: fabric.strategy.save_checkpoint(
@@ -374,6 +401,7 @@ def crash_while_saving(rank: int, world: int, directory: str) -> dict[str, Any]:
         fresh = setup(make_fabric(case, world), case, seed=99)
         fabric.load(path, {"model": fresh.model})
         results[kind] = {"error": error, "before": before,
-                         "after": checkpoint.get_model_state_dict(fresh.model, checkpoint.FULL)}
+                         "after": checkpoint.get_model_state_dict(fresh.model, checkpoint.FULL),
+                         "beside": sorted(p.name for p in Path(directory).iterdir() if p.name.startswith(kind))}
     return results
 
