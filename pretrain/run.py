@@ -1,0 +1,298 @@
+"""The pretraining run behind the CLI: settings checked before anything is written, Fabric with fulmen's
+strategies, `forward_and_loss` jitted with the loss in the trace, the loop, its logs and checkpoints."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.throughput import get_available_flops
+from litgpt.args import EvalArgs, TrainArgs
+from litgpt.config import Config, name_to_config
+from litgpt.data import DataModule
+from litgpt.model import GPT
+from litgpt.tokenizer import Tokenizer
+from litgpt.utils import CycleIterator, choose_logger, estimate_flops, instantiate_torch_optimizer, save_config
+
+import fulmen
+from fulmen.pretrain.cli import TINY, FSDPArgs
+from fulmen.pretrain.corpus import ShippedCorpus
+from fulmen.strategies import ThunderDDPStrategy, ThunderFSDPStrategy
+
+CHECKPOINT_FILE = "lit_model.pth"  # LitGPT's name; a directory for sharded FSDP checkpoints
+
+
+@dataclass
+class Settings:
+    model_name: str | None
+    model_config: Config | None
+    out_dir: Path
+    precision: str | None
+    resume: bool | Literal["auto"] | Path
+    data: DataModule | None
+    tokenizer_dir: Path | None
+    train: TrainArgs
+    eval: EvalArgs
+    optimizer: str | dict
+    devices: int | str
+    num_nodes: int
+    compiler: str | None
+    executors: list[str] | None
+    strategy: str
+    fsdp: FSDPArgs
+    logger_name: str
+    seed: int
+
+
+def forward_and_loss(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def model_config(settings: Settings) -> Config:
+    if settings.model_name is not None and settings.model_config is not None:
+        raise ValueError("model_name and model_config are mutually exclusive: give one")
+    if settings.model_name is None:
+        return settings.model_config or TINY
+    if settings.model_name not in name_to_config:
+        close = sorted(n for n in name_to_config if settings.model_name.lower()[:6] in n.lower())[:8]
+        raise ValueError(f"model_name {settings.model_name!r} is not a LitGPT config name"
+                         + (f"; close ones: {close}" if close else ""))
+    return Config.from_name(settings.model_name)
+
+
+def device_count(devices: int | str) -> int:
+    if devices == "auto":
+        return max(1, torch.cuda.device_count())
+    if isinstance(devices, str):
+        raise ValueError(f"devices must be a number or 'auto', got {devices!r}")
+    return devices
+
+
+def make_strategy(settings: Settings, world: int) -> Any:
+    kind = settings.strategy
+    if kind == "auto":
+        kind = "ddp" if world > 1 else "auto"
+    if kind == "auto":
+        return "auto"
+    if settings.compiler != "fulmen":
+        if kind == "fsdp":
+            raise ValueError(f"strategy fsdp is fulmen's ThunderFSDPStrategy and needs compiler: fulmen, got "
+                             f"compiler: {settings.compiler}")
+        return "ddp"
+    if kind == "ddp":
+        return ThunderDDPStrategy(jit=False)
+    return ThunderFSDPStrategy(jit=False, sharding_strategy=settings.fsdp.sharding_strategy,
+                               bucketing_strategy=settings.fsdp.bucketing_strategy,
+                               state_dict_type=settings.fsdp.state_dict_type)
+
+
+def compile_loss(settings: Settings) -> Any:
+    if settings.compiler == "fulmen":
+        return fulmen.jit(forward_and_loss, executors=settings.executors)
+    if settings.compiler == "torch":
+        return torch.compile(forward_and_loss)
+    return forward_and_loss
+
+
+def default_precision() -> str:
+    return "bf16-true" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+
+
+def find_resume(settings: Settings) -> Path | None:
+    resume = settings.resume
+    if resume is False:
+        return None
+    if resume in (True, "auto"):
+        found = sorted(settings.out_dir.glob(f"step-*/{CHECKPOINT_FILE}"))
+        if not found and resume is True:
+            raise FileNotFoundError(f"resume: True, but {settings.out_dir} holds no step-*/{CHECKPOINT_FILE}; "
+                                    "use resume: auto to start fresh when there is none")
+        return found[-1] if found else None
+    path = Path(resume)
+    path = path / CHECKPOINT_FILE if (path / CHECKPOINT_FILE).exists() else path
+    if not path.exists():
+        raise FileNotFoundError(f"resume: no checkpoint at {resume}")
+    return path
+
+
+def check(settings: Settings, config: Config, world: int) -> tuple[int, int]:
+    """Everything that can be wrong with the settings, before anything is written. Returns (accumulation
+    iterations per step, sequence length)."""
+    train = settings.train
+    per_step = train.micro_batch_size * world
+    if train.global_batch_size % per_step:
+        raise ValueError(f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
+                         f"train.micro_batch_size ({train.micro_batch_size}) x {world} data-parallel ranks")
+    if (train.max_steps is None) == (train.max_tokens is None):
+        raise ValueError("give exactly one of train.max_steps and train.max_tokens")
+    if settings.executors is not None and settings.compiler != "fulmen":
+        raise ValueError(f"executors are fulmen's and need compiler: fulmen, got compiler: {settings.compiler}")
+    if settings.executors is not None:
+        fulmen.resolve_executors(settings.executors)  # unknown names fail here
+    seq = train.max_seq_length or config.block_size
+    if seq > config.block_size:
+        raise ValueError(f"train.max_seq_length ({seq}) exceeds the model's block_size ({config.block_size})")
+    data = settings.data
+    if (data is None or isinstance(data, ShippedCorpus)) and settings.tokenizer_dir is None \
+            and config.padded_vocab_size < 256:
+        raise ValueError(f"the shipped corpus is read as bytes (256 token ids) without a tokenizer, but the model's "
+                         f"padded_vocab_size is {config.padded_vocab_size}: give tokenizer_dir or a larger vocab")
+    if data is not None and not isinstance(data, ShippedCorpus) and settings.tokenizer_dir is None:
+        raise ValueError(f"data: {type(data).__name__} needs a tokenizer: give tokenizer_dir (a LitGPT checkpoint "
+                         "directory with tokenizer files)")
+    if settings.tokenizer_dir is not None and not Path(settings.tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"tokenizer_dir: no directory at {settings.tokenizer_dir}")
+    return train.global_batch_size // per_step, seq
+
+
+def learning_rate(step: int, base: float, warmup: int, total: int, minimum: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine from `base` down to `minimum` at step `total`."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return minimum + 0.5 * (base - minimum) * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def validate(fabric: L.Fabric, loss_fn: Any, model: torch.nn.Module, loader: Any, max_iters: int) -> float:
+    losses = []
+    for index, batch in enumerate(loader):
+        if index >= max_iters:
+            break
+        losses.append(loss_fn(model, batch[:, :-1], batch[:, 1:]))
+    loss = torch.stack(losses).mean() if losses else torch.tensor(float("nan"), device=fabric.device)
+    return fabric.all_reduce(loss).item()
+
+
+def run(settings: Settings) -> dict[str, Any]:
+    config = model_config(settings)
+    world = device_count(settings.devices) * settings.num_nodes
+    accumulate, seq = check(settings, config, world)
+    resume_path = find_resume(settings)
+    settings.precision = precision = settings.precision or default_precision()
+    strategy = make_strategy(settings, world)
+    logger = choose_logger(settings.logger_name, settings.out_dir, name=f"pretrain-{config.name}",
+                           resume=resume_path is not None, log_interval=settings.train.log_interval)
+    fabric = L.Fabric(devices=settings.devices, num_nodes=settings.num_nodes, strategy=strategy, precision=precision,
+                      loggers=[logger])
+    fabric.launch()
+    fabric.seed_everything(settings.seed)
+    return fit(fabric, settings, config, accumulate, seq, resume_path)
+
+
+def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, seq: int,
+        resume_path: Path | None) -> dict[str, Any]:
+    train = settings.train
+    tokenizer = Tokenizer(settings.tokenizer_dir) if settings.tokenizer_dir is not None else None
+    data = settings.data or ShippedCorpus(seed=settings.seed)
+    data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=seq)
+    with fabric.rank_zero_first():
+        data.prepare_data()
+    data.setup()
+    train_loader, val_loader = fabric.setup_dataloaders(data.train_dataloader(), data.val_dataloader())
+
+    sharded_init = isinstance(fabric.strategy, ThunderFSDPStrategy)
+    with fabric.init_module(empty_init=sharded_init):
+        model = GPT(config)
+        model.max_seq_length = seq
+    flops = estimate_flops(model, training=True) * train.micro_batch_size  # per micro-batch, per device
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(instantiate_torch_optimizer(settings.optimizer, model.parameters()))
+    loss_fn = compile_loss(settings)
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
+    if resume_path is not None:
+        fabric.print(f"resuming from {resume_path}")
+        fabric.load(resume_path, state)
+
+    tokens_per_iter = train.micro_batch_size * seq * fabric.world_size
+    max_steps = train.max_steps or max(1, train.max_tokens // (tokens_per_iter * accumulate))
+    base_lr = optimizer.param_groups[0]["lr"]
+    warmup = train.lr_warmup_steps or 0
+    peak = None  # MFU where the GPU's peak is known
+    if fabric.device.type == "cuda":
+        peak = get_available_flops(fabric.device, torch.bfloat16 if "bf16" in settings.precision else torch.float32)
+
+    batches = CycleIterator(train_loader)
+    for _ in range(state["iter_num"]):  # the samples the checkpointed run already consumed
+        next(batches)
+    losses: list[float] = []
+    window: list[float] = []
+    step_ms: list[float] = []
+    val_losses: dict[int, float] = {}
+    started = time.perf_counter()
+    step_started = time.perf_counter()
+    if fabric.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(fabric.device)
+    while state["step_count"] < max_steps:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(state["step_count"], base_lr, warmup, max_steps, train.min_lr)
+        total = torch.zeros((), device=fabric.device)
+        for micro in range(accumulate):
+            batch = next(batches)
+            state["iter_num"] += 1
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                loss = loss_fn(model, batch[:, :-1], batch[:, 1:]) / accumulate
+                fabric.backward(loss)
+            total += loss.detach().float()
+        if train.max_norm is not None:
+            fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        state["step_count"] += 1
+        step_loss = fabric.all_reduce(total).item()
+        losses.append(step_loss)
+        window.append(step_loss)
+        now = time.perf_counter()
+        step_ms.append((now - step_started) * 1e3)
+        step_started = now
+        step = state["step_count"]
+        if step % train.log_interval == 0 or step == max_steps:
+            ms = statistics.median(step_ms[-len(window):])
+            metrics = {"iter": state["iter_num"], "step": step, "loss": statistics.fmean(window), "ms_per_iter": ms,
+                       "tokens_per_s": tokens_per_iter * accumulate / (ms / 1e3),
+                       "lr": optimizer.param_groups[0]["lr"]}
+            if peak:
+                metrics["mfu"] = flops * accumulate / (ms / 1e3 * peak)
+            if fabric.device.type == "cuda":
+                metrics["memory_gb"] = torch.cuda.max_memory_allocated(fabric.device) / 1e9
+            fabric.log_dict(metrics, step=step)
+            fabric.print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+            window = []
+        if settings.eval.interval and step % settings.eval.interval == 0 and step < max_steps:
+            val_losses[step] = validate(fabric, loss_fn, model, val_loader, settings.eval.max_iters)
+            fabric.log_dict({"val_loss": val_losses[step]}, step=step)
+            fabric.print(f"step {step} | val_loss {val_losses[step]:.4f}")
+        if train.save_interval and step % train.save_interval == 0:
+            save(fabric, settings.out_dir / f"step-{step:08d}", state, config)
+    if settings.eval.final_validation:
+        val_losses[state["step_count"]] = validate(fabric, loss_fn, model, val_loader, settings.eval.max_iters)
+        fabric.print(f"final val_loss {val_losses[state['step_count']]:.4f}")
+    save(fabric, settings.out_dir / "final", state, config)
+    warm = step_ms[min(len(step_ms) - 1, 5):] if step_ms else []
+    summary = {"steps": len(losses), "median_ms_per_iter": statistics.median(warm) if warm else None,
+               "tokens_per_s": tokens_per_iter * accumulate / (statistics.median(warm) / 1e3) if warm else None,
+               "peak_memory_gb": torch.cuda.max_memory_allocated(fabric.device) / 1e9
+               if fabric.device.type == "cuda" else None,
+               "total_s": time.perf_counter() - started}
+    fabric.log_dict({f"summary/{k}": v for k, v in summary.items() if v is not None}, step=state["step_count"])
+    fabric.print("summary: " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in summary.items()))
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    return {"losses": losses, "val_losses": val_losses, "summary": summary, "step_count": state["step_count"]}
+
+
+def save(fabric: L.Fabric, directory: Path, state: dict[str, Any], config: Config) -> None:
+    if fabric.global_rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_config(config, directory)
+    fabric.barrier()
+    fabric.save(directory / CHECKPOINT_FILE, state)
