@@ -92,7 +92,7 @@ def setup(
 
 
 def main(argv: list[str] | None = None) -> None:
-    CLI(setup, args=argv, as_positional=False)
+    CLI(setup, args=argv, as_positional=False, allow_abbrev=False)  # a misspelt key is an error, not a guess
 
 
 if __name__ == "__main__":

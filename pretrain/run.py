@@ -206,6 +206,7 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
     flops = estimate_flops(model, training=True) * train.micro_batch_size  # per micro-batch, per device
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(instantiate_torch_optimizer(settings.optimizer, model.parameters()))
+    base_lr = optimizer.param_groups[0]["lr"]  # before a checkpoint's param groups (the lr of its step) load
     loss_fn = compile_loss(settings)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
     if resume_path is not None:
@@ -214,7 +215,6 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
 
     tokens_per_iter = train.micro_batch_size * seq * fabric.world_size
     max_steps = train.max_steps or max(1, train.max_tokens // (tokens_per_iter * accumulate))
-    base_lr = optimizer.param_groups[0]["lr"]
     warmup = train.lr_warmup_steps or 0
     peak = None  # MFU where the GPU's peak is known
     if fabric.device.type == "cuda":
