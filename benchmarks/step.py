@@ -20,7 +20,8 @@ memory over the compiler's whole run (model, optimizer state and steps); tokens/
 median; the loss of the last step. MFU = FLOPs per step / (median seconds * the GPU's dense bf16 peak), with the
 FLOPs per step from LitGPT's `estimate_flops(model, training=True) * micro_batch_size` (what LitGPT's pretraining
 logs): 3 * (2 * n_params * seq_len + 4 * n_layer * n_embd * seq_len**2) per sequence, all parameters counted, the
-embedding included. MFU is null on CPU, for a dtype other than bf16 and for a GPU not in `PEAK_BF16_DENSE_FLOPS`.
+embedding included. MFU is null on CPU, for a dtype other than bf16 and for a GPU not in
+`fulmen.pretrain.flops.PEAK_BF16_DENSE_FLOPS`.
 
 A failing compiler (an exception or an OOM) is recorded with its error and the next one runs.
 CPU smoke test:
@@ -56,17 +57,10 @@ try:
 except ImportError:  # run from a checkout that is not pip-installed
     sys.path.insert(0, str(REPO))
     import fulmen
+from fulmen.pretrain.flops import peak_flops  # noqa: E402 - the same table pretraining reports MFU with
 
 COMPILERS = ("eager", "torch.compile", "fulmen", "thunder")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets; the first name contained in the device name wins.
-PEAK_BF16_DENSE_FLOPS = (
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("A100", 312e12),
-)
 
 
 def forward_and_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -131,13 +125,6 @@ def make_loss_fn(name: str, mode: str, model: GPT, executors: list[str] | None) 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_DENSE_FLOPS if key in name), None)
 
 
 def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,

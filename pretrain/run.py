@@ -3,6 +3,7 @@ strategies, `forward_and_loss` jitted with the loss in the trace, the loop, its 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import statistics
 import time
@@ -13,17 +14,18 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.fabric.utilities.throughput import get_available_flops
 from litgpt.args import EvalArgs, TrainArgs
 from litgpt.config import Config, name_to_config
 from litgpt.data import DataModule
 from litgpt.model import GPT
 from litgpt.tokenizer import Tokenizer
 from litgpt.utils import CycleIterator, choose_logger, estimate_flops, instantiate_torch_optimizer, save_config
+from tqdm import tqdm
 
 import fulmen
 from fulmen.pretrain.cli import TINY, FSDPArgs
 from fulmen.pretrain.corpus import ShippedCorpus
+from fulmen.pretrain.flops import peak_flops
 from fulmen.strategies import ThunderDDPStrategy, ThunderFSDPStrategy
 
 CHECKPOINT_FILE = "lit_model.pth"  # LitGPT's name; a directory for sharded FSDP checkpoints
@@ -148,6 +150,10 @@ def check(settings: Settings, config: Config, world: int) -> tuple[int, int]:
     if data is not None and not isinstance(data, ShippedCorpus) and settings.tokenizer_dir is None:
         raise ValueError(f"data: {type(data).__name__} needs a tokenizer: give tokenizer_dir (a LitGPT checkpoint "
                          "directory with tokenizer files)")
+    if settings.logger_name == "tensorboard" and not any(importlib.util.find_spec(m) for m in ("tensorboard",
+                                                                                               "tensorboardX")):
+        raise ValueError("logger_name: tensorboard needs the tensorboard package (pip install tensorboard), or use "
+                         "logger_name: csv")
     if settings.tokenizer_dir is not None and not Path(settings.tokenizer_dir).is_dir():
         raise FileNotFoundError(f"tokenizer_dir: no directory at {settings.tokenizer_dir}")
     return train.global_batch_size // per_step, seq
@@ -216,9 +222,7 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
     tokens_per_iter = train.micro_batch_size * seq * fabric.world_size
     max_steps = train.max_steps or max(1, train.max_tokens // (tokens_per_iter * accumulate))
     warmup = train.lr_warmup_steps or 0
-    peak = None  # MFU where the GPU's peak is known
-    if fabric.device.type == "cuda":
-        peak = get_available_flops(fabric.device, torch.bfloat16 if "bf16" in settings.precision else torch.float32)
+    peak = peak_flops(fabric.device, torch.bfloat16 if "bf16" in settings.precision else torch.float32)  # MFU
 
     batches = CycleIterator(train_loader)
     for _ in range(state["iter_num"]):  # the samples the checkpointed run already consumed
@@ -231,6 +235,8 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
     step_started = time.perf_counter()
     if fabric.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(fabric.device)
+    progress = tqdm(total=max_steps, initial=state["step_count"], desc="steps", unit="step", leave=False,
+                    disable=fabric.global_rank != 0)
     while state["step_count"] < max_steps:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(state["step_count"], base_lr, warmup, max_steps, train.min_lr)
@@ -247,6 +253,7 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
         optimizer.step()
         optimizer.zero_grad()
         state["step_count"] += 1
+        progress.update()
         step_loss = fabric.all_reduce(total).item()
         losses.append(step_loss)
         window.append(step_loss)
@@ -264,14 +271,16 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
             if fabric.device.type == "cuda":
                 metrics["memory_gb"] = torch.cuda.max_memory_allocated(fabric.device) / 1e9
             fabric.log_dict(metrics, step=step)
-            fabric.print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+            say(fabric, " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+            progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
             window = []
         if settings.eval.interval and step % settings.eval.interval == 0 and step < max_steps:
             val_losses[step] = validate(fabric, loss_fn, model, val_loader, settings.eval.max_iters)
             fabric.log_dict({"val_loss": val_losses[step]}, step=step)
-            fabric.print(f"step {step} | val_loss {val_losses[step]:.4f}")
+            say(fabric, f"step {step} | val_loss {val_losses[step]:.4f}")
         if train.save_interval and step % train.save_interval == 0:
             save(fabric, settings.out_dir / f"step-{step:08d}", state, config)
+    progress.close()
     if settings.eval.final_validation:
         val_losses[state["step_count"]] = validate(fabric, loss_fn, model, val_loader, settings.eval.max_iters)
         fabric.print(f"final val_loss {val_losses[state['step_count']]:.4f}")
@@ -288,6 +297,12 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
     for logger in fabric.loggers:
         logger.finalize("success")
     return {"losses": losses, "val_losses": val_losses, "summary": summary, "step_count": state["step_count"]}
+
+
+def say(fabric: L.Fabric, line: str) -> None:
+    """A line on rank 0 that keeps the progress bar below it."""
+    if fabric.global_rank == 0:
+        tqdm.write(line)
 
 
 def save(fabric: L.Fabric, directory: Path, state: dict[str, Any], config: Config) -> None:

@@ -5,6 +5,7 @@ anything is written, and a 2-process CPU run with FSDP and fulmen trains and che
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import subprocess
 import sys
@@ -113,3 +114,18 @@ def test_two_process_fsdp_pretraining(tmp_path):
     assert len(losses) == 2 and losses[1] < losses[0]
     for step in ("step-00000004", "step-00000008", "final"):
         assert (out / step / "lit_model.pth" / ".metadata").is_file(), step  # sharded: DCP directories
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")),
+                    reason="tensorboard is installed")
+def test_tensorboard_logger_without_tensorboard_says_how_to_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"needs the tensorboard package \(pip install tensorboard\)"):
+        cli.main(["--out_dir", str(tmp_path / "run"), "--logger_name", "tensorboard"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_root_script_is_the_same_cli(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "pretrain.py"), "--config", str(ROOT / "configs/tiny.yaml"),
+                           "--print_config"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert yaml.safe_load(done.stdout)["model_config"]["name"] == "fulmen-tiny"
