@@ -135,6 +135,9 @@ def check(settings: Settings, config: Config, world: int) -> tuple[int, int]:
                          f"train.micro_batch_size ({train.micro_batch_size}) x {world} data-parallel ranks")
     if (train.max_steps is None) == (train.max_tokens is None):
         raise ValueError("give exactly one of train.max_steps and train.max_tokens")
+    limit = train.max_steps if train.max_steps is not None else train.max_tokens
+    if limit < 1:
+        raise ValueError(f"train.max_steps / train.max_tokens must be positive, got {limit}")
     if settings.executors is not None and settings.compiler != "fulmen":
         raise ValueError(f"executors are fulmen's and need compiler: fulmen, got compiler: {settings.compiler}")
     if settings.executors is not None:
@@ -220,7 +223,8 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
         fabric.load(resume_path, state)
 
     tokens_per_iter = train.micro_batch_size * seq * fabric.world_size
-    max_steps = train.max_steps or max(1, train.max_tokens // (tokens_per_iter * accumulate))
+    max_steps = train.max_steps if train.max_steps is not None else max(1, train.max_tokens // (tokens_per_iter *
+                                                                                                 accumulate))
     warmup = train.lr_warmup_steps or 0
     peak = peak_flops(fabric.device, torch.bfloat16 if "bf16" in settings.precision else torch.float32)  # MFU
 
@@ -285,15 +289,17 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
         val_losses[state["step_count"]] = validate(fabric, loss_fn, model, val_loader, settings.eval.max_iters)
         fabric.print(f"final val_loss {val_losses[state['step_count']]:.4f}")
     save(fabric, settings.out_dir / "final", state, config)
-    warm = step_ms[min(len(step_ms) - 1, 5):] if step_ms else []
-    summary = {"steps": len(losses), "median_ms_per_iter": statistics.median(warm) if warm else None,
-               "tokens_per_s": tokens_per_iter * accumulate / (statistics.median(warm) / 1e3) if warm else None,
+    warm = step_ms[min(len(step_ms) - 1, 5):]  # the steps after compilation and warm-up
+    median_s = statistics.median(warm) / 1e3 if warm else None
+    summary = {"steps": len(losses), "median_ms_per_iter": median_s * 1e3 if median_s else None,
+               "tokens_per_s": tokens_per_iter * accumulate / median_s if median_s else None,
+               "mfu": flops * accumulate / (median_s * peak) if median_s and peak else None,
                "peak_memory_gb": torch.cuda.max_memory_allocated(fabric.device) / 1e9
                if fabric.device.type == "cuda" else None,
                "total_s": time.perf_counter() - started}
     fabric.log_dict({f"summary/{k}": v for k, v in summary.items() if v is not None}, step=state["step_count"])
     fabric.print("summary: " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                          for k, v in summary.items()))
+                                          for k, v in summary.items() if v is not None))
     for logger in fabric.loggers:
         logger.finalize("success")
     return {"losses": losses, "val_losses": val_losses, "summary": summary, "step_count": state["step_count"]}

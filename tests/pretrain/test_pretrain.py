@@ -82,6 +82,8 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     (["--executors", "[sdpa, nvfuser]"], "unknown executor 'nvfuser'"),
     (["--resume", "true"], "resume: True, but .* holds no step-\\*/lit_model.pth"),
     (["--train.max_seq_length", "4096"], "exceeds the model's block_size"),
+    (["--train.max_steps", "0"], "must be positive"),
+    (["--train.max_tokens", "1000"], "give exactly one of train.max_steps and train.max_tokens"),
     (["--tokenizer_dir", "/no/such/dir"], "tokenizer_dir: no directory"),
     (["--model_name", "pythia-14m", "--data", "TinyStories"], "needs a tokenizer"),
 ])
