@@ -131,3 +131,12 @@ def test_root_script_is_the_same_cli(tmp_path):
                            "--print_config"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert yaml.safe_load(done.stdout)["model_config"]["name"] == "fulmen-tiny"
+
+
+def test_clipping_happens(tmp_path):
+    no_eval = EvalArgs(interval=0, final_validation=False)
+    runs = {norm: cli.setup(out_dir=tmp_path / str(norm), train=short(max_steps=4, save_interval=None, max_norm=norm),
+                            eval=no_eval)["losses"] for norm in (None, 1e-3)}
+    assert runs[None][0] == runs[1e-3][0]  # the same first forward
+    assert runs[None][1:] != runs[1e-3][1:]  # but a tiny max_norm scales every update down
+    assert runs[1e-3][-1] > runs[None][-1]
