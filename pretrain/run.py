@@ -275,7 +275,7 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
             if fabric.device.type == "cuda":
                 metrics["memory_gb"] = torch.cuda.max_memory_allocated(fabric.device) / 1e9
             fabric.log_dict(metrics, step=step)
-            say(fabric, " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+            say(fabric, line(metrics))
             progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
             window = []
         if settings.eval.interval and step % settings.eval.interval == 0 and step < max_steps:
@@ -298,17 +298,21 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
                if fabric.device.type == "cuda" else None,
                "total_s": time.perf_counter() - started}
     fabric.log_dict({f"summary/{k}": v for k, v in summary.items() if v is not None}, step=state["step_count"])
-    fabric.print("summary: " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                          for k, v in summary.items() if v is not None))
+    fabric.print("summary: " + line(summary))
     for logger in fabric.loggers:
         logger.finalize("success")
     return {"losses": losses, "val_losses": val_losses, "summary": summary, "step_count": state["step_count"]}
 
 
-def say(fabric: L.Fabric, line: str) -> None:
+def line(values: dict[str, Any]) -> str:
+    return " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()
+                      if v is not None)
+
+
+def say(fabric: L.Fabric, text: str) -> None:
     """A line on rank 0 that keeps the progress bar below it."""
     if fabric.global_rank == 0:
-        tqdm.write(line)
+        tqdm.write(text)
 
 
 def save(fabric: L.Fabric, directory: Path, state: dict[str, Any], config: Config) -> None:
