@@ -83,12 +83,10 @@ def setup(
         logger_name: "csv" or "tensorboard".
         seed: seeds the weights and the data order.
     """
-    from fulmen.pretrain.run import Settings, run
+    arguments = dict(locals())  # exactly the parameters above
+    from fulmen.pretrain.run import Settings, run  # run.py imports this module's defaults
 
-    return run(Settings(model_name=model_name, model_config=model_config, out_dir=Path(out_dir), precision=precision,
-                        resume=resume, data=data, tokenizer_dir=tokenizer_dir, train=train, eval=eval,
-                        optimizer=optimizer, devices=devices, num_nodes=num_nodes, compiler=compiler,
-                        executors=executors, strategy=strategy, fsdp=fsdp, logger_name=logger_name, seed=seed))
+    return run(Settings(**arguments))
 
 
 def main(argv: list[str] | None = None) -> None:

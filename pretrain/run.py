@@ -52,6 +52,9 @@ class Settings:
     logger_name: str
     seed: int
 
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+
 
 def forward_and_loss(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids)

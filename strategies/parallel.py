@@ -155,7 +155,7 @@ class FulmenParallelStrategy(ParallelStrategy):
         if isinstance(module, JittedModule) and self.executors is not None:
             raise ValueError(f"the module is already jitted with its own executors; pass executors to either "
                              f"fulmen.jit or {name}, not both")
-        type(self).transform(module, **self._transform_arguments())
+        self.transform(module, **self._transform_arguments())
         if self.jit and not isinstance(module, JittedModule):
             module = fulmen.jit(module, executors=self.executors)
         return module

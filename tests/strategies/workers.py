@@ -16,9 +16,17 @@ from litgpt import GPT, Config
 
 import fulmen
 from fulmen.distributed import checkpoint
-from fulmen.distributed import prims as dist_prims
 from fulmen.strategies import ThunderDDPStrategy, ThunderFSDPStrategy
-from tests.distributed.workers import CONFIG, LR, MAX_NORM, STEPS, global_batches, loss_fn, make_model
+from tests.distributed.workers import (
+    CONFIG,
+    LR,
+    MAX_NORM,
+    STEPS,
+    count_collectives,
+    global_batches,
+    loss_fn,
+    make_model,
+)
 
 DATA_WORLD = 2  # the global batches are those of 2 ranks, whatever the world size that trains on them
 CLIP_VALUE = 2e-3  # below the largest gradient entries, so clipping by value really changes them
@@ -134,14 +142,6 @@ def train(run: Training, steps: range, world: int) -> None:
         run.losses.append(fabric.all_reduce(total, reduce_op="mean").item())
 
 
-def _collectives(trace: Any) -> dict[str, int]:
-    counts = {sym.name: 0 for sym in dist_prims.COLLECTIVES}
-    for bsym in trace.bound_symbols:
-        if bsym.sym in dist_prims.COLLECTIVES:
-            counts[bsym.sym.name] += 1
-    return counts
-
-
 def summary(run: Training) -> dict[str, Any]:
     jitted = run.model if run.case.jit else run.forward_and_loss
     return {
@@ -150,8 +150,8 @@ def summary(run: Training) -> dict[str, Any]:
         "grads_held_back": run.grads_held_back,
         "created_on_meta": run.created_on_meta,
         "params": checkpoint.get_model_state_dict(run.model, checkpoint.FULL),
-        "forward": _collectives(fulmen.last_traces(jitted)[-1]),
-        "backward": _collectives(fulmen.last_backward_traces(jitted)[-1]),
+        "forward": count_collectives(fulmen.last_traces(jitted)[-1]),
+        "backward": count_collectives(fulmen.last_backward_traces(jitted)[-1]),
         "forward_source": str(fulmen.last_traces(jitted)[-1]),
     }
 
