@@ -100,12 +100,9 @@ llmc_layernorm_backward = register(
     fn=kernels.layernorm_backward,
 )
 
-#: The kernel operators a forward plus backward of the reference GPT-2 calls when every replacement applies.
-LLMC_SYMBOLS = frozenset({
-    "llmc_permute", "llmc_permute_backward", "llmc_unpermute", "llmc_unpermute_backward", "llmc_softmax",
-    "llmc_crossentropy", "llmc_crossentropy_softmax_backward", "llmc_gelu", "llmc_gelu_backward",
-    "llmc_layernorm", "llmc_layernorm_backward",
-})
+#: The kernel operators (every operator registered so far): a forward plus backward of the reference GPT-2 calls
+#: them all when every replacement applies.
+LLMC_SYMBOLS = frozenset(llmc_executor.operators)
 
 
 # ---- the model's _permute: fused qkv -> q, k, v -----------------------------------------------------------------

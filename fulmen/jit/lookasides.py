@@ -86,7 +86,7 @@ FUNCTION_LOOKASIDES: dict[tuple[str, str], Callable[[TraceBuilder], Callable[...
 }
 
 
-def _owner(module_name: str, path: str) -> tuple[Any, str] | None:
+def resolve_attribute(module_name: str, path: str) -> tuple[Any, str] | None:
     owner = sys.modules.get(module_name)
     *parents, name = path.split(".")
     for parent in parents:
@@ -96,7 +96,7 @@ def _owner(module_name: str, path: str) -> tuple[Any, str] | None:
 
 @contextlib.contextmanager
 def function_lookasides(builder: TraceBuilder) -> Iterator[None]:
-    targets = [(target, factory) for key, factory in FUNCTION_LOOKASIDES.items() if (target := _owner(*key))]
+    targets = [(target, factory) for key, factory in FUNCTION_LOOKASIDES.items() if (target := resolve_attribute(*key))]
     originals = [(owner, name, getattr(owner, name)) for (owner, name), _ in targets]
     try:
         for (owner, name), factory in targets:

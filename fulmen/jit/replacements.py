@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fulmen.core.symbol import Symbol
+from fulmen.jit.lookasides import resolve_attribute
 from fulmen.ops import lookup
 
 
@@ -28,25 +29,23 @@ def replacement_table(executors: tuple[Any, ...]) -> dict[Callable[..., Any], Sy
     return table
 
 
-def _sites(original: Callable[..., Any]) -> list[tuple[Any, str]]:
-    """(namespace object, attribute) pairs that hold `original`."""
-    sites: list[tuple[Any, str]] = []
-    qualname = getattr(original, "__qualname__", "")
-    module = sys.modules.get(getattr(original, "__module__", None) or "")
-    if "." in qualname and "<locals>" not in qualname and module is not None:
-        owner: Any = module
-        *path, attribute = qualname.split(".")
-        for part in path:
-            owner = getattr(owner, part, None)
-        if isinstance(owner, type) and owner.__dict__.get(attribute) is original:
-            sites.append((owner, attribute))
+def _sites(originals: list[Callable[..., Any]]) -> dict[int, list[tuple[Any, str]]]:
+    """id(original) -> the (namespace object, attribute) pairs that hold it: its class attribute for a method,
+    and every module global bound to it (one pass over the loaded modules for all of them)."""
+    sites: dict[int, list[tuple[Any, str]]] = {id(original): [] for original in originals}
+    for original in originals:
+        qualname = getattr(original, "__qualname__", "")
+        if "." in qualname and "<locals>" not in qualname:
+            target = resolve_attribute(getattr(original, "__module__", None) or "", qualname)
+            if target is not None and isinstance(target[0], type) and target[0].__dict__.get(target[1]) is original:
+                sites[id(original)].append(target)
     for loaded in list(sys.modules.values()):
         namespace = getattr(loaded, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
         for name, value in list(namespace.items()):
-            if value is original:
-                sites.append((loaded, name))
+            if id(value) in sites:  # the originals are alive, so an equal id is the same object
+                sites[id(value)].append((loaded, name))
     return sites
 
 
@@ -54,6 +53,8 @@ def _sites(original: Callable[..., Any]) -> list[tuple[Any, str]]:
 def replacements(executors: tuple[Any, ...], interpreter: Any) -> Iterator[None]:
     table = replacement_table(executors)
     patches: list[tuple[Any, str, Any]] = []
+    functions = [original for original in table if lookup(original) is None]  # the rest are torch's
+    sites = _sites(functions) if functions else {}
     for original, sym in table.items():
         if lookup(original) is not None:
             interpreter.replaced[original] = sym
@@ -64,7 +65,7 @@ def replacements(executors: tuple[Any, ...], interpreter: Any) -> Iterator[None]
             return interpreter.record_replacement(_sym, lambda: _original(*args, **kwargs), args, kwargs)
 
         functools.update_wrapper(replacement, original)
-        for owner, name in _sites(original):
+        for owner, name in sites[id(original)]:
             patches.append((owner, name, getattr(owner, name)))
             setattr(owner, name, replacement)
     try:
