@@ -80,10 +80,12 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
 
 def _bucket_keys(module: nn.Module, strategy: FSDPBucketingStrategy) -> dict[str, str]:
     """Parameter name -> the name of the collective it travels in."""
-    blocks: set[str] = set()
+    # In named_modules' (pre-)order, so with nested lists (a block's experts) the outermost block matches first; an
+    # order that differs between processes would give ranks different collectives.
+    blocks: list[str] = []
     for name, sub in module.named_modules():
         if isinstance(sub, nn.ModuleList):
-            blocks.update(f"{name}.{child}" if name else child for child, _ in sub.named_children())
+            blocks.extend(f"{name}.{child}" if name else child for child, _ in sub.named_children())
     keys: dict[str, str] = {}
     for owner, sub in module.named_modules():
         for pname, _ in sub.named_parameters(recurse=False):
