@@ -20,11 +20,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     and the result equals `torch.nn.utils.clip_grad_norm_` on one process: sharded gradients contribute their
     shard's part (summed across ranks, their padding rows are zero), replicated ones count once.
     """
-    module = unwrap_module(model)
-    state = getattr(module, "_fulmen_dist", None)  # None: a plain module, whose norm is local
-    params = [p for p in model.parameters() if p.grad is not None]
-    sharded = [p.grad for p in params if spec_of(p) is not None and spec_of(p).sharded]
-    replicated = [p.grad for p in params if spec_of(p) is None or not spec_of(p).sharded]
+    params = [p for p in unwrap_module(model).parameters() if p.grad is not None]
+    specs = [spec_of(p) for p in params]
+    sharded = [p.grad for p, spec in zip(params, specs) if spec is not None and spec.sharded]
+    replicated = [p.grad for p, spec in zip(params, specs) if spec is None or not spec.sharded]
+    # the sharded parameters' group (fsdp may have been applied to a submodule only)
+    group = next((spec.state.group for spec in specs if spec is not None and spec.sharded), None)
     device = params[0].grad.device if params else torch.device("cpu")
     norm_type = float(norm_type)
 
@@ -36,12 +37,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     if math.isinf(norm_type):
         total = local(sharded)
         if sharded:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=state.group)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         total = torch.maximum(total, local(replicated))
     else:
         total = local(sharded) ** norm_type
         if sharded:
-            dist.all_reduce(total, group=state.group)
+            dist.all_reduce(total, group=group)
         total = (total + local(replicated) ** norm_type) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so they cannot be "

@@ -141,9 +141,8 @@ class DistributedProgram:
         for index, bucket in enumerate(buckets):
             finishing.setdefault(bucket.ready, []).append(index)
         for position in range(len(bsyms) + 1):
+            # buckets finish in order and each finish starts one more, so bucket `index` has always started here
             for index in finishing.get(position, ()):
-                while started <= index:
-                    start_next()
                 result.extend(buckets[index].finish)
                 start_next()  # the next bucket takes the freed slot
             if position < len(bsyms):

@@ -30,7 +30,7 @@ MICRO = 2  # rows per rank per micro-batch
 SEQ = 16
 LR = 1e-2
 MAX_NORM = 0.5  # below the gradients' norm, so clipping really scales them
-FULL = checkpoint.StateDictOptions(full_state_dict=True, cpu_offload=True, rank0_only=True)
+FULL = checkpoint.FULL
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,9 @@ def assert_matches_eager(got: dict[str, Any], want: dict[str, Any]) -> None:
         # atol: AdamW divides by sqrt(v), so float32 summation-order noise on a near-zero gradient becomes ~1e-6
         torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
     assert not torch.equal(want["params"]["lm_head.weight"], make_model().lm_head.weight)  # it trained
+    if want["norms"]:  # clipped by norm
+        torch.testing.assert_close(got["norms"], want["norms"], rtol=1e-5, atol=0)
+        assert min(want["norms"]) > MAX_NORM  # every step was clipped
 
 
 def count_collectives(trace: Any) -> dict[str, int]:
