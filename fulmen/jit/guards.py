@@ -15,12 +15,15 @@ def tensor_key(tensors: list[torch.Tensor]) -> tuple:
 
 
 def global_state_key() -> tuple:
+    # the sdpa executor picks its attention kernel by torch's backend switches (torch.nn.attention.sdpa_kernel)
+    attention = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
+                 torch.backends.cuda.mem_efficient_sdp_enabled())
     if not torch._C._is_any_autocast_enabled():
-        return (torch.is_grad_enabled(),)
+        return (torch.is_grad_enabled(), attention)
     autocast = tuple(
         (device, torch.get_autocast_dtype(device))
         for device in ("cpu", "cuda")
         if torch.is_autocast_enabled(device)
     )
-    return (torch.is_grad_enabled(), autocast)
+    return (torch.is_grad_enabled(), attention, autocast)
 

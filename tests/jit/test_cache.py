@@ -71,6 +71,20 @@ def test_autocast_state_retraces_once():
     assert _counts(fn) == (1, 2)
 
 
+def test_attention_backend_switches_retrace_once():
+    # the sdpa executor's kernel choice follows them, so a trace made under other switches must not be reused
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fn = fulmen.jit(add)
+    a, b = torch.randn(2), torch.randn(2)
+    fn(a, b)
+    with sdpa_kernel([SDPBackend.MATH]):
+        fn(a, b)
+        fn(a, b)
+    fn(a, b)
+    assert _counts(fn) == (2, 2)
+
+
 def test_python_value_is_specialised():
     fn = fulmen.jit(lambda a, scale: a * scale)
     a = torch.randn(2)
