@@ -324,10 +324,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_table(results: dict[str, dict], ratios: dict[str, dict]) -> None:
     print(f"| row | ms/iter | x {BASELINE} | peak GB/GPU | 1st step s | tokens/s | MFU | final loss |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -338,35 +334,16 @@ def print_table(results: dict[str, dict], ratios: dict[str, dict]) -> None:
             continue
         ratio = ratios.get(name, {}).get("ms_per_iter")
         warning = f" (WARNING: {r['warning']})" if "warning" in r else ""
+        fmt = step.fmt
         print(f"| {name}{warning} | {r['ms_per_iter']:.2f} | {fmt(ratio, '.3f')} | {fmt(r['peak_gb'], '.2f')} "
               f"| {r['first_step_s']:.2f} | {r['tokens_per_s']:.0f} | {fmt(r['mfu'], '.1%')} | {r['final_loss']:.5f} |")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = step.make_parser(__doc__, ROWS, "benchmarks/fsdp_step.json")
     parser.add_argument("--devices", type=int, default=2, help="processes (ranks), one per GPU")
-    parser.add_argument("--model_name", default="tiny-llama-1.1b", help="a LitGPT config name")
-    parser.add_argument("--micro_batch_size", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq_len", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
-    parser.add_argument("--iters", type=int, default=10, help="timed steps (the median is reported)")
-    parser.add_argument("--compilers", default=",".join(ROWS), help=f"comma list from {','.join(ROWS)}")
-    parser.add_argument("--executors", default=None, help="comma list passed as fulmen.jit(..., executors=[...])")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--dtype", default="bf16", choices=sorted(step.DTYPES))
-    parser.add_argument("--n_layer", type=int, default=None, help="override the config's n_layer (smoke tests)")
-    parser.add_argument("--seed", type=int, default=42, help="the weights' seed (the same on every rank)")
     parser.add_argument("--timeout_s", type=int, default=900, help="the process group's collective timeout")
-    parser.add_argument("--out", default="benchmarks/fsdp_step.json")
-    args = parser.parse_args(argv)
-    args.compilers = [c.strip() for c in args.compilers.split(",") if c.strip()]
-    unknown = sorted(set(args.compilers) - set(ROWS))
-    if unknown:
-        parser.error(f"unknown compilers {unknown}; choose from {list(ROWS)}")
-    if args.executors is not None:
-        args.executors = [e.strip() for e in args.executors.split(",") if e.strip()]
-    if args.iters < 1:
-        parser.error("--iters must be at least 1")
+    args = step.parse_common(parser, argv, ROWS)
     if args.devices < 1:
         parser.error("--devices must be at least 1")
     if args.device == "cuda" and torch.cuda.device_count() < args.devices:

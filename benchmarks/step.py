@@ -276,30 +276,41 @@ def version(package: str) -> str | None:
         return None
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser(description: str | None, choices: tuple[str, ...], out: str) -> argparse.ArgumentParser:
+    """The arguments this script and fsdp_step.py share; `choices`: the compilers (rows) to pick from."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name", default="tiny-llama-1.1b", help="a LitGPT config name")
-    parser.add_argument("--micro_batch_size", type=int, default=4)
+    parser.add_argument("--micro_batch_size", type=int, default=4, help="sequences per process")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     parser.add_argument("--iters", type=int, default=10, help="timed steps (the median is reported)")
-    parser.add_argument("--compilers", default=",".join(COMPILERS), help=f"comma list from {','.join(COMPILERS)}")
+    parser.add_argument("--compilers", default=",".join(choices), help=f"comma list from {','.join(choices)}")
     parser.add_argument("--executors", default=None, help="comma list passed as fulmen.jit(..., executors=[...])")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--n_layer", type=int, default=None, help="override the config's n_layer (smoke tests)")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--out", default="benchmarks/step.json")
+    parser.add_argument("--seed", type=int, default=42, help="the weights' seed (the same in every process)")
+    parser.add_argument("--out", default=out)
+    return parser
+
+
+def parse_common(parser: argparse.ArgumentParser, argv: list[str] | None,
+                 choices: tuple[str, ...]) -> argparse.Namespace:
+    """Parses and checks the shared arguments (comma lists become lists)."""
     args = parser.parse_args(argv)
     args.compilers = [c.strip() for c in args.compilers.split(",") if c.strip()]
-    unknown = sorted(set(args.compilers) - set(COMPILERS))
+    unknown = sorted(set(args.compilers) - set(choices))
     if unknown:
-        parser.error(f"unknown compilers {unknown}; choose from {list(COMPILERS)}")
+        parser.error(f"unknown compilers {unknown}; choose from {list(choices)}")
     if args.executors is not None:
         args.executors = [e.strip() for e in args.executors.split(",") if e.strip()]
     if args.iters < 1:
         parser.error("--iters must be at least 1")
     return args
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parse_common(make_parser(__doc__, COMPILERS, "benchmarks/step.json"), argv, COMPILERS)
 
 
 def main(argv: list[str] | None = None) -> dict:
