@@ -90,6 +90,8 @@ class OperatorExecutor(Executor):
         self.operators: dict[str, Symbol] = {}
         # replaced callable -> the operator recorded in its place while this executor is active
         self.replacements: dict[Callable[..., Any], Symbol] = {}
+        # replaced function or method -> the function traced in its place while this executor is active
+        self.lookasides: dict[Callable[..., Any], Callable[..., Any]] = {}
 
     def register_operator(
         self,
@@ -117,6 +119,10 @@ class OperatorExecutor(Executor):
             raise ValueError(f"an operator named {name!r} is already registered by executor {owner.name!r}")
         if not callable(fn):
             raise TypeError(f"register_operator({name!r}): fn must be callable, got {fn!r}")
+        if replaces is not None:
+            if not callable(replaces):
+                raise TypeError(f"register_operator({name!r}): replaces= must be a function, got {replaces!r}")
+            self._check_unreplaced(replaces)
         shapes = like or meta
         # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
         sym = Symbol(name=name, printed=name, impl=fn, meta=_template_meta(name, shapes) if shapes else None,
@@ -124,13 +130,32 @@ class OperatorExecutor(Executor):
         _OPERATOR_NAMES[name] = sym
         self.operators[name] = sym
         if replaces is not None:
-            if not callable(replaces):
-                raise TypeError(f"register_operator({name!r}): replaces= must be a function, got {replaces!r}")
-            if replaces in self.replacements:
-                raise ValueError(f"executor {self.name!r} already replaces {replaces!r} by "
-                                 f"{self.replacements[replaces].name}")
             self.replacements[replaces] = sym
         return sym
+
+    def register_lookaside(self, original: Callable[..., Any], replacement: Callable[..., Any]) -> None:
+        """While this executor is active, acquisition traces `replacement` wherever the program calls `original`
+        (a function or method of the user's program, e.g. `LLaMAMLP.forward`), with the same arguments.
+
+        For programs whose code has no call boundary around the computation an operator should replace: the
+        replacement restates `original` through a function that has one (and that `register_operator(replaces=)`
+        turns into the operator). The user's code is not changed; outside this executor's acquisitions `original`
+        runs as written."""
+        if not callable(original) or not callable(replacement):
+            raise TypeError(f"register_lookaside expects two functions, got {original!r} and {replacement!r}")
+        if lookup(original) is not None:
+            raise ValueError(f"register_lookaside: {original!r} is a torch function; replace it with "
+                             "register_operator(replaces=) or give its symbol an implementation instead")
+        self._check_unreplaced(original)
+        self.lookasides[original] = replacement
+
+    def _check_unreplaced(self, original: Callable[..., Any]) -> None:
+        if original in self.replacements:
+            raise ValueError(f"executor {self.name!r} already replaces {original!r} by "
+                             f"{self.replacements[original].name}")
+        if original in self.lookasides:
+            raise ValueError(f"executor {self.name!r} already traces {self.lookasides[original]!r} in place of "
+                             f"{original!r}")
 
     def register_implementation(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 
 import torch
@@ -24,11 +25,18 @@ def register_executor(executor: Executor) -> Executor:
     return executor
 
 
+# Executors that register themselves when their module is imported, found by name without the user importing it.
+PROVIDERS: dict[str, str] = {"unsloth": "fulmen.unsloth"}
+
+
 def get_executor(name: str) -> Executor:
+    if name not in EXECUTORS and name in PROVIDERS:
+        importlib.import_module(PROVIDERS[name])
     try:
         return EXECUTORS[name]
     except KeyError:
-        raise ValueError(f"unknown executor {name!r}; registered executors: {sorted(EXECUTORS)}") from None
+        known = sorted({*EXECUTORS, *PROVIDERS})
+        raise ValueError(f"unknown executor {name!r}; registered executors: {known}") from None
 
 
 def get_all_executors() -> tuple[Executor, ...]:

@@ -1,4 +1,5 @@
-"""`replaces=`: while an executor is active, calls of a replaced function are acquired as its operator.
+"""`replaces=`: while an executor is active, calls of a replaced function are acquired as its operator, and calls of
+a function it has a lookaside for (`register_lookaside`) are traced through the lookaside instead.
 
 A torch callable (`F.layer_norm`) is swapped in the acquisition's own dispatch table. A Python function or method
 of the user's program is swapped where the program finds it while acquisition runs: on its class (a method such
@@ -20,12 +21,15 @@ from fulmen.jit.lookasides import resolve_attribute
 from fulmen.ops import lookup
 
 
-def replacement_table(executors: tuple[Any, ...]) -> dict[Callable[..., Any], Symbol]:
-    """Replaced callable -> operator, the first executor in priority order winning."""
-    table: dict[Callable[..., Any], Symbol] = {}
+def replacement_table(executors: tuple[Any, ...]) -> dict[Callable[..., Any], Symbol | Callable[..., Any]]:
+    """Replaced callable -> the operator recorded or the function traced in its place (a lookaside), the first
+    executor in priority order winning."""
+    table: dict[Callable[..., Any], Symbol | Callable[..., Any]] = {}
     for executor in executors:
         for original, sym in getattr(executor, "replacements", {}).items():
             table.setdefault(original, sym)
+        for original, function in getattr(executor, "lookasides", {}).items():
+            table.setdefault(original, function)
     return table
 
 
@@ -55,16 +59,19 @@ def replacements(executors: tuple[Any, ...], interpreter: Any) -> Iterator[None]
     patches: list[tuple[Any, str, Any]] = []
     functions = [original for original in table if lookup(original) is None]  # the rest are torch's
     sites = _sites(functions) if functions else {}
-    for original, sym in table.items():
+    for original, target in table.items():
         if lookup(original) is not None:
-            interpreter.replaced[original] = sym
+            interpreter.replaced[original] = target
             continue
+        if isinstance(target, Symbol):
 
-        def replacement(*args: Any, _sym: Symbol = sym, _original: Callable[..., Any] = original,
-                        **kwargs: Any) -> Any:
-            return interpreter.record_replacement(_sym, lambda: _original(*args, **kwargs), args, kwargs)
+            def replacement(*args: Any, _sym: Symbol = target, _original: Callable[..., Any] = original,
+                            **kwargs: Any) -> Any:
+                return interpreter.record_replacement(_sym, lambda: _original(*args, **kwargs), args, kwargs)
 
-        functools.update_wrapper(replacement, original)
+            functools.update_wrapper(replacement, original)
+        else:
+            replacement = target
         for owner, name in sites[id(original)]:
             patches.append((owner, name, getattr(owner, name)))
             setattr(owner, name, replacement)
