@@ -1,5 +1,13 @@
+import os
+import sys
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels (fulmen.unsloth) run under Triton's CPU interpreter: it is chosen when triton is
+# imported, so before any test imports it.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import os
 import warnings
 from types import ModuleType
@@ -48,11 +47,13 @@ def _kernels(name: str) -> ModuleType:
 
 @functools.cache
 def _triton_missing() -> bool:
-    missing = importlib.util.find_spec("triton") is None
-    if missing:
-        warnings.warn("the unsloth executor needs Triton (pip install triton); its kernels are skipped and torch "
-                      "runs those operations", stacklevel=2)
-    return missing
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        warnings.warn(f"the unsloth executor needs Triton ({error}; pip install triton): its kernels are skipped "
+                      "and torch runs those operations", stacklevel=2)
+        return True
+    return False
 
 
 def _runnable(*tensors: Any) -> bool:

@@ -1,0 +1,62 @@
+"""What the unsloth tests share: LitGPT Llama-family models, a loss, and eager references."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from litgpt import GPT, Config
+
+import fulmen
+from fulmen.unsloth import UNSLOTH_SYMBOLS
+
+
+def forward_and_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def llama(device: str = "cpu", dtype: torch.dtype = torch.float32, **overrides) -> GPT:
+    """A small Llama-3.2-style model: GQA (4 query heads, 2 key heads), partial rotary, odd sizes."""
+    config = Config.from_name(
+        "Llama-3.2-1B", **{**dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
+                                  rotary_percentage=0.5, intermediate_size=88, vocab_size=301,
+                                  padded_vocab_size=301, block_size=32), **overrides},
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(config)
+    return model.to(dtype)
+
+
+def batch(model: GPT, batch_size: int = 2, seq_len: int = 13, ignored: int = 3):
+    """Random tokens and targets on the model's device, the first `ignored` targets set to -100."""
+    device, vocab = model.lm_head.weight.device, model.config.padded_vocab_size
+    idx = torch.randint(0, vocab, (batch_size, seq_len), device=device)
+    targets = torch.randint(0, vocab, (batch_size, seq_len), device=device)
+    targets[0, :ignored] = -100
+    return idx, targets
+
+
+def loss_and_grads(fn, model: GPT, idx: torch.Tensor, targets: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    loss = fn(model, idx, targets)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def trace_symbols(jitted) -> set[str]:
+    """The names called in the final forward and backward traces."""
+    traces = (fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1])
+    return {bsym.sym.name for trace in traces for bsym in trace.bound_symbols}
+
+
+def unsloth_calls(jitted) -> set[str]:
+    return trace_symbols(jitted) & UNSLOTH_SYMBOLS
+
+
+def printed_unsloth_calls(jitted) -> set[str]:
+    """The unsloth operators the printed final traces call (as users read them)."""
+    text = str(fulmen.last_traces(jitted)[-1]) + str(fulmen.last_backward_traces(jitted)[-1])
+    return set(re.findall(r"= (unsloth_\w+)\(", text))
