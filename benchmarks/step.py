@@ -1,7 +1,11 @@
 """A LitGPT training step (forward, cross-entropy, backward, AdamW step) under several compilers, side by side.
 
     python benchmarks/step.py [--model_name tiny-llama-1.1b] [--micro_batch_size 4] [--seq_len 2048]
-        [--compilers eager,torch.compile,fulmen,thunder] [--executors NAME,...] [--out benchmarks/step.json]
+        [--compilers eager,torch.compile,fulmen,fulmen+unsloth,thunder] [--executors NAME,...]
+        [--out benchmarks/step.json]
+
+`fulmen+unsloth` is fulmen with the "unsloth" executor (fulmen.unsloth's Triton kernels for cross-entropy, SwiGLU
+and RoPE) ahead of the same executors as the `fulmen` row (`--executors`, or fulmen's defaults).
 
 Every compiler runs in turn in this one process on one device, each on a fresh model built from the same seed and
 trained on the same random batch, so the losses they report should agree. The weights are in the benchmark dtype
@@ -59,7 +63,7 @@ except ImportError:  # run from a checkout that is not pip-installed
     import fulmen
 from fulmen.pretrain.flops import peak_flops  # noqa: E402 - the same table pretraining reports MFU with
 
-COMPILERS = ("eager", "torch.compile", "fulmen", "thunder")
+COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen+unsloth", "thunder")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -100,9 +104,10 @@ def compile_fn(name: str, executors: list[str] | None) -> Callable[[Any], Callab
     if name == "torch.compile":
         return torch.compile
     if name == "fulmen":
-        if executors is None:
-            return fulmen.jit
         return lambda fn: fulmen.jit(fn, executors=executors)
+    if name == "fulmen+unsloth":  # fulmen.unsloth's Triton kernels first, then the same executors
+        names = executors or [executor.name for executor in fulmen.get_default_executors()]
+        return lambda fn: fulmen.jit(fn, executors=["unsloth", *names])
     if name == "thunder":
         import thunder
 

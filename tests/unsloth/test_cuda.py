@@ -1,0 +1,122 @@
+"""The unsloth kernels compiled for the GPU: each forward and backward against eager in fp32 and bf16 across shapes
+(odd sizes, vocabularies above 64k, batch > 1, GQA and partial rotary), and LitGPT Llama-family training steps whose
+traces call them, with eager's loss and gradients.
+
+bf16 is judged against fp32 maths on the same bf16 values: the kernels' error must be no larger than eager bf16's
+own (both round; eager rounds more often), plus one bf16 rounding of the result's scale.
+"""
+
+from __future__ import annotations
+
+import litgpt.model
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+from fulmen.unsloth import UNSLOTH_SYMBOLS, executor
+from tests.unsloth.helpers import batch, forward_and_loss, llama, loss_and_grads, unsloth_calls
+
+pytestmark = pytest.mark.cuda
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_matches(got: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """`got` (the kernels) and `eager` (torch in the same dtype) against `exact` (fp32 maths, same inputs)."""
+    assert got.dtype == eager.dtype and got.shape == eager.shape, what
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, eager, rtol=2e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+        return
+    scale = exact.abs().max().clamp_min(1e-12).item()
+    ours = (got.float() - exact).abs().max().item()
+    theirs = (eager.float() - exact).abs().max().item()
+    assert ours <= theirs + 2 ** -8 * scale, f"{what}: error {ours:.3g} vs eager's {theirs:.3g} (scale {scale:.3g})"
+
+
+def run(fn, executors, *inputs: torch.Tensor, cotangent: torch.Tensor | None = None):
+    """(output, grads of the floating inputs, cotangent) of `fn` jitted (or eager when executors is None)."""
+    leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+    jitted = fulmen.jit(fn, executors=executors) if executors is not None else fn
+    out = jitted(*leaves)
+    if cotangent is None:
+        cotangent = torch.randn_like(out)
+    out.backward(cotangent)
+    return out.detach(), [x.grad for x in leaves if x.is_floating_point()], cotangent, jitted
+
+
+def compare(fn, inputs, symbols, what):
+    out, grads, cotangent, jitted = run(fn, ["unsloth"], *inputs)
+    assert unsloth_calls(jitted) == symbols, what
+    eager_out, eager_grads, _, _ = run(fn, None, *inputs, cotangent=cotangent)
+    upcast = [x.float() if x.is_floating_point() else x for x in inputs]
+    exact_out, exact_grads, _, _ = run(fn, None, *upcast, cotangent=cotangent.float())
+    assert_matches(out, eager_out, exact_out, f"{what} forward")
+    for index, (got, eager, exact) in enumerate(zip(grads, eager_grads, exact_grads)):
+        assert_matches(got, eager, exact, f"{what} grad {index}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (7, 1000), (8192, 32000), (37, 128256), (5, 262147)])
+@pytest.mark.parametrize("reduction", ["mean", "none", "sum"])
+def test_cross_entropy(dtype, rows, vocab, reduction):
+    logits = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
+    target = torch.randint(0, vocab, (rows,), device="cuda")
+    target[::3] = -100
+    if rows == 1:
+        target[0] = 0
+    compare(lambda x, t: F.cross_entropy(x, t, reduction=reduction), [logits, target],
+            {"unsloth_cross_entropy", "unsloth_cross_entropy_backward"}, f"cross_entropy {rows}x{vocab} {reduction}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (7, 1, 1001), (3, 17, 5632), (4, 2048, 5632)])
+def test_swiglu(dtype, shape):
+    e, g = (torch.randn(shape, device="cuda").to(dtype) for _ in range(2))
+    compare(lambda a, b: executor.swiglu(a, b) * 2, [e, g], {"unsloth_swiglu", "unsloth_swiglu_backward"},
+            f"swiglu {shape}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("batch_size", "heads", "seq_len", "head_size", "n_elem", "cos_batch"), [
+    (1, 32, 2048, 64, 64, 1),  # TinyLlama's queries
+    (4, 4, 2048, 64, 64, 1),  # its grouped keys, batch 4
+    (3, 8, 37, 80, 20, 3),  # stablelm's 25% rotary, a cos row per sequence
+    (2, 3, 5, 128, 96, 1),  # Phi-4-mini's 75%
+])
+def test_apply_rope(dtype, batch_size, heads, seq_len, head_size, n_elem, cos_batch):
+    cos, sin = litgpt.model.build_rope_cache(seq_len, n_elem, device=torch.device("cuda"))
+    cos = (cos + 0.01 * torch.randn(cos_batch, seq_len, n_elem, device="cuda")).to(dtype)
+    sin = (sin + 0.01 * torch.randn(cos_batch, seq_len, n_elem, device="cuda")).to(dtype)
+    qkv = torch.randn(batch_size, seq_len, heads, head_size, device="cuda").to(dtype)
+
+    def rope(qkv, cos, sin):  # as LitGPT calls it: a transposed view of q or k, sliced to the rotated dims
+        return litgpt.model.apply_rope(qkv.transpose(1, 2)[..., :n_elem], cos, sin) * 2
+
+    compare(rope, [qkv, cos, sin], {"unsloth_apply_rope", "unsloth_apply_rope_backward"},
+            f"rope {qkv.shape} n={n_elem}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("executors", [["unsloth", "sdpa", "torch"], ["unsloth", "sdpa", "torchcompile", "torch"]],
+                         ids=["sdpa", "torchcompile"])
+def test_llama_training_step(dtype, executors):
+    model = llama("cuda", dtype, n_embd=256, n_head=8, n_query_groups=2, head_size=32, intermediate_size=688,
+                  vocab_size=32000, padded_vocab_size=32000, block_size=128)
+    idx, targets = batch(model, batch_size=3, seq_len=128, ignored=17)
+    jitted = fulmen.jit(forward_and_loss, executors=executors)
+    loss, grads = loss_and_grads(jitted, model, idx, targets)
+    assert unsloth_calls(jitted) == UNSLOTH_SYMBOLS
+    expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
+    if dtype == torch.float32:
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+        for name, grad in expected.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        return
+    # bf16: against fp32 maths on the same weights, no further from it than eager bf16 is
+    exact_loss, exact = loss_and_grads(forward_and_loss, model.float(), idx, targets)
+    assert abs(loss.float() - exact_loss) <= 2 * abs(expected_loss.float() - exact_loss) + 2e-3, (loss, expected_loss)
+    for name, grad in exact.items():
+        scale = grad.abs().max().clamp_min(1e-6)
+        ours = ((grads[name].float() - grad).abs().max() / scale).item()
+        theirs = ((expected[name].float() - grad).abs().max() / scale).item()
+        assert ours <= 2 * theirs + 1e-2, f"{name}: relative error {ours:.3g} vs eager's {theirs:.3g}"
