@@ -107,7 +107,8 @@ unsloth_cross_entropy_backward = register(
     "unsloth_cross_entropy_backward", like=lambda dloss, logits, target, lse, ignore_index: TensorProxy(like=logits),
     fn=_cross_entropy_backward,
 )
-unsloth_swiglu = register("unsloth_swiglu", like=lambda e, g: TensorProxy(like=e), fn=_swiglu)
+# Rerunning SwiGLU in the backward (where proj's weight gradient reads it) costs less than saving its output.
+unsloth_swiglu = register("unsloth_swiglu", like=lambda e, g: TensorProxy(like=e), fn=_swiglu, recomputable=True)
 unsloth_swiglu_backward = register(
     "unsloth_swiglu_backward", like=lambda dh, e, g: (TensorProxy(like=e), TensorProxy(like=g)), fn=_swiglu_backward,
 )

@@ -23,6 +23,7 @@ class Tag(enum.Flag):
     IMPURE = enum.auto()  # has side effects (never removed, never merged)
     RANDOM = enum.auto()  # draws from an RNG (never merged by CSE)
     NO_GRAD = enum.auto()  # the output never requires grad (detach)
+    RECOMPUTABLE = enum.auto()  # cheap next to its outputs' bytes: the backward may rerun it instead of saving them
 
 
 # How the printed callee's root name is imported, so a printed trace executes as it stands.

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops import lookup
 
@@ -101,10 +101,15 @@ class OperatorExecutor(Executor):
         meta: Callable[..., Any] | None = None,
         fn: Callable[..., Any],
         replaces: Callable[..., Any] | None = None,
+        recomputable: bool = False,
     ) -> Symbol:
         """A new symbol run by this executor with `fn`; its outputs are described by `like` (or `meta`), a function
         of the symbol's arguments returning `TensorProxy(like=x, shape=..., dtype=...)` templates (without either,
         `fn` runs on meta tensors to find them).
+
+        `recomputable=True` says the operator is cheap next to its outputs' bytes (an elementwise kernel): where the
+        backward needs its outputs, fulmen may rerun it there instead of saving them, as it does for torch's
+        elementwise ops.
 
         With `replaces=`, calls to that function (a torch function, a function of the user's program or a method
         such as `NewGELU.forward`) are acquired as this symbol while this executor is in the executor list; the
@@ -126,7 +131,7 @@ class OperatorExecutor(Executor):
         shapes = like or meta
         # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
         sym = Symbol(name=name, printed=name, impl=fn, meta=_template_meta(name, shapes) if shapes else None,
-                     executor=self)
+                     tags=Tag.RECOMPUTABLE if recomputable else Tag.NONE, executor=self)
         _OPERATOR_NAMES[name] = sym
         self.operators[name] = sym
         if replaces is not None:

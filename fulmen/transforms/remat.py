@@ -31,7 +31,7 @@ def recomputable(bsym: BoundSymbol) -> bool:
     """Whether the backward may rerun `bsym` instead of having its outputs saved."""
     if bsym.sym.tags & (Tag.RANDOM | Tag.IMPURE):
         return False
-    if bsym.checkpoint_region:
+    if bsym.checkpoint_region or bsym.sym.tags & Tag.RECOMPUTABLE:
         return True
     if bsym.sym.is_prim:
         return bsym.sym in CHEAP_PRIMS

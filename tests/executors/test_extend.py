@@ -278,3 +278,74 @@ def test_executor_list_resolution():
     assert [e.name for e in resolve(["torch", sdpa, "sdpa"])] == ["sdpa", "torch"]
     assert resolve(None)[-1].name == "torch"
     assert fulmen.get_default_executors()[0] is sdpa
+
+
+def halve(x):
+    """A helper whose output the backward of what follows needs (sin's backward reads its input)."""
+    return x * 0.5
+
+
+@pytest.mark.parametrize("recomputable", [True, False])
+def test_recomputable_operators_are_rerun_in_the_backward_instead_of_saved(recomputable):
+    n = next(_names)
+    ex = OperatorExecutor(f"halving{n}")
+    kernel = ex.register_operator(f"halve_kernel{n}", like=lambda x: TensorProxy(like=x), fn=lambda x: x * 0.5,
+                                  recomputable=recomputable)
+    replaced = ex.register_operator(f"halve{n}", like=lambda x: TensorProxy(like=x), fn=halve, replaces=halve)
+    ex.register_implementation(replaced, execution_transform=kernel, grad_transform=lambda x: _halve_grad(kernel, x))
+    x = torch.randn(6, 5, requires_grad=True)
+    jitted = fulmen.jit(lambda x: torch.sin(halve(torch.exp(x))), executors=[ex])
+    jitted(x).sum().backward()
+    leaf = x.detach().requires_grad_()
+    torch.sin(halve(torch.exp(leaf))).sum().backward()
+    torch.testing.assert_close(x.grad, leaf.grad)
+    rerun = kernel.name in _names_in(fulmen.last_backward_traces(jitted)[-1])
+    assert rerun is recomputable  # otherwise the forward saves the kernel's output for sin's backward
+
+
+def _halve_grad(kernel, x):
+    y = kernel(x)
+    put_grad(x, get_grad(y) * 0.5)
+    return y
+
+
+class Squasher(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) * 3 + 1
+
+
+def tanh_boundary(x):
+    """The call boundary a lookaside of Squasher.forward introduces (module-level: replaced by name)."""
+    return torch.tanh(x)
+
+
+def test_lookaside_restates_a_method_while_its_executor_is_active():
+    """LitGPT-style code with no call boundary around what a kernel replaces: the executor's lookaside restates the
+    method through a function its operator replaces. Only that executor's acquisitions see it."""
+    n = next(_names)
+    ex = OperatorExecutor(f"lookaside{n}")
+    seen = []
+
+    def forward(self, x):
+        seen.append(type(self).__name__)
+        return tanh_boundary(x) * 3 + 1
+
+    tanh_kernel = ex.register_operator(f"tanh_kernel{n}", like=lambda x: TensorProxy(like=x), fn=torch.tanh)
+    replaced = ex.register_operator(f"tanh{n}", like=lambda x: TensorProxy(like=x), fn=tanh_boundary,
+                                    replaces=tanh_boundary)
+    ex.register_implementation(replaced, execution_transform=tanh_kernel)
+    ex.register_lookaside(Squasher.forward, forward)
+    original = Squasher.__dict__["forward"]
+    model, x = Squasher(), torch.randn(4, 3)
+    jitted = fulmen.jit(model, executors=[ex])
+    torch.testing.assert_close(jitted(x), model(x))
+    assert seen == ["Squasher"]  # the lookaside ran while acquiring, and not in the eager call
+    assert tanh_kernel.name in _names_in(fulmen.last_traces(jitted)[-1])
+    assert Squasher.__dict__["forward"] is original
+    plain = fulmen.jit(Squasher(), executors=["torch"])
+    plain(x)
+    assert seen == ["Squasher"] and tanh_kernel.name not in _names_in(fulmen.last_traces(plain)[-1])
+    with pytest.raises(ValueError, match="already traces"):
+        ex.register_lookaside(Squasher.forward, forward)
+    with pytest.raises(TypeError, match="two functions"):
+        ex.register_lookaside(Squasher.forward, None)

@@ -306,6 +306,9 @@ def test_llama_traces_call_the_kernels_and_match_eager(interpreted):
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
     assert_grads_close(grads, expected)
     assert unsloth_calls(jitted) == printed_unsloth_calls(jitted) == UNSLOTH_SYMBOLS
+    # SwiGLU is recomputable: the backward reruns it for proj's weight gradient instead of the forward saving it
+    backward = {bsym.sym.name for bsym in fulmen.last_backward_traces(jitted)[-1].bound_symbols}
+    assert "unsloth_swiglu" in backward
     # a jitted module as well (its parameters are the trace's inputs)
     module = fulmen.jit(model, executors=["unsloth"])
     torch.testing.assert_close(module(idx), model(idx), rtol=1e-5, atol=1e-6)
