@@ -5,14 +5,17 @@
 Shapes are TinyLlama-1.1B's at the given batch and sequence length, bf16: cross-entropy over (B*T, 32000) logits,
 SwiGLU on two (B, T, 5632) tensors, RoPE on the queries (B, 32, T, 64) as LitGPT passes them (a transposed view).
 Each operation runs as a function of its inputs: eager, `torch.compile` of it, and `fulmen.jit(..., executors=
-["unsloth"])` (the kernels alone). Reported per row: the median of `--iters` timed forward + backward passes (CUDA
-events, after `--warmup` untimed ones), the bytes the kernels must at least move (inputs read and outputs written,
-forward and backward) over that time as GB/s, and the peak memory the pass allocated above its inputs.
+["unsloth"])` (the kernels alone); the "unsloth kernels" row calls the forward and backward kernels directly,
+without fulmen or autograd, so the difference to the "unsloth" row is the host's cost per call. Reported per row:
+the median of `--iters` timed forward + backward passes (CUDA events, after `--warmup` untimed ones), the bytes the
+kernels must at least move (inputs read and outputs written, forward and backward) over that time as GB/s, and the
+peak memory the pass allocated above its inputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -45,6 +48,23 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return litgpt.model.apply_rope(qkv.transpose(1, 2), cos, sin)
 
 
+def direct_kernels(name: str) -> Callable:
+    """The kernels called directly, without fulmen or autograd: what the kernels themselves cost."""
+    kernels = importlib.import_module(f"fulmen.unsloth.{name}")
+
+    def cross_entropy_pass(logits: torch.Tensor, targets: torch.Tensor) -> None:
+        losses, lse = kernels.forward(logits, targets, -100)
+        kernels.backward(torch.ones((), device=logits.device), logits, targets, lse, -100)
+
+    def swiglu_pass(e: torch.Tensor, g: torch.Tensor) -> None:
+        kernels.backward(kernels.forward(e, g), e, g)
+
+    def rope_pass(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        kernels.backward(kernels.forward(qkv.transpose(1, 2), cos, sin), cos, sin)
+
+    return {"cross_entropy": cross_entropy_pass, "swiglu": swiglu_pass, "rope": rope_pass}[name]
+
+
 def cases(batch: int, seq_len: int) -> dict[str, tuple[Callable, list[torch.Tensor], int]]:
     """name -> (function, inputs (leaves: those differentiated require grad), the bytes forward + backward must
     move)."""
@@ -72,6 +92,8 @@ def measure(fn: Callable, inputs: list[torch.Tensor], warmup: int, iters: int) -
     def step() -> None:
         nonlocal cotangent
         out = fn(*inputs)
+        if out is None:  # the direct kernels ran forward and backward themselves
+            return
         if cotangent is None:
             cotangent = torch.randn_like(out)
         out.backward(cotangent)
@@ -106,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     results: dict[str, dict] = {}
     for name, (fn, inputs, moved) in cases(args.batch, args.seq_len).items():
-        rows = {"eager": fn, "torch.compile": torch.compile(fn), "unsloth": fulmen.jit(fn, executors=["unsloth"])}
+        rows = {"eager": fn, "torch.compile": torch.compile(fn), "unsloth": fulmen.jit(fn, executors=["unsloth"]),
+                "unsloth kernels": direct_kernels(name)}
         results[name] = {}
         for row, runner in rows.items():
             r = measure(runner, inputs, args.warmup, args.iters)
