@@ -359,3 +359,12 @@ def test_pretrain_with_unsloth_trains_as_without(interpreted, tmp_path, monkeypa
     assert set(calls) == {"cross_entropy", "swiglu", "rope"}
     without = cli.setup(out_dir=tmp_path / "b", train=train, eval=no_eval, executors=["sdpa", "torch"])
     torch.testing.assert_close(with_unsloth["losses"], without["losses"], rtol=1e-5, atol=0)
+
+
+def test_pretrain_cli_takes_the_unsloth_executor_list(capsys):
+    from fulmen.pretrain import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--executors", "[unsloth, sdpa, torchcompile, torch]", "--print_config"])
+    assert exit_info.value.code == 0
+    assert "- unsloth\n- sdpa\n- torchcompile\n- torch" in capsys.readouterr().out
