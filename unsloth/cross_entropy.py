@@ -20,6 +20,12 @@ BLOCK = 4096  # columns per tile
 
 
 @triton.jit
+def _shift(running_max):
+    """What to subtract before exp: the max, or 0 where nothing but -inf was seen (-inf - -inf would be NaN)."""
+    return tl.where(running_max == float("-inf"), 0.0, running_max)
+
+
+@triton.jit
 def _row_loss(logits_row, target_ptr, row, lse, n_cols, ignore_index):
     target = tl.load(target_ptr + row)
     in_range = (target >= 0) & (target < n_cols)
@@ -43,11 +49,12 @@ def _forward_kernel(logits, row_stride, target, losses, lse_out, partial, n_cols
         cols = offset + tl.arange(0, BLOCK)
         x = tl.load(logits_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(lane_max, x)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # -inf - -inf would be NaN
+        shift = _shift(new_max)
         lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(x - shift)
         lane_max = new_max
-    row_max = tl.max(lane_max, 0)
-    lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), 0))
+    # a chunk of nothing but -inf (a masked vocabulary) has lse -inf, which the combination ignores
+    row_shift = _shift(tl.max(lane_max, 0))
+    lse = row_shift + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_shift), 0))
     if SINGLE:
         tl.store(lse_out + row, lse)
         tl.store(losses + row, _row_loss(logits_row, target, row, lse, n_cols, ignore_index))
@@ -61,7 +68,7 @@ def _combine_kernel(logits, row_stride, target, losses, lse_out, partial, n_cols
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK_CHUNKS)
     parts = tl.load(partial + row * n_chunks + offsets, mask=offsets < n_chunks, other=float("-inf"))
-    top = tl.max(parts, 0)
+    top = _shift(tl.max(parts, 0))
     lse = top + tl.log(tl.sum(tl.exp(parts - top), 0))
     tl.store(lse_out + row, lse)
     tl.store(losses + row, _row_loss(logits + row * row_stride, target, row, lse, n_cols, ignore_index))

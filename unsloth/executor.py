@@ -18,11 +18,16 @@ kernels are imported at the first kernel call, so this module imports without a 
 
 from __future__ import annotations
 
+import ast
 import functools
+import hashlib
 import importlib
+import inspect
 import os
+import sys
+import textwrap
 import warnings
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 import litgpt.model
@@ -38,11 +43,7 @@ unsloth_ex = OperatorExecutor("unsloth")
 register_executor(unsloth_ex)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def _kernels(name: str) -> ModuleType:
-    return importlib.import_module(f"{__package__}.{name}")
+KERNEL_MODULES = ("cross_entropy", "swiglu", "rope")
 
 
 @functools.cache
@@ -51,14 +52,23 @@ def _triton_missing() -> bool:
         import triton  # noqa: F401
     except ImportError as error:
         warnings.warn(f"the unsloth executor needs Triton ({error}; pip install triton): its kernels are skipped "
-                      "and torch runs those operations", stacklevel=2)
+                      "and torch runs those operations", stacklevel=1)
         return True
     return False
 
 
+def _interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels (on CPU tensors). Triton decides when a kernel is decorated,
+    that is when the kernel modules are imported: before that, TRITON_INTERPRET=1 says they will be."""
+    rope = sys.modules.get(f"{__package__}.rope")
+    if rope is not None:
+        return type(rope._rope_kernel).__name__ == "InterpretedFunction"
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _runnable(*tensors: Any) -> bool:
-    """The kernels can run on these tensors: CUDA ones (CPU ones under Triton's interpreter), float dtypes."""
-    devices = {"cuda", "cpu"} if os.environ.get("TRITON_INTERPRET") == "1" else {"cuda"}
+    """The kernels can run on these tensors: all on one CUDA device (or the CPU under Triton's interpreter)."""
+    devices = {"cuda", "cpu"} if _interpreted() else {"cuda"}
     if not all(isinstance(t, torch.Tensor) and t.device.type in devices for t in tensors):
         return False
     return len({t.device for t in tensors}) == 1 and not _triton_missing()
@@ -71,117 +81,117 @@ def _floats(*tensors: TensorProxy) -> bool:
 # ---- kernel operators ----------------------------------------------------------------------------------------------
 
 
-def _cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int):
-    return _kernels("cross_entropy").forward(logits, target, ignore_index)
+def _kernel(module: str, function: str) -> Callable[..., Any]:
+    """Runs `fulmen.unsloth.<module>.<function>`, importing the kernel modules (and Triton) at the first call. They
+    are imported together, so all are interpreted or all compiled."""
+
+    def run(*args: Any) -> Any:
+        modules = [importlib.import_module(f"{__package__}.{name}") for name in KERNEL_MODULES]
+        return getattr(modules[KERNEL_MODULES.index(module)], function)(*args)
+
+    run.__name__ = run.__qualname__ = f"{module}_{function}"
+    return run
 
 
-def _cross_entropy_backward(dloss, logits, target, lse, ignore_index: int):
-    return _kernels("cross_entropy").backward(dloss, logits, target, lse, ignore_index)
+def _like_first(first: TensorProxy, *rest: Any) -> TensorProxy:
+    return TensorProxy(like=first)
 
 
-def _swiglu(e: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return _kernels("swiglu").forward(e, g)
-
-
-def _swiglu_backward(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor):
-    return _kernels("swiglu").backward(dh, e, g)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _kernels("rope").forward(x, cos, sin)
-
-
-def _apply_rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _kernels("rope").backward(grad, cos, sin)
-
-
-def _row_stats(logits: TensorProxy, target: TensorProxy, ignore_index: int):
-    rows = (logits.shape[0],)
-    return TensorProxy(like=logits, shape=rows, dtype=torch.float32), TensorProxy(like=logits, shape=rows,
-                                                                                 dtype=torch.float32)
+def _row_stats(logits: TensorProxy, target: TensorProxy, ignore_index: int) -> tuple[TensorProxy, TensorProxy]:
+    """Per row: the loss and the log-sum-exp, fp32."""
+    return tuple(TensorProxy(like=logits, shape=(logits.shape[0],), dtype=torch.float32) for _ in range(2))
 
 
 register = unsloth_ex.register_operator
-unsloth_cross_entropy = register("unsloth_cross_entropy", like=_row_stats, fn=_cross_entropy)
+unsloth_cross_entropy = register("unsloth_cross_entropy", like=_row_stats, fn=_kernel("cross_entropy", "forward"))
 unsloth_cross_entropy_backward = register(
-    "unsloth_cross_entropy_backward", like=lambda dloss, logits, target, lse, ignore_index: TensorProxy(like=logits),
-    fn=_cross_entropy_backward,
+    "unsloth_cross_entropy_backward", like=lambda dloss, logits, *rest: TensorProxy(like=logits),
+    fn=_kernel("cross_entropy", "backward"),
 )
 # Rerunning SwiGLU in the backward (where proj's weight gradient reads it) costs less than saving its output.
-unsloth_swiglu = register("unsloth_swiglu", like=lambda e, g: TensorProxy(like=e), fn=_swiglu, recomputable=True)
+unsloth_swiglu = register("unsloth_swiglu", like=_like_first, fn=_kernel("swiglu", "forward"), recomputable=True)
 unsloth_swiglu_backward = register(
-    "unsloth_swiglu_backward", like=lambda dh, e, g: (TensorProxy(like=e), TensorProxy(like=g)), fn=_swiglu_backward,
+    "unsloth_swiglu_backward", like=lambda dh, e, g: (TensorProxy(like=e), TensorProxy(like=g)),
+    fn=_kernel("swiglu", "backward"),
 )
-unsloth_apply_rope = register("unsloth_apply_rope", like=lambda x, cos, sin: TensorProxy(like=x), fn=_apply_rope)
-unsloth_apply_rope_backward = register(
-    "unsloth_apply_rope_backward", like=lambda grad, cos, sin: TensorProxy(like=grad), fn=_apply_rope_backward,
-)
+unsloth_apply_rope = register("unsloth_apply_rope", like=_like_first, fn=_kernel("rope", "forward"))
+unsloth_apply_rope_backward = register("unsloth_apply_rope_backward", like=_like_first,
+                                       fn=_kernel("rope", "backward"))
 
 #: The kernel operators: a LitGPT Llama-family training step on CUDA calls them all.
-UNSLOTH_SYMBOLS = frozenset(unsloth_ex.operators)
+UNSLOTH_SYMBOLS = frozenset(sym.name for sym in (
+    unsloth_cross_entropy, unsloth_cross_entropy_backward, unsloth_swiglu, unsloth_swiglu_backward,
+    unsloth_apply_rope, unsloth_apply_rope_backward,
+))
 
 
 # ---- torch.nn.functional.cross_entropy -----------------------------------------------------------------------------
 
+_CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 
-def _cross_entropy_checker(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                           reduction="mean", label_smoothing=0.0) -> bool:
+
+def _cross_entropy_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    bound = _CROSS_ENTROPY.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _cross_entropy_checker(*args: Any, **kwargs: Any) -> bool:
+    a = _cross_entropy_arguments(*args, **kwargs)
+    logits, target = a["input"], a["target"]
     return (
-        _runnable(input, target)
-        and input.ndim == 2
-        and input.shape[0] > 0
-        and _floats(input)
+        _runnable(logits, target)
+        and logits.ndim == 2
+        and logits.shape[0] > 0
+        and logits.shape[1] > 0
+        and _floats(logits)
         and target.dtype == torch.int64
-        and tuple(target.shape) == (input.shape[0],)
-        and weight is None
-        and size_average is None
-        and reduce is None
-        and type(ignore_index) is int
-        and reduction in ("mean", "sum", "none")
-        and label_smoothing == 0.0
+        and tuple(target.shape) == (logits.shape[0],)
+        and a["weight"] is None
+        and a["size_average"] is None
+        and a["reduce"] is None
+        and type(a["ignore_index"]) is int
+        and a["reduction"] in ("mean", "sum", "none")
+        and a["label_smoothing"] == 0.0
     )
 
 
-def _reduce(losses: TensorProxy, target: TensorProxy, ignore_index: int, reduction: str, dtype: torch.dtype):
-    """The reduced loss in the logits' dtype, and for the mean the number of targets it divides by."""
+def _cross_entropy(*args: Any, **kwargs: Any) -> tuple[TensorProxy, TensorProxy, TensorProxy | None]:
+    """The kernel's call, reduced: (the loss in the logits' dtype, the per-row log-sum-exp, for a mean the number of
+    targets it counts)."""
+    a = _cross_entropy_arguments(*args, **kwargs)
+    logits, target, ignore_index, reduction = a["input"], a["target"], a["ignore_index"], a["reduction"]
+    losses, lse = unsloth_cross_entropy(logits, target, ignore_index)
     if reduction == "none":
-        return losses.to(dtype), None
+        return losses.to(logits.dtype), lse, None
     if reduction == "sum":
-        return losses.sum().to(dtype), None
-    # torch's mean is over the targets that are not ignored (NaN when all are)
-    n_valid = (target != ignore_index).sum()
-    return (losses.sum() / n_valid).to(dtype), n_valid
+        return losses.sum().to(logits.dtype), lse, None
+    n_valid = (target != ignore_index).sum()  # torch's mean counts the targets not ignored (NaN when none is)
+    return (losses.sum() / n_valid).to(logits.dtype), lse, n_valid
 
 
-def _cross_entropy_execution(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                             reduction="mean", label_smoothing=0.0):
-    losses, _ = unsloth_cross_entropy(input, target, ignore_index)
-    return _reduce(losses, target, ignore_index, reduction, input.dtype)[0]
-
-
-def _cross_entropy_grad(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                        reduction="mean", label_smoothing=0.0):
-    losses, lse = unsloth_cross_entropy(input, target, ignore_index)
-    loss, n_valid = _reduce(losses, target, ignore_index, reduction, input.dtype)
+def _cross_entropy_grad(*args: Any, **kwargs: Any) -> TensorProxy:
+    a = _cross_entropy_arguments(*args, **kwargs)
+    loss, lse, n_valid = _cross_entropy(*args, **kwargs)
     dloss = get_grad(loss)  # one per row (none), or one for all rows (sum, mean)
     if n_valid is not None:
         dloss = dloss.to(torch.float32) / n_valid
-    put_grad(input, unsloth_cross_entropy_backward(dloss, input, target, lse, ignore_index))
+    dlogits = unsloth_cross_entropy_backward(dloss, a["input"], a["target"], lse, a["ignore_index"])
+    put_grad(a["input"], dlogits)
     return loss
 
 
 unsloth_ex.register_implementation(
-    F.cross_entropy, checker=_cross_entropy_checker, execution_transform=_cross_entropy_execution,
-    grad_transform=_cross_entropy_grad,
+    F.cross_entropy, checker=_cross_entropy_checker,
+    execution_transform=lambda *args, **kwargs: _cross_entropy(*args, **kwargs)[0], grad_transform=_cross_entropy_grad,
 )
 
 
 # ---- LitGPT's apply_rope -------------------------------------------------------------------------------------------
 
-litgpt_apply_rope = register(
-    "litgpt_apply_rope", like=lambda x, cos, sin: TensorProxy(like=x), fn=litgpt.model.apply_rope,
-    replaces=litgpt.model.apply_rope,
-)
+# Without like=, the output is what apply_rope itself returns (it broadcasts x against a larger cos batch, which
+# the checker then declines).
+litgpt_apply_rope = register("litgpt_apply_rope", fn=litgpt.model.apply_rope, replaces=litgpt.model.apply_rope)
 
 
 def _apply_rope_checker(x, cos, sin) -> bool:
@@ -224,7 +234,22 @@ def llama_mlp_forward(self: litgpt.model.LLaMAMLP, x: torch.Tensor) -> torch.Ten
     return self.proj(swiglu(self.fc_1(x), self.fc_2(x)))
 
 
-litgpt_swiglu = register("litgpt_swiglu", like=lambda e, g: TensorProxy(like=e), fn=swiglu, replaces=swiglu)
+# The forwards `llama_mlp_forward` restates: sha256 of the body `ast.unparse` prints (comments and layout aside).
+KNOWN_LLAMA_MLP_FORWARDS = frozenset({
+    "5297c46a632cd72a",  # LitGPT 0.5.13: x_fc_1 = self.fc_1(x); x_fc_2 = self.fc_2(x); F.silu(x_fc_1) * x_fc_2; proj
+})
+
+
+def forward_fingerprint(function: Callable[..., Any]) -> str | None:
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        return None
+    body = ast.unparse(ast.Module(ast.parse(source).body[0].body, []))
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+litgpt_swiglu = register("litgpt_swiglu", fn=swiglu, replaces=swiglu)
 
 
 def _swiglu_checker(e, g) -> bool:
@@ -240,4 +265,8 @@ def _swiglu_grad(e, g):
 unsloth_ex.register_implementation(
     litgpt_swiglu, checker=_swiglu_checker, execution_transform=unsloth_swiglu, grad_transform=_swiglu_grad,
 )
-unsloth_ex.register_lookaside(litgpt.model.LLaMAMLP.forward, llama_mlp_forward)
+if forward_fingerprint(litgpt.model.LLaMAMLP.forward) in KNOWN_LLAMA_MLP_FORWARDS:
+    unsloth_ex.register_lookaside(litgpt.model.LLaMAMLP.forward, llama_mlp_forward)
+else:  # restating a forward that changed could compute something else: better no kernel than a wrong one
+    warnings.warn("the unsloth executor does not know this LitGPT's LLaMAMLP.forward: its SwiGLU kernel is not used "
+                  "(cross-entropy and RoPE are)", stacklevel=1)

@@ -4,8 +4,9 @@ a function it has a lookaside for (`register_lookaside`) are traced through the 
 A torch callable (`F.layer_norm`) is swapped in the acquisition's own dispatch table. A Python function or method
 of the user's program is swapped where the program finds it while acquisition runs: on its class (a method such
 as `NewGELU.forward`) or in every loaded module namespace that holds it (a module-level helper, also where it
-was imported by name), then restored. Calls that reach the function another way (a closure, a saved bound
-method) are traced as plain code.
+was imported by name), then restored; other threads calling it meanwhile run the original. Calls that reach the
+function another way (a closure, a saved bound method) are traced as plain code. Where several active executors
+replace one function, the first in priority order does; if its checker declines, the function's own code runs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,31 +55,42 @@ def _sites(originals: list[Callable[..., Any]]) -> dict[int, list[tuple[Any, str
     return sites
 
 
+# Patches are process-wide: one acquisition patches at a time (others wait here), and while it does, a patched
+# function called from any other thread (eager code, say) runs the original.
+_PATCHING = threading.RLock()
+
+
+def _patched(original: Callable[..., Any], target: Symbol | Callable[..., Any], interpreter: Any,
+             acquiring: int) -> Callable[..., Any]:
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != acquiring:
+            return original(*args, **kwargs)
+        if isinstance(target, Symbol):
+            return interpreter.record_replacement(target, lambda: original(*args, **kwargs), args, kwargs)
+        return target(*args, **kwargs)
+
+    return functools.update_wrapper(replacement, original)
+
+
 @contextlib.contextmanager
 def replacements(executors: tuple[Any, ...], interpreter: Any) -> Iterator[None]:
     table = replacement_table(executors)
-    patches: list[tuple[Any, str, Any]] = []
     functions = [original for original in table if lookup(original) is None]  # the rest are torch's
-    sites = _sites(functions) if functions else {}
     for original, target in table.items():
         if lookup(original) is not None:
             interpreter.replaced[original] = target
-            continue
-        if isinstance(target, Symbol):
-
-            def replacement(*args: Any, _sym: Symbol = target, _original: Callable[..., Any] = original,
-                            **kwargs: Any) -> Any:
-                return interpreter.record_replacement(_sym, lambda: _original(*args, **kwargs), args, kwargs)
-
-            functools.update_wrapper(replacement, original)
-        else:
-            replacement = target
-        for owner, name in sites[id(original)]:
-            patches.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        for owner, name, value in reversed(patches):
-            setattr(owner, name, value)
-        interpreter.replaced.clear()
+    patches: list[tuple[Any, str, Any]] = []
+    with _PATCHING if functions else contextlib.nullcontext():
+        sites = _sites(functions) if functions else {}
+        acquiring = threading.get_ident()
+        for original in functions:
+            replacement = _patched(original, table[original], interpreter, acquiring)
+            for owner, name in sites[id(original)]:
+                patches.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, replacement)
+        try:
+            yield
+        finally:
+            for owner, name, value in reversed(patches):
+                setattr(owner, name, value)
+            interpreter.replaced.clear()

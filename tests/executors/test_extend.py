@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections import Counter
 
 import pytest
@@ -349,3 +350,30 @@ def test_lookaside_restates_a_method_while_its_executor_is_active():
         ex.register_lookaside(Squasher.forward, forward)
     with pytest.raises(TypeError, match="two functions"):
         ex.register_lookaside(Squasher.forward, None)
+
+
+def test_other_threads_run_the_original_while_a_lookaside_is_patched_in():
+    n = next(_names)
+    ex = OperatorExecutor(f"threads{n}")
+    inside, eager_done = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        inside.set()
+        assert eager_done.wait(timeout=60)  # the other thread calls Squasher.forward now
+        return torch.tanh(x) * 3 + 1
+
+    ex.register_lookaside(Squasher.forward, forward)
+    model, x = Squasher(), torch.randn(4, 3)
+    eager: list[torch.Tensor] = []
+
+    def run_eagerly() -> None:
+        assert inside.wait(timeout=60)
+        eager.append(model(x))  # Squasher.forward is patched now, for the acquiring thread only
+        eager_done.set()
+
+    other = threading.Thread(target=run_eagerly)
+    other.start()
+    out = fulmen.jit(model, executors=[ex])(x)
+    other.join(timeout=60)
+    torch.testing.assert_close(out, model(x))
+    torch.testing.assert_close(eager[0], model(x))

@@ -70,7 +70,7 @@ def test_imports_without_gpu_or_triton():
 
 
 def test_cpu_tensors_are_declined_and_results_match_eager(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(executor, "_interpreted", lambda: False)  # as without Triton's interpreter
     model = llama()
     idx, targets = batch(model)
     jitted = fulmen.jit(forward_and_loss, executors=["unsloth", "sdpa", "torch"])
@@ -108,7 +108,7 @@ def cpu(*shape: int, dtype: torch.dtype = torch.float32):
 
 @pytest.fixture
 def triton_present(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(executor, "_interpreted", lambda: False)
     monkeypatch.setattr(executor, "_triton_missing", lambda: False)
 
 
@@ -130,6 +130,9 @@ LOGITS, TARGET = cuda(8, 70000, dtype=torch.bfloat16), cuda(8, dtype=torch.int64
     ((LOGITS, TARGET), {"weight": cuda(70000)}, False),
     ((LOGITS, TARGET), {"label_smoothing": 0.1}, False),
     ((LOGITS, TARGET), {"size_average": True}, False),
+    ((cuda(8, 0), TARGET), {}, False),  # no classes
+    ((LOGITS, TARGET), {"ignore_index": True}, False),
+    ((LOGITS, TARGET), {"reduction": "batchmean"}, False),
 ])
 def test_cross_entropy_checker(triton_present, args, kwargs, accepted):
     assert executor._cross_entropy_checker(*args, **kwargs) is accepted
@@ -171,7 +174,7 @@ def test_swiglu_checker(triton_present, args, accepted):
 
 
 def test_without_triton_the_checkers_decline_with_a_warning(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(executor, "_interpreted", lambda: False)
     monkeypatch.setitem(sys.modules, "triton", None)
     executor._triton_missing.cache_clear()
     try:
@@ -229,6 +232,24 @@ def test_cross_entropy_chunks_combine(interpreted):
         losses, lse = kernels.forward(logits, target, -100, chunk=chunk)
         torch.testing.assert_close(lse, torch.logsumexp(logits, dim=1))
         torch.testing.assert_close(losses, F.cross_entropy(logits, target, reduction="none"))
+
+
+def test_cross_entropy_masked_chunk(interpreted):
+    """A whole chunk of -inf logits (a masked vocabulary above 64k) has no share of the log-sum-exp."""
+    logits = torch.randn(2, 70000, requires_grad=True)
+    masked = logits.detach().clone()
+    masked[:, 65536:] = float("-inf")
+    masked.requires_grad_()
+    f = fulmen.jit(lambda x, t: F.cross_entropy(x, t), executors=["unsloth"])
+    target = torch.tensor([5, 60000])
+    loss = f(masked, target)
+    loss.backward()
+    assert unsloth_calls(f) == CROSS_ENTROPY
+    leaf = masked.detach().requires_grad_()
+    expected = F.cross_entropy(leaf, target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(masked.grad, leaf.grad)
 
 
 def test_cross_entropy_edge_cases(interpreted):
@@ -295,6 +316,30 @@ def test_apply_rope_three_dims(interpreted):
     expected.sum().backward()
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(x.grad, leaf.grad)
+
+
+def test_apply_rope_broadcasting_x_is_declined_and_runs(interpreted):
+    """LitGPT's apply_rope broadcasts x of batch 1 against cos of batch B: the kernels do not, so torch runs it."""
+    x = torch.randn(1, 9, 8, requires_grad=True)
+    cos, sin = (t.expand(2, 9, 8) for t in litgpt.model.build_rope_cache(9, 8))
+    jitted = fulmen.jit(lambda *args: litgpt.model.apply_rope(*args), executors=["unsloth"])
+    out = jitted(x, cos, sin)
+    torch.testing.assert_close(out, ORIGINAL_APPLY_ROPE(x, cos, sin))
+    assert out.shape == (2, 9, 8) and unsloth_calls(jitted) == set()
+
+
+def test_the_restated_llama_mlp_forward_is_litgpts():
+    """The lookaside restates LLaMAMLP.forward; it is used only for the forwards it is known to restate."""
+    assert executor.forward_fingerprint(ORIGINAL_MLP_FORWARD) in executor.KNOWN_LLAMA_MLP_FORWARDS
+    assert executor.unsloth_ex.lookasides[ORIGINAL_MLP_FORWARD] is executor.llama_mlp_forward
+
+    def changed(self, x):
+        return self.proj(F.gelu(self.fc_1(x)) * self.fc_2(x))
+
+    assert executor.forward_fingerprint(changed) not in executor.KNOWN_LLAMA_MLP_FORWARDS
+    mlp = litgpt.model.LLaMAMLP(shrunk("Llama-3.2-1B"))
+    x = torch.randn(2, 3, mlp.fc_1.in_features)
+    torch.testing.assert_close(executor.llama_mlp_forward(mlp, x), mlp(x), rtol=0, atol=0)
 
 
 def test_llama_traces_call_the_kernels_and_match_eager(interpreted):
