@@ -10,6 +10,11 @@ from litgpt import GPT, Config
 
 import fulmen
 from fulmen.unsloth import UNSLOTH_SYMBOLS
+from tests.models.litgpt_configs import shrunk
+
+CROSS_ENTROPY = {"unsloth_cross_entropy", "unsloth_cross_entropy_backward"}
+SWIGLU = {"unsloth_swiglu", "unsloth_swiglu_backward"}
+ROPE = {"unsloth_apply_rope", "unsloth_apply_rope_backward"}
 
 
 def forward_and_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -60,3 +65,36 @@ def printed_unsloth_calls(jitted) -> set[str]:
     """The unsloth operators the printed final traces call (as users read them)."""
     text = str(fulmen.last_traces(jitted)[-1]) + str(fulmen.last_backward_traces(jitted)[-1])
     return set(re.findall(r"= (unsloth_\w+)\(", text))
+
+
+def assert_grads_close(got: dict, expected: dict, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def expected_calls(config: Config) -> set[str]:
+    """The kernels a training step of this LitGPT architecture calls."""
+    calls = set(CROSS_ENTROPY)
+    if config.mlp_class_name in ("LLaMAMLP", "LLaMAMoE"):
+        calls |= SWIGLU
+    if config.rope_n_elem % 2 == 0 and config.rope_n_elem > 0 and not config.rope_interleave:
+        calls |= ROPE
+    return calls
+
+
+def check_architecture(name: str, device: str) -> None:
+    """LitGPT's configs as the oracle: the architecture, shrunk (fp32), trains through the kernels that apply to it
+    with eager's loss and gradients. The module is jitted (LitGPT's mixture of experts needs the module's
+    lookaside), the loss apart."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(shrunk(name))
+    idx, targets = batch(model, seq_len=9)
+    jitted = fulmen.jit(model, executors=["unsloth", "torch"])
+    loss_fn = fulmen.jit(lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()), executors=["unsloth"])
+    loss, grads = loss_and_grads(lambda m, x, t: loss_fn(jitted(x), t), model, idx, targets)
+    expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+    assert_grads_close(grads, expected, atol=1e-6)
+    assert unsloth_calls(jitted) | unsloth_calls(loss_fn) == expected_calls(model.config)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import fulmen
 from fulmen.unsloth import UNSLOTH_SYMBOLS, executor
-from tests.unsloth.helpers import batch, forward_and_loss, llama, loss_and_grads, unsloth_calls
+from tests.models.litgpt_configs import representative_names
+from tests.unsloth.helpers import batch, check_architecture, forward_and_loss, llama, loss_and_grads, unsloth_calls
 
 pytestmark = pytest.mark.cuda
 DTYPES = [torch.float32, torch.bfloat16]
@@ -140,3 +141,8 @@ def test_llama_training_step(dtype, executors):
         ours = ((grads[name].float() - grad).abs().max() / scale).item()
         theirs = ((expected[name].float() - grad).abs().max() / scale).item()
         assert ours <= 2 * theirs + 1e-2, f"{name}: relative error {ours:.3g} vs eager's {theirs:.3g}"
+
+
+@pytest.mark.parametrize("name", representative_names())
+def test_every_litgpt_architecture(name):
+    check_architecture(name, "cuda")

@@ -18,7 +18,6 @@ import litgpt.model
 import pytest
 import torch
 import torch.nn.functional as F
-from litgpt import GPT
 from litgpt.args import EvalArgs
 
 import fulmen
@@ -26,7 +25,12 @@ from fulmen import TensorProxy
 from fulmen.unsloth import UNSLOTH_SYMBOLS, executor
 from tests.models.litgpt_configs import representative_names, shrunk
 from tests.unsloth.helpers import (
+    CROSS_ENTROPY,
+    ROPE,
+    SWIGLU,
+    assert_grads_close,
     batch,
+    check_architecture,
     forward_and_loss,
     llama,
     loss_and_grads,
@@ -34,17 +38,8 @@ from tests.unsloth.helpers import (
     unsloth_calls,
 )
 
-CROSS_ENTROPY = {"unsloth_cross_entropy", "unsloth_cross_entropy_backward"}
-SWIGLU = {"unsloth_swiglu", "unsloth_swiglu_backward"}
-ROPE = {"unsloth_apply_rope", "unsloth_apply_rope_backward"}
 ORIGINAL_APPLY_ROPE = litgpt.model.apply_rope
 ORIGINAL_MLP_FORWARD = litgpt.model.LLaMAMLP.__dict__["forward"]
-
-
-def assert_grads_close(got: dict, expected: dict, rtol: float = 1e-5, atol: float = 1e-7) -> None:
-    assert got.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_symbol_names_follow_thunder():
@@ -361,31 +356,9 @@ def test_llama_traces_call_the_kernels_and_match_eager(interpreted):
     assert {"unsloth_apply_rope", "unsloth_swiglu"} <= forward
 
 
-def _expected_calls(model: GPT) -> set[str]:
-    config = model.config
-    calls = set(CROSS_ENTROPY)
-    if config.mlp_class_name in ("LLaMAMLP", "LLaMAMoE"):
-        calls |= SWIGLU
-    if config.rope_n_elem % 2 == 0 and config.rope_n_elem > 0 and not config.rope_interleave:
-        calls |= ROPE
-    return calls
-
-
 @pytest.mark.parametrize("name", representative_names())
 def test_every_litgpt_architecture_matches_eager(interpreted, name):
-    """LitGPT's configs as the oracle: each distinct architecture, shrunk, trains through the kernels that apply
-    to it with eager's loss and gradients."""
-    torch.manual_seed(0)
-    model = GPT(shrunk(name))
-    idx, targets = batch(model, seq_len=9)
-    # the module jitted (LitGPT's mixture of experts needs the module's lookaside), the loss jitted apart
-    jitted = fulmen.jit(model, executors=["unsloth", "torch"])
-    loss_fn = fulmen.jit(lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()), executors=["unsloth"])
-    loss, grads = loss_and_grads(lambda m, x, t: loss_fn(jitted(x), t), model, idx, targets)
-    expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
-    assert_grads_close(grads, expected, atol=1e-6)
-    assert unsloth_calls(jitted) | unsloth_calls(loss_fn) == _expected_calls(model)
+    check_architecture(name, "cpu")
 
 
 def test_pretrain_with_unsloth_trains_as_without(interpreted, tmp_path, monkeypatch):
