@@ -9,10 +9,10 @@ executor list:
 - RoPE: `litgpt_apply_rope` replaces LitGPT's `apply_rope` (x of 3 or 4 dims, any strides and heads, cos/sin of
   batch 1 or B, an even number of rotated dims: partial rotary slices included).
 - SwiGLU: LitGPT's `LLaMAMLP.forward` is traced through a lookaside that states the product as `swiglu(e, g)`, which
-  `litgpt_swiglu` replaces.
+  `litgpt_swiglu` replaces (for the LitGPT forwards the lookaside is known to restate: KNOWN_LLAMA_MLP_FORWARDS).
 
 Each checker accepts CUDA tensors of float dtypes when Triton is installed (and CPU tensors under Triton's
-interpreter, TRITON_INTERPRET=1); anything else is declined and runs as the executor were absent. Triton and the
+interpreter, TRITON_INTERPRET=1); anything else is declined and runs as if the executor were absent. Triton and the
 kernels are imported at the first kernel call, so this module imports without a GPU or Triton.
 """
 
