@@ -413,10 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if crash is not None:
         report["crash"] = crash
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    step.write_report(report, args.out)
     return report
 
 

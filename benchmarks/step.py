@@ -281,6 +281,13 @@ def version(package: str) -> str | None:
         return None
 
 
+def write_report(report: dict, path: str | Path) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def make_parser(description: str | None, choices: tuple[str, ...], out: str) -> argparse.ArgumentParser:
     """The arguments this script and fsdp_step.py share; `choices`: the compilers (rows) to pick from."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -370,10 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": results,
         "ratios_vs_eager": ratios,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, args.out)
     return report
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -32,6 +31,7 @@ except ImportError:  # run from a checkout that is not pip-installed
     sys.path.insert(0, str(REPO))
     import fulmen
 import litgpt.model  # noqa: E402
+from step import write_report  # noqa: E402 - step.py sits beside this script
 
 from fulmen.unsloth.executor import swiglu  # noqa: E402
 
@@ -140,10 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch._dynamo.reset()
     report = {"benchmark": "unsloth kernels vs eager and torch.compile, forward + backward, bf16",
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "results": results}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, args.out)
     return report
 
 

@@ -81,13 +81,18 @@ def _floats(*tensors: TensorProxy) -> bool:
 # ---- kernel operators ----------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _kernel_modules() -> dict[str, Any]:
+    """The kernel modules (and Triton), imported together at the first kernel call: all interpreted or all
+    compiled."""
+    return {name: importlib.import_module(f"{__package__}.{name}") for name in KERNEL_MODULES}
+
+
 def _kernel(module: str, function: str) -> Callable[..., Any]:
-    """Runs `fulmen.unsloth.<module>.<function>`, importing the kernel modules (and Triton) at the first call. They
-    are imported together, so all are interpreted or all compiled."""
+    """Runs `fulmen.unsloth.<module>.<function>`."""
 
     def run(*args: Any) -> Any:
-        modules = [importlib.import_module(f"{__package__}.{name}") for name in KERNEL_MODULES]
-        return getattr(modules[KERNEL_MODULES.index(module)], function)(*args)
+        return getattr(_kernel_modules()[module], function)(*args)
 
     run.__name__ = run.__qualname__ = f"{module}_{function}"
     return run
@@ -156,10 +161,9 @@ def _cross_entropy_checker(*args: Any, **kwargs: Any) -> bool:
     )
 
 
-def _cross_entropy(*args: Any, **kwargs: Any) -> tuple[TensorProxy, TensorProxy, TensorProxy | None]:
-    """The kernel's call, reduced: (the loss in the logits' dtype, the per-row log-sum-exp, for a mean the number of
-    targets it counts)."""
-    a = _cross_entropy_arguments(*args, **kwargs)
+def _cross_entropy(a: dict[str, Any]) -> tuple[TensorProxy, TensorProxy, TensorProxy | None]:
+    """The kernel's call on F.cross_entropy's arguments `a`, reduced: (the loss in the logits' dtype, the per-row
+    log-sum-exp, for a mean the number of targets it counts)."""
     logits, target, ignore_index, reduction = a["input"], a["target"], a["ignore_index"], a["reduction"]
     losses, lse = unsloth_cross_entropy(logits, target, ignore_index)
     if reduction == "none":
@@ -172,7 +176,7 @@ def _cross_entropy(*args: Any, **kwargs: Any) -> tuple[TensorProxy, TensorProxy,
 
 def _cross_entropy_grad(*args: Any, **kwargs: Any) -> TensorProxy:
     a = _cross_entropy_arguments(*args, **kwargs)
-    loss, lse, n_valid = _cross_entropy(*args, **kwargs)
+    loss, lse, n_valid = _cross_entropy(a)
     dloss = get_grad(loss)  # one per row (none), or one for all rows (sum, mean)
     if n_valid is not None:
         dloss = dloss.to(torch.float32) / n_valid
@@ -183,7 +187,8 @@ def _cross_entropy_grad(*args: Any, **kwargs: Any) -> TensorProxy:
 
 unsloth_ex.register_implementation(
     F.cross_entropy, checker=_cross_entropy_checker,
-    execution_transform=lambda *args, **kwargs: _cross_entropy(*args, **kwargs)[0], grad_transform=_cross_entropy_grad,
+    execution_transform=lambda *args, **kwargs: _cross_entropy(_cross_entropy_arguments(*args, **kwargs))[0],
+    grad_transform=_cross_entropy_grad,
 )
 
 

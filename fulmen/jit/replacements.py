@@ -74,17 +74,18 @@ def _patched(original: Callable[..., Any], target: Symbol | Callable[..., Any], 
 
 @contextlib.contextmanager
 def replacements(executors: tuple[Any, ...], interpreter: Any) -> Iterator[None]:
-    table = replacement_table(executors)
-    functions = [original for original in table if lookup(original) is None]  # the rest are torch's
-    for original, target in table.items():
+    functions = []  # the user's functions and methods; torch's callables go to the interpreter's dispatch table
+    for original, target in replacement_table(executors).items():
         if lookup(original) is not None:
             interpreter.replaced[original] = target
+        else:
+            functions.append((original, target))
     patches: list[tuple[Any, str, Any]] = []
     with _PATCHING if functions else contextlib.nullcontext():
-        sites = _sites(functions) if functions else {}
+        sites = _sites([original for original, _ in functions]) if functions else {}
         acquiring = threading.get_ident()
-        for original in functions:
-            replacement = _patched(original, table[original], interpreter, acquiring)
+        for original, target in functions:
+            replacement = _patched(original, target, interpreter, acquiring)
             for owner, name in sites[id(original)]:
                 patches.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, replacement)

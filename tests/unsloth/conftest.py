@@ -8,7 +8,7 @@ KERNEL_MODULES = ("cross_entropy", "swiglu", "rope")
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
+def interpreted():
     """The unsloth kernel modules, run by Triton's interpreter on CPU tensors (with TRITON_INTERPRET=1, which the
     root conftest sets before triton is imported, the executor's checkers accept CPU tensors too). On a GPU
     machine the kernels are compiled instead: the tests marked cuda."""
@@ -17,5 +17,4 @@ def interpreted(monkeypatch):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # tests that unset it get it back
     return {name: importlib.import_module(f"fulmen.unsloth.{name}") for name in KERNEL_MODULES}
