@@ -139,45 +139,86 @@ def _unsupported(a: dict[str, Any]) -> str | None:
 @dataclass
 class _Match:
     linear: BoundSymbol
-    target: TensorProxy
+    args: tuple[TensorProxy, TensorProxy, TensorProxy | None, TensorProxy]  # h, weight, bias, target
     terminal: BoundSymbol  # whose output the fused call computes
     removed: list[BoundSymbol]
-    logits: TensorProxy  # the (rows, vocab) logits the cross-entropy reads
     spec: dict[str, Any]
 
 
-def _split_group(graph: _Graph, ce: BoundSymbol, a: dict[str, Any]) -> tuple[Any, list[BoundSymbol]] | str:
-    """For a cross-entropy of one piece of a split (LitGPT's chunked_cross_entropy): the whole (logits, target,
+def _up(graph: _Graph, value: TensorProxy, reader: BoundSymbol) -> tuple[TensorProxy, list[BoundSymbol]] | str:
+    """From `value`, read by `reader` alone, up through row-keeping ops: the first value no such op produced, and
+    the ops on the way; or why a value on the way is read by something else too."""
+    chain = []
+    while True:
+        why = graph.why_shared(value, reader)
+        if why is not None:
+            return why
+        producer = graph.producer.get(value.pname)
+        if producer is None or not _keeps_rows(producer):
+            return value, chain
+        chain.append(producer)
+        value, reader = producer.args[0], producer
+
+
+def _down(graph: _Graph, value: TensorProxy) -> tuple[BoundSymbol, list[BoundSymbol]] | None:
+    """From `value` down through row-keeping ops, each the sole reader of the one before, to a cross-entropy."""
+    chain = []
+    while True:
+        reader = graph.sole_reader(value)
+        if reader is None or type(reader.args[0]) is not TensorProxy or reader.args[0].pname != value.pname:
+            return None
+        if reader.sym is CROSS_ENTROPY:
+            return reader, chain
+        if not _keeps_rows(reader):
+            return None
+        chain.append(reader)
+        value = reader.output
+
+
+def _same_loss(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a[key] == b[key] for key in ("ignore_index", "reduction", "label_smoothing"))
+
+
+def _names(proxies: Any) -> list[str]:
+    return [p.pname for p in iter_proxies(proxies)]
+
+
+def _split_group(graph: _Graph, split: BoundSymbol, a: dict[str, Any]) -> tuple[Any, list[BoundSymbol]] | str:
+    """For cross-entropies of the pieces of a split (LitGPT's chunked_cross_entropy): the whole (logits, target,
     concatenation of the per-piece losses) and the calls they replace, or why it is not that pattern."""
-    split = graph.producer[a["input"].pname]
-    pieces = split.proxy_outputs()
     logits = split.args[0]
     dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
     if dim % logits.dim() != 0:
         return f"the logits are split along dim {dim}, not into row chunks"
-    losses, ces, targets = [], [], []
-    for piece in pieces:
-        reader = graph.sole_reader(piece)
-        if reader is None or reader.sym is not CROSS_ENTROPY:
+    removed, losses, targets, dtypes = [split], [], [], set()
+    for piece in split.proxy_outputs():
+        found = _down(graph, piece)
+        if found is None:
             return f"a piece of the split logits {logits.pname} is read by something other than a cross-entropy"
-        b = _cross_entropy_arguments(reader)
-        same = {k: v for k, v in b.items() if k not in ("input", "target")} == {
-            k: v for k, v in a.items() if k not in ("input", "target")}
-        if b["input"] is not piece or not same or b["reduction"] != "none":
+        ce, chain = found
+        b = _cross_entropy_arguments(ce)
+        if not _same_loss(a, b) or b["reduction"] != "none" or _unsupported(b) is not None:
             return "the cross-entropies of the split logits differ or do not use reduction='none'"
-        ces.append(reader)
-        losses.append(reader.output)
+        removed.extend([*chain, ce])
+        losses.append(ce.output)
         targets.append(b["target"])
+        dtypes.add(b["input"].dtype)
     target_split = graph.producer.get(targets[0].pname)
-    if (target_split is None or target_split.sym not in SPLITS or target_split.proxy_outputs() != targets
-            or [t.shape for t in targets] != [p.shape[:1] for p in pieces]):
+    if (target_split is None or target_split.sym not in SPLITS or _names(target_split.output) != _names(targets)
+            or [t.shape[0] for t in targets] != [p.shape[0] for p in split.proxy_outputs()] or len(dtypes) != 1):
         return "the targets of the split logits are not split the same way"
     cat = graph.sole_reader(losses[0])
-    if (cat is None or cat.sym is not CAT or list(cat.args[0]) != losses
+    if (cat is None or cat.sym is not CAT or _names(cat.args[0]) != _names(losses)
             or cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) != 0
             or any(graph.sole_reader(loss) is not cat for loss in losses)):
         return "the losses of the split logits are not concatenated in order"
-    return (logits, target_split.args[0], cat), [split, *ces, cat]
+    return (target_split.args[0], cat, dtypes.pop()), [*removed, cat]
+
+
+def _one_conversion(linear: BoundSymbol, chain: list[BoundSymbol], dtype: torch.dtype) -> bool:
+    """The logits change dtype at most once on their way to the cross-entropy (the fused loss rounds once)."""
+    dtypes = [linear.output.dtype, *(op.output.dtype for op in reversed(chain)), dtype]
+    return sum(a != b for a, b in zip(dtypes, dtypes[1:])) <= 1
 
 
 def _match(graph: _Graph, ce: BoundSymbol) -> _Match | str:
@@ -185,42 +226,41 @@ def _match(graph: _Graph, ce: BoundSymbol) -> _Match | str:
     reason = _unsupported(a)
     if reason is not None:
         return reason
-    logits, target, terminal, removed = a["input"], a["target"], ce, [ce]
-    reader = ce
+    up = _up(graph, a["input"], ce)
+    if isinstance(up, str):
+        return up
+    logits, chain = up
+    target, terminal, dtype, removed = a["target"], ce, a["input"].dtype, [ce]
     producer = graph.producer.get(logits.pname)
     if producer is not None and producer.sym in SPLITS:
-        group = _split_group(graph, ce, a)
+        group = _split_group(graph, producer, a)
         if isinstance(group, str):
             return group
-        (logits, target, terminal), removed = group
-        reader = removed[0]
-    chain = []
-    value = logits
-    while True:
-        why = graph.why_shared(value, reader)
-        if why is not None:
-            return why
-        producer = graph.producer.get(value.pname)
-        if producer is None:
-            return f"its logits {value.pname} are an input of the program, not the output of a linear"
-        if producer.sym is LINEAR:
-            break
-        if not _keeps_rows(producer):
-            return f"its logits come from {producer.sym.printed}{_at(producer)}, not from a linear"
-        chain.append(producer)
-        value, reader = producer.args[0], producer
+        (target, terminal, dtype), removed = group
+        up = _up(graph, producer.args[0], producer)
+        if isinstance(up, str):
+            return up
+        logits, chain = up
+        producer = graph.producer.get(logits.pname)
+    if producer is None:
+        return f"its logits {logits.pname} are an input of the program, not the output of a linear"
+    if producer.sym is not LINEAR:
+        return f"its logits come from {producer.sym.printed}{_at(producer)}, not from a linear"
     weight = producer.args[1] if len(producer.args) > 1 else producer.kwargs.get("weight")
     bias = producer.args[2] if len(producer.args) > 2 else producer.kwargs.get("bias")
     if type(weight) is not TensorProxy or weight.dim() != 2 or (bias is not None and type(bias) is not TensorProxy):
         return "the linear has no 2-D weight tensor"
+    if not _one_conversion(producer, chain, dtype):
+        return "the logits are converted through several dtypes"
     reduction = a["reduction"] if terminal is ce else "none"
     total = graph.sole_reader(terminal.output)
     if reduction == "none" and total is not None and total.sym is SUM and len(total.args) == 1 and not total.kwargs:
         reduction, terminal = "sum", total  # the per-row losses are only summed
         removed.append(total)
     spec = {"ignore_index": a["ignore_index"], "reduction": reduction, "label_smoothing": float(a["label_smoothing"]),
-            "dtype": logits.dtype}
-    return _Match(producer, target, terminal, [producer, *chain, *removed], logits, spec)
+            "dtype": dtype}
+    h = producer.args[0]
+    return _Match(producer, (h, weight, bias, target), terminal, [producer, *chain, *removed], spec)
 
 
 def fuse_linear_cross_entropy(trace: Trace, chunk_rows: int | None = None) -> Trace:
@@ -234,15 +274,15 @@ def fuse_linear_cross_entropy(trace: Trace, chunk_rows: int | None = None) -> Tr
             continue
         match = _match(graph, bsym)
         if isinstance(match, str):
-            notes.append(f"declined{_at(bsym)}: {match}")
+            note = f"declined{_at(bsym)}: {match}"
+            if note not in notes:  # the cross-entropies of one split decline together
+                notes.append(note)
             continue
-        rows, vocab = match.logits.shape
-        rows_per_chunk = min(chunk_rows or fused_loss.chunk_rows_for(rows, vocab, match.linear.output.dtype), rows)
-        h, weight = match.linear.args[:2]
-        bias = match.linear.args[2] if len(match.linear.args) > 2 else match.linear.kwargs.get("bias")
-        fused = BoundSymbol(fused_loss.LINEAR_CROSS_ENTROPY, (h, weight, bias, match.target),
-                            {**match.spec, "chunk_rows": rows_per_chunk}, match.terminal.output, [],
-                            bsym.source, bsym.checkpoint_region)
+        h, weight, _, target = match.args
+        rows, vocab = target.shape[0], weight.shape[0]
+        rows_per_chunk = min(chunk_rows or fused_loss.chunk_rows_for(rows, vocab, h.dtype), rows)
+        fused = BoundSymbol(fused_loss.LINEAR_CROSS_ENTROPY, match.args, {**match.spec, "chunk_rows": rows_per_chunk},
+                            match.terminal.output, [], bsym.source, bsym.checkpoint_region)
         for removed in match.removed:
             replaced[id(removed)] = None
         replaced[id(match.terminal)] = fused
