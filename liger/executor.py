@@ -73,11 +73,11 @@ def decline_reason(kernel: str, *tensors: Any) -> str | None:
     return f"Liger's kernels run on CUDA tensors, these are on {sorted({d.type for d in devices})}"
 
 
-def _declines(kernel: str, reason: str | None) -> bool:
-    if reason is None:
-        return False
-    warnings.warn(f"the liger executor does not run {kernel}: {reason}; torch runs it instead", stacklevel=2)
-    return True
+def _accepts(kernel: str, reason: str | None) -> bool:
+    """A checker's answer: True without a reason to decline; with one, False and a warning that gives it."""
+    if reason is not None:
+        warnings.warn(f"the liger executor does not run {kernel}: {reason}; torch runs it instead", stacklevel=2)
+    return reason is None
 
 
 def _kernel(function: str) -> Callable[..., Any]:
@@ -112,8 +112,8 @@ def _flce_checker(h, weight, bias, target, *, ignore_index, reduction, label_smo
                   wants=(False, False, False), compiled=False) -> bool:
     if not (h.dtype == weight.dtype in FLOATS and dtype in (h.dtype, torch.float32) and target.dtype == torch.int64
             and (bias is None or bias.dtype == h.dtype)):
-        return _declines("fused linear + cross-entropy", f"dtypes {h.dtype}, {weight.dtype} -> {dtype}")
-    return not _declines("fused linear + cross-entropy", decline_reason("fused linear + cross-entropy", h, weight,
+        return _accepts("fused linear + cross-entropy", f"dtypes {h.dtype}, {weight.dtype} -> {dtype}")
+    return _accepts("fused linear + cross-entropy", decline_reason("fused linear + cross-entropy", h, weight,
                                                                          bias, target))
 
 
@@ -155,8 +155,8 @@ def _ce_checker(*args: Any, **kwargs: Any) -> bool:
     if not (logits.ndim == 2 and logits.shape[0] > 0 and logits.dtype in FLOATS and target.dtype == torch.int64
             and tuple(target.shape) == (logits.shape[0],) and a["weight"] is None and a["size_average"] is None
             and a["reduce"] is None and type(a["ignore_index"]) is int and a["reduction"] in ("mean", "sum", "none")):
-        return _declines("cross-entropy", "it takes 2-D logits, class indices and no class weights")
-    return not _declines("cross-entropy", decline_reason("cross-entropy", logits, target))
+        return _accepts("cross-entropy", "it takes 2-D logits, class indices and no class weights")
+    return _accepts("cross-entropy", decline_reason("cross-entropy", logits, target))
 
 
 def _ce(a: dict[str, Any], want_grad: bool) -> tuple[TensorProxy, ...]:
@@ -209,8 +209,8 @@ liger_rms_norm_backward = register(
 def _rms_norm_checker(x, weight, dim, eps, add_unit_offset) -> bool:
     if not (x.dtype in FLOATS and isinstance(weight, torch.Tensor) and weight.dtype in FLOATS and x.ndim >= 1
             and dim in (-1, x.ndim - 1) and tuple(weight.shape) == (x.shape[-1],) and x.numel() > 0):
-        return _declines("RMSNorm", "it normalises the last dim with a weight of that size")
-    return not _declines("RMSNorm", decline_reason("RMSNorm", x, weight))
+        return _accepts("RMSNorm", "it normalises the last dim with a weight of that size")
+    return _accepts("RMSNorm", decline_reason("RMSNorm", x, weight))
 
 
 def _rms_norm_grad(x, weight, dim, eps, add_unit_offset):
@@ -241,8 +241,8 @@ def _apply_rope_checker(x, cos, sin) -> bool:
             and cos.dtype in (x.dtype, torch.float32) and tuple(cos.shape) == tuple(sin.shape)
             and cos.shape[0] in (1, x.shape[0]) and tuple(cos.shape[1:]) == tuple(x.shape[2:])
             and x.shape[-1] % 2 == 0 and not (cos.requires_grad or sin.requires_grad)):
-        return _declines("RoPE", "it takes x (B, heads, T, dim) and cos, sin (1 or B, T, dim) that need no grad")
-    return not _declines("RoPE", decline_reason("RoPE", x, cos, sin))
+        return _accepts("RoPE", "it takes x (B, heads, T, dim) and cos, sin (1 or B, T, dim) that need no grad")
+    return _accepts("RoPE", decline_reason("RoPE", x, cos, sin))
 
 
 def _apply_rope_grad(x, cos, sin):
@@ -267,8 +267,8 @@ liger_swiglu_backward = register("liger_swiglu_backward", like=lambda grad, e, g
 
 def _swiglu_checker(e, g) -> bool:
     if not (e.dtype in FLOATS and e.dtype == g.dtype and tuple(e.shape) == tuple(g.shape) and e.numel() > 0):
-        return _declines("SwiGLU", "it takes two tensors of one shape and float dtype")
-    return not _declines("SwiGLU", decline_reason("SwiGLU", e, g))
+        return _accepts("SwiGLU", "it takes two tensors of one shape and float dtype")
+    return _accepts("SwiGLU", decline_reason("SwiGLU", e, g))
 
 
 def _swiglu_grad(e, g):

@@ -78,7 +78,15 @@ def _rope(x, cos, sin, backward: bool) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """LitGPT's `apply_rope` for x (B, heads, T, dim) and cos, sin (1 or B, T, dim)."""
+    """LitGPT's `apply_rope` for x (B, heads, T, dim) and cos, sin (1 or B, T, dim) whose two halves repeat.
+
+    Liger's kernel reads the first half of cos and sin only, which is all of LitGPT's rope cache (`build_rope_cache`
+    repeats the angles). Other values would give other results, so they stop the program: on CUDA without a
+    synchronisation (a device-side assertion), on CPU with a RuntimeError."""
+    half = cos.shape[-1] // 2
+    repeats = torch.logical_and((cos[..., :half] == cos[..., half:]).all(), (sin[..., :half] == sin[..., half:]).all())
+    torch._assert_async(repeats, "fulmen.liger: LitGPT's apply_rope got cos/sin whose two halves differ; Liger's "
+                                 "RoPE kernel assumes they repeat (as LitGPT's rope cache does): leave out liger")
     return _rope(x, cos, sin, backward=False)
 
 
