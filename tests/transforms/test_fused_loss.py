@@ -371,3 +371,61 @@ def test_torchcompile_executor_compiles_the_chunk_step():
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
     torch.testing.assert_close(ours[1].grad, theirs[1].grad, rtol=1e-5, atol=1e-6)
     assert "compiled=True" in fulmen.last_traces(jitted)[-1].python()
+
+
+# ---- CUDA (run on the device machine: pytest -m cuda tests/transforms) -------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("executors", [["torch"], ["torchcompile", "torch"]], ids=["torch", "torchcompile"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cuda_fp32_equals_eager(executors, reduction):
+    h, w, b = torch.randn(4, 500, 128, device="cuda"), torch.randn(5000, 128, device="cuda") / 8, \
+        torch.randn(5000, device="cuda")
+    t = torch.randint(0, 5000, (4, 500), device="cuda")
+    t[:, ::3] = -100
+    fn = _head(reduction, bias=True)
+    jitted = fulmen.jit(fn, executors=executors, options=_options(384))
+    ours, theirs = _leaves(h, w, t, b), _leaves(h, w, t, b)
+    out, expected = jitted(*ours), fn(*theirs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    cotangent = torch.randn_like(out)
+    out.backward(cotangent)
+    expected.backward(cotangent)
+    for got, want in zip(ours, theirs):
+        if want.requires_grad:
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    assert ("compiled=True" in fulmen.last_traces(jitted)[-1].python()) == ("torchcompile" in executors)
+
+
+def _cuda_step(fuse: bool, rows=8192, vocab=128256, hidden=1024):
+    torch.manual_seed(0)
+    h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device="cuda") / 32).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device="cuda")
+
+    def loss(h, w, t):  # LitGPT's way: bf16 logits upcast for the loss
+        return F.cross_entropy(F.linear(h, w).float(), t)
+
+    jitted = fulmen.jit(loss, options=_options(fuse=fuse))
+    jitted(h, w, t).backward()  # compile outside the measurement
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    value = jitted(h, w, t)
+    value.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    return value.detach(), h.grad, w.grad, peak
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_peak_drops_by_more_than_the_logits_and_values_stay_eagers():
+    """Llama 3's vocabulary at 8192 tokens: the unfused step holds bf16 logits, their fp32 upcast and gradients."""
+    fused_loss_value, fused_h, fused_w, fused_peak = _cuda_step(True)
+    loss, grad_h, grad_w, peak = _cuda_step(False)
+    logits_bytes = 8192 * 128256 * 2
+    print(f"\npeak above the inputs: unfused {peak / 2**30:.2f} GiB, fused {fused_peak / 2**30:.2f} GiB")
+    assert peak - fused_peak >= logits_bytes
+    torch.testing.assert_close(fused_loss_value, loss, rtol=1e-4, atol=0)  # same bf16 logits, fp32 maths both
+    torch.testing.assert_close(fused_h.float(), grad_h.float(), rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(fused_w.float(), grad_w.float(), rtol=2 ** -6, atol=1e-5)
