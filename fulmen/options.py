@@ -16,7 +16,7 @@ class JitOptions:
         fuse_linear_cross_entropy: compute a cross-entropy of a linear's output (a language model's head and loss)
             chunk by chunk of rows, so the full logits and their gradient never exist (fulmen.transforms.fused_loss).
         cross_entropy_chunk_rows: rows (tokens) per chunk of the fused loss; None chooses from memory (each chunk's
-            logits at most 1/8 of the full logits and 256 MiB).
+            logits at most 1/8 of the full logits and 256 MiB, but at least 1024 rows).
     """
 
     decompose: bool = True

@@ -37,9 +37,11 @@ from fulmen.ops.registry import SYMBOLS
 
 REDUCTIONS = ("mean", "sum", "none")
 # Automatic chunks: each chunk's logits take at most this fraction of the full logits' bytes, and at most
-# CHUNK_BYTES (the transients of a chunk are about 4x its logits: fp32 work and the logits' gradient).
+# CHUNK_BYTES (the transients of a chunk are about 4x its logits: fp32 work and the logits' gradient), but at least
+# MIN_ROWS rows: fewer rows leave a GPU's matmuls short of work and add a pass over the weight's gradient per chunk.
 CHUNK_FRACTION = 8
 CHUNK_BYTES = 256 * 2**20
+MIN_ROWS = 1024
 # Rows per chunk are rounded down to a multiple of this (matmul tiles) when there are more.
 ROW_MULTIPLE = 64
 
@@ -47,11 +49,11 @@ ROW_MULTIPLE = 64
 def chunk_rows_for(rows: int, vocab: int, dtype: torch.dtype) -> int:
     """The automatic number of rows per chunk for `rows` x `vocab` logits of `dtype`."""
     row_bytes = vocab * dtype.itemsize
-    budget = min(rows * row_bytes // CHUNK_FRACTION, CHUNK_BYTES)
-    chunk = max(1, budget // row_bytes)
-    if chunk >= ROW_MULTIPLE:
-        chunk -= chunk % ROW_MULTIPLE
-    return min(rows, chunk)
+    budget = min(rows * row_bytes // CHUNK_FRACTION, CHUNK_BYTES) // row_bytes
+    chunk = max(budget, MIN_ROWS)
+    if chunk >= rows:
+        return rows
+    return chunk - chunk % ROW_MULTIPLE if chunk >= ROW_MULTIPLE else chunk
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

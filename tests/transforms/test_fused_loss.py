@@ -136,28 +136,33 @@ def test_only_the_inputs_that_require_grad_get_one(grads):
     assert len([p for p in saved if p.shape in (h.shape, w.shape)]) == 1
 
 
+def _saved_activations(jitted, inputs: set[str]) -> list[tuple[int, ...]]:
+    return sorted(tuple(p.shape) for p in jitted.last_entry.program.plan.saved if p.pname not in inputs)
+
+
 def test_no_tensor_of_the_logits_size_and_neither_logits_nor_h_saved():
-    rows, vocab, hidden = (4, 16), 512, 8
+    rows, vocab, hidden = (4, 1024), 512, 8
     h, w, t = _inputs(vocab, rows, hidden)
-    h.requires_grad_()
 
     def model_and_loss(x, w1, w, t):
-        return _head()(torch.tanh(x @ w1), w, t)
+        return _head()(x @ w1, w, t)
 
     args = [torch.randn(*rows, hidden), torch.randn(hidden, hidden), w, t]
-    jitted = _check(model_and_loss, args, fulmen.JitOptions())  # chunks chosen from memory
-    assert _largest(jitted) < 64 * vocab // 8 + 1  # at most 1/8 of the logits per chunk, inside the fused op
-    assert _largest(jitted) < 64 * vocab
-    saved = {p.pname: tuple(p.shape) for p in jitted.last_entry.program.plan.saved}
-    assert (*rows, vocab) not in saved.values() and (64, vocab) not in saved.values()
+    jitted = _check(model_and_loss, args, fulmen.JitOptions())  # chunks chosen from memory: 1024 rows
+    assert "chunks of 1024 rows" in _fusion_note(jitted)
+    assert _largest(jitted) == 4096 * hidden  # h: the chunks' logits exist inside the fused op only
+    inputs = {"x", "w1", "w", "t"}
+    assert _saved_activations(jitted, inputs) == [(4, 1024, 8), (512, 8)]  # the grads of h and W, not h or logits
     unfused = _check(model_and_loss, args, _options(fuse=False))
-    assert _largest(unfused) == 64 * vocab
+    assert _largest(unfused) == 4096 * vocab
+    assert (4096, vocab) in _saved_activations(unfused, inputs)
 
 
 def test_automatic_chunks_are_a_fraction_of_the_logits():
     assert fused_loss.chunk_rows_for(8192, 128256, torch.bfloat16) == 1024  # Llama 3 at 4 x 2048: 8 chunks
-    assert fused_loss.chunk_rows_for(64, 512, torch.float32) == 8
-    assert fused_loss.chunk_rows_for(3, 10, torch.float32) == 1
+    assert fused_loss.chunk_rows_for(8192, 32000, torch.bfloat16) == 1024  # at least 1024 rows
+    assert fused_loss.chunk_rows_for(500, 32000, torch.float32) == 500  # fewer rows: one chunk
+    assert fused_loss.chunk_rows_for(2**16, 1000, torch.float32) == 2**13  # 1/8 of the logits
     rows = fused_loss.chunk_rows_for(65536, 128256, torch.bfloat16)  # 256 MiB of logits at most
     assert rows % 64 == 0 and rows * 128256 * 2 <= fused_loss.CHUNK_BYTES
 
