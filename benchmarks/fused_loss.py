@@ -38,7 +38,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCHMARKS = Path(__file__).resolve().parent
+if str(BENCHMARKS) not in sys.path:  # step.py sits beside this file
+    sys.path.insert(0, str(BENCHMARKS))
 import step  # noqa: E402 - benchmarks/step.py: model, batch, timing and report helpers shared by the benchmarks
 
 import fulmen  # noqa: E402
