@@ -190,7 +190,7 @@ def _split_group(graph: _Graph, split: BoundSymbol, a: dict[str, Any]) -> tuple[
     dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
     if dim % logits.dim() != 0:
         return f"the logits are split along dim {dim}, not into row chunks"
-    removed, losses, targets, dtypes = [split], [], [], set()
+    removed, losses, targets, dtypes, conversions = [split], [], [], set(), 0
     for piece in split.proxy_outputs():
         found = _down(graph, piece)
         if found is None:
@@ -200,6 +200,7 @@ def _split_group(graph: _Graph, split: BoundSymbol, a: dict[str, Any]) -> tuple[
         if not _same_loss(a, b) or b["reduction"] != "none" or _unsupported(b) is not None:
             return "the cross-entropies of the split logits differ or do not use reduction='none'"
         removed.extend([*chain, ce])
+        conversions = max(conversions, _conversions([piece, *(op.output for op in chain), b["input"]]))
         losses.append(ce.output)
         targets.append(b["target"])
         dtypes.add(b["input"].dtype)
@@ -212,13 +213,12 @@ def _split_group(graph: _Graph, split: BoundSymbol, a: dict[str, Any]) -> tuple[
             or cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) != 0
             or any(graph.sole_reader(loss) is not cat for loss in losses)):
         return "the losses of the split logits are not concatenated in order"
-    return (target_split.args[0], cat, dtypes.pop()), [*removed, cat]
+    return (target_split.args[0], cat, dtypes.pop(), conversions), [*removed, cat]
 
 
-def _one_conversion(linear: BoundSymbol, chain: list[BoundSymbol], dtype: torch.dtype) -> bool:
-    """The logits change dtype at most once on their way to the cross-entropy (the fused loss rounds once)."""
-    dtypes = [linear.output.dtype, *(op.output.dtype for op in reversed(chain)), dtype]
-    return sum(a != b for a, b in zip(dtypes, dtypes[1:])) <= 1
+def _conversions(values: list[TensorProxy]) -> int:
+    """How many times the dtype changes along `values`."""
+    return sum(a.dtype != b.dtype for a, b in zip(values, values[1:]))
 
 
 def _match(graph: _Graph, ce: BoundSymbol) -> _Match | str:
@@ -230,13 +230,13 @@ def _match(graph: _Graph, ce: BoundSymbol) -> _Match | str:
     if isinstance(up, str):
         return up
     logits, chain = up
-    target, terminal, dtype, removed = a["target"], ce, a["input"].dtype, [ce]
+    target, terminal, dtype, removed, conversions = a["target"], ce, a["input"].dtype, [ce], 0
     producer = graph.producer.get(logits.pname)
     if producer is not None and producer.sym in SPLITS:
         group = _split_group(graph, producer, a)
         if isinstance(group, str):
             return group
-        (target, terminal, dtype), removed = group
+        (target, terminal, dtype, conversions), removed = group
         up = _up(graph, producer.args[0], producer)
         if isinstance(up, str):
             return up
@@ -250,7 +250,8 @@ def _match(graph: _Graph, ce: BoundSymbol) -> _Match | str:
     bias = producer.args[2] if len(producer.args) > 2 else producer.kwargs.get("bias")
     if type(weight) is not TensorProxy or weight.dim() != 2 or (bias is not None and type(bias) is not TensorProxy):
         return "the linear has no 2-D weight tensor"
-    if not _one_conversion(producer, chain, dtype):
+    # the fused loss rounds the logits to the cross-entropy's dtype once
+    if conversions + _conversions([producer.output, *(op.output for op in reversed(chain))]) > 1:
         return "the logits are converted through several dtypes"
     reduction = a["reduction"] if terminal is ce else "none"
     total = graph.sole_reader(terminal.output)

@@ -225,7 +225,7 @@ def test_litgpt_chunked_cross_entropy_is_one_fused_loss():
     assert _check(loss, [h, w, t], _options(16))(h, w, t) == 0
 
 
-@pytest.mark.parametrize("case", ["returned", "read", "weights", "softcapped", "split_columns"])
+@pytest.mark.parametrize("case", ["returned", "read", "weights", "softcapped", "split_columns", "two_roundings"])
 def test_declines_with_the_reason_and_computes_eagers_values(case):
     h, w, t = _inputs()
 
@@ -247,15 +247,19 @@ def test_declines_with_the_reason_and_computes_eagers_values(case):
         a, b = F.linear(h, w).flatten(0, 1).split([20, 17], dim=1)
         return F.cross_entropy(a, t.flatten() % 20) + F.cross_entropy(b, t.flatten() % 17)
 
+    def two_roundings(h, w, t):
+        return F.cross_entropy(F.linear(h, w).bfloat16().flatten(0, 1).double(), t.flatten())
+
     reasons = {"returned": "also returned by the program", "read": "also read by torch.logsumexp at test_fused",
                "weights": "class weights", "softcapped": "from torch.mul at test_fused_loss.py",
-               "split_columns": "not into row chunks"}
+               "split_columns": "not into row chunks", "two_roundings": "converted through several dtypes"}
     fn = locals()[case]
     jitted = fulmen.jit(fn, options=_options(4))
     ours, theirs = _leaves(h, w, t), _leaves(h, w, t)
     out, expected = jitted(*ours), fn(*theirs)
     loss, expected_loss = (out[0], expected[0]) if case == "returned" else (out, expected)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+    assert loss.dtype == expected_loss.dtype
     loss.backward()
     expected_loss.backward()
     torch.testing.assert_close(ours[1].grad, theirs[1].grad, rtol=1e-5, atol=1e-6)
