@@ -21,12 +21,13 @@ import litgpt.model
 import pytest
 import torch
 import torch.nn.functional as F
-from litgpt import GPT, Config
 
 import fulmen
 from fulmen.liger import LIGER_SYMBOLS, decline_reason
 from fulmen.liger import executor as liger
 from fulmen.unsloth.executor import forward_fingerprint
+from tests.transforms.test_fused_loss import check
+from tests.unsloth.helpers import forward_and_loss, llama, loss_and_grads
 
 FLCE = {"liger_fused_linear_cross_entropy"}
 CROSS_ENTROPY = {"liger_cross_entropy", "liger_cross_entropy_backward"}
@@ -69,7 +70,8 @@ def test_on_cpu_every_checker_declines_with_a_reason():
         import warnings, torch, fulmen
         import torch.nn.functional as F
         from litgpt import GPT
-        from tests.liger.test_liger import llama, loss_and_grads, liger_calls
+        from tests.liger.test_liger import liger_calls
+        from tests.unsloth.helpers import llama, loss_and_grads
         model = llama()
         idx, targets = torch.randint(0, 301, (2, 12)), torch.randint(0, 301, (2, 12))
         for fuse in (True, False):
@@ -101,21 +103,6 @@ def test_on_cpu_every_checker_declines_with_a_reason():
 
 
 # ---- under Triton's interpreter -------------------------------------------------------------------------------------
-def llama(dtype: torch.dtype = torch.float32, **overrides) -> GPT:
-    config = Config.from_name("Llama-3.2-1B", **{**dict(
-        n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16, rotary_percentage=0.5,
-        intermediate_size=88, vocab_size=301, padded_vocab_size=301, block_size=32), **overrides})
-    torch.manual_seed(0)
-    return GPT(config).to(dtype)
-
-
-def loss_and_grads(fn, model, idx, targets):
-    model.zero_grad(set_to_none=True)
-    loss = fn(model, idx, targets)
-    loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
 def liger_calls(jitted) -> set[str]:
     traces = (fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1])
     return {bsym.sym.name for trace in traces for bsym in trace.bound_symbols} & LIGER_SYMBOLS
@@ -132,22 +119,17 @@ def interpreted():
     assert kernels.interpreted()
 
 
-def _forward_and_loss(model, idx, targets):
-    logits = model(idx)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 def test_litgpt_step_through_the_interpreted_kernels(interpreted, fuse):
     model = llama()
     idx, targets = torch.randint(0, 301, (3, 12)), torch.randint(0, 301, (3, 12))
     targets[1, :4] = -100
-    step = fulmen.jit(_forward_and_loss, executors=["liger", "sdpa", "torch"],
+    step = fulmen.jit(forward_and_loss, executors=["liger", "sdpa", "torch"],
                       options=fulmen.JitOptions(fuse_linear_cross_entropy=fuse))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss, grads = loss_and_grads(step, model, idx, targets)
-    expected_loss, expected = loss_and_grads(_forward_and_loss, model, idx, targets)
+    expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
     for name in expected:
         torch.testing.assert_close(grads[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -175,20 +157,10 @@ def test_fused_linear_cross_entropy(interpreted, case):
         t.fill_(-100)
     reduction = case if case in ("mean", "sum", "none") else "mean"
     fn = _head(reduction, 0.1 if case == "smoothing" else 0.0)
-    wants = [True, case != "frozen_weight", True]
-    ours = [x.clone().requires_grad_(r) for x, r in zip((h, w, b), wants)]
-    theirs = [x.clone().requires_grad_(r) for x, r in zip((h, w, b), wants)]
-    jitted = fulmen.jit(fn, executors=["liger"], options=fulmen.JitOptions(cross_entropy_chunk_rows=4))
-    loss, expected = jitted(*ours, t), fn(*theirs, t)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0, equal_nan=True)
-    cotangent = torch.randn_like(loss)
-    loss.backward(cotangent)
-    expected.backward(cotangent)
-    for got, want in zip(ours, theirs):
-        if want.requires_grad:
-            torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    jitted = check(fn, [h, w, b, t], fulmen.JitOptions(cross_entropy_chunk_rows=4), cotangent_like=True,
+                   grads=[True, case != "frozen_weight", True, False], executors=["liger"])
     forward = {bsym.sym.name for bsym in fulmen.last_traces(jitted)[-1].bound_symbols}
-    # per-row cotangents: the loss is Liger's, the gradients fulmen's chunks recomputed in the backward
+    # Liger's kernel gives the loss (and for mean and sum the gradients; for none fulmen's chunks do, backward)
     assert "liger_fused_linear_cross_entropy" in forward
     with torch.no_grad():
         torch.testing.assert_close(jitted(h, w, b, t), fn(h, w, b, t), rtol=1e-5, atol=0, equal_nan=True)
