@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.set_defaults(model_name="Llama-3.2-1B", compilers=DEFAULT)
     parser.add_argument("--cap_gb", type=float, default=40.0, help="memory cap of the largest-batch search (0: none)")
     parser.add_argument("--cap_iters", type=int, default=3, help="timed steps per batch size under the cap")
-    parser.add_argument("--cap_probes", type=int, default=4, help="runs of the largest-batch search per row")
+    parser.add_argument("--cap_probes", type=int, default=3, help="runs of the largest-batch search per row")
     args = step.parse_common(parser, argv, COMPILERS)
     device, dtype = torch.device(args.device), step.DTYPES[args.dtype]
     if device.type == "cuda" and device.index is None:
@@ -209,9 +209,11 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     for name in args.compilers:
         print(f"{name}: running", flush=True)
-        results[name] = benchmark(name, args, device, dtype)
-        r = results[name]
-        print(f"{name}: {r['status']}" + (f" ({r['error'][:300]})" if "error" in r else ""), flush=True)
+        row_start = time.perf_counter()
+        results[name] = r = benchmark(name, args, device, dtype)
+        r["row_s"] = time.perf_counter() - row_start
+        print(f"{name}: {r['status']} in {r['row_s']:.0f} s" + (f" ({r['error'][:300]})" if "error" in r else ""),
+              flush=True)
     print_table(results)
     ratios = {}
     compiled = results.get("torch.compile", {})
