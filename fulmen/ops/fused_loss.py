@@ -97,9 +97,11 @@ def _step(compiled: bool) -> Callable[..., Any]:
     if not compiled:
         return chunk_step
 
-    def step(logits, *args):
-        torch._dynamo.maybe_mark_dynamic(logits, 0)  # one compiled step for every chunk length
-        return _compiled_step()(logits, *args)
+    def step(logits, target, row_scale, *args):
+        for rows in (logits, target, row_scale):  # one compiled step for every chunk length
+            if rows.dim():
+                torch._dynamo.maybe_mark_dynamic(rows, 0)
+        return _compiled_step()(logits, target, row_scale, *args)
 
     return step
 
