@@ -129,6 +129,8 @@ def _unsupported(a: dict[str, Any]) -> str | None:
         return "the deprecated size_average/reduce arguments are not supported by the fused loss"
     if type(logits) is not TensorProxy or logits.dim() != 2 or not logits.dtype.is_floating_point:
         return "the fused loss takes logits of shape (rows, classes)"
+    if logits.numel() == 0:
+        return "the logits are empty"
     if type(target) is not TensorProxy or target.dtype.is_floating_point or target.dim() != 1:
         return "the fused loss takes one class index per row as target"
     if a["reduction"] not in fused_loss.REDUCTIONS or type(a["ignore_index"]) is not int:

@@ -126,6 +126,11 @@ def test_every_row_ignored_gives_eagers_nan_and_zero_grads():
     check(_head("sum"), [h, w, t], _options(4))
 
 
+def test_empty_logits_are_declined():
+    jitted = check(_head(), [torch.randn(0, 3, 4), torch.randn(5, 4), torch.zeros(0, 3, dtype=torch.long)], _options())
+    assert "the logits are empty" in _fusion_note(jitted)
+
+
 @pytest.mark.parametrize("grads", [(False, True, False), (True, False, False)], ids=["h_without_grad", "W_frozen"])
 def test_only_the_inputs_that_require_grad_get_one(grads):
     h, w, t = _inputs()
