@@ -112,7 +112,8 @@ def _flce_checker(h, weight, bias, target, *, ignore_index, reduction, label_smo
                   wants=(False, False, False), compiled=False) -> bool:
     if not (h.dtype == weight.dtype in FLOATS and dtype in (h.dtype, torch.float32) and target.dtype == torch.int64
             and (bias is None or bias.dtype == h.dtype)):
-        return _accepts("fused linear + cross-entropy", f"dtypes {h.dtype}, {weight.dtype} -> {dtype}")
+        return _accepts("fused linear + cross-entropy", "it takes h and the weight in one float dtype, int64 targets "
+                        f"and the loss in that dtype or float32 (got {h.dtype}, {weight.dtype} -> {dtype})")
     return _accepts("fused linear + cross-entropy", decline_reason("fused linear + cross-entropy", h, weight,
                                                                          bias, target))
 
