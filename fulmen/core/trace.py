@@ -17,7 +17,8 @@ from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import BoundSymbol, Builder, Symbol, Tag, iter_proxies, map_proxies, pop_builder, push_builder
 
 # Names a generated trace must not shadow.
-_RESERVED = frozenset({"torch", "prims", "impls", "operator", "math", "inf", "nan"}) | frozenset(dir(__builtins__))
+_RESERVED = (frozenset({"torch", "prims", "impls", "fused_loss", "operator", "math", "inf", "nan"})
+             | frozenset(dir(__builtins__)))
 
 
 class Namespace:

@@ -204,8 +204,10 @@ class Interpreter(TorchFunctionMode):
     def _constant(self, tensor: torch.Tensor) -> TensorProxy:
         proxy = self._constant_ids.get(id(tensor))
         if proxy is None:
-            proxy = self.builder.make_proxy(logical_meta(tensor), tensor.device, tensor.requires_grad,
-                                            name=f"c{len(self.constants)}")
+            # Outside __torch_function__ (a replaced function's arguments) this mode would see the meta's creation.
+            with torch._C.DisableTorchFunction():
+                meta = logical_meta(tensor)
+            proxy = self.builder.make_proxy(meta, tensor.device, tensor.requires_grad, name=f"c{len(self.constants)}")
             self.constants.append((tensor, proxy))
             self._constant_ids[id(tensor)] = proxy
         return proxy

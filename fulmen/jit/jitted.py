@@ -29,6 +29,7 @@ from fulmen.options import JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
 from fulmen.transforms.common import cse, dce, delete_last_used
 from fulmen.transforms.forward_backward import plan_grad
+from fulmen.transforms.fused_loss import fuse_linear_cross_entropy
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +191,10 @@ class JittedFunction:
         if self._options.cse:
             traces.append(cse(traces[-1]))
             traces.append(dce(traces[-1]))
+        if self._options.fuse_linear_cross_entropy:
+            fused = fuse_linear_cross_entropy(traces[-1], self._options.cross_entropy_chunk_rows)
+            if fused is not traces[-1]:
+                traces.append(fused)
         module_tensors = [source.fetch() for source in self._module_inputs]
         dist = DistributedProgram.of(acquired, [*tensors, *module_tensors, *(t for t, _ in interpreter.constants)])
         program = None
