@@ -1,11 +1,13 @@
-"""Functional forms of in-place updates, as traces print them (`impls.setitem(...)`).
+"""fulmen's own callables, as traces print them (`impls.setitem(...)`).
 
-Acquisition turns every in-place update into one of these out-of-place calls (or the op's own out-of-place
-symbol), so traces are pure until the final `prims.copy_` write-backs into the program's inputs.
+Functional forms of in-place updates: acquisition turns every in-place update into one of these out-of-place calls
+(or the op's own out-of-place symbol), so traces are pure until the final `prims.copy_` write-backs into the
+program's inputs. Also: the fallbacks of the grad transform, and the copies of CPU offloading.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -70,3 +72,56 @@ def torch_vjp(fn: Callable[..., Any], args: tuple, kwargs: dict, wrt: tuple[int,
     pairs = [(o, g) for o, g in zip(floating, cotangents) if o.requires_grad]
     grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
+
+
+# --- CPU offloading of saved tensors (fulmen.transforms.offload) ----------------------------------------------------
+# A device tensor's copy to pinned host memory and back runs on a side stream per device; events attached to the
+# tensors order the streams. Tensors on the CPU are copied plainly (nothing is freed; tests run the rewrite so).
+
+
+@functools.cache
+def offload_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def offload_to_host(x: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of `x`, started on the offload stream once `x` is computed. The caching allocator
+    reuses `x`'s memory only after the copy is done, however early the program drops `x`."""
+    if x.device.type != "cuda":
+        return x.clone()
+    stream = offload_stream(x.device)
+    host = torch.empty_like(x, device="cpu", pin_memory=True)
+    stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):
+        host.copy_(x, non_blocking=True)
+        host._fulmen_copied = stream.record_event()  # type: ignore[attr-defined]
+    x.record_stream(stream)
+    return host
+
+
+def reload_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A device copy of `host`, started on the offload stream; `wait_for_copy` makes it safe to read."""
+    if device.type != "cuda":
+        return host.clone()
+    copied = getattr(host, "_fulmen_copied", None)
+    if copied is not None:
+        # The device memory the forward copied from must be free again before this one is allocated, so
+        # offloading never raises the peak (when the copy out lags, the caller waits instead).
+        copied.synchronize()
+        host._fulmen_copied = None  # type: ignore[attr-defined]
+    out = torch.empty_like(host, device=device)
+    stream = offload_stream(out.device)
+    stream.wait_stream(torch.cuda.current_stream(out.device))  # the compute stream may still use out's memory
+    with torch.cuda.stream(stream):
+        out.copy_(host, non_blocking=True)
+        out._fulmen_ready = stream.record_event()  # type: ignore[attr-defined]
+    return out
+
+
+def wait_for_copy(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself, once the copy `reload_to_device` started into it is done (the current stream waits)."""
+    ready = getattr(x, "_fulmen_ready", None)
+    if ready is not None:
+        torch.cuda.current_stream(x.device).wait_event(ready)
+        x._fulmen_ready = None  # type: ignore[attr-defined]
+    return x
