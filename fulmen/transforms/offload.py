@@ -146,9 +146,9 @@ def reload_backward(traces: GradTraces, prefetch: int) -> Trace:
             first_use.setdefault(proxy.pname, len(backward.bound_symbols))
     order = sorted((first_use[p.pname], host) for host, p in originals.items() if p.pname in first_use)
     starts: dict[int, list[str]] = {}  # a reload starts before the call at this position
-    for k, (_, host) in enumerate(order):
-        start = 0 if k < prefetch else order[k - prefetch][0] + 1
-        starts.setdefault(start, []).append(host)
+    for k, (use, host) in enumerate(order):
+        start = 0 if k < prefetch else order[k - prefetch][0] + 1  # after the first use `prefetch` places before
+        starts.setdefault(min(start, use), []).append(host)
     waits: dict[int, list[str]] = {}
     for use, host in order:
         waits.setdefault(use, []).append(host)
