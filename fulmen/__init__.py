@@ -23,6 +23,7 @@ from fulmen.examine import ExamineReport, examine
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import get_default_executors, get_executor
 from fulmen.executors.registry import resolve as resolve_executors
+from fulmen.jit.functional import FunctionalTransform, grad, jvp, vjp, vmap
 from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule, core
 from fulmen.jit.rewrite import rewrite
 from fulmen.options import JitOptions, OffloadOptions
@@ -30,11 +31,11 @@ from fulmen.transforms.autodiff import get_grad, put_grad, put_grads, register_g
 from fulmen.transforms.transform import GradTraces, Stage, TraceKind, Transform, TransformError
 
 __all__ = [
-    "CacheStats", "DataDependentError", "ExamineReport", "FulmenError", "GradTraces", "JitOptions", "JittedFunction",
-    "JittedModule", "OffloadOptions", "Stage", "TensorProxy", "Trace", "TraceError", "TraceKind", "Transform",
-    "TransformError", "UnsupportedOpError", "cache_hits", "cache_misses", "examine", "extend",
-    "get_default_executors", "get_executor", "get_grad", "jit", "last_backward_traces", "last_traces", "put_grad",
-    "put_grads", "register_grad", "rewrite", "torch",
+    "CacheStats", "DataDependentError", "ExamineReport", "FulmenError", "FunctionalTransform", "GradTraces",
+    "JitOptions", "JittedFunction", "JittedModule", "OffloadOptions", "Stage", "TensorProxy", "Trace", "TraceError",
+    "TraceKind", "Transform", "TransformError", "UnsupportedOpError", "cache_hits", "cache_misses", "examine",
+    "extend", "get_default_executors", "get_executor", "get_grad", "grad", "jit", "jvp", "last_backward_traces",
+    "last_traces", "put_grad", "put_grads", "register_grad", "rewrite", "torch", "vjp", "vmap",
 ]
 
 
@@ -60,6 +61,8 @@ def jit(fn: Callable[..., Any] | nn.Module, executors: Sequence[Executor | str] 
             raise ValueError("fulmen.jit: give offload as an argument or in JitOptions.offload, not both")
         options = dataclasses.replace(options, offload=offload)
     resolved = resolve_executors(executors)
+    if isinstance(fn, FunctionalTransform):  # fulmen.grad(f) / vmap(f): jitted with these executors and options
+        return JittedFunction(fn.inline, options, executors=resolved)
     if isinstance(fn, JittedModule | JittedFunction):
         return fn
     if isinstance(fn, nn.Module):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 
@@ -70,8 +71,46 @@ def torch_vjp(fn: Callable[..., Any], args: tuple, kwargs: dict, wrt: tuple[int,
     floating = [o for o in tree_leaves(out)
                 if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())]
     pairs = [(o, g) for o, g in zip(floating, cotangents) if o.requires_grad]
-    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+    # Differentiable itself when the caller records autograd (a backward differentiated again, fulmen.jvp of it).
+    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True,
+                                create_graph=torch.is_grad_enabled())
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
+
+
+def _floating_leaves(out: Any) -> list[torch.Tensor]:
+    return [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())]
+
+
+def torch_jvp(fn: Callable[..., Any], args: tuple, kwargs: dict, tangents: tuple) -> tuple[Any, tuple]:
+    """`fn(*args, **kwargs)` and the tangents of its floating outputs, by torch's forward-mode AD on `fn` itself,
+    given the tangents of its tensor arguments in order (None: zero). The JVP of an op fulmen has no JVP rule for;
+    the outputs come from the same call, so an op that draws random numbers draws them once."""
+    position = itertools.count()
+
+    def dual(t: torch.Tensor) -> torch.Tensor:
+        tangent = tangents[next(position)]
+        return t if tangent is None else forward_ad.make_dual(t, tangent)
+
+    # grad mode on: an op that is itself a backward (impls.torch_vjp) records what forward-mode AD goes through
+    with forward_ad.dual_level(), torch.enable_grad():
+        args, kwargs = tree_map_only(torch.Tensor, dual, (args, kwargs))
+        out = fn(*args, **kwargs)
+        floating = _floating_leaves(out)
+        results = [forward_ad.unpack_dual(o).tangent for o in floating]
+        out = tree_map_only(torch.Tensor, lambda o: forward_ad.unpack_dual(o).primal.detach(), out)
+    return out, tuple(torch.zeros_like(o) if t is None else t.detach() for o, t in zip(_floating_leaves(out), results))
+
+
+def batch_loop(fn: Callable[..., Any], args: tuple, kwargs: dict, batched: tuple[bool, ...], size: int) -> Any:
+    """`fn` mapped over dim 0 of its `batched` tensor arguments (flags in argument order), `size` calls, results
+    stacked along a new dim 0: the batching of an op fulmen has no batching rule for, one call per example."""
+    results = []
+    for index in range(size):
+        flags = iter(batched)
+        example = tree_map_only(torch.Tensor, lambda t, i=index, flags=flags: t[i] if next(flags) else t,
+                                (args, kwargs))
+        results.append(fn(*example[0], **example[1]))
+    return torch.utils._pytree.tree_map(lambda *parts: torch.stack(parts), *results)
 
 
 # --- CPU offloading of saved tensors (fulmen.transforms.offload) ----------------------------------------------------
