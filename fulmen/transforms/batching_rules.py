@@ -60,7 +60,8 @@ for _name in (*prims.UNARY, *prims.BINARY, "where"):
 for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
             F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink, F.threshold, torch.nan_to_num, torch.clamp_min,
             torch.clamp_max, torch.fmax, torch.fmin, torch.xlogy, torch.lerp, torch.addcmul, torch.addcdiv,
-            torch.float_power, torch.isclose, torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__):
+            torch.float_power, torch.isclose, torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__, torch.round,
+            torch.empty_like, torch.full_like):
     BATCH_RULES[lookup(_fn).symbol] = elementwise(lookup(_fn).symbol)
 
 
@@ -79,6 +80,9 @@ for _name in ("convert_element_type", "device_put", "alias", "clone", "pad"):
 def _over_dims(prim):
     def rule(batch: Batch, args: tuple, kwargs: dict):
         x, dims, *rest = args
+        if not dims and prim is not prims.flip:
+            # no dims means all of them, which for one example is none (a 0-dim tensor): reduce a size-1 dim
+            return prim(prims.unsqueeze(x, 1), (1,), *rest)
         return prim(x, tuple(shift(d) for d in dims), *rest)
 
     return rule
@@ -101,6 +105,8 @@ def _prod(batch: Batch, args: tuple, kwargs: dict):
 
 def _at_dim(prim, position: int):
     def rule(batch: Batch, args: tuple, kwargs: dict):
+        if args[0].dim() == 1 and prim is not prims.unsqueeze:
+            return NotImplemented  # one example is 0-dim, where dims 0 and -1 both name the one element
         args = list(args)
         args[position] = shift(args[position])
         return prim(*args)
@@ -163,6 +169,8 @@ def _along(index: torch.Tensor, dim: int, like: torch.Tensor) -> torch.Tensor:
 @register_batching(prims.take)
 def _take(batch: Batch, args: tuple, kwargs: dict):
     x, index, dim = args
+    if len(_example_shape(batch, x)) == 0:
+        return NotImplemented
     if not batch.batched(index):
         return prims.take(x, index, shift(dim))
     x = batch.materialize(x)
@@ -241,19 +249,23 @@ def with_dim(fn: Callable[..., Any], position: int, keyword: str, default: int |
     """The rule of an op of one tensor and a `dim` argument (at `position` or `keyword`); declines dim=None."""
 
     def rule(batch: Batch, args: tuple, kwargs: dict):
-        if any(_tensor(a) for a in (*args[1:], *kwargs.values())):
-            return NotImplemented
+        if any(_tensor(a) for a in (*args[1:], *kwargs.values())) or args[0].dim() == 1:
+            return NotImplemented  # tensor arguments, or a 0-dim example (dims 0 and -1 name its one element)
         args, kwargs = list(args), dict(kwargs)
         if position < len(args):
             dim = args[position]
         else:
             dim = kwargs.get(keyword, default)
-        if not isinstance(dim, int):
-            return NotImplemented  # None (every dim) or several dims
-        if position < len(args):
-            args[position] = shift(dim)
+        if isinstance(dim, (tuple, list)) and dim and all(type(d) is int for d in dim):
+            moved: Any = type(dim)(shift(d) for d in dim)
+        elif type(dim) is int:
+            moved = shift(dim)
         else:
-            kwargs[keyword] = shift(dim)
+            return NotImplemented  # None (every dim) or another overload (var_mean(x, unbiased))
+        if position < len(args):
+            args[position] = moved
+        else:
+            kwargs[keyword] = moved
         return fn(*args, **kwargs)
 
     return rule
@@ -304,3 +316,136 @@ def _scatter_like(fn: Callable[..., Any]):
 
 for _fn in (torch.scatter, torch.scatter_add):
     BATCH_RULES[lookup(_fn).symbol] = _scatter_like(lookup(_fn).symbol)
+
+
+
+@register_batching(torch.diagonal)
+def _diagonal(batch: Batch, args: tuple, kwargs: dict):
+    x, offset, dim1, dim2 = _diagonal_args(args, kwargs)
+    return lookup(torch.diagonal).symbol(x, offset, shift(dim1), shift(dim2))
+
+
+def _diagonal_args(args: tuple, kwargs: dict) -> tuple:
+    names = ("offset", "dim1", "dim2")
+    defaults = dict(zip(names, (0, 0, 1)))
+    values = dict(zip(names, args[1:]))
+    return (args[0], *(values.get(n, kwargs.get(n, defaults[n])) for n in names))
+
+
+@register_batching(torch.tile)
+def _tile(batch: Batch, args: tuple, kwargs: dict):
+    x, dims = args[0], tuple(args[1] if len(args) > 1 else kwargs["dims"])
+    x = batch.pad_to(x, len(dims))
+    return lookup(torch.tile).symbol(x, (1, *(1,) * (x.dim() - 1 - len(dims)), *dims))
+
+
+def _scatter_into(fn, dim_position: int, dim_default: int):
+    """select_scatter / slice_scatter (x, src, dim, ...): both batched, the dim moved."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        args, kwargs = list(args), dict(kwargs)
+        if len(args) > dim_position:
+            args[dim_position] = shift(args[dim_position])
+        else:
+            kwargs["dim"] = shift(kwargs.get("dim", dim_default))
+        x, src = args[0], args[1] if len(args) > 1 else kwargs.pop("src")
+        return fn(batch.materialize(x), batch.materialize(src), *args[2:], **kwargs)
+
+    return rule
+
+
+BATCH_RULES[lookup(torch.select_scatter).symbol] = _scatter_into(lookup(torch.select_scatter).symbol, 2, 0)
+BATCH_RULES[lookup(torch.slice_scatter).symbol] = _scatter_into(lookup(torch.slice_scatter).symbol, 2, 0)
+
+
+def _batched_matmul(batch: Batch, a: Any, b: Any) -> torch.Tensor:
+    out = _matmul(batch, (a, b), {})
+    batch.names.add(out.pname)
+    return out
+
+
+@register_batching(torch.Tensor.__rmatmul__)
+def _rmatmul(batch: Batch, args: tuple, kwargs: dict):
+    x, other = args
+    return _matmul(batch, (other, x), {})
+
+
+@register_batching(torch.outer)
+def _outer(batch: Batch, args: tuple, kwargs: dict):
+    a, b = (batch.materialize(x) for x in args)
+    return prims.mul(prims.expand(prims.unsqueeze(a, 2), (batch.size, a.shape[1], b.shape[1])),
+                     prims.expand(prims.unsqueeze(b, 1), (batch.size, a.shape[1], b.shape[1])))
+
+
+def _matmul_plus(fn):
+    """addmm / baddbmm: beta * input + alpha * (m1 @ m2), from the batched matmul."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        x, m1, m2 = args
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        product = _batched_matmul(batch, m1, m2)
+        scaled = product if alpha == 1 else prims.mul(product, alpha)
+        batch.names.add(scaled.pname)
+        if beta == 0:
+            return scaled
+        x = x if beta == 1 else prims.mul(x, beta)
+        if x is not args[0] and batch.batched(args[0]):
+            batch.names.add(x.pname)
+        return elementwise(prims.add)(batch, (x, scaled), {})
+
+    return rule
+
+
+for _fn in (torch.addmm, torch.baddbmm):
+    BATCH_RULES[lookup(_fn).symbol] = _matmul_plus(lookup(_fn).symbol)
+
+
+def _loss(fn):
+    """A pointwise loss (input, target, ..., reduction=): its unreduced form, reduced over each example's dims."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        if len(args) > 2 or any(k not in ("reduction", "weight", "pos_weight", "beta", "delta", "log_target")
+                                for k in kwargs):
+            return NotImplemented  # the deprecated size_average / reduce arguments, or positional options
+        reduction = kwargs.get("reduction", "mean")
+        tensors = {k: v for k, v in kwargs.items() if _tensor(v)}
+        operands = broadcast(batch, *args, *tensors.values())
+        options = {k: v for k, v in kwargs.items() if k != "reduction" and not _tensor(v)}
+        per_element = fn(*operands[:2], **dict(zip(tensors, operands[2:])), **options, reduction="none")
+        dims = tuple(range(1, per_element.dim()))
+        if reduction == "none":
+            return per_element
+        if reduction == "sum":
+            return prims.sum(per_element, dims) if dims else per_element
+        if reduction == "mean":
+            count = math.prod(per_element.shape[1:])
+            return prims.div(prims.sum(per_element, dims), count) if dims else per_element
+        if reduction == "batchmean":  # kl_div: the sum over the first dim of each example
+            return prims.div(prims.sum(per_element, dims), per_element.shape[1] if dims else 1)
+        return NotImplemented
+
+    return rule
+
+
+for _fn in (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.binary_cross_entropy, F.binary_cross_entropy_with_logits,
+            F.kl_div):
+    BATCH_RULES[lookup(_fn).symbol] = _loss(lookup(_fn).symbol)
+
+
+def _conv(fn, spatial: int):
+    """conv1d / conv2d over a batched input with unbatched weights: the batch joins the conv's own batch."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        x, weight, *rest = args
+        if batch.batched(weight) or any(batch.batched(a) for a in (*rest, *kwargs.values())):
+            return NotImplemented
+        example = x.shape[1:]
+        rows = x.shape[0] * (example[0] if len(example) == spatial + 2 else 1)
+        out = fn(prims.reshape(x, (rows, *example[-(spatial + 1):])), weight, *rest, **kwargs)
+        return prims.reshape(out, (batch.size, *example[:-(spatial + 1)], *out.shape[1:]))
+
+    return rule
+
+
+for _fn, _spatial in ((F.conv1d, 1), (F.conv2d, 2)):
+    BATCH_RULES[lookup(_fn).symbol] = _conv(lookup(_fn).symbol, _spatial)

@@ -4,10 +4,12 @@ backward traces. Symbols not here are differentiated through their decomposition
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fulmen.ops import lookup, prims
 from fulmen.ops.registry import SYMBOLS
@@ -169,7 +171,9 @@ def _var(dot: Dot, args: tuple, kwargs: dict):
     for d in dims:
         n *= x.shape[d]
     centered = x - _keepdim(x.mean(dims), x, dims)
-    return y, (centered * dot(x)).sum(dims) * (2.0 / max(n - correction, 0))
+    # torch's double arithmetic: 2 / 0 is inf (a nan tangent), an empty reduction's tangent is 0
+    scale = 0.0 if n == 0 else 2.0 / (n - correction) if n != correction else math.inf
+    return y, (centered * dot(x)).sum(dims) * scale
 
 
 def _sorted_values(prim, dim_position: int):
@@ -193,3 +197,190 @@ def _logsumexp(dot: Dot, args: tuple, kwargs: dict):
     kept = y if keepdim else torch.logsumexp(x, dim, True)
     return y, (dot(x) * torch.exp(x - kept)).sum(dim, keepdim=keepdim)
 
+
+
+# --- torch-level leaves: activations and losses by their derivative, composites by their parts --------------------
+SELU_SCALE, SELU_ALPHA = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
+
+# fn -> d(output)/d(input) of an elementwise function of one tensor, from (x, *the call's other arguments)
+DERIVATIVES: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.leaky_relu: lambda x, negative_slope=0.01, inplace=False: torch.where(x > 0, 1.0, negative_slope),
+    F.hardtanh: lambda x, min_val=-1.0, max_val=1.0, inplace=False: ((x > min_val) & (x < max_val)).to(x.dtype),
+    F.relu6: lambda x, inplace=False: ((x > 0) & (x < 6)).to(x.dtype),
+    F.threshold: lambda x, threshold, value, inplace=False: (x > threshold).to(x.dtype),
+    F.elu: lambda x, alpha=1.0, inplace=False: torch.where(x > 0, 1.0, alpha * torch.exp(x)),
+    F.celu: lambda x, alpha=1.0, inplace=False: torch.where(x > 0, 1.0, torch.exp(x / alpha)),
+    F.selu: lambda x, inplace=False: SELU_SCALE * torch.where(x > 0, 1.0, SELU_ALPHA * torch.exp(x)),
+    F.softplus: lambda x, beta=1.0, threshold=20.0: torch.where(x * beta > threshold, 1.0, torch.sigmoid(x * beta)),
+    F.hardswish: lambda x, inplace=False: torch.where(x < -3, 0.0, torch.where(x <= 3, x / 3 + 0.5, 1.0)),
+    F.hardsigmoid: lambda x, inplace=False: ((x > -3) & (x < 3)).to(x.dtype) / 6,
+    F.logsigmoid: lambda x: torch.sigmoid(-x),
+    F.softsign: lambda x: 1 / ((1 + torch.abs(x)) * (1 + torch.abs(x))),
+    F.tanhshrink: lambda x: torch.tanh(x) * torch.tanh(x),
+    F.mish: lambda x, inplace=False: _mish_derivative(x),
+    torch.nan_to_num: lambda x, nan=0.0, posinf=None, neginf=None: torch.isfinite(x).to(x.dtype),
+}
+
+
+def _mish_derivative(x: torch.Tensor) -> torch.Tensor:
+    t = torch.tanh(F.softplus(x))
+    return t + x * torch.sigmoid(x) * (1 - t * t)
+
+
+def _by_derivative(sym, derivative):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        y = sym(*args, **kwargs)
+        return y, _as_tangent(dot(args[0]) * derivative(*args, **kwargs), y)
+
+    return rule
+
+
+for _fn, _derivative in DERIVATIVES.items():
+    JVP_RULES[lookup(_fn).symbol] = _by_derivative(lookup(_fn).symbol, _derivative)
+
+
+def _constant(sym):
+    """Outputs that do not depend on the values of the inputs (their shapes only): zero tangents."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        return sym(*args, **kwargs), None
+
+    return rule
+
+
+for _fn in (torch.empty_like, torch.full_like, torch.round):
+    JVP_RULES[lookup(_fn).symbol] = _constant(lookup(_fn).symbol)
+for _fn, _operands in ((F.pad, (0, 3, "value")), (T.__getitem__, (0,)), (torch.repeat_interleave, (0,))):
+    JVP_RULES[lookup(_fn).symbol] = linear(lookup(_fn).symbol, _operands)
+
+
+def _clamp_bound(fn, keep):
+    """clamp_min / clamp_max: the input's tangent where it is kept, the bound's where the bound is."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, bound = args[0], args[1] if len(args) > 1 else next(iter(kwargs.values()))
+        y = fn(x, bound)
+        kept = keep(x, bound)
+        tx, tb = dot(x), dot(bound)
+        return y, add_tangents(None if tx is None else torch.where(kept, tx, 0.0).to(y.dtype),
+                               None if tb is None else torch.where(kept, 0.0, tb).to(y.dtype))
+
+    return rule
+
+
+JVP_RULES[lookup(torch.clamp_min).symbol] = _clamp_bound(lookup(torch.clamp_min).symbol, lambda x, b: x >= b)
+JVP_RULES[lookup(torch.clamp_max).symbol] = _clamp_bound(lookup(torch.clamp_max).symbol, lambda x, b: x <= b)
+
+
+def _tangent_or_zero(dot: Dot, x: Any) -> Any:
+    return dot(x) if _tensor(x) and dot(x) is not None else 0.0
+
+
+@register_jvp(torch.addcmul)
+def _addcmul(dot: Dot, args: tuple, kwargs: dict):
+    x, a, b = args
+    value = kwargs.get("value", 1)
+    y = torch.addcmul(x, a, b, value=value)
+    t = _tangent_or_zero(dot, x) + value * (_tangent_or_zero(dot, a) * b + a * _tangent_or_zero(dot, b))
+    return y, _as_tangent(t, y)
+
+
+@register_jvp(torch.addcdiv)
+def _addcdiv(dot: Dot, args: tuple, kwargs: dict):
+    x, a, b = args
+    value = kwargs.get("value", 1)
+    y = torch.addcdiv(x, a, b, value=value)
+    t = _tangent_or_zero(dot, x) + value * (_tangent_or_zero(dot, a) / b - a * _tangent_or_zero(dot, b) / (b * b))
+    return y, _as_tangent(t, y)
+
+
+@register_jvp(torch.lerp)
+def _lerp(dot: Dot, args: tuple, kwargs: dict):
+    start, end, weight = args
+    y = torch.lerp(start, end, weight)
+    ts, te = _tangent_or_zero(dot, start), _tangent_or_zero(dot, end)
+    t = ts + weight * (te - ts) + _tangent_or_zero(dot, weight) * (end - start)
+    return y, _as_tangent(t, y)
+
+
+def _matmul_plus(fn, product):
+    """addmm / baddbmm: beta * input + alpha * (m1 @ m2)."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, m1, m2 = args
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        y = fn(x, m1, m2, beta=beta, alpha=alpha)
+        t1, t2 = dot(m1), dot(m2)
+        parts = [None if t1 is None else product(t1, m2), None if t2 is None else product(m1, t2)]
+        t = add_tangents(None if dot(x) is None else _as_tangent(beta * dot(x), y),
+                         None if not any(p is not None for p in parts) else alpha * add_tangents(*parts))
+        return y, None if t is None else _as_tangent(t, y)
+
+    return rule
+
+
+JVP_RULES[lookup(torch.addmm).symbol] = _matmul_plus(lookup(torch.addmm).symbol, torch.matmul)
+JVP_RULES[lookup(torch.baddbmm).symbol] = _matmul_plus(lookup(torch.baddbmm).symbol, torch.matmul)
+
+
+def _values_along(fn, dim_position: int, default_dim: int | None, keepdim_position: int | None = None):
+    """Ops returning (values, indices) picked along a dim: the values' tangent is the tangent picked alike."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        dim = args[dim_position] if len(args) > dim_position else kwargs.get("dim", default_dim)
+        if not isinstance(dim, int):
+            return NotImplemented
+        values, indices = fn(*args, **kwargs)
+        keepdim = keepdim_position is None or (args[keepdim_position] if len(args) > keepdim_position
+                                               else kwargs.get("keepdim", False))
+        index = indices if keepdim or indices.dim() == args[0].dim() else indices.unsqueeze(dim)
+        picked = torch.gather(dot(args[0]), dim, index)
+        return (values, indices), (picked if keepdim or indices.dim() == args[0].dim() else picked.squeeze(dim), None)
+
+    return rule
+
+
+for _fn, _spec in ((torch.topk, (2, -1)), (torch.sort, (1, -1)), (torch.cummax, (1, None))):
+    JVP_RULES[lookup(_fn).symbol] = _values_along(lookup(_fn).symbol, *_spec)
+for _fn in (torch.max, torch.min):
+    JVP_RULES[lookup(_fn).symbol] = _values_along(lookup(_fn).symbol, 1, None, keepdim_position=2)
+
+
+def _loss(fn, pointwise):
+    """mse_loss / l1_loss (input, target, reduction): the pointwise derivative times the difference of tangents."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, target = args[:2]
+        reduction = args[4] if len(args) > 4 else kwargs.get("reduction", "mean")
+        if len(args) > 2 or any(k not in ("reduction",) for k in kwargs):
+            return NotImplemented  # the deprecated size_average / reduce arguments
+        y = fn(x, target, reduction=reduction)
+        difference = x - target
+        t = pointwise(difference) * (_tangent_or_zero(dot, x) - _tangent_or_zero(dot, target))
+        t = t.sum() if reduction == "sum" else t.mean() if reduction == "mean" else t
+        return y, _as_tangent(t, y)
+
+    return rule
+
+
+JVP_RULES[lookup(F.mse_loss).symbol] = _loss(lookup(F.mse_loss).symbol, lambda d: 2 * d)
+JVP_RULES[lookup(F.l1_loss).symbol] = _loss(lookup(F.l1_loss).symbol, torch.sign)
+
+
+def _conv(fn, spatial: int):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, weight = args[:2]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        rest, options = args[3:], {k: v for k, v in kwargs.items() if k != "bias"}
+        y = fn(x, weight, bias, *rest, **options)
+        tx, tw, tb = dot(x), dot(weight), dot(bias) if bias is not None else None
+        t = add_tangents(None if tx is None else fn(tx, weight, None, *rest, **options),
+                         None if tw is None else fn(x, tw, None, *rest, **options),
+                         None if tb is None else tb.reshape(-1, *(1,) * spatial).expand(y.shape))
+        return y, None if t is None else _as_tangent(t, y)
+
+    return rule
+
+
+for _fn, _spatial in ((F.conv1d, 1), (F.conv2d, 2)):
+    JVP_RULES[lookup(_fn).symbol] = _conv(lookup(_fn).symbol, _spatial)

@@ -28,6 +28,7 @@ from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxi
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops import impls, lookup, prims
 from fulmen.ops.registry import impl_symbol
+from fulmen.transforms.autodiff import STORAGE_OPS
 from fulmen.transforms.inline import Emitter
 
 
@@ -123,8 +124,9 @@ class BatchTransform:
         if not any(batched) and not (random and self.randomness is Randomness.DIFFERENT):
             self.emitter.emit(bsym)
             return
-        if bsym.sym.tags & Tag.IMPURE:
-            raise TraceError(f"fulmen.vmap cannot batch {bsym.sym.printed}: it writes into a tensor", bsym.source)
+        if bsym.sym.tags & Tag.IMPURE or bsym.sym.printed in STORAGE_OPS:
+            raise TraceError(f"fulmen.vmap cannot batch {bsym.sym.printed}: it writes into a tensor or addresses "
+                             "storage, which traces do not model", bsym.source)
         rule = None if random else BATCH_RULES.get(bsym.sym)
         if rule is not None and self._apply(bsym, lambda: rule(self.batch, args, kwargs)):
             return
