@@ -23,7 +23,8 @@ from fulmen.examine import ExamineReport, examine
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import get_default_executors, get_executor
 from fulmen.executors.registry import resolve as resolve_executors
-from fulmen.jit.functional import FunctionalTransform, grad, jvp, vjp, vmap
+from fulmen.jit.batching import vmap
+from fulmen.jit.functional import FunctionalTransform, grad, jvp, vjp
 from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule, core
 from fulmen.jit.rewrite import rewrite
 from fulmen.options import JitOptions, OffloadOptions

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
-from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-import fulmen.transforms.batching_rules  # noqa: F401  (registers the batching rules)
 import fulmen.transforms.jvp_rules  # noqa: F401  (registers the JVP rules)
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
@@ -33,7 +32,6 @@ from fulmen.options import JitOptions
 from fulmen.transforms.forward_backward import GradPlan, plan_grad
 from fulmen.transforms.inline import Emitter
 from fulmen.transforms.jvp import JvpTransform
-from fulmen.transforms.vmap import BatchTransform, Randomness
 
 
 class FunctionalTransform(JittedFunction):
@@ -70,7 +68,7 @@ def transforming(interpreter: Interpreter) -> Any:
     return _pop_mode_temporarily()
 
 
-def _name(fn: Callable[..., Any]) -> str:
+def name_of(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
@@ -125,14 +123,14 @@ def _result(interpreter: Interpreter, x: Any, inputs: set[str]) -> Any:
     return prims.alias(value) if value.pname in inputs else value  # a result is never an input itself
 
 
-def _fresh(interpreter: Interpreter, like: TensorProxy, requires_grad: bool, shape: Sequence[int] | None = None
+def fresh_proxy(interpreter: Interpreter, like: TensorProxy, requires_grad: bool, shape: Sequence[int] | None = None
            ) -> TensorProxy:
     with torch._C.DisableTorchFunction():  # a meta tensor, not a call of the program
         meta = like.meta if shape is None else torch.empty(tuple(shape), dtype=like.dtype, device="meta")
     return interpreter.builder.make_proxy(meta, like.device, requires_grad, name=f"{like.pname}_")
 
 
-def _zeros(x: TensorProxy) -> TensorProxy:
+def zeros(x: TensorProxy) -> TensorProxy:
     return prims.full(tuple(x.shape), 0, dtype=x.dtype, device=x.device)
 
 
@@ -179,7 +177,7 @@ def _requires_grad_maker(interpreter: Interpreter, wrt: list[bool], what: str):
         if wrt[i] and not (outer.dtype.is_floating_point or outer.dtype.is_complex):
             raise TraceError(f"{what}: only Tensors of floating point dtype can require gradients, got "
                              f"{outer.type_string()}", user_location())
-        return _fresh(interpreter, outer, wrt[i])
+        return fresh_proxy(interpreter, outer, wrt[i])
 
     return make
 
@@ -237,7 +235,7 @@ def _grad_inline(fn: Callable[..., Any], argnums: int | tuple[int, ...], has_aux
         leaves, spec = tree_flatten(arg)
         if i in positions:
             outers = acquired.outer[offset : offset + len(leaves)]
-            grads_of = [g if g is not None else _zeros(o) for g, o in zip(leaf_grads[offset:], outers)]
+            grads_of = [g if g is not None else zeros(o) for g, o in zip(leaf_grads[offset:], outers)]
             results.append(tree_unflatten(grads_of, spec))
         offset += len(leaves)
     ordered = [results[sorted(positions).index(p)] for p in positions]
@@ -255,7 +253,7 @@ def grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bo
     if not callable(fn):
         raise TypeError(f"fulmen.grad expects a function, got {type(fn).__name__}")
     inline = functools.partial(_grad_inline, fn, argnums, has_aux)
-    return FunctionalTransform(lambda *args, **kwargs: inline(args, kwargs), f"grad({_name(fn)})")
+    return FunctionalTransform(lambda *args, **kwargs: inline(args, kwargs), f"grad({name_of(fn)})")
 
 
 def _vjp_forward(interpreter: Interpreter, fn: Callable[..., Any], primals: tuple, has_aux: bool
@@ -294,7 +292,7 @@ def _vjp_backward(program: VjpProgram, emitter: Emitter, out: Any, cotangents: A
     n_out = len(program.acquired.trace.output)
     grads = program.backward(emitter, given + [None] * (n_out - len(given)))
     by_input = dict(zip((p.pname for p in program.acquired.trace.inputs), grads))
-    flat = [(by_input.get(f.pname) if by_input.get(f.pname) is not None else _zeros(o))
+    flat = [(by_input.get(f.pname) if by_input.get(f.pname) is not None else zeros(o))
             if type(f) is TensorProxy else None for f, o in zip(program.acquired.fresh, program.acquired.outer)]
     primals, _ = tree_unflatten(flat, program.acquired.arg_spec)
     return tuple(primals)
@@ -355,7 +353,7 @@ def _jvp_inline(fn: Callable[..., Any], primals: Any, tangents: Any, has_aux: bo
         dots.append(t)
     acquired = acquire(interpreter, lambda *p: _split_aux(fn(*p), has_aux, "fulmen.jvp"),
                        tree_unflatten(outer, primal_spec), {},
-                       lambda i, o: _fresh(interpreter, o, o.requires_grad), "fulmen.jvp")
+                       lambda i, o: fresh_proxy(interpreter, o, o.requires_grad), "fulmen.jvp")
     env = {f.pname: o for f, o in zip(acquired.fresh, acquired.outer) if type(f) is TensorProxy}
     transform = JvpTransform(interpreter.builder, interpreter, env, {o.pname: t for o, t in zip(outer, dots)})
     with transforming(interpreter):
@@ -367,7 +365,7 @@ def _jvp_inline(fn: Callable[..., Any], primals: Any, tangents: Any, has_aux: bo
         if type(o) is not TensorProxy:
             raise TraceError(f"fulmen.jvp: f must return tensors, got {type(o).__name__}", user_location())
         tangent = transform.tangents.get(o.pname)
-        tangent_outs.append(tangent if tangent is not None else _zeros(o))
+        tangent_outs.append(tangent if tangent is not None else zeros(o))
     result = (out, tree_unflatten(tangent_outs, out_spec))
     return (*result, aux) if has_aux else result
 
@@ -381,126 +379,3 @@ def jvp(fn: Callable[..., Any], primals: Any, tangents: Any, has_aux: bool = Fal
     jitted = JittedFunction(lambda p, t: _jvp_inline(fn, p, t, has_aux), JitOptions(), executors=resolve(None))
     return jitted(tuple(primals) if isinstance(primals, list) else primals,
                   tuple(tangents) if isinstance(tangents, list) else tangents)
-
-
-# --- vmap -----------------------------------------------------------------------------------------------------------
-def _batch_dims(interpreter: Interpreter, flat: list, dims: list, name: str, in_dims: Any) -> int:
-    sizes = []
-    for x, d in zip(flat, dims):
-        if d is None:
-            continue
-        if not isinstance(d, int) or isinstance(d, bool):
-            raise ValueError(f"vmap({name}, in_dims={in_dims!r}, ...)(<inputs>): in_dims must hold ints or None, "
-                             f"got {d!r}")
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"vmap({name}, in_dims={in_dims!r}, ...)(<inputs>): got in_dim={d} for an input of "
-                             f"type {type(x).__name__}; only tensors are mapped over")
-        if not -x.dim() <= d < max(x.dim(), 1) or x.dim() == 0:
-            raise ValueError(f"vmap({name}, in_dims={in_dims!r}, ...)(<inputs>): got in_dim={d} for an input of "
-                             f"{x.dim()} dims; expected -{x.dim()} <= in_dim < {x.dim()}")
-        sizes.append(x.shape[d % x.dim()])
-    if not sizes:
-        raise ValueError(f"vmap({name}, in_dims={in_dims!r}, ...)(<inputs>): at least one input must be a tensor "
-                         "mapped over (an in_dim that is not None)")
-    if len(set(sizes)) > 1:
-        raise ValueError(f"vmap: expected all tensors to have the same size in the mapped dimension, got sizes "
-                         f"{sizes} for the mapped dimension")
-    return sizes[0]
-
-
-def _move(x: TensorProxy, source: int, destination: int) -> TensorProxy:
-    if source == destination:
-        return x
-    order = [d for d in range(x.dim()) if d != source]
-    order.insert(destination, source)
-    return prims.permute(x, tuple(order))
-
-
-def _vmap_inline(fn: Callable[..., Any], in_dims: Any, out_dims: Any, randomness: Randomness,
-                 chunk_size: int | None, args: tuple, kwargs: dict) -> Any:
-    interpreter = current_interpreter()
-    name = _name(fn)
-    flat, spec = tree_flatten(args)
-    dims = _broadcast_to_and_flatten(in_dims, spec)
-    if dims is None:
-        raise ValueError(f"vmap({name}, in_dims={in_dims!r}, ...)(<inputs>): expected in_dims to be an int, None "
-                         "or a (nested) tuple matching the structure of the inputs")
-    size = _batch_dims(interpreter, flat, dims, name, in_dims)
-    batched_leaves = dims + [None] * len(tree_leaves(kwargs))
-    moved = [_move(interpreter._values(x), d % x.dim(), 0) if d is not None else x for x, d in zip(flat, dims)]
-
-    def make(i: int, outer: TensorProxy) -> TensorProxy:
-        example = tuple(outer.shape[1:]) if batched_leaves[i] is not None else None
-        return _fresh(interpreter, outer, outer.requires_grad, example)
-
-    acquired = acquire(interpreter, fn, tuple(tree_unflatten(moved, spec)), kwargs, make, "fulmen.vmap")
-    step = chunk_size or size
-    chunks = []
-    for start in range(0, size, step):
-        length = min(step, size - start)
-        env, batched = {}, set()
-        for fresh, outer, d in zip(acquired.fresh, acquired.outer, batched_leaves):
-            if type(fresh) is not TensorProxy:
-                continue
-            if d is not None:
-                if length != size:
-                    outer = prims.slice(outer, (start, *(0,) * (outer.dim() - 1)), (start + length, *outer.shape[1:]),
-                                        (1,) * outer.dim())
-                batched.add(outer.pname)
-            env[fresh.pname] = outer
-        transform = BatchTransform(interpreter.builder, interpreter, env, batched, length, randomness)
-        with transforming(interpreter):
-            transform.run(acquired.trace.bound_symbols)
-        chunks.append((transform, [transform.emitter.read(x) for x in acquired.results]))
-    return _vmap_results(acquired, chunks, out_dims, name, size)
-
-
-def _vmap_results(acquired: Acquired, chunks: list, out_dims: Any, name: str, size: int) -> Any:
-    dims = _broadcast_to_and_flatten(out_dims, acquired.result_spec)
-    if dims is None:
-        raise ValueError(f"vmap({name}, ..., out_dims={out_dims!r}): expected out_dims to be an int, None or a "
-                         "(nested) tuple matching the structure of the outputs")
-    results = []
-    for index, d in enumerate(dims):
-        pieces = []
-        for transform, values in chunks:
-            value = values[index]
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(f"vmap({name}, ...): `{name}` must only return Tensors, got {type(value).__name__}")
-            batched = transform.batch.batched(value)
-            if d is None:
-                if batched:
-                    raise ValueError(f"vmap({name}, ..., out_dims=None): output {index} depends on the mapped inputs, "
-                                     "so it has a batch dimension to put somewhere")
-                pieces = [value]
-                break
-            pieces.append(value if batched else transform.batch.materialize(value))
-        if d is None:
-            results.append(pieces[0])
-            continue
-        value = pieces[0] if len(pieces) == 1 else prims.cat(pieces, 0)
-        if not isinstance(d, int) or not -value.dim() <= d < value.dim():
-            raise ValueError(f"vmap({name}, ..., out_dims={out_dims!r}): out_dim {d!r} is not a dim of an output with "
-                             f"{value.dim()} dims (its batch dim included)")
-        results.append(_move(value, 0, d % value.dim()))
-    return tree_unflatten(results, acquired.result_spec)
-
-
-def vmap(fn: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomness: str = "error", *,
-         chunk_size: int | None = None) -> FunctionalTransform:
-    """torch.func.vmap: `fn` mapped over dim `in_dims` of its positional arguments (an int, None for arguments that
-    are not mapped, or a nested tuple per argument), results stacked along `out_dims`. Keyword arguments are not
-    mapped. `randomness`: "error" (random ops are refused), "same" (one draw for the whole batch, for random ops
-    whose arguments are not mapped) or "different" (a draw per example). `chunk_size` maps that many examples at a
-    time (less memory for the intermediate values)."""
-    if not callable(fn):
-        raise TypeError(f"fulmen.vmap expects a function, got {type(fn).__name__}")
-    try:
-        mode = Randomness(randomness)
-    except ValueError:
-        raise ValueError(f"fulmen.vmap: randomness must be 'error', 'same' or 'different', got {randomness!r}"
-                         ) from None
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"fulmen.vmap: chunk_size must be a positive int or None, got {chunk_size!r}")
-    inline = functools.partial(_vmap_inline, fn, in_dims, out_dims, mode, chunk_size)
-    return FunctionalTransform(lambda *args, **kwargs: inline(args, kwargs), f"vmap({_name(fn)})")
