@@ -1,7 +1,7 @@
 """CPU offloading of saved activations (`fulmen.jit(..., offload=OffloadOptions(fraction=f))`) on a LitGPT step.
 
     python benchmarks/offload.py [--fractions 0.5,1.0] [--model_name tiny-llama-1.1b] [--micro_batch_size 4]
-        [--seq_len 2048] [--cap_gb 24] [--max_batch 32] [--out benchmarks/offload_h200.json]
+        [--seq_len 2048] [--cap_gb 24] [--max_batch 24] [--out benchmarks/offload_h200.json]
 
 Part 1, at `--micro_batch_size`: eager, fulmen, and fulmen with offloading at each fraction, each on a fresh model
 built from the same seed, trained with fused AdamW on the same batch (benchmarks/step.py's setup): the median
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--cap_gb", type=float, default=24.0, help="device memory cap of part 2 (GB, 1e9 bytes)")
-    parser.add_argument("--max_batch", type=int, default=32, help="the largest micro-batch part 2 tries")
+    parser.add_argument("--max_batch", type=int, default=24, help="the largest micro-batch part 2 tries")
     parser.add_argument("--n_layer", type=int, default=None, help="override the config's n_layer (smoke tests)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="bf16", choices=sorted(step.DTYPES))
@@ -163,7 +163,7 @@ def largest_batch(row: str, args: argparse.Namespace, guess: int) -> dict:
         while batch > 1 and not probe(batch - 1):
             batch -= 1
         batch -= 1
-    return {"largest_micro_batch": batch, "tried": tried}
+    return {"largest_micro_batch": batch, "at_max_batch": batch >= args.max_batch, "tried": tried}
 
 
 def predict(result: dict, base_gb: float, batch: int, cap_gb: float) -> int:
@@ -206,7 +206,8 @@ def print_table(results: dict[str, dict], capped: dict) -> None:
     print("eager losses:", [round(v, 5) for v in results["eager"].get("losses", [])])
     for row, r in capped.items():
         if isinstance(r, dict) and "largest_micro_batch" in r:
-            print(f"largest micro-batch under {capped['cap_gb']} GB: {row}: {r['largest_micro_batch']}")
+            bound = " (the most tried: --max_batch)" if r["at_max_batch"] else ""
+            print(f"largest micro-batch under {capped['cap_gb']} GB: {row}: {r['largest_micro_batch']}{bound}")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -8,9 +8,9 @@ The forward copies each chosen saved tensor to pinned host memory on a side stre
 use (`impls.reload_to_device`, at most `prefetch` tensors ahead) and waits for that copy right before the use
 (`impls.wait_for_copy`), so copies overlap with compute both ways.
 
-Which tensors: those on a CUDA device that the forward computes (program inputs are held by the caller anyway, and
-outputs too), of at least `min_bytes`, whose last forward use and first backward use are at least `min_distance`
-trace operations apart; of those, the longest-lived first, until `fraction` of their bytes is chosen. Each tensor
+Which tensors: those on a CUDA device that the forward computes (program inputs, views of them and outputs are held
+by the caller anyway), of at least `min_bytes`, whose last forward use and first backward use are at least
+`min_distance` trace operations apart; of those, the longest-lived first, until `fraction` of their bytes. Each tensor
 is on the device from its computation to its last forward use and from its reload to its last backward use,
 never longer than without offloading, so the device's peak memory is never higher.
 """
@@ -60,11 +60,15 @@ def candidates(traces: GradTraces, device_types: tuple[str, ...]) -> list[Candid
     returned = {p.pname for p in forward.output[:n_outputs] if type(p) is TensorProxy}
     produced: dict[str, int] = {}
     last_use: dict[str, int] = {}
+    viewed: dict[str, str] = {}  # a view -> the value it views (its first argument)
     for position, bsym in enumerate(forward.bound_symbols):
         for name in bsym.arg_names():
             last_use[name] = position
-        for name in bsym.output_names():
-            produced.setdefault(name, position)
+        for proxy in bsym.proxy_outputs():
+            produced.setdefault(proxy.pname, position)
+            args = bsym.proxy_args()
+            if args and proxy.meta._is_view():
+                viewed[proxy.pname] = args[0].pname
     first_use: dict[str, int] = {}
     for position, bsym in enumerate(backward.bound_symbols):
         for name in bsym.arg_names():
@@ -72,11 +76,18 @@ def candidates(traces: GradTraces, device_types: tuple[str, ...]) -> list[Candid
     for proxy in backward.output:
         if type(proxy) is TensorProxy:
             first_use.setdefault(proxy.pname, len(backward.bound_symbols))
+    inputs = {p.pname for p in forward.inputs}
+
+    def views_an_input(name: str) -> bool:  # offloading it would free nothing: the caller holds the input
+        while name in viewed:
+            name = viewed[name]
+        return name in inputs
+
     found = []
     for saved in traces.saved_by_forward:
         name = saved.pname
         if (saved.device.type not in device_types or name not in produced or name in returned
-                or name not in first_use):
+                or name not in first_use or views_an_input(name)):
             continue
         last = max(last_use.get(name, produced[name]), produced[name])
         distance = len(forward.bound_symbols) - 1 - last + first_use[name]

@@ -8,9 +8,12 @@ import torch.nn.functional as F
 from litgpt.model import GPT
 
 import fulmen
+from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.jit.jitted import core
+from fulmen.ops import prims
 from fulmen.options import OffloadOptions
 from fulmen.transforms.offload import OFFLOAD, RELOAD, WAIT, OffloadTransform, candidates, choose
+from fulmen.transforms.transform import GradTraces
 from tests.models.litgpt_configs import shrunk
 
 LAYERS = 4
@@ -53,6 +56,23 @@ def test_candidates_are_the_computed_saved_tensors_by_distance():
         assert c.produced <= c.last_forward_use < len(traces.forward.bound_symbols)
         assert c.distance == len(traces.forward.bound_symbols) - 1 - c.last_forward_use + c.first_backward_use
     assert candidates(traces, ("cuda",)) == []  # CPU tensors are never offloaded by default
+
+
+def test_views_of_inputs_are_no_candidates():
+    cpu = torch.device("cpu")
+    with TraceBuilder() as builder:
+        w = builder.make_proxy(torch.empty(64, 32, device="meta"), cpu, name="w")
+        view = prims.reshape(w, (32, 64))  # saving it keeps nothing alive that the caller does not hold
+        computed = prims.reshape(prims.exp(w), (32, 64))  # a view of a computed value: offloading it frees that
+        out = prims.sum(computed, (0, 1))
+        forward_calls = list(builder.bound_symbols)
+        cotangent = builder.make_proxy(torch.empty((), device="meta"), cpu, name="cotangent")
+        grad = prims.mul(view, computed)
+    forward = Trace("forward", [w], forward_calls, (out, view, computed), "test")
+    backward = Trace("backward", [view, computed, cotangent], builder.bound_symbols[len(forward_calls):], (grad,),
+                     "test", input_groups=(("saved", 2), ("cotangents", 1)))
+    found = candidates(GradTraces(forward, backward, 2), ("cpu",))
+    assert [c.name for c in found] == [computed.pname]
 
 
 def test_choose_by_size_distance_and_fraction():
