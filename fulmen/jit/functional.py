@@ -63,8 +63,11 @@ def current_interpreter() -> Interpreter | None:
 def transforming(interpreter: Interpreter) -> Any:
     """Where a transform runs its rules: off the acquisition's mode (the rules push it again themselves, and its
     handler must not see the torch calls of another handler running below it)."""
-    if _get_current_function_mode_stack()[-1:] != [interpreter]:
-        raise AssertionError("internal error: a functional transform runs inside another torch-function mode")
+    top = _get_current_function_mode_stack()[-1:]
+    if top != [interpreter]:
+        raise TraceError(f"fulmen's functional transforms cannot run inside another torch-function mode "
+                         f"({type(top[0]).__name__}, e.g. `with torch.device(...)`); move the transform outside it",
+                         user_location())
     return _pop_mode_temporarily()
 
 
@@ -123,8 +126,8 @@ def _result(interpreter: Interpreter, x: Any, inputs: set[str]) -> Any:
     return prims.alias(value) if value.pname in inputs else value  # a result is never an input itself
 
 
-def fresh_proxy(interpreter: Interpreter, like: TensorProxy, requires_grad: bool, shape: Sequence[int] | None = None
-           ) -> TensorProxy:
+def fresh_proxy(interpreter: Interpreter, like: TensorProxy, requires_grad: bool,
+                shape: Sequence[int] | None = None) -> TensorProxy:
     with torch._C.DisableTorchFunction():  # a meta tensor, not a call of the program
         meta = like.meta if shape is None else torch.empty(tuple(shape), dtype=like.dtype, device="meta")
     return interpreter.builder.make_proxy(meta, like.device, requires_grad, name=f"{like.pname}_")
@@ -139,7 +142,6 @@ class VjpProgram:
     """A function's forward and backward (fulmen's grad transform) written into the trace being acquired."""
 
     def __init__(self, interpreter: Interpreter, acquired: Acquired, present: tuple[bool, ...]) -> None:
-        self.interpreter = interpreter
         self.acquired = acquired
         with transforming(interpreter):
             self.plan: GradPlan = plan_grad(acquired.trace, Interpreter)
@@ -216,10 +218,9 @@ def _grad_inline(fn: Callable[..., Any], argnums: int | tuple[int, ...], has_aux
                              "use fulmen.vjp for other outputs", user_location())
         return out, aux
 
+    make = _requires_grad_maker(interpreter, wrt, "fulmen.grad")
     with torch.enable_grad():  # as torch.func.grad: an outer no_grad does not stop it
-        acquired = acquire(interpreter, scalar_and_aux, args, kwargs, _requires_grad_maker(interpreter, wrt,
-                                                                                           "fulmen.grad"),
-                           "fulmen.grad")
+        acquired = acquire(interpreter, scalar_and_aux, args, kwargs, make, "fulmen.grad")
         n_outputs = len(acquired.trace.output)
         program = VjpProgram(interpreter, acquired, (True,) + (False,) * (n_outputs - 1))
     emitter = Emitter(interpreter.builder)
