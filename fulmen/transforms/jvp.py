@@ -25,8 +25,8 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
-from fulmen.ops import impls, lookup, prims
-from fulmen.ops.registry import impl_symbol
+from fulmen.ops import impls, prims
+from fulmen.ops.registry import impl_symbol, symbol_of
 from fulmen.transforms.inline import Emitter
 
 Dot = Callable[[Any], TensorProxy | None]
@@ -40,13 +40,7 @@ TORCH_JVP = impl_symbol(impls.torch_jvp)
 
 def register_jvp(target: Symbol | Callable[..., Any]) -> Callable[[JvpRule], JvpRule]:
     """Registers the decorated function as the JVP rule of `target` (a symbol or a torch callable)."""
-    if isinstance(target, Symbol):
-        sym = target
-    else:
-        binding = lookup(target)
-        if binding is None:
-            raise ValueError(f"{target} has no fulmen symbol to register a JVP rule for")
-        sym = binding.symbol
+    sym = symbol_of(target, "a JVP rule")
 
     def decorator(rule: JvpRule) -> JvpRule:
         JVP_RULES[sym] = rule

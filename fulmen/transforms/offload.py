@@ -53,6 +53,18 @@ class Candidate:
     distance: int  # forward calls after its last use plus backward calls before its first use
 
 
+def first_uses(backward: Trace) -> dict[str, int]:
+    """Each value's first reader in `backward` (the call count for values it only returns)."""
+    first: dict[str, int] = {}
+    for position, bsym in enumerate(backward.bound_symbols):
+        for name in bsym.arg_names():
+            first.setdefault(name, position)
+    for proxy in backward.output:
+        if type(proxy) is TensorProxy:
+            first.setdefault(proxy.pname, len(backward.bound_symbols))
+    return first
+
+
 def candidates(traces: GradTraces, device_types: tuple[str, ...]) -> list[Candidate]:
     """The saved tensors on `device_types` that the forward computes and the backward reads."""
     forward, backward = traces.forward, traces.backward
@@ -69,13 +81,7 @@ def candidates(traces: GradTraces, device_types: tuple[str, ...]) -> list[Candid
             args = bsym.proxy_args()
             if args and proxy.meta._is_view():
                 viewed[proxy.pname] = args[0].pname
-    first_use: dict[str, int] = {}
-    for position, bsym in enumerate(backward.bound_symbols):
-        for name in bsym.arg_names():
-            first_use.setdefault(name, position)
-    for proxy in backward.output:
-        if type(proxy) is TensorProxy:
-            first_use.setdefault(proxy.pname, len(backward.bound_symbols))
+    first_use = first_uses(backward)
     inputs = {p.pname for p in forward.inputs}
 
     def views_an_input(name: str) -> bool:  # offloading it would free nothing: the caller holds the input
@@ -148,13 +154,7 @@ def reload_backward(traces: GradTraces, prefetch: int) -> Trace:
     for i, host in offloaded.items():
         originals[host.pname] = inputs[i]
         inputs[i] = host
-    first_use: dict[str, int] = {}
-    for position, bsym in enumerate(backward.bound_symbols):
-        for name in bsym.arg_names():
-            first_use.setdefault(name, position)
-    for proxy in backward.output:
-        if type(proxy) is TensorProxy:
-            first_use.setdefault(proxy.pname, len(backward.bound_symbols))
+    first_use = first_uses(backward)
     order = sorted((first_use[p.pname], host) for host, p in originals.items() if p.pname in first_use)
     starts: dict[int, list[str]] = {}  # a reload starts before the call at this position
     for k, (use, host) in enumerate(order):

@@ -26,8 +26,8 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
-from fulmen.ops import impls, lookup, prims
-from fulmen.ops.registry import impl_symbol
+from fulmen.ops import impls, prims
+from fulmen.ops.registry import impl_symbol, symbol_of
 from fulmen.transforms.autodiff import STORAGE_OPS
 from fulmen.transforms.inline import Emitter
 
@@ -75,13 +75,7 @@ BATCH_LOOP = impl_symbol(impls.batch_loop)
 
 def register_batching(target: Symbol | Callable[..., Any]) -> Callable[[BatchRule], BatchRule]:
     """Registers the decorated function as the batching rule of `target` (a symbol or a torch callable)."""
-    if isinstance(target, Symbol):
-        sym = target
-    else:
-        binding = lookup(target)
-        if binding is None:
-            raise ValueError(f"{target} has no fulmen symbol to register a batching rule for")
-        sym = binding.symbol
+    sym = symbol_of(target, "a batching rule")
 
     def decorator(rule: BatchRule) -> BatchRule:
         BATCH_RULES[sym] = rule
