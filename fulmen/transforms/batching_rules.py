@@ -404,9 +404,9 @@ def _loss(fn):
     """A pointwise loss (input, target, ..., reduction=): its unreduced form, reduced over each example's dims."""
 
     def rule(batch: Batch, args: tuple, kwargs: dict):
-        if len(args) > 2 or any(k not in ("reduction", "weight", "pos_weight", "beta", "delta", "log_target")
-                                for k in kwargs):
+        if len(args) > 2 or any(kwargs.get(k) is not None for k in ("size_average", "reduce")):
             return NotImplemented  # the deprecated size_average / reduce arguments, or positional options
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("size_average", "reduce")}
         reduction = kwargs.get("reduction", "mean")
         tensors = {k: v for k, v in kwargs.items() if _tensor(v)}
         operands = broadcast(batch, *args, *tensors.values())
@@ -449,3 +449,21 @@ def _conv(fn, spatial: int):
 
 for _fn, _spatial in ((F.conv1d, 1), (F.conv2d, 2)):
     BATCH_RULES[lookup(_fn).symbol] = _conv(lookup(_fn).symbol, _spatial)
+
+
+@register_batching(F.pad)
+def _pad(batch: Batch, args: tuple, kwargs: dict):
+    """pad (reflect, replicate, circular): the batch joins the input's leading (batch, channel) dims."""
+    x, pad = args[0], tuple(args[1] if len(args) > 1 else kwargs["pad"])
+    mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+    if mode == "constant" or any(_tensor(a) for a in (*args[1:], *kwargs.values())):
+        return NotImplemented
+    example, padded = x.shape[1:], len(pad) // 2
+    lead = example[: len(example) - padded]
+    if len(lead) not in (1, 2):
+        return NotImplemented
+    rows = x.shape[0] * math.prod(lead[:-1])
+    flat = prims.reshape(x, (rows, lead[-1], *example[len(lead):]))
+    out = lookup(F.pad).symbol(flat, pad, mode, *args[3:], **{k: v for k, v in kwargs.items() if k not in ("pad",
+                                                                                                          "mode")})
+    return prims.reshape(out, (batch.size, *lead, *out.shape[2:]))

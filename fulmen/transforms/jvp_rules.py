@@ -342,8 +342,51 @@ def _values_along(fn, dim_position: int, default_dim: int | None, keepdim_positi
 
 for _fn, _spec in ((torch.topk, (2, -1)), (torch.sort, (1, -1)), (torch.cummax, (1, None))):
     JVP_RULES[lookup(_fn).symbol] = _values_along(lookup(_fn).symbol, *_spec)
-for _fn in (torch.max, torch.min):
-    JVP_RULES[lookup(_fn).symbol] = _values_along(lookup(_fn).symbol, 1, None, keepdim_position=2)
+def _max_min(fn, binary: str):
+    """torch.max / min: of two tensors elementwise (maximum / minimum), else the values along a dim."""
+    along = _values_along(fn, 1, None, keepdim_position=2)
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        if len(args) < 2 or not _tensor(args[1]):
+            return along(dot, args, kwargs)
+        a, b = args
+        y = fn(a, b)
+        ta, tb = dot(a), dot(b)
+        vjp = BINARY_VJPS[binary]
+        return y, add_tangents(None if ta is None else _as_tangent(vjp(a, b, y, ta)[0], y),
+                               None if tb is None else _as_tangent(vjp(a, b, y, tb)[1], y))
+
+    return rule
+
+
+JVP_RULES[lookup(torch.max).symbol] = _max_min(lookup(torch.max).symbol, "maximum")
+JVP_RULES[lookup(torch.min).symbol] = _max_min(lookup(torch.min).symbol, "minimum")
+
+
+def _fmax_fmin(fn, keeps_first):
+    """fmax / fmin: the first operand's tangent where it is chosen (NaNs lose), the second's elsewhere."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        a, b = args
+        y = fn(a, b)
+        chosen = keeps_first(a, b) | torch.isnan(b)
+        ta, tb = _tangent_or_zero(dot, a), _tangent_or_zero(dot, b)
+        return y, _as_tangent(torch.where(chosen, ta, tb), y)
+
+    return rule
+
+
+JVP_RULES[lookup(torch.fmax).symbol] = _fmax_fmin(lookup(torch.fmax).symbol, lambda a, b: a >= b)
+JVP_RULES[lookup(torch.fmin).symbol] = _fmax_fmin(lookup(torch.fmin).symbol, lambda a, b: a <= b)
+
+
+@register_jvp(torch.xlogy)
+def _xlogy(dot: Dot, args: tuple, kwargs: dict):
+    x, y_ = args
+    out = torch.xlogy(x, y_)
+    tx, ty = dot(x), dot(y_)
+    return out, add_tangents(None if tx is None else _as_tangent(tx * torch.xlogy((x != 0).to(out.dtype), y_), out),
+                             None if ty is None else _as_tangent(ty * x / y_, out))
 
 
 def _loss(fn, pointwise):
@@ -351,9 +394,9 @@ def _loss(fn, pointwise):
 
     def rule(dot: Dot, args: tuple, kwargs: dict):
         x, target = args[:2]
-        reduction = args[4] if len(args) > 4 else kwargs.get("reduction", "mean")
-        if len(args) > 2 or any(k not in ("reduction",) for k in kwargs):
-            return NotImplemented  # the deprecated size_average / reduce arguments
+        reduction = kwargs.get("reduction", "mean")
+        if len(args) > 2 or any(v is not None for k, v in kwargs.items() if k != "reduction"):
+            return NotImplemented  # the deprecated size_average / reduce arguments, a weight
         y = fn(x, target, reduction=reduction)
         difference = x - target
         t = pointwise(difference) * (_tangent_or_zero(dot, x) - _tangent_or_zero(dot, target))
