@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_leaves, tree_unflatten
 
-import fulmen.transforms.batching_rules  # noqa: F401  (registers the batching rules)
+import fulmen.transforms.batching_torch  # noqa: F401  (registers the batching rules)
 from fulmen.core.proxies import TensorProxy
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.functional import (

@@ -67,7 +67,7 @@ class Batch:
 
 BatchRule = Callable[[Batch, tuple, dict], Any]
 
-# symbol -> rule (fulmen.transforms.batching_rules fills it).
+# symbol -> rule (fulmen.transforms.batching_prims and batching_torch fill it).
 BATCH_RULES: dict[Symbol, BatchRule] = {}
 
 BATCH_LOOP = impl_symbol(impls.batch_loop)

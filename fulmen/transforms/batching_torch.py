@@ -1,5 +1,5 @@
-"""The batching rules: every prim, and torch-level leaves that are elementwise or take a dim. Symbols not here are
-batched through their decomposition, or run once per example. A batched value carries its batch dim first.
+"""The batching rules of torch-level leaves (symbols without a prim decomposition, or whose decomposition declines
+some arguments): elementwise ops, ops along a dim, scatters, losses, convolutions, matmul variants.
 """
 
 from __future__ import annotations
@@ -13,50 +13,9 @@ import torch.nn.functional as F
 
 from fulmen.ops import lookup, prims
 from fulmen.ops.registry import SYMBOLS
+from fulmen.transforms.batching_prims import batch_matmul, broadcast, elementwise, is_tensor, shift
 from fulmen.transforms.vmap import BATCH_RULES, Batch, register_batching
 
-
-def shift(dim: int) -> int:
-    """A dim of one example as a dim of the batch: non-negative dims move by one, negative ones stay."""
-    return dim + 1 if dim >= 0 else dim
-
-
-def _tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-def _example_shape(batch: Batch, x: torch.Tensor) -> tuple[int, ...]:
-    return tuple(x.shape[1:]) if batch.batched(x) else tuple(x.shape)
-
-
-def broadcast(batch: Batch, *operands: Any) -> list[Any]:
-    """The tensor operands as batches of one common shape (one example's operands broadcast together)."""
-    shapes = [_example_shape(batch, x) for x in operands if _tensor(x)]
-    target = tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
-    result = []
-    for x in operands:
-        if _tensor(x):
-            x = batch.pad_to(x, len(target)) if batch.batched(x) else batch.materialize(x)
-            if tuple(x.shape[1:]) != target:
-                x = prims.expand(batch.pad_to(x, len(target)), (batch.size, *target))
-        result.append(x)
-    return result
-
-
-# --- elementwise ---------------------------------------------------------------------------------------------------
-def elementwise(fn: Callable[..., Any]):
-    """The rule of an op that broadcasts its tensor arguments elementwise."""
-
-    def rule(batch: Batch, args: tuple, kwargs: dict):
-        keys = list(kwargs)
-        operands = broadcast(batch, *args, *(kwargs[k] for k in keys))
-        return fn(*operands[: len(args)], **dict(zip(keys, operands[len(args):])))
-
-    return rule
-
-
-for _name in (*prims.UNARY, *prims.BINARY, "where"):
-    BATCH_RULES[prims.PRIMS[_name]] = elementwise(prims.PRIMS[_name])
 for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
             F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink, F.threshold, torch.nan_to_num, torch.clamp_min,
             torch.clamp_max, torch.fmax, torch.fmin, torch.xlogy, torch.lerp, torch.addcmul, torch.addcdiv,
@@ -65,176 +24,11 @@ for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu
     BATCH_RULES[lookup(_fn).symbol] = elementwise(lookup(_fn).symbol)
 
 
-def _same_call(prim):
-    def rule(batch: Batch, args: tuple, kwargs: dict):
-        return prim(*args, **kwargs)
-
-    return rule
-
-
-for _name in ("convert_element_type", "device_put", "alias", "clone", "pad"):
-    BATCH_RULES[prims.PRIMS[_name]] = _same_call(prims.PRIMS[_name])
-
-
-# --- reductions and scans over explicit dims -----------------------------------------------------------------------
-def _over_dims(prim):
-    def rule(batch: Batch, args: tuple, kwargs: dict):
-        x, dims, *rest = args
-        if not dims and prim is not prims.flip:
-            # no dims means all of them, which for one example is none (a 0-dim tensor): reduce a size-1 dim
-            return prim(prims.unsqueeze(x, 1), (1,), *rest)
-        return prim(x, tuple(shift(d) for d in dims), *rest)
-
-    return rule
-
-
-for _name in ("sum", "amax", "amin", "var", "flip"):
-    BATCH_RULES[prims.PRIMS[_name]] = _over_dims(prims.PRIMS[_name])
-
-
-@register_batching(prims.prod)
-def _prod(batch: Batch, args: tuple, kwargs: dict):
-    x, dims = args
-    if len(dims) == 1:
-        return prims.prod(x, (shift(dims[0]),))
-    kept = [d for d in range(x.dim() - 1) if d not in dims]  # the prim reduces all of an example's dims at once
-    moved = prims.permute(x, (0, *(d + 1 for d in kept), *(d + 1 for d in dims)))
-    rows = prims.reshape(moved, (batch.size, *(x.shape[d + 1] for d in kept), math.prod(x.shape[d + 1] for d in dims)))
-    return prims.prod(rows, (len(kept) + 1,))
-
-
-def _at_dim(prim, position: int):
-    def rule(batch: Batch, args: tuple, kwargs: dict):
-        if args[0].dim() == 1 and prim is not prims.unsqueeze:
-            return NotImplemented  # one example is 0-dim, where dims 0 and -1 both name the one element
-        args = list(args)
-        args[position] = shift(args[position])
-        return prim(*args)
-
-    return rule
-
-
-for _name, _position in (("cumsum", 1), ("topk", 2), ("sort", 1), ("argmax", 1), ("argmin", 1), ("select", 1),
-                         ("unsqueeze", 1)):
-    BATCH_RULES[prims.PRIMS[_name]] = _at_dim(prims.PRIMS[_name], _position)
-
-
-# --- shapes --------------------------------------------------------------------------------------------------------
-@register_batching(prims.reshape)
-def _reshape(batch: Batch, args: tuple, kwargs: dict):
-    x, shape = args
-    return prims.reshape(x, (batch.size, *shape))
-
-
-@register_batching(prims.permute)
-def _permute(batch: Batch, args: tuple, kwargs: dict):
-    x, perm = args
-    return prims.permute(x, (0, *(p % (x.dim() - 1) + 1 for p in perm)))
-
-
-@register_batching(prims.expand)
-def _expand(batch: Batch, args: tuple, kwargs: dict):
-    x, shape = args
-    return prims.expand(batch.pad_to(x, len(shape)), (batch.size, *shape))
-
-
-@register_batching(prims.squeeze)
-def _squeeze(batch: Batch, args: tuple, kwargs: dict):
-    x, dims = args
-    return prims.squeeze(x, tuple(shift(d) for d in dims))
-
-
-@register_batching(prims.slice)
-def _slice(batch: Batch, args: tuple, kwargs: dict):
-    x, starts, ends, steps = args
-    return prims.slice(x, (0, *starts), (batch.size, *ends), (1, *steps))
-
-
-@register_batching(prims.cat)
-def _cat(batch: Batch, args: tuple, kwargs: dict):
-    tensors, dim = args
-    return prims.cat([batch.materialize(t) for t in tensors], shift(dim))
-
-
-# --- gathers and scatters ------------------------------------------------------------------------------------------
-def _along(index: torch.Tensor, dim: int, like: torch.Tensor) -> torch.Tensor:
-    """A batch of 1-D indices (B, n) placed along `dim` of `like` (a batch), broadcast to its other dims."""
-    shape = [1] * like.dim()
-    shape[0], shape[dim] = index.shape[0], index.shape[1]
-    target = list(like.shape)
-    target[dim] = index.shape[1]
-    return prims.expand(prims.reshape(index, tuple(shape)), tuple(target))
-
-
-@register_batching(prims.take)
-def _take(batch: Batch, args: tuple, kwargs: dict):
-    x, index, dim = args
-    if len(_example_shape(batch, x)) == 0:
-        return NotImplemented
-    if not batch.batched(index):
-        return prims.take(x, index, shift(dim))
-    x = batch.materialize(x)
-    return prims.take_along_axis(x, _along(index, shift(dim), x), shift(dim))
-
-
-@register_batching(prims.take_along_axis)
-def _take_along_axis(batch: Batch, args: tuple, kwargs: dict):
-    x, index, dim = args
-    return prims.take_along_axis(batch.materialize(x), batch.materialize(index), shift(dim))
-
-
-@register_batching(prims.scatter_add)
-def _scatter_add(batch: Batch, args: tuple, kwargs: dict):
-    x, dim, index, src = args
-    return prims.scatter_add(batch.materialize(x), shift(dim), batch.materialize(index), batch.materialize(src))
-
-
-@register_batching(prims.index_copy)
-def _index_copy(batch: Batch, args: tuple, kwargs: dict):
-    x, dim, index, source = args
-    if batch.batched(index):
-        return NotImplemented
-    return prims.index_copy(batch.materialize(x), shift(dim), index, batch.materialize(source))
-
-
-@register_batching(prims.slice_scatter)
-def _slice_scatter(batch: Batch, args: tuple, kwargs: dict):
-    x, src, dim, *rest = args
-    return prims.slice_scatter(batch.materialize(x), batch.materialize(src), shift(dim), *rest)
-
-
-@register_batching(prims.select_scatter)
-def _select_scatter(batch: Batch, args: tuple, kwargs: dict):
-    x, src, dim, index = args
-    return prims.select_scatter(batch.materialize(x), batch.materialize(src), shift(dim), index)
-
-
-@register_batching(prims.matmul)
-def _matmul(batch: Batch, args: tuple, kwargs: dict):
-    a, b = args
-    batched_a, batched_b = batch.batched(a), batch.batched(b)
-    ndim_a, ndim_b = len(_example_shape(batch, a)), len(_example_shape(batch, b))
-    if ndim_a == 1:  # one example's vector times a matrix: a row vector, squeezed off the result
-        a = prims.unsqueeze(a, a.dim() - 1)
-    if ndim_b == 1:
-        b = prims.unsqueeze(b, b.dim())
-    # One example's batch dims broadcast right-aligned: pad the batched operands so the batch dims align.
-    ndim = max(ndim_a, ndim_b, 2)
-    a = batch.pad_to(a, ndim) if batched_a else a
-    b = batch.pad_to(b, ndim) if batched_b else b
-    out = prims.matmul(a, b)
-    if ndim_a == 1:
-        out = prims.squeeze(out, (out.dim() - 2,))
-    if ndim_b == 1:
-        out = prims.squeeze(out, (out.dim() - 1,))
-    return out
-
-
 @register_batching(SYMBOLS["impls.setitem"])
 def _setitem(batch: Batch, args: tuple, kwargs: dict):
     x, index, value = args
     items = index if isinstance(index, tuple) else (index,)
-    if any(_tensor(item) for item in items):
+    if any(is_tensor(item) for item in items):
         return NotImplemented  # advanced indexing: once per example
     x = batch.materialize(x)
     if batch.batched(value):
@@ -245,11 +39,12 @@ def _setitem(batch: Batch, args: tuple, kwargs: dict):
 
 
 # --- torch-level leaves with a dim argument ------------------------------------------------------------------------
-def with_dim(fn: Callable[..., Any], position: int, keyword: str, default: int | None):
-    """The rule of an op of one tensor and a `dim` argument (at `position` or `keyword`); declines dim=None."""
+def with_dim(fn: Callable[..., Any], position: int, keyword: str, default: int | None, flatten: bool = False):
+    """The rule of an op of one tensor and a `dim` argument (at `position` or `keyword`). dim=None (every dim) is
+    declined, or with `flatten` (ops that then reduce the flattened tensor) taken over each flattened example."""
 
     def rule(batch: Batch, args: tuple, kwargs: dict):
-        if any(_tensor(a) for a in (*args[1:], *kwargs.values())) or args[0].dim() == 1:
+        if any(is_tensor(a) for a in (*args[1:], *kwargs.values())) or args[0].dim() == 1:
             return NotImplemented  # tensor arguments, or a 0-dim example (dims 0 and -1 name its one element)
         args, kwargs = list(args), dict(kwargs)
         if position < len(args):
@@ -260,6 +55,11 @@ def with_dim(fn: Callable[..., Any], position: int, keyword: str, default: int |
             moved: Any = type(dim)(shift(d) for d in dim)
         elif type(dim) is int:
             moved = shift(dim)
+        elif dim is None and flatten and len(args) <= position:
+            x = args[0]
+            keepdim = kwargs.pop("keepdim", False)
+            out = fn(prims.reshape(x, (batch.size, math.prod(x.shape[1:]))), **{**kwargs, keyword: 1})
+            return prims.reshape(out, (batch.size, *(1,) * (x.dim() - 1))) if keepdim else out
         else:
             return NotImplemented  # None (every dim) or another overload (var_mean(x, unbiased))
         if position < len(args):
@@ -279,10 +79,25 @@ DIM_OPS: dict[Callable[..., Any], tuple[int, str, int | None]] = {
     torch.tensor_split: (2, "dim", 0), torch.argmax: (1, "dim", None), torch.argmin: (1, "dim", None),
     torch.max: (1, "dim", None), torch.min: (1, "dim", None), torch.var_mean: (1, "dim", None),
     torch.std_mean: (1, "dim", None), torch.prod: (1, "dim", None), torch.all: (1, "dim", None),
-    torch.any: (1, "dim", None),
+    torch.any: (1, "dim", None), torch.count_nonzero: (1, "dim", None),
 }
+FLATTENING = (torch.argmax, torch.argmin, torch.all, torch.any, torch.count_nonzero)
 for _fn, (_position, _keyword, _default) in DIM_OPS.items():
-    BATCH_RULES[lookup(_fn).symbol] = with_dim(lookup(_fn).symbol, _position, _keyword, _default)
+    BATCH_RULES[lookup(_fn).symbol] = with_dim(lookup(_fn).symbol, _position, _keyword, _default, _fn in FLATTENING)
+
+
+def _max_min(fn):
+    """torch.max / min: of two tensors elementwise, else along a dim."""
+    along, pointwise = BATCH_RULES[fn], elementwise(fn)
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        return pointwise(batch, args, kwargs) if len(args) > 1 and is_tensor(args[1]) else along(batch, args, kwargs)
+
+    return rule
+
+
+for _fn in (torch.max, torch.min):
+    BATCH_RULES[lookup(_fn).symbol] = _max_min(lookup(_fn).symbol)
 
 
 @register_batching(torch.index_add)
@@ -359,7 +174,7 @@ BATCH_RULES[lookup(torch.slice_scatter).symbol] = _scatter_into(lookup(torch.sli
 
 
 def _batched_matmul(batch: Batch, a: Any, b: Any) -> torch.Tensor:
-    out = _matmul(batch, (a, b), {})
+    out = batch_matmul(batch, (a, b), {})
     batch.names.add(out.pname)
     return out
 
@@ -367,7 +182,7 @@ def _batched_matmul(batch: Batch, a: Any, b: Any) -> torch.Tensor:
 @register_batching(torch.Tensor.__rmatmul__)
 def _rmatmul(batch: Batch, args: tuple, kwargs: dict):
     x, other = args
-    return _matmul(batch, (other, x), {})
+    return batch_matmul(batch, (other, x), {})
 
 
 @register_batching(torch.outer)
@@ -408,9 +223,9 @@ def _loss(fn):
             return NotImplemented  # the deprecated size_average / reduce arguments, or positional options
         kwargs = {k: v for k, v in kwargs.items() if k not in ("size_average", "reduce")}
         reduction = kwargs.get("reduction", "mean")
-        tensors = {k: v for k, v in kwargs.items() if _tensor(v)}
+        tensors = {k: v for k, v in kwargs.items() if is_tensor(v)}
         operands = broadcast(batch, *args, *tensors.values())
-        options = {k: v for k, v in kwargs.items() if k != "reduction" and not _tensor(v)}
+        options = {k: v for k, v in kwargs.items() if k != "reduction" and not is_tensor(v)}
         per_element = fn(*operands[:2], **dict(zip(tensors, operands[2:])), **options, reduction="none")
         dims = tuple(range(1, per_element.dim()))
         if reduction == "none":
@@ -456,7 +271,7 @@ def _pad(batch: Batch, args: tuple, kwargs: dict):
     """pad (reflect, replicate, circular): the batch joins the input's leading (batch, channel) dims."""
     x, pad = args[0], tuple(args[1] if len(args) > 1 else kwargs["pad"])
     mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
-    if mode == "constant" or any(_tensor(a) for a in (*args[1:], *kwargs.values())):
+    if mode == "constant" or any(is_tensor(a) for a in (*args[1:], *kwargs.values())):
         return NotImplemented
     example, padded = x.shape[1:], len(pad) // 2
     lead = example[: len(example) - padded]
@@ -467,3 +282,37 @@ def _pad(batch: Batch, args: tuple, kwargs: dict):
     out = lookup(F.pad).symbol(flat, pad, mode, *args[3:], **{k: v for k, v in kwargs.items() if k not in ("pad",
                                                                                                           "mode")})
     return prims.reshape(out, (batch.size, *lead, *out.shape[2:]))
+
+
+
+def _by_example_shape(fn):
+    """atleast_1d/2d/3d: each tensor reshaped as the op reshapes one example."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        if kwargs or any(not is_tensor(a) for a in args):
+            return NotImplemented
+        outs = []
+        for x in args:
+            x = batch.materialize(x)
+            with torch._C.DisableTorchFunction():  # the op on a meta example, not a call of the program
+                example = tuple(fn.impl(torch.empty(x.shape[1:], device="meta")).shape)
+            outs.append(prims.reshape(x, (batch.size, *example)))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return rule
+
+
+for _fn in (torch.atleast_1d, torch.atleast_2d, torch.atleast_3d):
+    BATCH_RULES[lookup(_fn).symbol] = _by_example_shape(lookup(_fn).symbol)
+
+
+@register_batching(torch.roll)
+def _roll(batch: Batch, args: tuple, kwargs: dict):
+    x, shifts = args[0], args[1] if len(args) > 1 else kwargs["shifts"]
+    dims = args[2] if len(args) > 2 else kwargs.get("dims")
+    roll = lookup(torch.roll).symbol
+    if dims is None:  # over each flattened example
+        flat = roll(prims.reshape(x, (batch.size, math.prod(x.shape[1:]))), shifts, 1)
+        return prims.reshape(flat, tuple(x.shape))
+    dims = tuple(shift(d) for d in dims) if isinstance(dims, (tuple, list)) else shift(dims)
+    return roll(x, shifts, dims)
