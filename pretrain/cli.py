@@ -54,6 +54,7 @@ def setup(
     num_nodes: int = 1,
     compiler: Literal["fulmen", "torch"] | None = "fulmen",
     executors: list[str] | None = None,
+    offload: float | None = None,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
@@ -78,6 +79,8 @@ def setup(
         num_nodes: nodes (launch the same command on each, or under torchrun / SLURM).
         compiler: "fulmen" jits forward_and_loss (the loss is in the trace), "torch" uses torch.compile, null eager.
         executors: fulmen's executor list, e.g. [sdpa, torchcompile, torch]; default fulmen's.
+        offload: the share of the activations saved for the backward that fulmen offloads to CPU memory (CUDA),
+            in (0, 1], the longest-lived first; null: none.
         strategy: "auto" (one device: none; several: ddp), "ddp" or "fsdp" (fulmen's Fabric strategies).
         fsdp: the FSDP strategy's options.
         logger_name: "csv" or "tensorboard".

@@ -47,6 +47,7 @@ class Settings:
     num_nodes: int
     compiler: str | None
     executors: list[str] | None
+    offload: float | None
     strategy: str
     fsdp: FSDPArgs
     logger_name: str
@@ -101,7 +102,8 @@ def make_strategy(settings: Settings, world: int) -> Any:
 
 def compile_loss(settings: Settings) -> Any:
     if settings.compiler == "fulmen":
-        return fulmen.jit(forward_and_loss, executors=settings.executors)
+        offload = None if settings.offload is None else fulmen.OffloadOptions(fraction=settings.offload)
+        return fulmen.jit(forward_and_loss, executors=settings.executors, offload=offload)
     if settings.compiler == "torch":
         return torch.compile(forward_and_loss)
     return forward_and_loss
@@ -145,6 +147,10 @@ def check(settings: Settings, config: Config, world: int) -> tuple[int, int]:
         raise ValueError(f"executors are fulmen's and need compiler: fulmen, got compiler: {settings.compiler}")
     if settings.executors is not None:
         fulmen.resolve_executors(settings.executors)  # unknown names fail here
+    if settings.offload is not None:
+        if settings.compiler != "fulmen":
+            raise ValueError(f"offload is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
+        fulmen.OffloadOptions(fraction=settings.offload)  # a fraction outside (0, 1] fails here
     seq = train.max_seq_length or config.block_size
     if seq > config.block_size:
         raise ValueError(f"train.max_seq_length ({seq}) exceeds the model's block_size ({config.block_size})")

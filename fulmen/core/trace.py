@@ -198,6 +198,17 @@ class TraceBuilder(Builder):
         produced = {name for bsym in parts for name in bsym.output_names()}
         for res, out in zip(results, outputs):
             if res.pname in produced:
+                _rename(parts, res.pname, out.pname)
                 res.pname = out.pname
             else:
                 parts.append(BoundSymbol(self.alias_symbol, (res,), {}, out, [], source))
+
+
+def _rename(bsyms: list[BoundSymbol], old: str, new: str) -> None:
+    """Renames `old` to `new` in the decompositions of `bsyms`, whose parts named a result as the call then did."""
+    for bsym in bsyms:
+        for sub in bsym.subsymbols:
+            for proxy in iter_proxies((sub.args, sub.kwargs, sub.output)):
+                if proxy.pname == old:
+                    proxy.pname = new
+        _rename(bsym.subsymbols, old, new)

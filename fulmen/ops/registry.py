@@ -37,6 +37,16 @@ def lookup(fn: Callable[..., Any]) -> TorchBinding | None:
     return TORCH_BINDINGS.get(fn)
 
 
+def symbol_of(target: Symbol | Callable[..., Any], what: str) -> Symbol:
+    """`target` itself, or the symbol fulmen records for the torch callable `target` (to register `what` for)."""
+    if isinstance(target, Symbol):
+        return target
+    binding = lookup(target)
+    if binding is None:
+        raise ValueError(f"{target} has no fulmen symbol to register {what} for")
+    return binding.symbol
+
+
 def printed_name(fn: Callable[..., Any]) -> str:
     name = resolve_name(fn)
     if name is None:

@@ -80,6 +80,8 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     (["--compiler", "torch", "--executors", "[sdpa]"], "executors are fulmen's and need compiler: fulmen"),
     (["--compiler", "null", "--strategy", "fsdp"], "strategy fsdp is fulmen's ThunderFSDPStrategy"),
     (["--executors", "[sdpa, nvfuser]"], "unknown executor 'nvfuser'"),
+    (["--compiler", "torch", "--offload", "0.5"], "offload is fulmen's and needs compiler: fulmen"),
+    (["--offload", "1.5"], r"OffloadOptions.fraction must be a number in \(0, 1\]"),
     (["--resume", "true"], "resume: True, but .* holds no step-\\*/lit_model.pth"),
     (["--train.max_seq_length", "4096"], "exceeds the model's block_size"),
     (["--train.max_steps", "0"], "must be positive"),
