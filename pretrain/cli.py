@@ -184,15 +184,19 @@ def resolve_arguments(parser: ArgumentParser, argv: list[str]) -> list[str]:
     return _model_base(parser, argv, parsed)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_and_run(argv: list[str]) -> dict:
+    """The command line `argv` run; returns what `setup` returns (losses, validation losses, a summary)."""
     parser = make_parser()
-    argv = resolve_arguments(parser, list(sys.argv[1:] if argv is None else argv))
-    parsed = parser.parse_args(argv)
+    parsed = parser.parse_args(resolve_arguments(parser, argv))
     if parsed.model_config is not None:  # LitGPT's Config asserts: say which key is wrong before it does
         make_config(parsed.model_config.as_dict())
     arguments = parser.instantiate_classes(parsed).as_dict()
     arguments.pop("config", None)
     return setup(**arguments)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parse_and_run(list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -56,11 +56,11 @@ def elsewhere():
 def uninterrupted(tmp_path_factory) -> tuple[list[float], Path]:
     """The run that is never killed, and its out_dir (a checkpoint after every step)."""
     out = tmp_path_factory.mktemp("whole")
-    return cli.main(["--out_dir", str(out), *RUN])["losses"], out
+    return cli.parse_and_run(["--out_dir", str(out), *RUN])["losses"], out
 
 
 def resume(out: Path, capsys) -> tuple[dict, str]:
-    result = cli.main(["--out_dir", str(out), *RUN, "--resume", "auto"])
+    result = cli.parse_and_run(["--out_dir", str(out), *RUN, "--resume", "auto"])
     return result, capsys.readouterr().out
 
 
@@ -157,7 +157,7 @@ def test_resuming_another_model_is_refused_unless_allowed(key, value, saved, tmp
                                          rf"this run {float(value) if key == 'rotary_percentage' else True}\n"):
         cli.main(argv)
     assert sorted(out.rglob("*")) == before  # refused before anything was written
-    result = cli.main([*argv, "--allow_model_change", "true"])
+    result = cli.parse_and_run([*argv, "--allow_model_change", "true"])
     assert f"resume: {out / f'step-{STEPS - 1:08d}' / 'lit_model.pth'}'s model differs (allow_model_change): " \
            f"{key}" in capsys.readouterr().out
     assert len(result["losses"]) == 1 and result["losses"][0] != losses[-1]  # the same weights, another model

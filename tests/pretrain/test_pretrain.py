@@ -75,14 +75,14 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
 
 @pytest.mark.parametrize(("argv", "match"), [
     (["--model_name", "no-such-model"], "model_name 'no-such-model' is not a LitGPT config name"),
-    (["--model_name", "pythia-14m", "--model_config.n_layer", "1"], "mutually exclusive"),
+    (["--model_name", "pythia-14m", "--model_config", '{"n_layer": 1}'], "mutually exclusive"),
     (["--train.global_batch_size", "10", "--train.micro_batch_size", "4"], "must be a multiple of"),
     (["--compiler", "torch", "--executors", "[sdpa]"], "executors are fulmen's and need compiler: fulmen"),
     (["--compiler", "null", "--strategy", "fsdp"], "strategy fsdp is fulmen's ThunderFSDPStrategy"),
     (["--executors", "[sdpa, nvfuser]"], "unknown executor 'nvfuser'"),
-    (["--resume", "true"], "resume: True, but .* holds no step-\\*/lit_model.pth"),
+    (["--resume", "true"], "resume: True, but .* holds no complete step-\\*/lit_model.pth"),
     (["--train.max_seq_length", "4096"], "exceeds the model's block_size"),
-    (["--train.max_steps", "0"], "must be positive"),
+    (["--train.max_steps", "0"], "train.max_steps must be a positive integer or null, got 0"),
     (["--train.max_tokens", "1000"], "give exactly one of train.max_steps and train.max_tokens"),
     (["--tokenizer_dir", "/no/such/dir"], "tokenizer_dir: no directory"),
     (["--model_name", "pythia-14m", "--data", "TinyStories"], "needs a tokenizer"),
