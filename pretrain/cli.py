@@ -110,24 +110,17 @@ def _quiet(argv: list[str]) -> list[str]:
     return kept
 
 
-def _split_flag(argv: list[str], index: int) -> tuple[str, int]:
-    """The key of the flag at `index` and the index after it and its value."""
-    arg = argv[index]
-    if "=" in arg:
-        return arg[2:].split("=", 1)[0], index + 1
-    return arg[2:], index + 2
-
-
 def _flags(argv: list[str]) -> list[tuple[str, int, int]]:
-    """(key, start, end) of every `--key value` / `--key=value` in `argv`."""
+    """(key, start, end) of every `--key value`, `--key=value` and `--key` (no value follows) in `argv`."""
     found, index = [], 0
     while index < len(argv):
-        if argv[index].startswith("--"):
-            key, end = _split_flag(argv, index)
-            found.append((key, index, end))
-            index = end
-        else:
+        arg = argv[index]
+        if not arg.startswith("--"):
             index += 1
+            continue
+        valued = "=" not in arg and index + 1 < len(argv) and not argv[index + 1].startswith("--")
+        found.append((arg[2:].split("=", 1)[0], index, index + 1 + valued))
+        index += 1 + valued
     return found
 
 

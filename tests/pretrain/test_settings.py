@@ -120,6 +120,9 @@ def test_model_config_keys_change_the_model_the_run_would_train(tmp_path, capsys
         == ("pythia-14m", 1, 128)
     printed = printed_config(capsys, ["--config", TINY_YAML, "--model_config.n_layer", "3"])["model_config"]
     assert (printed["n_layer"], printed["n_embd"]) == (3, 64)
+    with pytest.raises(SystemExit):  # --print_config anywhere
+        cli.main(["--print_config", "--model_config.n_layer", "3"])
+    assert yaml.safe_load(capsys.readouterr().out)["model_config"]["n_embd"] == 64
     # and the run trains that model
     out = tmp_path / "run"
     cli.main(["--out_dir", str(out), *ONE_STEP, "--model_config.rotary_percentage", "0.5"])
