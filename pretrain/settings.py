@@ -121,6 +121,8 @@ RULES = (
          _unsupported("first")),
     Rule("devices", "a positive integer or 'auto'", lambda v: v == "auto" or _int(1)(v)),
     Rule("num_nodes", "a positive integer", _int(1)),
+    Rule("seed", "an integer in [0, 2**32 - 1] (Lightning seeds 0 instead of one outside)",
+         lambda v: _int(0)(v) and v < 2**32),
 )
 MODEL_RULES = tuple(Rule(f"model_config.{key}", "a positive integer", _int(1)) for key in (
     "block_size", "vocab_size", "n_layer", "n_head", "n_embd")) + tuple(

@@ -36,6 +36,7 @@ ONE_STEP = ["--compiler", "null", "--train.max_steps", "1", "--train.save_interv
     (["--devices", "0"], "devices must be a positive integer or 'auto', got 0"),
     (["--num_nodes", "0"], "num_nodes must be a positive integer, got 0"),
     (["--train.log_interval", "0"], "train.log_interval must be a positive number of steps, got 0"),
+    (["--seed", "-1"], "seed must be an integer in [0, 2**32 - 1] (Lightning seeds 0 instead of one outside), got -1"),
     (["--train.lr_warmup_steps", "-1"], "train.lr_warmup_steps must be an integer >= 0, or null, got -1"),
     (["--train.lr_warmup_steps", "null", "--train.lr_warmup_fraction", "0.1"],
      "train.lr_warmup_fraction must be null: fulmen.pretrain warms up over train.lr_warmup_steps, got 0.1"),
