@@ -111,7 +111,7 @@ def load_newest(fabric: L.Fabric, state: dict[str, Any], resume: Resume, setting
             errors.append(str(error))
             fabric.print(f"resume: skipping {path}: {error}")
             continue
-        newest = " (the newest complete checkpoint)" if settings.resume == "auto" else ""
+        newest = " (the newest complete checkpoint)" if settings.resume is True or settings.resume == "auto" else ""
         fabric.print(f"resume: from {path}{newest}, step {state['step_count']}")
         return path
     if resume.required:
