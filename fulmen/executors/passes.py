@@ -7,10 +7,11 @@ from typing import Any
 
 from fulmen.core.errors import UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies
+from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.base import Executor, FusionExecutor
 from fulmen.transforms.recording import record_call
+from fulmen.transforms.regions import form_regions
 
 
 class _Claimer:
@@ -65,39 +66,14 @@ def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Execut
     """Groups runs of consecutive calls `executor` can fuse (among those claimed by executors after it) into its
     regions. Regions are consecutive in the trace, so no value is computed earlier or freed later than before:
     fusing cannot raise peak memory (a region's intermediates are never materialised)."""
-    last_use: dict[str, int] = {}
-    for position, bsym in enumerate(trace.bound_symbols):
-        for name in bsym.arg_names():
-            last_use[name] = position
-    for proxy in iter_proxies(trace.output):
-        last_use[proxy.pname] = len(trace.bound_symbols)
-    bsyms: list[BoundSymbol] = []
-    run: list[BoundSymbol] = []
     regions = 0
 
-    def flush(end: int) -> None:
+    def build(run: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy]) -> BoundSymbol | None:
         nonlocal regions
-        if run and executor.worth_fusing(run):
-            produced: dict[str, TensorProxy] = {}
-            inputs: dict[str, TensorProxy] = {}
-            for bsym in run:
-                for proxy in bsym.proxy_args():
-                    if proxy.pname not in produced:
-                        inputs.setdefault(proxy.pname, proxy)
-                for proxy in bsym.proxy_outputs():
-                    produced[proxy.pname] = proxy
-            outputs = [proxy for name, proxy in produced.items() if last_use.get(name, -1) >= end]
-            bsyms.append(executor.fuse(list(run), list(inputs.values()), outputs, regions))
-            regions += 1
-        else:
-            bsyms.extend(run)
-        run.clear()
+        if not executor.worth_fusing(run):
+            return None
+        regions += 1
+        return executor.fuse(run, inputs, outputs, regions - 1)
 
-    for position, bsym in enumerate(trace.bound_symbols):
-        if bsym.executor in later and executor.can_fuse(bsym):
-            run.append(bsym)
-        else:
-            flush(position)
-            bsyms.append(bsym)
-    flush(len(trace.bound_symbols))
-    return trace.from_trace(f"Fusion ({executor.name})", bound_symbols=bsyms)
+    fused = form_regions(trace, lambda bsym: bsym.executor in later and executor.can_fuse(bsym), build)
+    return fused.from_trace(f"Fusion ({executor.name})")

@@ -28,6 +28,7 @@ from fulmen.ops import prims
 from fulmen.options import JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
 from fulmen.transforms.common import cse, dce, delete_last_used
+from fulmen.transforms.cudagraphs import GraphedProgram, GraphPool, capture_regions, graph_pool_for
 from fulmen.transforms.forward_backward import plan_grad
 
 
@@ -86,19 +87,26 @@ def _needs_grad(trace: Trace) -> bool:
         isinstance(out, TensorProxy) and out.requires_grad for out in trace.output)
 
 
-def _for_execution(trace: Trace, executors: tuple[Executor, ...]) -> list[Trace]:
+def _for_execution(trace: Trace, executors: tuple[Executor, ...], graphs: GraphPool | None = None,
+                   cloned_outputs: int = 0) -> list[Trace]:
+    """The traces from `trace` to the one that runs; with `graphs`, the last two capture CUDA graphs and the two
+    before them are the same program without graphs."""
     claimed = transform_for_execution(trace, executors, Interpreter)
-    return [claimed, delete_last_used(claimed)]
+    traces = [claimed, delete_last_used(claimed)]
+    if graphs is not None:
+        graphed = capture_regions(claimed, graphs, cloned_outputs)
+        traces += [graphed, delete_last_used(graphed)]
+    return traces
 
 
 def _finalize_backward(executors: tuple[Executor, ...], dist: DistributedProgram | None, trace: Trace,
-                       mode: GradSync) -> list[Trace]:
+                       mode: GradSync, graphs: GraphPool | None = None) -> list[Trace]:
     traces = [trace, dce(trace)]
     traces.append(cse(traces[-1]))
     traces.append(dce(traces[-1]))
     if dist is not None:
         traces.append(dist.backward(traces[-1], mode))
-    traces.extend(_for_execution(traces[-1], executors))
+    traces.extend(_for_execution(traces[-1], executors, graphs, len(traces[-1].output)))  # gradients: all cloned
     return traces
 
 
@@ -192,22 +200,28 @@ class JittedFunction:
             traces.append(dce(traces[-1]))
         module_tensors = [source.fetch() for source in self._module_inputs]
         dist = DistributedProgram.of(acquired, [*tensors, *module_tensors, *(t for t, _ in interpreter.constants)])
+        graphs = None
+        if self._options.cuda_graphs:
+            graphs = graph_pool_for(traces[-1], dist is not None, getattr(self._fn, "__qualname__", "the program"))
         program = None
         if _needs_grad(traces[-1]):
             plan = plan_grad(traces[-1], Interpreter, self.executors)
             traces.append(plan.forward)
             if dist is not None:
                 traces.append(dist.forward(plan.forward, plan.n_outputs))
-            traces.extend(_for_execution(traces[-1], self.executors))
+            executed = _for_execution(traces[-1], self.executors, graphs, plan.n_outputs)
+            traces.extend(executed)
             finalize = functools.partial(_finalize_backward, self.executors, dist)
-            program = GradProgram(plan, traces[-1].python_callable(), finalize,
-                                  finalize(plan.backward(plan.differentiable), GradSync.SYNC), autocast_enabled(),
+            backward_traces = finalize(plan.backward(plan.differentiable), GradSync.SYNC, graphs)
+            program = GradProgram(plan, traces[-1].python_callable(), finalize, backward_traces, autocast_enabled(),
                                   dist)
+            if graphs is not None:
+                program.use_graphs(GraphedProgram(graphs), executed[1], backward_traces[-3])
             fn = functools.partial(FulmenFunction.apply, program)
         else:
             if dist is not None:
                 traces.append(dist.forward(traces[-1], len(traces[-1].output)))
-            traces.extend(_for_execution(traces[-1], self.executors))
+            traces.extend(_for_execution(traces[-1], self.executors, graphs, len(traces[-1].output)))
             fn = traces[-1].python_callable()
         if autocast_enabled():
             fn = without_autocast(fn)
