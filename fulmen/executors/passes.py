@@ -10,6 +10,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.base import Executor, FusionExecutor
+from fulmen.executors.region_remat import REGION, recompute_region_inputs
 from fulmen.transforms.recording import record_call
 from fulmen.transforms.regions import form_regions
 
@@ -65,15 +66,24 @@ def transform_for_execution(trace: Trace, executors: tuple[Executor, ...],
 def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Executor]) -> Trace:
     """Groups runs of consecutive calls `executor` can fuse (among those claimed by executors after it) into its
     regions. Regions are consecutive in the trace, so no value is computed earlier or freed later than before:
-    fusing cannot raise peak memory (a region's intermediates are never materialised)."""
-    regions = 0
+    fusing cannot raise peak memory (a region's intermediates are never materialised). Then, when the executor
+    `recomputes_inputs`, cheap values a region would hand to later regions are recomputed there instead
+    (fulmen.executors.region_remat, which never raises peak memory either)."""
 
-    def build(run: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy]) -> BoundSymbol | None:
-        nonlocal regions
-        if not executor.worth_fusing(run):
-            return None
-        regions += 1
-        return executor.fuse(run, inputs, outputs, regions - 1)
+    def plan(run: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy]) -> BoundSymbol | None:
+        return BoundSymbol(REGION, tuple(inputs), {}, tuple(outputs), run) if executor.worth_fusing(run) else None
 
-    fused = form_regions(trace, lambda bsym: bsym.executor in later and executor.can_fuse(bsym), build)
-    return fused.from_trace(f"Fusion ({executor.name})")
+    def fusible(bsym: BoundSymbol) -> bool:
+        return bsym.executor in later and executor.can_fuse(bsym)
+
+    bsyms = form_regions(trace, fusible, plan).bound_symbols
+    if executor.recomputes_inputs:
+        # a trace taking its inputs in groups frees them as it goes (a backward's saved values)
+        bsyms = recompute_region_inputs(bsyms, trace.inputs, trace.output, not trace.input_groups, fusible)
+    fused, regions = [], 0
+    for bsym in bsyms:
+        if bsym.sym is REGION:
+            bsym = executor.fuse(bsym.subsymbols, list(bsym.args), list(bsym.output), regions)
+            regions += 1
+        fused.append(bsym)
+    return trace.from_trace(f"Fusion ({executor.name})", bound_symbols=fused)

@@ -76,10 +76,13 @@ class CompiledRegion:
 
 class TorchCompileExecutor(FusionExecutor):
     """Fusion regions compiled by Inductor; `compile_options` are Inductor config options for every region
-    (`torch._inductor.list_options()`), e.g. `{"max_autotune": True}`."""
+    (`torch._inductor.list_options()`), e.g. `{"max_autotune": True}`; `recompute_inputs`: see
+    `FusionExecutor.recomputes_inputs`."""
 
-    def __init__(self, name: str = "torchcompile", compile_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str = "torchcompile", compile_options: dict[str, Any] | None = None,
+                 recompute_inputs: bool = True) -> None:
         super().__init__(name)
+        self.recomputes_inputs = recompute_inputs
         options = dict(compile_options or {})
         unknown = sorted(set(options) - set(torch._inductor.list_options()))
         if unknown:

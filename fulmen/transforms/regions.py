@@ -12,14 +12,14 @@ from fulmen.core.trace import Trace
 RegionBuilder = Callable[[list[BoundSymbol], list[TensorProxy], list[TensorProxy]], BoundSymbol | None]
 
 
-def last_uses(trace: Trace) -> dict[str, int]:
-    """Each value's last reader: a position in the trace, or len(bound_symbols) for the trace's outputs."""
+def last_uses(bsyms: list[BoundSymbol], output: tuple) -> dict[str, int]:
+    """Each value's last reader: a position in `bsyms`, or len(bsyms) for the program's `output`."""
     last_use: dict[str, int] = {}
-    for position, bsym in enumerate(trace.bound_symbols):
+    for position, bsym in enumerate(bsyms):
         for name in bsym.arg_names():
             last_use[name] = position
-    for proxy in iter_proxies(trace.output):
-        last_use[proxy.pname] = len(trace.bound_symbols)
+    for proxy in iter_proxies(output):
+        last_use[proxy.pname] = len(bsyms)
     return last_use
 
 
@@ -41,7 +41,7 @@ def region_io(run: list[BoundSymbol], last_use: dict[str, int],
 def form_regions(trace: Trace, selects: Callable[[BoundSymbol], bool], build: RegionBuilder) -> Trace:
     """`trace` with each maximal run of consecutive calls `selects` accepts replaced by `build`'s call. Runs stay
     where they are, so no value is computed earlier or freed later than before."""
-    last_use = last_uses(trace)
+    last_use = last_uses(trace.bound_symbols, trace.output)
     bsyms: list[BoundSymbol] = []
     run: list[BoundSymbol] = []
 
