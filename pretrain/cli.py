@@ -54,6 +54,7 @@ def setup(
     num_nodes: int = 1,
     compiler: Literal["fulmen", "torch"] | None = "fulmen",
     executors: list[str] | None = None,
+    cuda_graphs: bool = False,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
@@ -78,6 +79,9 @@ def setup(
         num_nodes: nodes (launch the same command on each, or under torchrun / SLURM).
         compiler: "fulmen" jits forward_and_loss (the loss is in the trace), "torch" uses torch.compile, null eager.
         executors: fulmen's executor list, e.g. [sdpa, torchcompile, torch]; default fulmen's.
+        cuda_graphs: fulmen replays the step's forward and backward as CUDA graphs (`JitOptions.cuda_graphs`),
+            for small models and batches whose steps are launch-bound; a program it cannot capture (CPU, ddp, fsdp)
+            runs without, with a warning.
         strategy: "auto" (one device: none; several: ddp), "ddp" or "fsdp" (fulmen's Fabric strategies).
         fsdp: the FSDP strategy's options.
         logger_name: "csv" or "tensorboard".

@@ -47,6 +47,7 @@ class Settings:
     num_nodes: int
     compiler: str | None
     executors: list[str] | None
+    cuda_graphs: bool
     strategy: str
     fsdp: FSDPArgs
     logger_name: str
@@ -101,7 +102,8 @@ def make_strategy(settings: Settings, world: int) -> Any:
 
 def compile_loss(settings: Settings) -> Any:
     if settings.compiler == "fulmen":
-        return fulmen.jit(forward_and_loss, executors=settings.executors)
+        return fulmen.jit(forward_and_loss, executors=settings.executors,
+                          options=fulmen.JitOptions(cuda_graphs=settings.cuda_graphs))
     if settings.compiler == "torch":
         return torch.compile(forward_and_loss)
     return forward_and_loss
@@ -143,6 +145,8 @@ def check(settings: Settings, config: Config, world: int) -> tuple[int, int]:
         raise ValueError(f"train.max_steps / train.max_tokens must be positive, got {limit}")
     if settings.executors is not None and settings.compiler != "fulmen":
         raise ValueError(f"executors are fulmen's and need compiler: fulmen, got compiler: {settings.compiler}")
+    if settings.cuda_graphs and settings.compiler != "fulmen":
+        raise ValueError(f"cuda_graphs is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
     if settings.executors is not None:
         fulmen.resolve_executors(settings.executors)  # unknown names fail here
     seq = train.max_seq_length or config.block_size
