@@ -72,8 +72,8 @@ def _chain(name: str, reader: int, plan: _Plan) -> tuple[list[BoundSymbol], set[
         call = plan.producer.get(value)
         if call is None or not recomputable(call) or len(chain) >= MAX_RECOMPUTED:
             return False
-        for arg in call.arg_names():
-            if not visit(arg, False):
+        for arg in call.proxy_args():  # in order: the same regions get the same source
+            if not visit(arg.pname, False):
                 return False
         chain.append(call)
         done.update(call.output_names())  # the call's other outputs come with it
