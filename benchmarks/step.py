@@ -207,18 +207,22 @@ def profile_steps(step: Callable[[], Any], steps: int, fence: Callable[[], None]
             step()
         fence()
     families = {family: 0.0 for family, _ in KERNEL_FAMILIES} | {"other": 0.0}
-    kernels: dict[str, float] = {}
+    kernels: dict[str, list[float]] = {}  # name -> [ms per step, launches per step]
     launches = 0
     for event in profiler.events():
         if event.device_type != DeviceType.CUDA:
             continue
         ms = event.time_range.elapsed_us() / 1e3 / steps  # a kernel (or copy) on the device
         families[kernel_family(event.name)] += ms
-        kernels[event.name] = kernels.get(event.name, 0.0) + ms
+        totals = kernels.setdefault(event.name, [0.0, 0.0])
+        totals[0] += ms
+        totals[1] += 1 / steps
         launches += 1
-    top = sorted(kernels.items(), key=lambda item: -item[1])[:12]
+    top = sorted(kernels.items(), key=lambda item: -item[1][0])[:40]
     return {"gpu_ms_per_step_by_family": families, "gpu_ms_per_step": sum(families.values()),
-            "kernels_per_step": launches / steps, "top_kernels_ms_per_step": dict(top)}
+            "kernels_per_step": launches / steps,
+            "top_kernels": [{"name": name, "ms_per_step": ms, "launches_per_step": count}
+                            for name, (ms, count) in top]}
 
 
 def make_optimizer(params: list[torch.Tensor], name: str = "adamw") -> torch.optim.Optimizer:
@@ -251,17 +255,18 @@ def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y
     first_loss, with_grad = step(count_grads=True)
     fence()
     first_step_s = time.perf_counter() - start
+    first_loss = first_loss.item()  # now: a compiler replaying CUDA graphs overwrites it with the next step
     for _ in range(args.warmup):
         step()
     iter_ms = []
-    loss = first_loss
+    loss = None
     for _ in range(args.iters):
         fence()
         start = time.perf_counter()
         loss, _ = step()
         fence()
         iter_ms.append((time.perf_counter() - start) * 1e3)
-    timed = {"iter_ms": iter_ms, "first_step_s": first_step_s, "first_loss": first_loss.item(),
+    timed = {"iter_ms": iter_ms, "first_step_s": first_step_s, "first_loss": first_loss,
              "final_loss": loss.item(), "params_with_grad": [with_grad, len(params)]}
     if params[0].device.type == "cuda" and getattr(args, "profile_steps", 0):
         timed["profile"] = profile_steps(step, args.profile_steps, fence)

@@ -10,7 +10,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.base import Executor, FusionExecutor
-from fulmen.executors.region_remat import REGION, recompute_region_inputs
+from fulmen.executors.region_remat import REGION, plan_regions
 from fulmen.transforms.recording import record_call
 from fulmen.transforms.regions import form_regions
 
@@ -67,8 +67,8 @@ def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Execut
     """Groups runs of consecutive calls `executor` can fuse (among those claimed by executors after it) into its
     regions. Regions are consecutive in the trace, so no value is computed earlier or freed later than before:
     fusing cannot raise peak memory (a region's intermediates are never materialised). Then, when the executor
-    `recomputes_inputs`, cheap values a region would hand to later regions are recomputed there instead
-    (fulmen.executors.region_remat, which never raises peak memory either)."""
+    `recomputes_inputs`, regions merge across independent calls and cheap values a region would hand to later
+    regions are recomputed there instead (fulmen.executors.region_remat, which never raises peak memory either)."""
 
     def plan(run: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy]) -> BoundSymbol | None:
         return BoundSymbol(REGION, tuple(inputs), {}, tuple(outputs), run) if executor.worth_fusing(run) else None
@@ -79,7 +79,7 @@ def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Execut
     bsyms = form_regions(trace, fusible, plan).bound_symbols
     if executor.recomputes_inputs:
         # a trace taking its inputs in groups frees them as it goes (a backward's saved values)
-        bsyms = recompute_region_inputs(bsyms, trace.inputs, trace.output, not trace.input_groups, fusible)
+        bsyms = plan_regions(bsyms, trace.inputs, trace.output, not trace.input_groups, fusible)
     fused, regions = [], 0
     for bsym in bsyms:
         if bsym.sym is REGION:

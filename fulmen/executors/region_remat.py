@@ -1,4 +1,9 @@
-"""Recomputing cheap values inside the regions that read them, instead of materialising them.
+"""Planning fusion regions beyond runs of consecutive calls: merging regions across independent calls, and
+recomputing cheap values inside the regions that read them instead of materialising them.
+
+A region that reads nothing the calls before it (since the previous region) compute moves up and joins the previous
+region: the SwiGLU backward's two regions around the weight-gradient matmul (one recomputes the activation the
+matmul reads, the other computes the gradients of fc_1 and fc_2) become one kernel reading fc_1 and fc_2 once.
 
 Regions are runs of consecutive calls, so a value one region computes and a later region reads is written to memory
 and read back, and lives in between; an elementwise call left alone between matmuls (the sum of two matmuls'
@@ -21,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.transforms.regions import last_uses, region_io
 from fulmen.transforms.remat import held_bytes, nbytes, recomputable
 
@@ -162,12 +167,77 @@ def _plan(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple, in
     return plan
 
 
+def _merge_once(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple,
+                inputs_held: bool) -> list[BoundSymbol] | None:
+    """`bsyms` with the first region that can move up past the calls since the previous region merged into it, or
+    None. A region does when the two read a value in common (then read once) or it is the only reader of a value the
+    previous one computes (then never materialised), it reads nothing the calls in between compute and none of
+    them has a side effect, and moving it keeps the live bytes between the two places under the trace's peak (its
+    outputs exist earlier, the inputs it reads last die earlier)."""
+    plan = _plan(bsyms, inputs, output, inputs_held, lambda bsym: False)
+    previous = None
+    for position, bsym in enumerate(bsyms):
+        if bsym.sym is not REGION:
+            continue
+        if previous is not None and position > previous + 1:
+            between = bsyms[previous + 1 : position]
+            computed = {name for call in between for name in call.output_names()}
+            independent = not bsym.arg_names() & computed and not any(call.sym.tags & Tag.IMPURE for call in between)
+            worth = independent and _shares(bsyms[previous], bsym, position, plan)
+            if worth and _hoist_fits(bsym, previous, position, plan):
+                merged = bsyms[previous].from_bsym(subsymbols=plan.members[previous] + plan.members[position])
+                return [*bsyms[:previous], merged, *between, *bsyms[position + 1 :]]
+        previous = position
+    return None
+
+
+def _shares(first: BoundSymbol, second: BoundSymbol, position: int, plan: _Plan) -> bool:
+    """Whether merging saves reading a value twice, or writing one that only the second region reads."""
+    if first.arg_names() & second.arg_names():
+        return True
+    return any(plan.readers.get(name) == {position} for name in first.output_names() if name in second.arg_names())
+
+
+def _hoist_fits(region: BoundSymbol, to: int, position: int, plan: _Plan) -> bool:
+    change = sum(allocated_bytes(p) for p in region.proxy_outputs())
+    change -= sum(held_bytes(p) for p in region.proxy_args()
+                  if plan.last_use.get(p.pname) == position and p.pname not in plan.held)
+    return change <= 0 or all(plan.live[q] + change <= plan.peak for q in range(to + 1, position))
+
+
+def _refresh(bsyms: list[BoundSymbol], output: tuple) -> list[BoundSymbol]:
+    """Regions' inputs and outputs from their calls and from what later calls and the trace read."""
+    drafts = []
+    for bsym in bsyms:
+        if bsym.sym is REGION:
+            region_inputs, _ = region_io(bsym.subsymbols, {}, 0)
+            bsym = bsym.from_bsym(args=tuple(region_inputs))
+        drafts.append(bsym)
+    last_use = last_uses(drafts, output)
+    result = []
+    for position, bsym in enumerate(drafts):
+        if bsym.sym is REGION:
+            _, region_outputs = region_io(bsym.subsymbols, last_use, position + 1)
+            bsym = bsym.from_bsym(output=tuple(region_outputs))
+        result.append(bsym)
+    return result
+
+
+def plan_regions(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple, inputs_held: bool,
+                 fusible) -> list[BoundSymbol]:
+    """`bsyms` (regions as REGION placeholders) with regions merged across independent calls, then cheap values
+    recomputed by the regions reading them (see the module docstring). `inputs_held`: the caller keeps the trace's
+    inputs alive (a forward; a backward frees its saved values as it goes). `fusible(bsym)`: whether a call
+    outside the regions may move into one."""
+    while (merged := _merge_once(bsyms, inputs, output, inputs_held)) is not None:
+        bsyms = _refresh(merged, output)
+    return recompute_region_inputs(bsyms, inputs, output, inputs_held, fusible)
+
+
 def recompute_region_inputs(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple,
                             inputs_held: bool, fusible) -> list[BoundSymbol]:
-    """`bsyms` (regions as REGION placeholders) with cheap values recomputed by the regions reading them (see the
-    module docstring); regions' inputs and outputs follow from their calls again. `inputs_held`: the caller keeps
-    the trace's inputs alive (a forward; a backward frees its saved values as it goes). `fusible(bsym)`: whether a
-    call outside the regions may move into one."""
+    """`bsyms` (regions as REGION placeholders) with cheap values recomputed by the regions reading them; regions'
+    inputs and outputs follow from their calls again."""
     plan = _plan(bsyms, inputs, output, inputs_held, fusible)
     outputs = {p.pname for p in iter_proxies(output)}
     changed = False

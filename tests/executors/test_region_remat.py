@@ -88,6 +88,8 @@ def test_litgpt_backward_writes_less_between_regions_and_matches_eager():
     _, _, plain_forward, plain_backward = runs[no_recompute]
     # the SwiGLU's silu(fc_1) and the normalised activations are recomputed where the backward reads them
     assert _region_to_region_bytes(backward, torchcompile) < _region_to_region_bytes(plain_backward, no_recompute)
+    # regions sharing inputs merge across the matmuls between them (the SwiGLU backward's two become one)
+    assert len(_regions(backward, torchcompile)) < len(_regions(plain_backward, no_recompute))
     # and the sums of two matmuls' outputs are computed inside the region that reads them
     lone = [b.sym.name for b in backward.bound_symbols if b.sym.name == "add"]
     assert lone == [] and [b.sym.name for b in plain_backward.bound_symbols if b.sym.name == "add"]

@@ -117,6 +117,7 @@ def test_graph_pool_does_not_double_the_peak():
         config.n_layer, config.n_embd, config.head_size, config.intermediate_size = 4, 512, 64, 1536
         config.n_head, config.n_query_groups = 8, 4
         config.padded_vocab_size = config.vocab_size = 8192
+        config.block_size = 512
         torch.manual_seed(0)
         model = GPT(config).cuda().to(torch.bfloat16)
         jitted = fulmen.jit(_loss, options=options)
