@@ -87,6 +87,28 @@ def _chain(name: str, reader: int, plan: _Plan) -> tuple[list[BoundSymbol], set[
     return (chain, leaves) if visit(name, True) else None
 
 
+def _in_order(calls: list[BoundSymbol]) -> list[BoundSymbol]:
+    """`calls` with each one after the calls computing its arguments, otherwise in the given order (a chain added
+    to a region may read values an earlier chain put there)."""
+    produced_by = {name: i for i, call in enumerate(calls) for name in call.output_names()}
+    placed: list[bool] = [False] * len(calls)
+    ordered: list[BoundSymbol] = []
+
+    def place(i: int) -> None:
+        if placed[i]:
+            return
+        placed[i] = True
+        for arg in calls[i].proxy_args():
+            producer = produced_by.get(arg.pname)
+            if producer is not None and producer != i:
+                place(producer)
+        ordered.append(calls[i])
+
+    for i in range(len(calls)):
+        place(i)
+    return ordered
+
+
 def _try_drop(value: TensorProxy, plan: _Plan) -> bool:
     readers = plan.readers.get(value.pname, set())
     if not readers or not all(reader in plan.members for reader in readers):
@@ -116,7 +138,7 @@ def _try_drop(value: TensorProxy, plan: _Plan) -> bool:
         members = plan.members[reader]
         computed = {name for call in members for name in call.output_names()}
         added = [call for call in chain if not set(call.output_names()) <= computed]
-        plan.members[reader] = added + members
+        plan.members[reader] = _in_order(added + members)
         plan.recomputed.setdefault(reader, set()).update(name for call in added for name in call.output_names())
         for leaf in leaf_names:
             plan.readers.setdefault(leaf, set()).add(reader)
