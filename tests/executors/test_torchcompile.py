@@ -74,3 +74,27 @@ def test_regions_follow_the_executor_order():
     torch.testing.assert_close(fused(x), torch_only(x))
     assert not _regions(fulmen.last_traces(torch_only)[-1])
     assert len(_regions(fulmen.last_traces(fused)[-1])) == 1
+
+
+def test_regions_call_inductors_code_without_dynamo():
+    # A region is traced and compiled once per layout of its arguments and then called directly: no Dynamo frame
+    # (whose guards torch.compile would evaluate on every call) is ever traced, and another layout of the same
+    # shapes (the trace's cache key ignores strides) gets its own compiled variant, not code indexed for the first.
+    from torch._dynamo.utils import counters
+
+    from fulmen.executors.torch_compile import CompiledRegion
+
+    def f(x, w):
+        return torch.softmax(torch.tanh(x) * w, -1)
+
+    jitted = fulmen.jit(f, executors=["torchcompile"])
+    x, w = torch.randn(8, 16), torch.randn(16)
+    counters.clear()
+    torch.testing.assert_close(jitted(x, w), f(x, w))
+    torch.testing.assert_close(jitted(x, w), f(x, w))
+    (region,) = _regions(fulmen.last_traces(jitted)[-1])
+    assert isinstance(region.sym.impl, CompiledRegion) and len(region.sym.impl.variants) == 1
+    transposed = torch.randn(16, 8).t()
+    torch.testing.assert_close(jitted(transposed, w), f(transposed, w))
+    assert fulmen.cache_misses(jitted) == 1 and len(region.sym.impl.variants) == 2
+    assert counters["stats"]["unique_graphs"] == 0 and counters["stats"]["calls_captured"] == 0  # no Dynamo
