@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
@@ -104,43 +105,39 @@ def _is_differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+class _Uncacheable(Exception):
+    pass
+
+
 def _meta_key(obj: Any) -> Any:
     """A hashable description of everything a meta kernel reads from arguments (a tensor's shape, strides, offset
-    and dtype; any other value with its type, since 1, 1.0 and True promote differently), or None."""
+    and dtype; any other value with its type, since 1, 1.0 and True promote differently)."""
     if type(obj) is TensorProxy:
         return (TensorProxy, tuple(obj.shape), obj.stride(), obj.storage_offset(), obj.dtype)
     if isinstance(obj, (tuple, list)):
-        items = tuple(_meta_key(item) for item in obj)
-        return None if None in items and None not in obj else (type(obj), items)
+        return (type(obj), tuple(_meta_key(item) for item in obj))
     if isinstance(obj, dict):
-        return _meta_key(tuple(obj.items()))
+        return (dict, tuple((key, _meta_key(value)) for key, value in obj.items()))
     if isinstance(obj, torch.Tensor):  # a real tensor (a constant): its values may matter
-        return None
+        raise _Uncacheable
     try:
         hash(obj)
     except TypeError:
-        return None
+        raise _Uncacheable from None
     return (type(obj), obj)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor)]
 
 
 def _new_tensors_only(meta_out: Any, meta_args: tuple, meta_kwargs: dict[str, Any]) -> bool:
     """Whether every tensor `meta_out` holds is a new, dense tensor (no view or input: their aliasing is not kept)."""
-    inputs = {id(t) for t in iter_proxies_or_tensors((meta_args, meta_kwargs))}
-    for tensor in iter_proxies_or_tensors(meta_out):
+    inputs = {id(t) for t in _tensors((meta_args, meta_kwargs))}
+    for tensor in _tensors(meta_out):
         if tensor._is_view() or id(tensor) in inputs or tensor.storage_offset() != 0:
             return False
     return isinstance(meta_out, (torch.Tensor, tuple, list))
-
-
-def iter_proxies_or_tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from iter_proxies_or_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_proxies_or_tensors(item)
 
 
 def _fresh_metas(meta_out: Any) -> Any:
@@ -218,7 +215,10 @@ class TraceBuilder(Builder):
         return output
 
     def _meta_outputs(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
-        key = _meta_key((sym, args, kwargs))
+        try:
+            key = _meta_key((sym, args, kwargs))
+        except _Uncacheable:
+            key = None
         cached = self._metas.get(key) if key is not None else None
         if cached is not None:
             return _fresh_metas(cached)

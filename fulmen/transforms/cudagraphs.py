@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
@@ -140,17 +141,9 @@ class CUDAGraphRegion:
             pool.disable(f"capturing {self.name} failed: {error}")
             return self.fn(*args)
         self.graph, self.outputs = graph, outputs
-        pool.static_ptrs.update(out.data_ptr() for out in _tensors(outputs))
+        pool.static_ptrs.update(out.data_ptr() for out in tree_leaves(outputs) if isinstance(out, torch.Tensor))
         graph.replay()
         return outputs
-
-
-def _tensors(outputs: Any):
-    if isinstance(outputs, torch.Tensor):
-        yield outputs
-    elif isinstance(outputs, (tuple, list)):
-        for item in outputs:
-            yield from _tensors(item)
 
 
 def _static_copy(arg: torch.Tensor) -> torch.Tensor:
