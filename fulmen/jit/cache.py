@@ -33,6 +33,7 @@ class CacheEntry:
     check: Callable[[], bool] | None = None  # all guards, compiled
     storage: tuple[int, ...] | None = None  # the inputs' storage groups, for a trace that updates an input
     aliases: AliasPlan | None = None
+    module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
 
     def admits(self, tensors: list, module_tensors: list) -> bool:
         if self.check is not None and not self.check():
@@ -53,6 +54,7 @@ class Cache:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.entries: list[CacheEntry] = []
+        self.layouts: dict[tuple, None] = {}  # the distinct module_inputs of the entries, in order
         self._by_key: dict[Any, list[CacheEntry]] = {}
         self._explain: dict[int, Callable[[], int]] = {}  # id(entry) -> its first failing guard, compiled on demand
 
@@ -68,19 +70,19 @@ class Cache:
 
     def add(self, entry: CacheEntry) -> None:
         self.entries.append(entry)
+        self.layouts[entry.module_inputs] = None
         self._by_key.setdefault(entry.key, []).append(entry)
 
-    def clear(self) -> None:
-        self.entries.clear()
-        self._by_key.clear()
-        self._explain.clear()
-
-    def miss_reasons(self, key: Any, tensors: list, module_tensors: list, names: Sequence[str]) -> list[str]:
+    def miss_reasons(self, key: Any, tensors: list, module_tensors: list, names: Sequence[str],
+                     layout: Sequence[Any]) -> list[str]:
         """For each cached entry, the first thing this call differs in."""
-        return [f"trace {i}: {self._reason(entry, key, tensors, module_tensors, names)}"
+        return [f"trace {i}: {self._reason(entry, key, tensors, module_tensors, names, tuple(layout))}"
                 for i, entry in enumerate(self.entries)]
 
-    def _reason(self, entry: CacheEntry, key: Any, tensors: list, module_tensors: list, names: Sequence[str]) -> str:
+    def _reason(self, entry: CacheEntry, key: Any, tensors: list, module_tensors: list, names: Sequence[str],
+                layout: tuple) -> str:
+        if entry.module_inputs != layout:
+            return "the module's parameters and buffers changed (its structure differs)"
         if entry.key != key:
             return key_difference(entry.key, key, names)
         if entry.guards:

@@ -145,10 +145,12 @@ class JittedFunction:
         except AttributeError:  # a module tensor was removed or replaced by a non-tensor: trace anew
             key = None
         entry = self._cache.lookup(key, tensors, module_tensors)
+        if entry is None and len(self._cache.layouts) > 1:
+            entry, module_tensors = self._other_layouts(spec, tensors, state, module_tensors)
         if entry is None:
             self.stats.misses += 1
             names = self._names(args, kwargs, len(tensors))
-            self.last_miss_reasons = self._cache.miss_reasons(key, tensors, module_tensors, names)
+            self.last_miss_reasons = self._cache.miss_reasons(key, tensors, module_tensors, names, self._module_inputs)
             if self._cache.full:
                 return self._past_limit(args, kwargs)
             entry, module_tensors = self._compile(args, kwargs, tensors, (spec, state), names)
@@ -158,6 +160,22 @@ class JittedFunction:
         self.last_entry = entry
         outputs = entry.fn(*tensors, *module_tensors, *entry.constants)
         return self._finish(entry, outputs, tensors)
+
+    def _other_layouts(self, spec: Any, tensors: list, state: tuple, module_tensors: list) -> tuple:
+        """A cached trace made when the module had other parameters or buffers (a ModuleList grew, then shrank)."""
+        for layout in self._cache.layouts:
+            if list(layout) == self._module_inputs:
+                continue
+            other = [source.fetch() for source in layout]
+            try:
+                key = (spec, tensor_key(tensors), tensor_key(other), state)
+            except AttributeError:
+                continue
+            entry = self._cache.lookup(key, tensors, other)
+            if entry is not None:
+                self._module_inputs = list(layout)
+                return entry, other
+        return None, module_tensors
 
     def _names(self, args: tuple, kwargs: dict[str, Any], n: int) -> list[str]:
         hints = _arg_hints(self._module.forward if self._module is not None else self._fn, args, kwargs)
@@ -254,9 +272,7 @@ class JittedFunction:
         acquisition = self._acquire(args, kwargs, tensors, names, None, [])
         tree, interpreter = acquisition.tree, acquisition.interpreter
         module_inputs = tree.inputs if tree is not None else []
-        if module_inputs != self._module_inputs:  # cached traces read other module tensors: they cannot be reused
-            self._cache.clear()
-            self._module_inputs = module_inputs
+        self._module_inputs = module_inputs
         module_tensors = [source.fetch() for source in self._module_inputs]
         constants = [t for t, _ in interpreter.constants]
         real_inputs = [*tensors, *module_tensors, *constants]
@@ -320,6 +336,7 @@ class JittedFunction:
             guards=guards,
             check=compile_check(guards),
             storage=storage_groups(real_inputs) if acquisition.written() else None,
+            module_inputs=tuple(module_inputs),
             aliases=aliases,
         )
         return entry, module_tensors

@@ -238,6 +238,7 @@ class Observer:
         found = _class_lookup(cls, name)
         index, raw = found if found is not None else (len(cls.__mro__), MISSING)
         if instance is not None:
+            self._pinned.append(instance)
             self._add_raw(("absent", id(instance), name), f"{what} (not set on the object itself)",
                           lambda e: f"{name!r} not in {e.bind(instance)}")
         self._pinned.append(cls)
@@ -301,13 +302,10 @@ class Observer:
                 self.class_attribute(cls, name, what)
         elif state is not None and name in state:
             self.dict_entry(state, name, what)
-        elif found is not None:
+        elif issubclass(cls, nn.Module) and found is None and self.module_fallback(obj, name):
+            pass
+        else:  # a class attribute, or none at all (`getattr(obj, name, default)`, `hasattr`)
             self.class_attribute(cls, name, what, state)
-        elif issubclass(cls, nn.Module) and state is not None:
-            for slot in _MODULE_SLOTS:
-                if name in state.get(slot, ()):
-                    self.dict_entry(state[slot], name, what)
-                    return
 
     def read(self, site: reads.Read, frame: types.FrameType) -> None:
         kind = type(site)
@@ -336,6 +334,8 @@ class Observer:
             sys.settrace(previous)
 
     # --- the module tap ----------------------------------------------------------------------------------------------
+    # Guards on a module start from its own `__dict__`, which lives as long as the module: `_modules`,
+    # `_parameters` and `_buffers` are looked up again on every check (ModuleList.__delitem__ replaces `_modules`).
     def module_read(self, original: nn.Module, shadow_class: type, name: str, value: Any) -> None:
         """The program read `name` on the shadow of `original` and got `value`."""
         if name.startswith("__") and name.endswith("__"):
@@ -343,35 +343,45 @@ class Observer:
         state = original.__dict__
         what = f"attribute {name} of {type(original).__qualname__} module"
         if name in state:
-            current = state[name]
-            if name in ("_parameters", "_buffers"):
-                self._add_raw(("slots", id(current)), f"the {name[1:]} of a {type(original).__qualname__} module",
-                              lambda e: f"{e.bind(_tensor_slots)}({e.bind(current)}) == "
-                                        f"{e.bind(_tensor_slots(current))}")
-            elif name == "_modules" or (current is value and not issubclass(type(current), torch.Tensor)):
+            if name in _MODULE_SLOTS:
+                self._module_slot(original, name, None)
+            elif state[name] is value and not issubclass(type(value), torch.Tensor):
                 self.dict_entry(state, name, what)
             return
         if name not in shadow_class.__dict__:  # not one of the shadow's own hooks
             self.class_attribute(type(original), name, what, state)
 
-    def module_fallback(self, original: nn.Module, name: str) -> None:
+    def module_fallback(self, module: nn.Module, name: str) -> bool:
         """The program read `name` through `nn.Module.__getattr__` (a parameter, buffer or submodule)."""
-        state = original.__dict__
+        state = module.__dict__
         for slot in _MODULE_SLOTS:
-            container = state.get(slot, {})
-            if name in container:
-                what = f"{slot[1:-1]} {name} of a {type(original).__qualname__} module"
-                if slot == "_modules":
-                    self.dict_entry(container, name, what)
-                else:  # the tensor itself is a trace input; whether it is set is what the trace assumes
-                    self._add_raw(("slots", id(container)), f"the {slot[1:]} of a {type(original).__qualname__} "
-                                  "module", lambda e, c=container: f"{e.bind(_tensor_slots)}({e.bind(c)}) == "
-                                                                   f"{e.bind(_tensor_slots(c))}")
-                return
+            if name in state.get(slot, ()):
+                self._module_slot(module, slot, name)
+                return True
+        return False
+
+    def _module_slot(self, module: nn.Module, slot: str, name: str | None) -> None:
+        """Submodules are compared by identity; parameters and buffers (trace inputs, fetched on every call) only
+        by whether they are set. `name` None: the whole container (its names and their order)."""
+        state = module.__dict__
+        self._pinned.append(state)
+        kind = type(module).__qualname__
+        what = f"{slot[1:]} of a {kind} module" if name is None else f"{slot[1:-1]} {name} of a {kind} module"
+        if slot == "_modules" and name is not None:
+            self._add(("slot", id(state), slot, name), what,
+                      lambda e: f"{e.bind(state)}[{slot!r}].get({name!r}, {e.bind(MISSING)})", state[slot][name])
+            return
+        summary = _children if slot == "_modules" else _tensor_slots
+        self._add_raw(("slot", id(state), slot, None), what,
+                      lambda e: f"{e.bind(summary)}({e.bind(state)}[{slot!r}]) == {e.bind(summary(state[slot]))}")
 
 
 def _tensor_slots(container: dict) -> tuple:
     return tuple((name, value is None) for name, value in container.items())
+
+
+def _children(container: dict) -> tuple:
+    return tuple(container.items())  # modules compare by identity
 
 
 class _FrameTap:
