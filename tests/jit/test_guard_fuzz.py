@@ -261,7 +261,8 @@ class Inner:
 
 
 class Config:
-    bias = 0.0  # a class attribute
+    bias = 0.0  # class attributes, read through an instance and through the class
+    offset = 0.0
 
     def __init__(self) -> None:
         self.s = 2.0
@@ -284,7 +285,7 @@ CONFIG, SLOTTED = Config(), Slotted()
 
 
 def reads_objects(x, cfg):
-    y = x * cfg.s + cfg.inner.t + cfg.bias + cfg.doubled + getattr(cfg, "extra", 0.0) + SLOTTED.k
+    y = x * cfg.s + cfg.inner.t + cfg.bias + cfg.doubled + getattr(cfg, "extra", 0.0) + SLOTTED.k + Config.offset
     return y * 2 if cfg.mode == "mul" else y + 2
 
 
@@ -301,6 +302,7 @@ def object_changes() -> list[Change]:
         attr("argument attribute", CONFIG, "s", 5.0),
         attr("nested attribute", CONFIG.inner, "t", -2.0),
         attr("class attribute", Config, "bias", 1.5),
+        attr("class attribute read on the class", Config, "offset", -1.0),
         attr("string attribute", CONFIG, "mode", "add"),
         attr("slot", SLOTTED, "k", -3.0),
         Change("attribute getattr finds", apply=set_attr(CONFIG, "extra", 7.0),
