@@ -85,6 +85,7 @@ class Interpreter(TorchFunctionMode):
         self.ops_seen: list[str] = []
         self._pinned: list[Any] = []  # while a grad rule runs, its ops carry the differentiated op's source line
         self.replaced: dict[Callable[..., Any], Symbol] = {}  # torch callables an active executor replaces
+        self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()  # see observe.Observer.quiet
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
             T.__setitem__: self._setitem,
             T.copy_: self._copy_,
@@ -226,7 +227,8 @@ class Interpreter(TorchFunctionMode):
             autocast = autocast_plan(sym, values, kwvalues) if not self._pinned else None
             if autocast is not None:
                 values, kwvalues = cast_arguments(autocast, values, kwvalues)
-            output = sym(*values, **kwvalues)
+            with self.quiet:  # a symbol's meta and decomposition are fulmen's and torch's code, never the program's
+                output = sym(*values, **kwvalues)
             if autocast is not None:
                 output = cast_output(autocast, output)
         except TraceError:

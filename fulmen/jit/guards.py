@@ -96,5 +96,5 @@ def compile_first_failure(guards: Sequence[Guard]) -> Callable[[], int]:
     lines = []
     for i, guard in enumerate(guards):
         bindings.update(guard.bindings)
-        lines.append(f"if not ({guard.source}): return {i}")
+        lines += ["try:", f"    if not ({guard.source}): return {i}", "except KeyError:", f"    return {i}"]
     return compile_statements(lines + ["return -1"], bindings)

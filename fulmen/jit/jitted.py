@@ -234,6 +234,7 @@ class JittedFunction:
             target = tree.root
         with builder, interpreter, function_lookasides(builder), replacements(self.executors, interpreter), \
                 observer.watching():
+            interpreter.quiet = observer.quiet
             result = target(*proxy_args, **proxy_kwargs)
         module_proxies = tree.proxies if tree else []
         with builder:

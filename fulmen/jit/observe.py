@@ -25,6 +25,7 @@ import os
 import sys
 import sysconfig
 import types
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -124,6 +125,9 @@ def _cell_value(cell: types.CellType) -> Any:
 
 
 _MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+# nn.Module's hook registries (`_forward_hooks`, ...): almost always empty, then checked together per module
+_HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
+                             if "hook" in name and type(value) in (dict, OrderedDict))
 
 
 def attribute_value(obj: Any, name: str) -> Any:
@@ -196,13 +200,27 @@ class Observer:
 
     def __init__(self, functions: tuple[Callable[..., Any], ...] = ()) -> None:
         self._guards: dict[tuple, Guard] = {}
+        self._empty_hooks: dict[int, tuple[dict, list[str]]] = {}  # id(module.__dict__) -> it, hook registries read
         self._pinned: list[Any] = []
+        self.active = False  # the program is running (module reads by fulmen itself are not the program's)
+        # While acquisition records a symbol (its meta, its decomposition: fulmen's and torch's code only), frames
+        # need not be followed: the interpreter enters this around that work (the bulk of the Python calls).
+        self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._functions: dict[types.CodeType, list[types.FunctionType]] = {}
         for fn in functions:
             self._note_function(fn)
 
     def guards(self) -> tuple[Guard, ...]:
-        return tuple(self._guards.values())
+        guards = []
+        for key, guard in self._guards.items():
+            if key[0] == "hooks":  # one check for all the empty hook registries of a module
+                state, names = self._empty_hooks[key[1]]
+                emit = Emitter()
+                bound = emit.bind(state)
+                guard = Guard(f"{guard.what}: {', '.join(names)}",
+                              "not (" + " or ".join(f"{bound}[{n!r}]" for n in names) + ")", emit.bindings)
+            guards.append(guard)
+        return tuple(guards)
 
     # --- recording ---------------------------------------------------------------------------------------------------
     def _add(self, key: tuple, what: str, expr: Callable[[Emitter], str], value: Any) -> None:
@@ -227,11 +245,15 @@ class Observer:
                 known.append(fn)
 
     def dict_entry(self, namespace: Any, name: str, what: str, owner: Any = None) -> None:
-        """`namespace[name]` (a dict, or a class's mapping proxy with its class as `owner`) keeps its value."""
+        """`namespace[name]` (a dict, or a class's mapping proxy with its class as `owner`) keeps its value, or stays
+        absent."""
         owner = namespace if owner is None else owner
         self._pinned.append(owner)  # the keys below use ids: the objects stay alive while this observer does
-        self._add(("dict", id(owner), name), what,
-                  lambda e: f"{e.bind(namespace)}.get({name!r}, {e.bind(MISSING)})", namespace.get(name, MISSING))
+        if name in namespace:
+            self._add(("dict", id(owner), name), what, lambda e: f"{e.bind(namespace)}[{name!r}]", namespace[name])
+        else:
+            self._add_raw(("dict", id(owner), name), f"{what} (absent)",
+                          lambda e: f"{name!r} not in {e.bind(namespace)}")
 
     def class_attribute(self, cls: type, name: str, what: str, instance: dict | None = None) -> None:
         """`name` resolves on `cls` (and not in `instance`, the object's own dict) to what it resolves to now."""
@@ -328,9 +350,14 @@ class Observer:
         previous = sys.gettrace()
         tracer = _FrameTap(self, previous)
         sys.settrace(tracer.call)
+        self.active = True
+        if previous is None:  # with a debugger attached, fulmen's internals stay visible to it
+            self.quiet = _Quiet(tracer.call)
         try:
             yield
         finally:
+            self.active = False
+            self.quiet = contextlib.nullcontext()
             sys.settrace(previous)
 
     # --- the module tap ----------------------------------------------------------------------------------------------
@@ -338,13 +365,20 @@ class Observer:
     # `_parameters` and `_buffers` are looked up again on every check (ModuleList.__delitem__ replaces `_modules`).
     def module_read(self, original: nn.Module, shadow_class: type, name: str, value: Any) -> None:
         """The program read `name` on the shadow of `original` and got `value`."""
-        if name.startswith("__") and name.endswith("__"):
+        if not self.active or (name.startswith("__") and name.endswith("__")):
             return
         state = original.__dict__
         what = f"attribute {name} of {type(original).__qualname__} module"
         if name in state:
             if name in _MODULE_SLOTS:
                 self._module_slot(original, name, None)
+            elif name in _HOOK_REGISTRIES and type(value) in (dict, OrderedDict) and not value:
+                self._pinned.append(state)
+                names = self._empty_hooks.setdefault(id(state), (state, []))[1]
+                if name not in names:
+                    names.append(name)
+                self._guards.setdefault(("hooks", id(state)), Guard(f"hooks of a {type(original).__qualname__} "
+                                                                    "module", "", {}))
             elif state[name] is value and not issubclass(type(value), torch.Tensor):
                 self.dict_entry(state, name, what)
             return
@@ -353,6 +387,8 @@ class Observer:
 
     def module_fallback(self, module: nn.Module, name: str) -> bool:
         """The program read `name` through `nn.Module.__getattr__` (a parameter, buffer or submodule)."""
+        if not self.active:
+            return False
         state = module.__dict__
         for slot in _MODULE_SLOTS:
             if name in state.get(slot, ()):
@@ -382,6 +418,19 @@ def _tensor_slots(container: dict) -> tuple:
 
 def _children(container: dict) -> tuple:
     return tuple(container.items())  # modules compare by identity
+
+
+class _Quiet:
+    __slots__ = ("tracer",)
+
+    def __init__(self, tracer: Callable[..., Any]) -> None:
+        self.tracer = tracer
+
+    def __enter__(self) -> None:
+        sys.settrace(None)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(self.tracer)
 
 
 class _FrameTap:

@@ -101,6 +101,8 @@ def _float_check(expr: str, value: float, emit: Emitter) -> str:
 def _container_check(expr: str, value: Any, emit: Emitter, budget: list[int], seen: set[int]) -> str:
     t = emit.temp()
     kind = type(value)
+    if not value:
+        return f"(type({t} := {expr}) is {emit.bind(kind)} and not {t})"
     parts = [f"type({t} := {expr}) is {emit.bind(kind)}", f"len({t}) == {len(value)}"]
     if kind in _SETS:
         parts.append(f"{t} == {emit.bind(frozenset(value))}")
@@ -187,12 +189,14 @@ def describe(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def compile_statements(body: list[str], bindings: dict[str, Any]) -> Callable[[], Any]:
+def compile_statements(body: list[str], bindings: dict[str, Any], missing: Any = False) -> Callable[[], Any]:
     """A function of no arguments running `body`, whose free names are closure cells holding `bindings` (a cell
-    read costs what a local read does, and nothing is filled in per call)."""
+    read costs what a local read does, and nothing is filled in per call). Checks index dicts directly: a key that
+    is gone (an attribute deleted) answers `missing`."""
     names = ", ".join(bindings)
-    lines = "".join(f"        {line}\n" for line in body)
-    code = f"def _make({names}):\n    def check():\n{lines}    return check\n"
+    lines = "".join(f"            {line}\n" for line in body)
+    code = (f"def _make({names}):\n    def check():\n        try:\n{lines}        except KeyError:\n"
+            f"            return {missing!r}\n    return check\n")
     namespace: dict[str, Any] = {}
     exec(compile(code, "<fulmen guards>", "exec"), namespace)  # noqa: S102 - our own generated expression
     return namespace["_make"](**bindings)
