@@ -62,17 +62,19 @@ def _extent(t: torch.Tensor) -> int:
     return t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
 
 
-def plan_aliases(inputs: Sequence[torch.Tensor], written: set[int], names: Sequence[str], module_range: range,
-                 where: SourceLocation | None) -> AliasPlan | None:
+def plan_aliases(inputs: Sequence[torch.Tensor], written: dict[int, SourceLocation | None], names: Sequence[str],
+                 module_range: range) -> AliasPlan | None:
     """The plan for the storage groups that hold an input the program updates in place (None when there are none);
-    refuses what it cannot make exact."""
+    refuses what it cannot make exact. `written`: the updated inputs' positions, with the line of the update."""
     members: dict[int, list[int]] = {}
     for i, first in enumerate(storage_groups(inputs)):
         members.setdefault(first, []).append(i)
     groups = []
     for positions in members.values():
-        if len(positions) < 2 or not written.intersection(positions):
+        updated = [i for i in positions if i in written]
+        if len(positions) < 2 or not updated:
             continue
+        where = written[updated[0]]
         tensors = [inputs[i] for i in positions]
         if not any(t.numel() for t in tensors):
             continue

@@ -15,6 +15,7 @@ from torch import nn
 from fulmen.core import pytree
 from fulmen.core.errors import CacheLimitError, CacheLimitWarning
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.distributed.specs import logical_meta
 from fulmen.distributed.transform import DistributedProgram, GradSync
@@ -105,10 +106,12 @@ class Acquisition:
     returns_input: tuple[int | None, ...]
     rebinds: list[tuple[nn.Module, str, str]]
 
-    def written(self) -> set[int]:
-        """Positions of the inputs the program updates in place (their final values are copied back)."""
+    def written(self) -> dict[int, SourceLocation | None]:
+        """The inputs the program updates in place (their final values are copied back), by position, with the line
+        of the update."""
         position = {p.pname: i for i, p in enumerate(self.inputs)}
-        return {position[bsym.args[1].pname] for bsym in self.builder.bound_symbols
+        made_at = {name: bsym.source for bsym in self.builder.bound_symbols for name in bsym.output_names()}
+        return {position[bsym.args[1].pname]: made_at.get(bsym.args[0].pname) for bsym in self.builder.bound_symbols
                 if bsym.sym is prims.copy_ and bsym.args[1].pname in position}
 
 
@@ -196,7 +199,7 @@ class JittedFunction:
                           "(fulmen.last_cache_miss_reasons lists why each trace did not apply)", CacheLimitWarning,
                           stacklevel=3)
         self.stats.eager_calls += 1
-        return (self._module or self._fn)(*args, **kwargs)
+        return (self._fn if self._module is None else self._module)(*args, **kwargs)
 
     @staticmethod
     def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor]) -> Any:
@@ -278,17 +281,16 @@ class JittedFunction:
         constants = [t for t, _ in interpreter.constants]
         real_inputs = [*tensors, *module_tensors, *constants]
         written = acquisition.written()
+        aliases = None
         if written:
             all_names = [*names, *(m.qualified for m in module_inputs), *(p.pname for _, p in interpreter.constants)]
             aliases = plan_aliases(real_inputs, written, all_names, range(len(tensors), len(tensors) +
-                                                                               len(module_tensors)), None)
-            if aliases is not None:
+                                                                               len(module_tensors)))
+            if aliases is not None:  # acquire again, with the shared storage as one input
                 acquisition = self._acquire(args, kwargs, tensors, names, aliases, real_inputs)
                 tree, interpreter = acquisition.tree, acquisition.interpreter
                 constants = [t for t, _ in interpreter.constants]
                 real_inputs = [*tensors, *module_tensors, *constants]
-        else:
-            aliases = None
         values, out_spec, out_objects = acquisition.values, acquisition.out_spec, acquisition.out_objects
         returns_input, rebinds = acquisition.returns_input, acquisition.rebinds
         builder = acquisition.builder
@@ -336,7 +338,7 @@ class JittedFunction:
             key=(key_parts[0], tensor_key(tensors), tensor_key(module_tensors), key_parts[1]),
             guards=guards,
             check=compile_check(guards),
-            storage=storage_groups(real_inputs) if acquisition.written() else None,
+            storage=storage_groups(real_inputs) if written else None,
             module_inputs=tuple(module_inputs),
             aliases=aliases,
         )

@@ -4,10 +4,9 @@ A trace is specialised on every Python value the program read: globals, closure 
 (arguments, configs, classes) and of modules. The observer watches the acquisition through two taps that feed one
 set of guards:
 
-- the frame tap (`Observer.watching`): while acquiring, `sys.settrace` follows every frame of the user's code
-  (everything but fulmen, the standard library and torch, except `torch.nn.modules`, whose module code reads the
-  module state and hook registries). Before each read site of a frame (reads.py) runs, the observer names the object
-  read in that frame and records a guard on it.
+- the frame tap (`Observer.watching`, frames.py): while acquiring, `sys.settrace` follows every frame of the user's
+  code. Before each read site of a frame (reads.py) runs, the observer names the object read in that frame
+  (lookup.py, without running any of the program's code) and records a guard on it.
 - the module tap (`module_read`, `module_fallback`): the shadow modules of overrides.py report every attribute read
   on them, and the guard is put on the user's module behind the shadow (its attributes, submodules, parameters and
   buffers slots, hooks, and the class attributes it resolves, methods included).
@@ -21,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import sys
-import sysconfig
 import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -33,166 +30,25 @@ import torch
 from torch import nn
 
 from fulmen.jit import reads
+from fulmen.jit.frames import FrameTap, Quiet
 from fulmen.jit.guards import Guard
+from fulmen.jit.lookup import (
+    IMMUTABLE,
+    MODULE_SLOTS,
+    cell_value,
+    class_lookup,
+    evaluate,
+    instance_dict,
+    is_data_descriptor,
+    is_shadow,
+    owner_name,
+    slot_value,
+)
 from fulmen.jit.values import MISSING, Emitter, describe, value_check
 
-# --- which code is observed ------------------------------------------------------------------------------------------
-_FULMEN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_TORCH_MODULES = os.path.join(_TORCH, "nn", "modules") + os.sep
-_PATHS = sysconfig.get_paths()
-_STDLIB = tuple({os.path.abspath(_PATHS[k]) + os.sep for k in ("stdlib", "platstdlib")})
-_PACKAGES = tuple({os.path.abspath(_PATHS[k]) + os.sep for k in ("purelib", "platlib")})
-
-
-def _observed_file(filename: str) -> bool:
-    if filename.startswith(_FULMEN):
-        return False
-    if filename.startswith(_TORCH):
-        return filename.startswith(_TORCH_MODULES)
-    return not filename.startswith(_STDLIB) or filename.startswith(_PACKAGES)
-
-
-def observed(code: types.CodeType, namespace: dict) -> bool:
-    """Whether the observer follows frames of `code`: the program's own code, not fulmen's, torch's (but for its
-    module classes) or the standard library's. Generated code (`<string>`, e.g. a dataclass's `__init__`) counts as
-    the code of the module whose globals it runs in."""
-    filename = code.co_filename
-    if filename.startswith("<"):
-        if filename.startswith(("<frozen", "<fulmen")):
-            return False
-        module = sys.modules.get(namespace.get("__name__", ""))
-        filename = getattr(module, "__file__", None) or ""
-        return not filename or _observed_file(os.path.abspath(filename))
-    return _observed_file(filename)
-
-
-_SITES: dict[int, tuple[types.CodeType, dict[int, reads.Read] | None]] = {}  # keeps each code alive: ids stay unique
-
-
-def _sites_of(frame: types.FrameType) -> dict[int, reads.Read] | None:
-    code = frame.f_code
-    known = _SITES.get(id(code))
-    if known is None:
-        known = (code, reads.read_sites(code) if observed(code, frame.f_globals) else None)
-        _SITES[id(code)] = known
-    return known[1]
-
-
-# --- static attribute lookup: the value Python would find, without running any of the program's code -----------------
-_IMMUTABLE = (int, float, bool, str, bytes, complex, tuple, frozenset, range, slice, torch.device, torch.dtype,
-              torch.Size, type(None))
-
-
-def _class_lookup(cls: type, name: str) -> tuple[int, Any] | None:
-    for index, klass in enumerate(cls.__mro__):
-        namespace = klass.__dict__
-        if name in namespace:
-            return index, namespace[name]
-    return None
-
-
-def _is_data_descriptor(raw: Any) -> bool:
-    kind = type(raw)
-    return _class_lookup(kind, "__set__") is not None or _class_lookup(kind, "__delete__") is not None
-
-
-def _is_descriptor(raw: Any) -> bool:
-    return _class_lookup(type(raw), "__get__") is not None
-
-
-def _instance_dict(obj: Any) -> dict | None:
-    """`obj.__dict__` found without running the program's code (no `__getattr__`)."""
-    found = _class_lookup(type(obj), "__dict__")
-    if found is None or type(found[1]) is not types.GetSetDescriptorType:
-        return None
-    state = found[1].__get__(obj, type(obj))
-    return state if type(state) is dict else None
-
-
-def _slot_value(descriptor: Any, obj: Any) -> Any:
-    try:
-        return descriptor.__get__(obj, type(obj))
-    except AttributeError:  # an empty slot
-        return MISSING
-
-
-def _cell_value(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return MISSING
-
-
-_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
 # nn.Module's hook registries (`_forward_hooks`, ...): almost always empty, then checked together per module
-_HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
+HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
                              if "hook" in name and type(value) in (dict, OrderedDict))
-
-
-def attribute_value(obj: Any, name: str) -> Any:
-    """`getattr(obj, name)` where it needs no code of the program to run (else MISSING)."""
-    kind = type(obj)
-    if issubclass(kind, types.ModuleType):
-        return obj.__dict__.get(name, MISSING)
-    if issubclass(kind, type):
-        found = _class_lookup(obj, name)
-        if found is None:
-            return MISSING
-        raw = found[1]
-        if type(raw) in (classmethod, staticmethod):
-            return raw.__get__(None, obj)
-        return raw if type(raw) is types.FunctionType or not _is_descriptor(raw) else MISSING
-    found = _class_lookup(type(obj), name)
-    if found is not None and _is_data_descriptor(found[1]):
-        return _slot_value(found[1], obj) if type(found[1]) is types.MemberDescriptorType else MISSING
-    state = _instance_dict(obj)
-    if state is not None and name in state:
-        return state[name]
-    if found is not None:
-        raw = found[1]
-        return raw.__get__(obj, type(obj)) if type(raw) is types.FunctionType else (
-            raw if not _is_descriptor(raw) else MISSING)
-    if issubclass(type(obj), nn.Module) and state is not None:
-        for slot in _MODULE_SLOTS:
-            if name in state.get(slot, ()):
-                return state[slot][name]
-    return MISSING
-
-
-def _evaluate(source: reads.Source, frame: types.FrameType) -> Any:
-    kind = type(source)
-    if kind is reads.Local or kind is reads.Cell:
-        return frame.f_locals.get(source.name, MISSING)
-    if kind is reads.Global:
-        value = frame.f_globals.get(source.name, MISSING)
-        return frame.f_builtins.get(source.name, MISSING) if value is MISSING else value
-    if kind is reads.Const:
-        return source.value
-    base = _evaluate(source.base, frame)
-    if base is MISSING:
-        return MISSING
-    if kind is reads.Attr:
-        return attribute_value(base, source.name)
-    key = source.key.value
-    if type(base) is dict:
-        return base.get(key, MISSING)
-    if type(base) in (list, tuple) and type(key) is int and -len(base) <= key < len(base):
-        return base[key]
-    return MISSING
-
-
-def _is_shadow(obj: Any) -> bool:
-    state = _instance_dict(obj)
-    return state is not None and "_fulmen_original" in state
-
-
-def _owner_name(obj: Any) -> str:
-    if issubclass(type(obj), types.ModuleType):
-        return f"module {obj.__name__}"
-    if issubclass(type(obj), type):
-        return f"class {obj.__qualname__}"
-    return f"{type(obj).__qualname__} object"
 
 
 class Observer:
@@ -257,7 +113,7 @@ class Observer:
 
     def class_attribute(self, cls: type, name: str, what: str, instance: dict | None = None) -> None:
         """`name` resolves on `cls` (and not in `instance`, the object's own dict) to what it resolves to now."""
-        found = _class_lookup(cls, name)
+        found = class_lookup(cls, name)
         index, raw = found if found is not None else (len(cls.__mro__), MISSING)
         if instance is not None:
             self._pinned.append(instance)
@@ -287,11 +143,11 @@ class Observer:
         for fn in functions:
             cell = fn.__closure__[index]
             self._add(("cell", id(cell)), f"closure variable {name} of {fn.__qualname__}",
-                      lambda e, c=cell: f"{e.bind(_cell_value)}({e.bind(c)})", value)
+                      lambda e, c=cell: f"{e.bind(cell_value)}({e.bind(c)})", value)
 
     def _closures_reading(self, code: types.CodeType, index: int, value: Any) -> list[types.FunctionType]:
         def matching() -> list[types.FunctionType]:
-            return [fn for fn in self._functions.get(code, ()) if _cell_value(fn.__closure__[index]) is value]
+            return [fn for fn in self._functions.get(code, ()) if cell_value(fn.__closure__[index]) is value]
 
         found = matching()
         if not found:  # a function we have not seen read: find it among the functions of this code
@@ -303,23 +159,23 @@ class Observer:
 
     def read_attribute(self, obj: Any, name: str) -> None:
         cls = type(obj)
-        if (name.startswith("__") and name.endswith("__")) or issubclass(cls, (torch.Tensor, *_IMMUTABLE)) \
-                or _is_shadow(obj):
+        if (name.startswith("__") and name.endswith("__")) or issubclass(cls, (torch.Tensor, *IMMUTABLE)) \
+                or is_shadow(obj):
             return  # tensors: trace inputs; immutable values: guarded where read; shadows: the module tap
-        what = f"attribute {name} of {_owner_name(obj)}"
+        what = f"attribute {name} of {owner_name(obj)}"
         if issubclass(cls, types.ModuleType):
             self.dict_entry(obj.__dict__, name, what)
             return
         if issubclass(cls, type):
             self.class_attribute(obj, name, what)
             return
-        found = _class_lookup(cls, name)
-        state = _instance_dict(obj)
-        if found is not None and _is_data_descriptor(found[1]):
+        found = class_lookup(cls, name)
+        state = instance_dict(obj)
+        if found is not None and is_data_descriptor(found[1]):
             if type(found[1]) is types.MemberDescriptorType:
                 self._add(("slot", id(obj), name), what,
-                          lambda e: f"{e.bind(_slot_value)}({e.bind(found[1])}, {e.bind(obj)})",
-                          _slot_value(found[1], obj))
+                          lambda e: f"{e.bind(slot_value)}({e.bind(found[1])}, {e.bind(obj)})",
+                          slot_value(found[1], obj))
             else:  # a property: its getter is observed when it runs
                 self.class_attribute(cls, name, what)
         elif state is not None and name in state:
@@ -336,11 +192,11 @@ class Observer:
         elif kind is reads.CellRead:
             self.read_cell(frame, site.name)
         elif kind is reads.AttrRead:
-            receiver = _evaluate(site.receiver, frame)
+            receiver = evaluate(site.receiver, frame)
             if receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
-        elif (function := _evaluate(site.function, frame)) is getattr or function is hasattr:
-            receiver, name = _evaluate(site.receiver, frame), _evaluate(site.name, frame)
+        elif (function := evaluate(site.function, frame)) is getattr or function is hasattr:
+            receiver, name = evaluate(site.receiver, frame), evaluate(site.name, frame)
             if receiver is not MISSING and type(name) is str:
                 self.read_attribute(receiver, name)
 
@@ -348,11 +204,11 @@ class Observer:
     def watching(self) -> Iterator[None]:
         """Observes the frames of user code started inside the block (this thread only)."""
         previous = sys.gettrace()
-        tracer = _FrameTap(self, previous)
+        tracer = FrameTap(self, previous)
         sys.settrace(tracer.call)
         self.active = True
         if previous is None:  # with a debugger attached, fulmen's internals stay visible to it
-            self.quiet = _Quiet(tracer.call)
+            self.quiet = Quiet(tracer.call)
         try:
             yield
         finally:
@@ -370,9 +226,9 @@ class Observer:
         state = original.__dict__
         what = f"attribute {name} of {type(original).__qualname__} module"
         if name in state:
-            if name in _MODULE_SLOTS:
+            if name in MODULE_SLOTS:
                 self._module_slot(original, name, None)
-            elif name in _HOOK_REGISTRIES and type(value) in (dict, OrderedDict) and not value:
+            elif name in HOOK_REGISTRIES and type(value) in (dict, OrderedDict) and not value:
                 self._pinned.append(state)
                 names = self._empty_hooks.setdefault(id(state), (state, []))[1]
                 if name not in names:
@@ -390,7 +246,7 @@ class Observer:
         if not self.active:
             return False
         state = module.__dict__
-        for slot in _MODULE_SLOTS:
+        for slot in MODULE_SLOTS:
             if name in state.get(slot, ()):
                 self._module_slot(module, slot, name)
                 return True
@@ -420,75 +276,3 @@ def _children(container: dict) -> tuple:
     return tuple(container.items())  # modules compare by identity
 
 
-class _Quiet:
-    __slots__ = ("tracer",)
-
-    def __init__(self, tracer: Callable[..., Any]) -> None:
-        self.tracer = tracer
-
-    def __enter__(self) -> None:
-        sys.settrace(None)
-
-    def __exit__(self, *exc: object) -> None:
-        sys.settrace(self.tracer)
-
-
-class _FrameTap:
-    """The `sys.settrace` function of one acquisition; chains a tracer that was already set (a debugger).
-
-    Imports the program triggers (a lazily imported module, with the import system's finders) are not followed:
-    what they run defines state rather than reading it for the trace."""
-
-    def __init__(self, observer: Observer, previous: Callable[..., Any] | None) -> None:
-        self.observer = observer
-        self.previous = previous
-        self.importing = 0  # module bodies running now
-
-    def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        local = self.previous(frame, event, arg) if self.previous is not None else None
-        code = frame.f_code
-        if code.co_name == "<module>" or code.co_filename.startswith("<frozen importlib"):
-            self.importing += 1
-            return _ImportTap(self, local).event
-        if self.importing:
-            return local
-        sites = _sites_of(frame)
-        if not sites:
-            return local
-        frame.f_trace_opcodes = True
-        if local is None:
-            frame.f_trace_lines = False
-        return _LocalTap(self.observer, sites, local).event
-
-
-class _ImportTap:
-    __slots__ = ("tap", "previous")
-
-    def __init__(self, tap: _FrameTap, previous: Callable[..., Any] | None) -> None:
-        self.tap = tap
-        self.previous = previous
-
-    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
-        if event == "return":
-            self.tap.importing -= 1
-        if self.previous is not None:
-            self.previous = self.previous(frame, event, arg)
-        return self.event
-
-
-class _LocalTap:
-    __slots__ = ("observer", "sites", "previous")
-
-    def __init__(self, observer: Observer, sites: dict[int, reads.Read], previous: Callable[..., Any] | None):
-        self.observer = observer
-        self.sites = sites
-        self.previous = previous
-
-    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
-        if event == "opcode":
-            site = self.sites.get(frame.f_lasti)
-            if site is not None:
-                self.observer.read(site, frame)
-        elif self.previous is not None:
-            self.previous = self.previous(frame, event, arg)
-        return self.event

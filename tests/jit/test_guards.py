@@ -101,8 +101,9 @@ def test_aliased_update_with_grad_is_refused():
     fn = fulmen.jit(update_first)
     w = torch.zeros(4, requires_grad=True)
     base = w * 1
-    with pytest.raises(fulmen.TraceError, match="share memory.*requires grad"):
+    with pytest.raises(fulmen.TraceError, match="share memory.*requires grad") as error:
         fn(base[0:2], base[1:3])
+    assert error.value.location.line == "x.add_(1)"  # the update's line
 
 
 # --- 3. Python state the program reads ---------------------------------------------------------------------------
