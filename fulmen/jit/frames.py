@@ -101,10 +101,12 @@ class FrameTap:
         sites = _sites_of(frame)
         if not sites:
             return local
+        tap = _LocalTap(self.observer, sites, local).event
+        frame.f_trace = tap  # before f_trace_opcodes: Python 3.13 only instruments a frame that has a tracer
         frame.f_trace_opcodes = True
         if local is None:
             frame.f_trace_lines = False
-        return _LocalTap(self.observer, sites, local).event
+        return tap
 
 
 class _ImportTap:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -53,7 +54,7 @@ def _leaf_names(obj: Any, prefix: str, out: list[str]) -> None:
     elif isinstance(obj, dict):
         for key, item in obj.items():
             _leaf_names(item, f"{prefix}_{key}", out)
-    elif hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # asks the class: no __getattr__ of obj runs
         for key in obj.__dataclass_fields__:
             _leaf_names(getattr(obj, key), f"{prefix}_{key}", out)
 
