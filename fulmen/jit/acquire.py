@@ -40,7 +40,7 @@ METADATA: frozenset = frozenset(
         T.is_quantized.__get__, T.is_nested.__get__, T.is_leaf.__get__, T.grad_fn.__get__, T.is_mkldnn.__get__,
         T.itemsize.__get__, T.nbytes.__get__, T.is_xpu.__get__, T.is_mps.__get__,
         T.size, T.dim, T.ndimension, T.numel, T.nelement, T.element_size, T.stride, T.is_contiguous,
-        T.is_floating_point, T.is_complex, T.is_signed, T.get_device, T.__len__, T.__hash__, T.storage_offset,
+        T.is_floating_point, T.is_complex, T.is_signed, T.get_device, T.__len__, T.__hash__,
         T.is_inference, T.dim_order,
         torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type, torch.can_cast,
         torch.promote_types, torch.is_grad_enabled, torch.get_default_dtype, torch.is_autocast_enabled,
@@ -86,6 +86,7 @@ class Interpreter(TorchFunctionMode):
         self._pinned: list[Any] = []  # while a grad rule runs, its ops carry the differentiated op's source line
         self.replaced: dict[Callable[..., Any], Symbol] = {}  # torch callables an active executor replaces
         self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()  # see observe.Observer.quiet
+        self.reads_storage_offset = False  # then the trace holds only for inputs at the same storage offsets
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
             T.__setitem__: self._setitem,
             T.copy_: self._copy_,
@@ -108,6 +109,7 @@ class Interpreter(TorchFunctionMode):
             T.__getitem__: self._getitem,
             torch.where: self._where,
             F.batch_norm: self._batch_norm,
+            T.storage_offset: self._storage_offset,
         }
         for name, dtype in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
                             ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64),
@@ -294,6 +296,11 @@ class Interpreter(TorchFunctionMode):
                 self.builder.source,
             )
         return self._record(lookup(torch.where).symbol, (condition, *args), kwargs)
+
+    def _storage_offset(self, x: torch.Tensor) -> int:
+        self.reads_storage_offset = True
+        with torch._C.DisableTorchFunction():
+            return T.storage_offset(x)
 
     def _batch_norm(self, x: Any, running_mean: Any, running_var: Any, weight: Any = None, bias: Any = None,
                     training: bool = False, momentum: float | None = 0.1, eps: float = 1e-5) -> Any:

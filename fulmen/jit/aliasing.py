@@ -36,6 +36,10 @@ def storage_groups(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(groups)
 
 
+def storage_offsets(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    return tuple([t.storage_offset() for t in tensors])
+
+
 @dataclass(frozen=True, slots=True)
 class AliasGroup:
     members: tuple[int, ...]  # positions among the trace's inputs (arguments, module tensors, constants)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fulmen.core.trace import Trace
-from fulmen.jit.aliasing import AliasPlan, storage_groups
+from fulmen.jit.aliasing import AliasPlan, storage_groups, storage_offsets
 from fulmen.jit.bridge import GradProgram
 from fulmen.jit.guards import Guard, compile_first_failure, key_difference
 
@@ -32,11 +32,14 @@ class CacheEntry:
     guards: tuple[Guard, ...] = ()  # the Python state the program read (observe.py)
     check: Callable[[], bool] | None = None  # all guards, compiled
     storage: tuple[int, ...] | None = None  # the inputs' storage groups, for a trace that updates an input
+    offsets: tuple[int, ...] | None = None  # the inputs' storage offsets, for a trace that depends on them
     aliases: AliasPlan | None = None
     module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
 
     def admits(self, tensors: list, module_tensors: list) -> bool:
         if self.check is not None and not self.check():
+            return False
+        if self.offsets is not None and storage_offsets([*tensors, *module_tensors, *self.constants]) != self.offsets:
             return False
         return self.storage is None or storage_groups([*tensors, *module_tensors, *self.constants]) == self.storage
 
@@ -92,8 +95,12 @@ class Cache:
             failed = explain()
             if failed >= 0:
                 return entry.guards[failed].describe()
+        inputs = [*tensors, *module_tensors, *entry.constants]
+        if entry.offsets is not None and storage_offsets(inputs) != entry.offsets:
+            return (f"the inputs' storage offsets {storage_offsets(inputs)}, traced with {entry.offsets} (the program "
+                    "reads them, or updates inputs that share memory)")
         if entry.storage is not None:
-            now = storage_groups([*tensors, *module_tensors, *entry.constants])
+            now = storage_groups(inputs)
             return (f"the inputs sharing memory changed: {sharing(now, names)} (traced with "
                     f"{sharing(entry.storage, names)})")
         return "unknown"

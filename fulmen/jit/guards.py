@@ -1,7 +1,7 @@
 """The prologue: what a call must match to reuse a compiled trace.
 
 Two levels. The cache key is built from cheap reads only: the input structure (with its Python values), each
-tensor's metadata including its layout (`values.tensor_meta`), the grad mode, the default dtype, the autocast state
+tensor's metadata including its layout (`tensor_key`), the grad mode, the default dtype, the autocast state
 and the attention backend switches. After the key matched, an entry checks its guards: the Python state the traced
 program read (globals, closure cells, attributes of objects and modules, recorded by observe.py), compiled into one
 function, and, for a trace that updates inputs in place, which inputs share memory (aliasing.py).
@@ -15,11 +15,14 @@ from typing import Any
 
 import torch
 
-from fulmen.jit.values import compile_statements, tensor_meta
+from fulmen.jit.values import compile_statements
 
 
 def tensor_key(tensors: Sequence[torch.Tensor]) -> tuple:
-    return tuple([tensor_meta(t) for t in tensors])
+    """Each tensor's shape, strides, dtype, device and requires_grad: views, reshape, in-place updates and kernel
+    choices depend on the layout. Where a tensor starts in its storage matters only to a program that reads it (or
+    to inputs sharing memory): such a trace checks the offsets itself (CacheEntry.offsets)."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors])
 
 
 def global_state_key() -> tuple:
@@ -40,7 +43,7 @@ def global_state_key() -> tuple:
 
 KEY_PARTS = ("the inputs' structure or Python values", "argument tensor metadata", "module tensor metadata",
              "grad mode, default dtype, attention switches or autocast")
-TENSOR_FIELDS = ("shape", "strides", "storage offset", "dtype", "device", "requires_grad")
+TENSOR_FIELDS = ("shape", "strides", "dtype", "device", "requires_grad")
 
 
 def key_difference(old: tuple | None, new: tuple | None, names: Sequence[str]) -> str:

@@ -18,12 +18,12 @@ from fulmen.core.errors import CacheLimitError, CacheLimitWarning
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.distributed.specs import logical_meta
+from fulmen.distributed.specs import logical_meta, spec_of
 from fulmen.distributed.transform import DistributedProgram, GradSync
 from fulmen.executors.base import Executor
 from fulmen.executors.passes import transform_for_execution
 from fulmen.jit.acquire import Interpreter
-from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups
+from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
 from fulmen.jit.bridge import FulmenFunction, GradProgram
 from fulmen.jit.cache import Cache, CacheEntry
 from fulmen.jit.guards import compile_check, global_state_key, tensor_key
@@ -191,8 +191,12 @@ class JittedFunction:
         reason = self.last_miss_reasons[-1].split(": ", 1)[-1]
         message = (f"fulmen.jit({name}) holds JitOptions.cache_limit={self._cache.limit} traces and this call needs "
                    f"another: {reason}")
-        if self._options.cache_limit_action is CacheLimitAction.ERROR:
-            raise CacheLimitError(f"{message}. Keep it constant, or raise the limit "
+        latest = self._cache.entries[-1]
+        distributed = any(spec_of(t) is not None for t in (*(s.fetch() for s in latest.module_inputs),
+                                                          *latest.constants))
+        if self._options.cache_limit_action is CacheLimitAction.ERROR or distributed:
+            why = " (a program with fulmen.distributed parameters cannot run eagerly)" if distributed else ""
+            raise CacheLimitError(f"{message}{why}. Keep it constant, or raise the limit "
                                   "(fulmen.last_cache_miss_reasons lists why each trace did not apply)")
         if not self._warned:
             self._warned = True
@@ -236,8 +240,8 @@ class JittedFunction:
                 observer,
             )
             target = tree.root
-        with builder, interpreter, function_lookasides(builder), replacements(self.executors, interpreter), \
-                observer.watching():
+        with builder, interpreter, function_lookasides(builder) as swapped, \
+                replacements(self.executors, interpreter) as replaced, observer.watching(swapped + replaced):
             interpreter.quiet = observer.quiet
             result = target(*proxy_args, **proxy_kwargs)
         module_proxies = tree.proxies if tree else []
@@ -340,6 +344,7 @@ class JittedFunction:
             guards=guards,
             check=compile_check(guards),
             storage=storage_groups(real_inputs) if written else None,
+            offsets=storage_offsets(real_inputs) if interpreter.reads_storage_offset or aliases is not None else None,
             module_inputs=tuple(module_inputs),
             aliases=aliases,
         )

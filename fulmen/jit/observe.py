@@ -58,6 +58,7 @@ class Observer:
         self._guards: dict[tuple, Guard] = {}
         self._empty_hooks: dict[int, tuple[dict, list[str]]] = {}  # id(module.__dict__) -> it, hook registries read
         self._pinned: list[Any] = []
+        self._swapped: dict[tuple[int, str], Any] = {}  # (id(owner or its namespace), name) -> the original
         self.active = False  # the program is running (module reads by fulmen itself are not the program's)
         # While acquisition records a symbol (its meta, its decomposition: fulmen's and torch's code only), frames
         # need not be followed: the interpreter enters this around that work (the bulk of the Python calls).
@@ -106,7 +107,9 @@ class Observer:
         owner = namespace if owner is None else owner
         self._pinned.append(owner)  # the keys below use ids: the objects stay alive while this observer does
         if name in namespace:
-            self._add(("dict", id(owner), name), what, lambda e: f"{e.bind(namespace)}[{name!r}]", namespace[name])
+            value = self._swapped.get((id(owner), name), MISSING)
+            value = namespace[name] if value is MISSING else value
+            self._add(("dict", id(owner), name), what, lambda e: f"{e.bind(namespace)}[{name!r}]", value)
         else:
             self._add_raw(("dict", id(owner), name), f"{what} (absent)",
                           lambda e: f"{name!r} not in {e.bind(namespace)}")
@@ -201,8 +204,15 @@ class Observer:
                 self.read_attribute(receiver, name)
 
     @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        """Observes the frames of user code started inside the block (this thread only)."""
+    def watching(self, swapped: list[tuple[Any, str, Any]] = ()) -> Iterator[None]:
+        """Observes the frames of user code started inside the block (this thread only). `swapped`: the attributes
+        fulmen itself swaps while acquiring (lookasides, `replaces=`), as (owner, name, original): a later call finds
+        the original there, so that is what their guards expect."""
+        for owner, name, original in swapped:
+            self._swapped[id(owner), name] = original
+            if isinstance(owner, types.ModuleType):
+                self._swapped[id(owner.__dict__), name] = original
+            self._pinned.append(owner)
         previous = sys.gettrace()
         tracer = FrameTap(self, previous)
         sys.settrace(tracer.call)

@@ -58,6 +58,18 @@ def test_layout_reads_are_guarded(program):
         torch.testing.assert_close(fn(x), program(x))
 
 
+def test_storage_offset_matters_only_to_a_program_that_reads_it():
+    fn = fulmen.jit(lambda x: x * 2)
+    for chunk in torch.randn(4, 3).chunk(4):  # micro-batches: offsets 0, 3, 6, 9
+        torch.testing.assert_close(fn(chunk), chunk * 2)
+    assert _misses(fn) == 1
+    reads = fulmen.jit(lambda x: x + x.storage_offset())
+    for chunk in torch.zeros(4, 3).chunk(4):
+        torch.testing.assert_close(reads(chunk), chunk + chunk.storage_offset())
+    assert _misses(reads) == 4
+    assert "storage offsets" in fulmen.last_cache_miss_reasons(reads)[0]
+
+
 def test_flatten_follows_the_memory_format():
     fn = fulmen.jit(lambda x: x.flatten(1))
     x = torch.randn(2, 3, 4, 5)
