@@ -263,16 +263,17 @@ class JittedFunction:
         for group in aliases.groups:
             first = real_inputs[group.members[0]]
             meta = torch.empty((group.extent,), dtype=first.dtype, device="meta")
-            base = builder.make_proxy(meta, first.device, name=f"{names[group.members[0]]}_storage")
+            hint = names[group.members[0]] if group.members[0] < len(names) else "captured"
+            base = builder.make_proxy(meta, first.device, name=f"{hint}_storage")
             storage.append(base)
             with builder, interpreter:
-                for member in group.members:
-                    t = real_inputs[member]
-                    view = torch.as_strided(base, t.shape, t.stride(), t.storage_offset())
-                    if member < len(proxies):
-                        visible[member] = view
-                    else:  # a tensor the program captured: it reads the view
-                        interpreter.seed_constant(t, view)
+                views = [torch.as_strided(base, real_inputs[m].shape, real_inputs[m].stride(),
+                                          real_inputs[m].storage_offset()) for m in group.members]
+            for member, view in zip(group.members, views):
+                if member < len(proxies):
+                    visible[member] = view
+                else:  # a tensor the program captured: it reads the view
+                    interpreter.seed_constant(real_inputs[member], view)
         return visible, storage
 
     # --- compilation ---------------------------------------------------------------------------------------------

@@ -109,6 +109,19 @@ def test_overlapping_views_as_eager():
     torch.testing.assert_close(got, want)
 
 
+CAPTURED = torch.zeros(6)
+
+
+def test_a_captured_tensor_sees_an_update_made_through_an_argument_viewing_it():
+    def f(x):
+        x.add_(1)
+        return CAPTURED * 2
+
+    got = fulmen.jit(f)(CAPTURED[1:3])
+    torch.testing.assert_close(got, torch.tensor([0.0, 2.0, 2.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(CAPTURED, torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0, 0.0]))
+
+
 def test_aliased_update_with_grad_is_refused():
     fn = fulmen.jit(update_first)
     w = torch.zeros(4, requires_grad=True)
