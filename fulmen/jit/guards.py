@@ -78,8 +78,11 @@ class Guard:
     source: str
     bindings: dict[str, Any] = field(hash=False, compare=False)
     traced: str = ""  # the value seen while tracing, described
+    explain: Callable[[], str] | None = field(default=None, hash=False, compare=False)  # what changed, once failed
 
     def describe(self) -> str:
+        if self.explain is not None:
+            return self.explain()
         return f"{self.what} changed (traced with {self.traced})" if self.traced else f"{self.what} changed"
 
 

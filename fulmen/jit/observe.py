@@ -56,7 +56,7 @@ class Observer:
 
     def __init__(self, functions: tuple[Callable[..., Any], ...] = ()) -> None:
         self._guards: dict[tuple, Guard] = {}
-        self._empty_hooks: dict[int, tuple[dict, list[str]]] = {}  # id(module.__dict__) -> it, hook registries read
+        self._unset: dict[int, _Unset] = {}  # id(an object's __dict__) -> what must stay unset in it
         self._pinned: list[Any] = []
         self._swapped: dict[tuple[int, str], Any] = {}  # (id(owner or its namespace), name) -> the original
         self.active = False  # the program is running (module reads by fulmen itself are not the program's)
@@ -68,16 +68,16 @@ class Observer:
             self._note_function(fn)
 
     def guards(self) -> tuple[Guard, ...]:
-        guards = []
-        for key, guard in self._guards.items():
-            if key[0] == "hooks":  # one check for all the empty hook registries of a module
-                state, names = self._empty_hooks[key[1]]
-                emit = Emitter()
-                bound = emit.bind(state)
-                guard = Guard(f"{guard.what}: {', '.join(names)}",
-                              "not (" + " or ".join(f"{bound}[{n!r}]" for n in names) + ")", emit.bindings)
-            guards.append(guard)
-        return tuple(guards)
+        return tuple(self._unset[key[1]].guard() if key[0] == "unset" else guard for key, guard in self._guards.items())
+
+    def _still_unset(self, state: dict, owner: str) -> _Unset:
+        """The check, one per object, that names stay out of its `__dict__` and hook registries stay empty."""
+        unset = self._unset.get(id(state))
+        if unset is None:
+            self._pinned.append(state)
+            unset = self._unset[id(state)] = _Unset(state, owner)
+            self._guards[("unset", id(state))] = Guard("", "", {})  # its place among the guards
+        return unset
 
     # --- recording ---------------------------------------------------------------------------------------------------
     def _add(self, key: tuple, what: str, expr: Callable[[Emitter], str], value: Any) -> None:
@@ -119,9 +119,7 @@ class Observer:
         found = class_lookup(cls, name)
         index, raw = found if found is not None else (len(cls.__mro__), MISSING)
         if instance is not None:
-            self._pinned.append(instance)
-            self._add_raw(("absent", id(instance), name), f"{what} (not set on the object itself)",
-                          lambda e: f"{name!r} not in {e.bind(instance)}")
+            self._still_unset(instance, what.rsplit(" of ", 1)[-1]).absent.add(name)
         self._pinned.append(cls)
         for klass in cls.__mro__[:index]:
             self._add_raw(("absent", id(klass), name), f"{what} (not defined by {klass.__qualname__})",
@@ -239,12 +237,7 @@ class Observer:
             if name in MODULE_SLOTS:
                 self._module_slot(original, name, None)
             elif name in HOOK_REGISTRIES and type(value) in (dict, OrderedDict) and not value:
-                self._pinned.append(state)
-                names = self._empty_hooks.setdefault(id(state), (state, []))[1]
-                if name not in names:
-                    names.append(name)
-                self._guards.setdefault(("hooks", id(state)), Guard(f"hooks of a {type(original).__qualname__} "
-                                                                    "module", "", {}))
+                self._still_unset(state, f"{type(original).__qualname__} module").empty.add(name)
             elif state[name] is value and not issubclass(type(value), torch.Tensor):
                 self.dict_entry(state, name, what)
             return
@@ -263,19 +256,47 @@ class Observer:
         return False
 
     def _module_slot(self, module: nn.Module, slot: str, name: str | None) -> None:
-        """Submodules are compared by identity; parameters and buffers (trace inputs, fetched on every call) only
-        by whether they are set. `name` None: the whole container (its names and their order)."""
+        """Submodules are compared by identity. A parameter or buffer that is set is a trace input, fetched by name
+        on every call and checked by the cache key, so only one that is None needs a guard. `name` None: the whole
+        container (its names and their order, and which are set)."""
         state = module.__dict__
         self._pinned.append(state)
         kind = type(module).__qualname__
         what = f"{slot[1:]} of a {kind} module" if name is None else f"{slot[1:-1]} {name} of a {kind} module"
-        if slot == "_modules" and name is not None:
-            self._add(("slot", id(state), slot, name), what,
-                      lambda e: f"{e.bind(state)}[{slot!r}].get({name!r}, {e.bind(MISSING)})", state[slot][name])
+        if name is not None:
+            value = state[slot][name]
+            if slot == "_modules" or value is None:
+                self._add(("slot", id(state), slot, name), what, lambda e: f"{e.bind(state)}[{slot!r}][{name!r}]",
+                          value)
             return
         summary = _children if slot == "_modules" else _tensor_slots
         self._add_raw(("slot", id(state), slot, None), what,
                       lambda e: f"{e.bind(summary)}({e.bind(state)}[{slot!r}]) == {e.bind(summary(state[slot]))}")
+
+
+class _Unset:
+    """Names that must stay out of one object's `__dict__` (its class provides them: methods, class attributes) and
+    hook registries of a module that must stay empty: the most common guards, checked in one expression."""
+
+    def __init__(self, state: dict, owner: str) -> None:
+        self.state = state
+        self.owner = owner
+        self.absent: set[str] = set()
+        self.empty: set[str] = set()
+
+    def guard(self) -> Guard:
+        emit = Emitter()
+        bound = emit.bind(self.state)
+        terms = [f"{n!r} in {bound}" for n in sorted(self.absent)] + [f"{bound}[{n!r}]" for n in sorted(self.empty)]
+        return Guard(f"attributes and hooks of the {self.owner}", f"not ({' or '.join(terms)})", emit.bindings,
+                     explain=self.explain)
+
+    def explain(self) -> str:
+        now_set = sorted(n for n in self.absent if n in self.state)
+        filled = sorted(n for n in self.empty if self.state.get(n, True))
+        what = [f"{', '.join(now_set)} now set on the {self.owner} itself"] if now_set else []
+        what += [f"{', '.join(filled)} of the {self.owner} no longer empty (a hook was added)"] if filled else []
+        return "; ".join(what) or f"attributes and hooks of the {self.owner} changed"
 
 
 def _tensor_slots(container: dict) -> tuple:

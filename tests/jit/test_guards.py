@@ -249,6 +249,21 @@ def test_module_state_changes_retrace(change):
     assert _misses(fn) == 2
 
 
+def test_hooks_and_instance_overrides_are_named_in_the_miss_reasons():
+    model = Block()
+    fn = fulmen.jit(model)
+    x = torch.randn(3, 4)
+    fn(x)
+    handle = model.lin.register_forward_hook(lambda module, args, out: out * 10)
+    torch.testing.assert_close(fn(x), model(x))
+    assert "_forward_hooks of the Linear module no longer empty" in fulmen.last_cache_miss_reasons(fn)[0]
+    handle.remove()
+    original = model.forward
+    model.forward = lambda y: original(y) * 2  # patched on the instance, as wrappers of forward do
+    torch.testing.assert_close(fn(x), model(x))
+    assert "forward now set on the Block module itself" in fulmen.last_cache_miss_reasons(fn)[0]
+
+
 def test_module_list_delete():
     model = Block()
     model.extra.append(nn.Linear(4, 4))
