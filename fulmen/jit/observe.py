@@ -180,7 +180,10 @@ class Observer:
             else:  # a property: its getter is observed when it runs
                 self.class_attribute(cls, name, what)
         elif state is not None and name in state:
-            self.dict_entry(state, name, what)
+            if issubclass(cls, nn.Module) and _empty_hooks(name, state[name]):
+                self._still_unset(state, f"{cls.__qualname__} module").empty.add(name)
+            else:
+                self.dict_entry(state, name, what)
         elif issubclass(cls, nn.Module) and found is None and self.module_fallback(obj, name):
             pass
         else:  # a class attribute, or none at all (`getattr(obj, name, default)`, `hasattr`)
@@ -236,7 +239,7 @@ class Observer:
         if name in state:
             if name in MODULE_SLOTS:
                 self._module_slot(original, name, None)
-            elif name in HOOK_REGISTRIES and type(value) in (dict, OrderedDict) and not value:
+            elif _empty_hooks(name, value):
                 self._still_unset(state, f"{type(original).__qualname__} module").empty.add(name)
             elif state[name] is value and not issubclass(type(value), torch.Tensor):
                 self.dict_entry(state, name, what)
@@ -272,6 +275,10 @@ class Observer:
         summary = _children if slot == "_modules" else _tensor_slots
         self._add_raw(("slot", id(state), slot, None), what,
                       lambda e: f"{e.bind(summary)}({e.bind(state)}[{slot!r}]) == {e.bind(summary(state[slot]))}")
+
+
+def _empty_hooks(name: str, value: Any) -> bool:
+    return name in HOOK_REGISTRIES and type(value) in (dict, OrderedDict) and not value
 
 
 class _Unset:
