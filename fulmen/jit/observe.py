@@ -180,7 +180,9 @@ class Observer:
             else:  # a property: its getter is observed when it runs
                 self.class_attribute(cls, name, what)
         elif state is not None and name in state:
-            if issubclass(cls, nn.Module) and _empty_hooks(name, state[name]):
+            if issubclass(cls, nn.Module) and name in MODULE_SLOTS:
+                self._module_slot(obj, name, None)
+            elif issubclass(cls, nn.Module) and _empty_hooks(name, state[name]):
                 self._still_unset(state, f"{cls.__qualname__} module").empty.add(name)
             else:
                 self.dict_entry(state, name, what)
