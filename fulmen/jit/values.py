@@ -119,7 +119,7 @@ def _container_check(expr: str, value: Any, emit: Emitter, budget: list[int], se
     return "(" + " and ".join(parts) + ")"
 
 
-# --- the same comparison, interpreted: for large containers and for describing a failed guard ------------------------
+# --- the same comparison, interpreted: for containers too large to generate a check for ---------------------------
 def snapshot(value: Any, seen: frozenset[int] = frozenset()) -> Any:
     """A copy of the container structure of `value` (leaves kept as they are) to compare later values with."""
     kind = type(value)

@@ -169,6 +169,22 @@ def test_closure_cells_and_the_lists_they_hold_are_guarded():
     assert "closure variable weights" in fulmen.last_cache_miss_reasons(fn)[1]
 
 
+TABLE = [float(i) for i in range(300)]  # past the size whose checks are generated item by item
+
+
+def test_large_containers_are_compared_whole():
+    fn = fulmen.jit(lambda x: x * TABLE[-1])
+    x = torch.ones(2)
+    fn(x)
+    TABLE[-1] = -0.0
+    try:
+        torch.testing.assert_close(fn(x), x * -0.0)
+        fn(x)
+        assert _misses(fn) == 2
+    finally:
+        TABLE[-1] = 299.0
+
+
 class Config:
     shift = 0.0  # a class attribute
 
