@@ -16,7 +16,14 @@ from torch import nn
 import fulmen.ops  # noqa: F401  (registers the torch-level symbols)
 import fulmen.transforms.vjp_torch  # noqa: F401  (registers the grad rules)
 from fulmen import extend, torch  # noqa: F401  (public namespaces: fulmen.extend, fulmen.torch)
-from fulmen.core.errors import DataDependentError, FulmenError, TraceError, UnsupportedOpError
+from fulmen.core.errors import (
+    CacheLimitError,
+    CacheLimitWarning,
+    DataDependentError,
+    FulmenError,
+    TraceError,
+    UnsupportedOpError,
+)
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace
 from fulmen.examine import ExamineReport, examine
@@ -27,16 +34,17 @@ from fulmen.jit.batching import vmap
 from fulmen.jit.functional import FunctionalTransform, grad, jvp, vjp
 from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule, core
 from fulmen.jit.rewrite import rewrite
-from fulmen.options import JitOptions, OffloadOptions
+from fulmen.options import CacheLimitAction, JitOptions, OffloadOptions
 from fulmen.transforms.autodiff import get_grad, put_grad, put_grads, register_grad
 from fulmen.transforms.transform import GradTraces, Stage, TraceKind, Transform, TransformError
 
 __all__ = [
-    "CacheStats", "DataDependentError", "ExamineReport", "FulmenError", "FunctionalTransform", "GradTraces",
-    "JitOptions", "JittedFunction", "JittedModule", "OffloadOptions", "Stage", "TensorProxy", "Trace", "TraceError",
-    "TraceKind", "Transform", "TransformError", "UnsupportedOpError", "cache_hits", "cache_misses", "examine",
-    "extend", "get_default_executors", "get_executor", "get_grad", "grad", "jit", "jvp", "last_backward_traces",
-    "last_traces", "put_grad", "put_grads", "register_grad", "rewrite", "torch", "vjp", "vmap",
+    "CacheLimitAction", "CacheLimitError", "CacheLimitWarning", "CacheStats", "DataDependentError", "ExamineReport",
+    "FulmenError", "FunctionalTransform", "GradTraces", "JitOptions", "JittedFunction", "JittedModule",
+    "OffloadOptions", "Stage", "TensorProxy", "Trace", "TraceError", "TraceKind", "Transform", "TransformError",
+    "UnsupportedOpError", "cache_hits", "cache_misses", "examine", "extend", "get_default_executors", "get_executor",
+    "get_grad", "grad", "jit", "jvp", "last_backward_traces", "last_cache_miss_reasons", "last_traces", "put_grad",
+    "put_grads", "register_grad", "rewrite", "torch", "vjp", "vmap",
 ]
 
 
@@ -95,3 +103,10 @@ def cache_hits(fn: JittedFunction | JittedModule) -> int:
 
 def cache_misses(fn: JittedFunction | JittedModule) -> int:
     return core(fn).stats.misses
+
+
+def last_cache_miss_reasons(fn: JittedFunction | JittedModule) -> list[str]:
+    """Why the last call that missed the cache could not reuse each cached trace: one line per trace, naming the
+    first thing that differed (a tensor's shape or strides, a global, an attribute, which inputs share memory...).
+    Empty before the first retrace."""
+    return list(core(fn).last_miss_reasons)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from fulmen.transforms.transform import Transform
@@ -41,6 +42,13 @@ class OffloadOptions:
                 raise ValueError(f"OffloadOptions.{name} must be a non-negative int, got {value!r}")
 
 
+class CacheLimitAction(str, enum.Enum):
+    """What a call does when it misses the cache and the cache already holds `JitOptions.cache_limit` traces."""
+
+    EAGER = "eager"  # run the function eagerly, uncompiled (a warning says why the calls keep missing, once)
+    ERROR = "error"  # raise fulmen.CacheLimitError, saying why
+
+
 @dataclass(frozen=True, slots=True)
 class JitOptions:
     """Options of one jitted callable.
@@ -58,6 +66,10 @@ class JitOptions:
         cuda_graphs: capture the final forward and backward traces in CUDA graphs and replay them
             (fulmen.transforms.cudagraphs; torch.compile's "reduce-overhead"): for steps that launch many small
             kernels. Programs that cannot be captured run without graphs, with a warning that says why.
+        cache_limit: how many traces one jitted callable keeps (torch.compile's default recompile limit is 8 too);
+            each holds its compiled code and, for a training step, its saved-for-backward plan.
+        cache_limit_action: what a call that needs one more trace does then: "eager" (run uncompiled, with a warning
+            naming what keeps changing) or "error" (raise fulmen.CacheLimitError).
     """
 
     decompose: bool = True
@@ -67,6 +79,8 @@ class JitOptions:
     transforms: tuple[Transform, ...] = field(default=())
     offload: OffloadOptions | None = None
     cuda_graphs: bool = False
+    cache_limit: int = 8
+    cache_limit_action: CacheLimitAction | str = CacheLimitAction.EAGER
 
     def __post_init__(self) -> None:
         for name in ("decompose", "cse", "fuse_linear_cross_entropy", "cuda_graphs"):
@@ -84,3 +98,12 @@ class JitOptions:
         object.__setattr__(self, "transforms", tuple(self.transforms))
         if self.offload is not None and not isinstance(self.offload, OffloadOptions):
             raise TypeError(f"JitOptions.offload must be an OffloadOptions or None, got {self.offload!r}")
+        if type(self.cache_limit) is not int or self.cache_limit < 1:
+            raise ValueError(f"JitOptions.cache_limit must be a positive int, got {self.cache_limit!r}")
+        try:
+            action = CacheLimitAction(self.cache_limit_action)
+        except ValueError:
+            choices = ", ".join(repr(a.value) for a in CacheLimitAction)
+            raise ValueError(f"JitOptions.cache_limit_action must be one of {choices}, got "
+                             f"{self.cache_limit_action!r}") from None
+        object.__setattr__(self, "cache_limit_action", action)

@@ -24,3 +24,11 @@ class DataDependentError(TraceError):
 
 class UnsupportedOpError(TraceError):
     """The program calls a torch operation fulmen has no symbol for."""
+
+
+class CacheLimitError(FulmenError):
+    """A call needed a new trace past `JitOptions.cache_limit` with `cache_limit_action="error"`."""
+
+
+class CacheLimitWarning(UserWarning):
+    """A jitted callable reached `JitOptions.cache_limit`: calls that miss the cache run eagerly from now on."""

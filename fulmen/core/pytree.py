@@ -1,7 +1,8 @@
 """Flattening program inputs and outputs: tuples, lists, dicts, namedtuples, dataclasses, torch structseqs.
 
 A flattened structure is (leaves, spec). Tensors are leaves; every other leaf (ints, strings, dtypes, ...) is
-kept in the spec, so the spec is a hashable cache key that specialises on Python values.
+kept in the spec, so the spec is a hashable cache key that specialises on Python values. Floats are kept by their
+exact bits (`float.hex`), so `-0.0` and `0.0` are different keys and `nan` is equal to itself.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ TENSOR = "T"  # marks a tensor leaf's position inside a spec
 
 
 def _const(obj: Any) -> Any:
+    kind = type(obj)
+    if kind is float:
+        return ("f", obj.hex())
+    if kind is complex:
+        return ("c", obj.real.hex(), obj.imag.hex())
     try:
         hash(obj)
     except TypeError:
@@ -51,6 +57,10 @@ def _build(spec: Any, leaves, originals) -> Any:
     kind = spec[0]
     if kind == "v":
         return spec[2]
+    if kind == "f":
+        return float.fromhex(spec[1])
+    if kind == "c":
+        return complex(float.fromhex(spec[1]), float.fromhex(spec[2]))
     if kind == "id":
         return originals[spec[1]]
     if kind is tuple or kind is list:

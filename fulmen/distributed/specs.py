@@ -101,4 +101,10 @@ def logical_meta(tensor: torch.Tensor) -> torch.Tensor:
     spec = spec_of(tensor)
     if spec is not None and spec.sharded:
         return torch.empty(spec.full_shape, dtype=tensor.dtype, device="meta")
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    if tensor.storage_offset() == 0:
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    # a view into a larger storage: the program can read its storage offset
+    storage = torch.empty(tensor.untyped_storage().nbytes() // tensor.element_size(), dtype=tensor.dtype,
+                          device="meta").untyped_storage()
+    return torch.empty(0, dtype=tensor.dtype, device="meta").set_(storage, tensor.storage_offset(), tensor.shape,
+                                                                  tensor.stride())

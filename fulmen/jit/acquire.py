@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
@@ -24,6 +25,7 @@ from fulmen.core.trace import TraceBuilder
 from fulmen.distributed.specs import logical_meta
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.ops import lookup, shape
+from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.autocast import cast_arguments, cast_output
 from fulmen.transforms.autocast import plan as autocast_plan
@@ -38,7 +40,7 @@ METADATA: frozenset = frozenset(
         T.is_quantized.__get__, T.is_nested.__get__, T.is_leaf.__get__, T.grad_fn.__get__, T.is_mkldnn.__get__,
         T.itemsize.__get__, T.nbytes.__get__, T.is_xpu.__get__, T.is_mps.__get__,
         T.size, T.dim, T.ndimension, T.numel, T.nelement, T.element_size, T.stride, T.is_contiguous,
-        T.is_floating_point, T.is_complex, T.is_signed, T.get_device, T.__len__, T.__hash__, T.storage_offset,
+        T.is_floating_point, T.is_complex, T.is_signed, T.get_device, T.__len__, T.__hash__,
         T.is_inference, T.dim_order,
         torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type, torch.can_cast,
         torch.promote_types, torch.is_grad_enabled, torch.get_default_dtype, torch.is_autocast_enabled,
@@ -83,6 +85,8 @@ class Interpreter(TorchFunctionMode):
         self.ops_seen: list[str] = []
         self._pinned: list[Any] = []  # while a grad rule runs, its ops carry the differentiated op's source line
         self.replaced: dict[Callable[..., Any], Symbol] = {}  # torch callables an active executor replaces
+        self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()  # see observe.Observer.quiet
+        self.reads_storage_offset = False  # then the trace holds only for inputs at the same storage offsets
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
             T.__setitem__: self._setitem,
             T.copy_: self._copy_,
@@ -104,6 +108,8 @@ class Interpreter(TorchFunctionMode):
             T.__format__: lambda x, spec: repr(x),
             T.__getitem__: self._getitem,
             torch.where: self._where,
+            F.batch_norm: self._batch_norm,
+            T.storage_offset: self._storage_offset,
         }
         for name, dtype in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
                             ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64),
@@ -191,7 +197,7 @@ class Interpreter(TorchFunctionMode):
     def _values(self, obj: Any) -> Any:
         """Current values of the proxies in `obj`; real tensors become captured constants."""
         if isinstance(obj, torch.Tensor):
-            return self.functional.resolve(obj) if type(obj) is TensorProxy else self._constant(obj)
+            return self.functional.resolve(obj if type(obj) is TensorProxy else self._constant(obj))
         if isinstance(obj, (tuple, list)):
             items = [self._values(item) for item in obj]
             if hasattr(type(obj), "_fields"):
@@ -212,6 +218,12 @@ class Interpreter(TorchFunctionMode):
             self._constant_ids[id(tensor)] = proxy
         return proxy
 
+    def seed_constant(self, tensor: torch.Tensor, value: TensorProxy) -> None:
+        """The program reads the captured `tensor` as `value` (a view of a storage it shares with an updated input,
+        see aliasing.py); the tensor stays a trace input of its own."""
+        self._constant(tensor)
+        self._constant_ids[id(tensor)] = value
+
     def _record(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         values, kwvalues = self._values(args), self._values(kwargs)
         try:
@@ -219,7 +231,8 @@ class Interpreter(TorchFunctionMode):
             autocast = autocast_plan(sym, values, kwvalues) if not self._pinned else None
             if autocast is not None:
                 values, kwvalues = cast_arguments(autocast, values, kwvalues)
-            output = sym(*values, **kwvalues)
+            with self.quiet:  # a symbol's meta and decomposition are fulmen's and torch's code, never the program's
+                output = sym(*values, **kwvalues)
             if autocast is not None:
                 output = cast_output(autocast, output)
         except TraceError:
@@ -285,6 +298,28 @@ class Interpreter(TorchFunctionMode):
                 self.builder.source,
             )
         return self._record(lookup(torch.where).symbol, (condition, *args), kwargs)
+
+    def _storage_offset(self, x: torch.Tensor) -> int:
+        self.reads_storage_offset = True
+        with torch._C.DisableTorchFunction():
+            return T.storage_offset(x)
+
+    def _batch_norm(self, x: Any, running_mean: Any, running_var: Any, weight: Any = None, bias: Any = None,
+                    training: bool = False, momentum: float | None = 0.1, eps: float = 1e-5) -> Any:
+        """In training mode the running statistics are an in-place update: recorded functionally and written back
+        once, so a backward that recomputes batch_norm leaves the buffers alone."""
+        if not training or running_mean is None or running_var is None:
+            return self._record(lookup(F.batch_norm).symbol,
+                                (x, running_mean, running_var, weight, bias, training, momentum, eps), {})
+        out, mean, var = self._record(batch_norm_update, (x, running_mean, running_var, weight, bias, momentum, eps),
+                                      {})
+        detach = lookup(torch.detach).symbol
+        for stat, new in ((running_mean, mean), (running_var, var)):
+            if type(stat) is not TensorProxy:
+                raise TraceError("batch_norm in training mode updates running statistics created outside the "
+                                 "program; fulmen does not support that in-place update", self.builder.source)
+            self._assign(stat, self._record(detach, (new,), {}), "batch_norm's running statistics")
+        return out
 
     def _copy_(self, dst: TensorProxy, src: Any, non_blocking: bool = False) -> TensorProxy:
         new = shape.copy(self.functional.resolve(dst), self._values(src))

@@ -1,29 +1,106 @@
 """The prologue: what a call must match to reuse a compiled trace.
 
-The cache key is built from cheap reads only: the input structure (with its Python values), each tensor's shape,
-dtype, device and requires_grad, the grad mode and the autocast state. Module attributes the program read are
-checked after the key matched (see overrides.AttributeGuard).
+Two levels. The cache key is built from cheap reads only: the input structure (with its Python values), each
+tensor's metadata including its layout (`tensor_key`), the grad mode, the default dtype, the autocast state
+and the attention backend switches. After the key matched, an entry checks its guards: the Python state the traced
+program read (globals, closure cells, attributes of objects and modules, recorded by observe.py), compiled into one
+function, and, for a trace that updates inputs in place, which inputs share memory (aliasing.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
+from fulmen.jit.values import compile_statements
 
-def tensor_key(tensors: list[torch.Tensor]) -> tuple:
-    return tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
+
+def tensor_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    """Each tensor's shape, strides, dtype, device and requires_grad: views, reshape, in-place updates and kernel
+    choices depend on the layout. Where a tensor starts in its storage matters only to a program that reads it (or
+    to inputs sharing memory): such a trace checks the offsets itself (CacheEntry.offsets)."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors])
 
 
 def global_state_key() -> tuple:
     # the sdpa executor picks its attention kernel by torch's backend switches (torch.nn.attention.sdpa_kernel)
     attention = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
                  torch.backends.cuda.mem_efficient_sdp_enabled())
+    # factory calls without a dtype take the default dtype, fixed in the trace
+    state = (torch.is_grad_enabled(), torch.get_default_dtype(), attention)
     if not torch._C._is_any_autocast_enabled():
-        return (torch.is_grad_enabled(), attention)
+        return state
     autocast = tuple(
         (device, torch.get_autocast_dtype(device))
         for device in ("cpu", "cuda")
         if torch.is_autocast_enabled(device)
     )
-    return (torch.is_grad_enabled(), attention, autocast)
+    return (*state, autocast)
 
+
+KEY_PARTS = ("the inputs' structure or Python values", "argument tensor metadata", "module tensor metadata",
+             "grad mode, default dtype, attention switches or autocast")
+TENSOR_FIELDS = ("shape", "strides", "dtype", "device", "requires_grad")
+
+
+def key_difference(old: tuple | None, new: tuple | None, names: Sequence[str]) -> str:
+    """Why two cache keys differ, in words (the first difference)."""
+    if old is None or new is None:
+        return "a module tensor was removed or replaced by a non-tensor"
+    for part, (was, now) in enumerate(zip(old, new)):
+        if was == now:
+            continue
+        if part in (1, 2) and len(was) == len(now):
+            for i, (meta_was, meta_now) in enumerate(zip(was, now)):
+                for name, a, b in zip(TENSOR_FIELDS, meta_was, meta_now):
+                    if a != b:
+                        which = names[i] if part == 1 and i < len(names) else f"#{i}"
+                        kind = "tensor argument" if part == 1 else "module tensor"
+                        return f"{kind} {which}: {name} {_short(b)}, traced with {_short(a)}"
+        return f"{KEY_PARTS[part]} changed"
+    return "the key matched"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Size):
+        return str(tuple(value))
+    return str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """One fact about Python state a trace depends on: a boolean expression over `bindings` (see values.py)."""
+
+    what: str  # e.g. "global SCALE of module train", shown when the guard fails
+    source: str
+    bindings: dict[str, Any] = field(hash=False, compare=False)
+    traced: str = ""  # the value seen while tracing, described
+    explain: Callable[[], str] | None = field(default=None, hash=False, compare=False)  # what changed, once failed
+
+    def describe(self) -> str:
+        if self.explain is not None:
+            return self.explain()
+        return f"{self.what} changed (traced with {self.traced})" if self.traced else f"{self.what} changed"
+
+
+def compile_check(guards: Sequence[Guard]) -> Callable[[], bool] | None:
+    """One function checking all `guards` (None when there are none)."""
+    if not guards:
+        return None
+    bindings: dict[str, Any] = {}
+    for guard in guards:
+        bindings.update(guard.bindings)
+    return compile_statements(["return " + " and ".join(f"({guard.source})" for guard in guards)], bindings)
+
+
+def compile_first_failure(guards: Sequence[Guard]) -> Callable[[], int]:
+    """A function giving the index of the first of `guards` that fails now (-1 when all hold)."""
+    bindings: dict[str, Any] = {}
+    lines = []
+    for i, guard in enumerate(guards):
+        bindings.update(guard.bindings)
+        lines += ["try:", f"    if not ({guard.source}): return {i}", "except KeyError:", f"    return {i}"]
+    return compile_statements(lines + ["return -1"], bindings)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,46 +14,34 @@ import torch
 from torch import nn
 
 from fulmen.core import pytree
+from fulmen.core.errors import CacheLimitError, CacheLimitWarning
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.distributed.specs import logical_meta
+from fulmen.distributed.specs import logical_meta, spec_of
 from fulmen.distributed.transform import DistributedProgram
 from fulmen.executors.base import Executor
 from fulmen.jit.acquire import Interpreter
-from fulmen.jit.bridge import FulmenFunction, GradProgram
-from fulmen.jit.guards import global_state_key, tensor_key
+from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
+from fulmen.jit.bridge import FulmenFunction
+from fulmen.jit.cache import Cache, CacheEntry
+from fulmen.jit.guards import compile_check, global_state_key, tensor_key
 from fulmen.jit.lookasides import function_lookasides
-from fulmen.jit.overrides import AttributeGuard, ModuleInput, ShadowTree, build_shadow
+from fulmen.jit.observe import Observer
+from fulmen.jit.overrides import ModuleInput, ShadowTree, build_shadow
 from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.replacements import replacements
 from fulmen.ops import prims
-from fulmen.options import JitOptions
+from fulmen.options import CacheLimitAction, JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
 from fulmen.transforms.cudagraphs import GraphedProgram, graph_pool_for
-
-
-@dataclass(frozen=True, slots=True)
-class CacheEntry:
-    fn: Callable[..., tuple]
-    traces: tuple[Trace, ...]
-    out_spec: Any
-    out_objects: dict[int, Any]  # unhashable non-tensor outputs, by id
-    n_outputs: int
-    returns_input: tuple[int | None, ...]  # output i is input tensor returns_input[i] itself (eager identity)
-    rebinds: tuple[tuple[nn.Module, str, str], ...]  # trailing outputs reassigned to module attributes
-    attribute_guards: tuple[AttributeGuard, ...]
-    constants: tuple[torch.Tensor, ...]
-    backward_traces: tuple[Trace, ...] = ()
-    program: GradProgram | None = None
-
-    def guards_hold(self) -> bool:
-        return all(guard.holds() for guard in self.attribute_guards)
 
 
 @dataclass(slots=True)
 class CacheStats:
     hits: int = 0
     misses: int = 0
+    eager_calls: int = 0  # misses past JitOptions.cache_limit, run uncompiled
 
 
 def _leaf_names(obj: Any, prefix: str, out: list[str]) -> None:
@@ -63,7 +53,7 @@ def _leaf_names(obj: Any, prefix: str, out: list[str]) -> None:
     elif isinstance(obj, dict):
         for key, item in obj.items():
             _leaf_names(item, f"{prefix}_{key}", out)
-    elif hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # asks the class: no __getattr__ of obj runs
         for key in obj.__dataclass_fields__:
             _leaf_names(getattr(obj, key), f"{prefix}_{key}", out)
 
@@ -85,6 +75,34 @@ def _needs_grad(trace: Trace) -> bool:
         isinstance(out, TensorProxy) and out.requires_grad for out in trace.output)
 
 
+@dataclass
+class Acquisition:
+    """One run of the user's program under the interpreter, and what it produced."""
+
+    builder: TraceBuilder
+    interpreter: Interpreter
+    observer: Observer
+    tree: ShadowTree | None
+    inputs: list[TensorProxy]  # the trace's inputs, in the order a call passes them
+    values: list[TensorProxy]
+    out_spec: Any
+    out_objects: dict[int, Any]
+    returns_input: tuple[int | None, ...]
+    rebinds: list[tuple[nn.Module, str, str]]
+
+    def written(self) -> dict[int, SourceLocation | None]:
+        """The inputs the program updates in place (their final values are copied back), by position, with the line
+        of the update."""
+        position = {p.pname: i for i, p in enumerate(self.inputs)}
+        made_at = {name: bsym.source for bsym in self.builder.bound_symbols for name in bsym.output_names()}
+        return {position[bsym.args[1].pname]: made_at.get(bsym.args[0].pname) for bsym in self.builder.bound_symbols
+                if bsym.sym is prims.copy_ and bsym.args[1].pname in position}
+
+
+def _with_storage(plan: AliasPlan, fn: Callable[..., tuple], *inputs: torch.Tensor) -> tuple:
+    return fn(*inputs, *plan.bases(inputs))
+
+
 class JittedFunction:
     """A callable that runs `fn` through its cached, compiled traces."""
 
@@ -94,11 +112,13 @@ class JittedFunction:
         self._module = module
         self._options = options
         self.executors = executors
-        self._cache: dict[Any, list[CacheEntry]] = {}
+        self._cache = Cache(options.cache_limit)
         self._module_inputs: list[ModuleInput] = []
         self.stats = CacheStats()
         self.last_entry: CacheEntry | None = None
         self.pipeline = Pipeline(options, executors, Interpreter)
+        self.last_miss_reasons: list[str] = []  # why the last call that missed could not use each cached trace
+        self._warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
@@ -107,26 +127,68 @@ class JittedFunction:
             tensors = []
             spec = pytree.flatten((args, kwargs), tensors)
         module_tensors = [source.fetch() for source in self._module_inputs]
+        state = global_state_key()
         try:
-            key = (spec, tensor_key(tensors), tensor_key(module_tensors), global_state_key())
+            key = (spec, tensor_key(tensors), tensor_key(module_tensors), state)
         except AttributeError:  # a module tensor was removed or replaced by a non-tensor: trace anew
             key = None
-        entry = None
-        for candidate in self._cache.get(key, ()):
-            if candidate.guards_hold():
-                entry = candidate
-                break
+        entry = self._cache.lookup(key, tensors, module_tensors)
+        if entry is None and len(self._cache.layouts) > 1:
+            entry, module_tensors = self._other_layouts(spec, tensors, state, module_tensors)
         if entry is None:
             self.stats.misses += 1
-            entry, module_tensors = self._compile(args, kwargs, tensors)
-            if key is not None and self._module_inputs and len(module_tensors) == len(self._module_inputs):
-                key = (spec, tensor_key(tensors), tensor_key(module_tensors), global_state_key())
-            self._cache.setdefault(key, []).append(entry)
+            names = self._names(args, kwargs, len(tensors))
+            self.last_miss_reasons = self._cache.miss_reasons(key, tensors, module_tensors, names, self._module_inputs)
+            if self._cache.full:
+                return self._past_limit(args, kwargs)
+            entry, module_tensors = self._compile(args, kwargs, tensors, (spec, state), names)
+            self._cache.add(entry)
         else:
             self.stats.hits += 1
         self.last_entry = entry
         outputs = entry.fn(*tensors, *module_tensors, *entry.constants)
         return self._finish(entry, outputs, tensors)
+
+    def _other_layouts(self, spec: Any, tensors: list, state: tuple, module_tensors: list) -> tuple:
+        """A cached trace made when the module had other parameters or buffers (a ModuleList grew, then shrank)."""
+        for layout in self._cache.layouts:
+            if list(layout) == self._module_inputs:
+                continue
+            other = [source.fetch() for source in layout]
+            try:
+                key = (spec, tensor_key(tensors), tensor_key(other), state)
+            except AttributeError:
+                continue
+            entry = self._cache.lookup(key, tensors, other)
+            if entry is not None:
+                self._module_inputs = list(layout)
+                return entry, other
+        return None, module_tensors
+
+    def _names(self, args: tuple, kwargs: dict[str, Any], n: int) -> list[str]:
+        hints = _arg_hints(self._module.forward if self._module is not None else self._fn, args, kwargs)
+        return hints if len(hints) == n else [f"arg{i}" for i in range(n)]
+
+    def _past_limit(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        name = getattr(self._module if self._module is not None else self._fn, "__qualname__",
+                       type(self._module).__qualname__)
+        reason = self.last_miss_reasons[-1].split(": ", 1)[-1]
+        message = (f"fulmen.jit({name}) holds JitOptions.cache_limit={self._cache.limit} traces and this call needs "
+                   f"another: {reason}")
+        latest = self._cache.entries[-1]
+        distributed = any(spec_of(t) is not None for t in (*(s.fetch() for s in latest.module_inputs),
+                                                          *latest.constants))
+        if self._options.cache_limit_action is CacheLimitAction.ERROR or distributed:
+            why = " (a program with fulmen.distributed parameters cannot run eagerly)" if distributed else ""
+            raise CacheLimitError(f"{message}{why}. Keep it constant, or raise the limit "
+                                  "(fulmen.last_cache_miss_reasons lists why each trace did not apply)")
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{message}. Calls that miss the cache run eagerly from now on "
+                          "(fulmen.last_cache_miss_reasons lists why each trace did not apply)", CacheLimitWarning,
+                          stacklevel=3)
+        self.stats.eager_calls += 1
+        return (self._fn if self._module is None else self._module)(*args, **kwargs)
 
     @staticmethod
     def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor]) -> Any:
@@ -140,39 +202,93 @@ class JittedFunction:
             return outputs[0]
         return pytree.unflatten(entry.out_spec, outputs, entry.out_objects)
 
-    # --- compilation ---------------------------------------------------------------------------------------------
-    def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[CacheEntry, list]:
+    # --- acquisition ---------------------------------------------------------------------------------------------
+    def _acquire(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], names: list[str],
+                 aliases: AliasPlan | None, real_inputs: list[torch.Tensor]) -> Acquisition:
         builder = TraceBuilder(decompose=self._options.decompose)
         interpreter = Interpreter(builder)
-        hints = _arg_hints(self._module.forward if self._module is not None else self._fn, args, kwargs)
-        if len(hints) != len(tensors):
-            hints = [f"arg{i}" for i in range(len(tensors))]
+        observer = Observer((self._fn,))
         proxies = [builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=hint)
-                   for t, hint in zip(tensors, hints)]
+                   for t, hint in zip(tensors, names)]
+        visible, storage = self._shared_storage(builder, interpreter, proxies, aliases, real_inputs, names)
         originals: dict[int, Any] = {}
         pytree.identity_objects((args, kwargs), originals)
         spec = pytree.flatten((args, kwargs), [])
-        proxy_args, proxy_kwargs = pytree.unflatten(spec, proxies, originals)
+        proxy_args, proxy_kwargs = pytree.unflatten(spec, visible, originals)
         target: Callable[..., Any] = self._fn
         tree: ShadowTree | None = None
         if self._module is not None:
             # A sharded parameter enters with its full shape (fulmen.distributed gathers it before use).
             tree = build_shadow(
-                self._module, lambda t, name: builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=name)
+                self._module, lambda t, name: builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=name),
+                observer,
             )
             target = tree.root
-            self._module_inputs = tree.inputs
-        with builder, interpreter, function_lookasides(builder), replacements(self.executors, interpreter):
+        with builder, interpreter, function_lookasides(builder) as swapped, \
+                replacements(self.executors, interpreter) as replaced, observer.watching(swapped + replaced):
+            interpreter.quiet = observer.quiet
             result = target(*proxy_args, **proxy_kwargs)
+        module_proxies = tree.proxies if tree else []
         with builder:
-            entry_parts = self._outputs(result, proxies, tree, interpreter)
-        trace_inputs = proxies + (tree.proxies if tree else []) + [p for _, p in interpreter.constants]
-        values, out_spec, out_objects, returns_input, rebinds = entry_parts
-        acquired = Trace("computation", trace_inputs, builder.bound_symbols, tuple(values), "Acquisition (fulmen.jit)",
-                         builder.namespace)
-        traces = self.pipeline.acquire(acquired)
+            values, out_spec, out_objects, returns_input, rebinds = self._outputs(
+                result, visible, tree, interpreter, proxies + module_proxies + storage)
+        inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
+        return Acquisition(builder, interpreter, observer, tree, inputs, values, out_spec, out_objects, returns_input,
+                           rebinds)
+
+    @staticmethod
+    def _shared_storage(builder: TraceBuilder, interpreter: Interpreter, proxies: list[TensorProxy],
+                        aliases: AliasPlan | None, real_inputs: list[torch.Tensor], names: list[str]):
+        """The proxies the program receives, and one extra trace input per shared storage (see aliasing.py)."""
+        if aliases is None:
+            return proxies, []
+        visible = list(proxies)
+        storage = []
+        for group in aliases.groups:
+            first = real_inputs[group.members[0]]
+            meta = torch.empty((group.extent,), dtype=first.dtype, device="meta")
+            hint = names[group.members[0]] if group.members[0] < len(names) else "captured"
+            base = builder.make_proxy(meta, first.device, name=f"{hint}_storage")
+            storage.append(base)
+            with builder, interpreter:
+                views = [torch.as_strided(base, real_inputs[m].shape, real_inputs[m].stride(),
+                                          real_inputs[m].storage_offset()) for m in group.members]
+            for member, view in zip(group.members, views):
+                if member < len(proxies):
+                    visible[member] = view
+                else:  # a tensor the program captured: it reads the view
+                    interpreter.seed_constant(real_inputs[member], view)
+        return visible, storage
+
+    # --- compilation ---------------------------------------------------------------------------------------------
+    def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], key_parts: tuple,
+                 names: list[str]) -> tuple[CacheEntry, list]:
+        acquisition = self._acquire(args, kwargs, tensors, names, None, [])
+        tree, interpreter = acquisition.tree, acquisition.interpreter
+        module_inputs = tree.inputs if tree is not None else []
+        self._module_inputs = module_inputs
         module_tensors = [source.fetch() for source in self._module_inputs]
-        dist = DistributedProgram.of(acquired, [*tensors, *module_tensors, *(t for t, _ in interpreter.constants)])
+        constants = [t for t, _ in interpreter.constants]
+        real_inputs = [*tensors, *module_tensors, *constants]
+        written = acquisition.written()
+        aliases = None
+        if written:
+            all_names = [*names, *(m.qualified for m in module_inputs), *(p.pname for _, p in interpreter.constants)]
+            aliases = plan_aliases(real_inputs, written, all_names, range(len(tensors), len(tensors) +
+                                                                               len(module_tensors)))
+            if aliases is not None:  # acquire again, with the shared storage as one input
+                acquisition = self._acquire(args, kwargs, tensors, names, aliases, real_inputs)
+                tree, interpreter = acquisition.tree, acquisition.interpreter
+                constants = [t for t, _ in interpreter.constants]
+                real_inputs = [*tensors, *module_tensors, *constants]
+        values, out_spec, out_objects = acquisition.values, acquisition.out_spec, acquisition.out_objects
+        returns_input, rebinds = acquisition.returns_input, acquisition.rebinds
+        builder = acquisition.builder
+        acquired = Trace("computation", acquisition.inputs, builder.bound_symbols, tuple(values),
+                         "Acquisition (fulmen.jit)", builder.namespace)
+        traces = self.pipeline.acquire(acquired)
+        bases = aliases.bases(real_inputs) if aliases is not None else []
+        dist = DistributedProgram.of(acquired, [*real_inputs, *bases])
         graphs = None
         if self._options.cuda_graphs:
             graphs = graph_pool_for(traces[-1], dist is not None, getattr(self._fn, "__qualname__", "the program"))
@@ -189,6 +305,9 @@ class JittedFunction:
             fn = traces[-1].python_callable()
         if autocast_enabled():
             fn = without_autocast(fn)
+        if aliases is not None:
+            fn = functools.partial(_with_storage, aliases, fn)
+        guards = acquisition.observer.guards()
         entry = CacheEntry(
             fn=fn,
             traces=tuple(traces),
@@ -197,15 +316,22 @@ class JittedFunction:
             n_outputs=len(values) - len(rebinds),
             returns_input=returns_input,
             rebinds=tuple(rebinds),
-            attribute_guards=tree.guards() if tree else (),
-            constants=tuple(t for t, _ in interpreter.constants),
+            constants=tuple(constants),
             backward_traces=tuple(program.backward_traces) if program is not None else (),
             program=program,
+            key=(key_parts[0], tensor_key(tensors), tensor_key(module_tensors), key_parts[1]),
+            guards=guards,
+            check=compile_check(guards),
+            storage=storage_groups(real_inputs) if written else None,
+            offsets=storage_offsets(real_inputs) if interpreter.reads_storage_offset or aliases is not None else None,
+            module_inputs=tuple(module_inputs),
+            aliases=aliases,
         )
         return entry, module_tensors
 
     @staticmethod
-    def _outputs(result: Any, proxies: list[TensorProxy], tree: ShadowTree | None, interpreter: Interpreter):
+    def _outputs(result: Any, proxies: list[TensorProxy], tree: ShadowTree | None, interpreter: Interpreter,
+                 inputs: list[TensorProxy]):
         functional = interpreter.functional
         leaves: list[torch.Tensor] = []
         out_spec = pytree.flatten(result, leaves)
@@ -228,7 +354,7 @@ class JittedFunction:
                 else:
                     values.append(value)
                     rebinds.append((module, container, name))
-        functional.write_back(proxies + (tree.proxies if tree else []))
+        functional.write_back(inputs)
         return values, out_spec, out_objects, tuple(returns_input), rebinds
 
 

@@ -95,13 +95,14 @@ def resolve_attribute(module_name: str, path: str) -> tuple[Any, str] | None:
 
 
 @contextlib.contextmanager
-def function_lookasides(builder: TraceBuilder) -> Iterator[None]:
+def function_lookasides(builder: TraceBuilder) -> Iterator[list[tuple[Any, str, Any]]]:
+    """Swaps the lookasides in while acquiring; gives the (owner, name, original) it swapped."""
     targets = [(target, factory) for key, factory in FUNCTION_LOOKASIDES.items() if (target := resolve_attribute(*key))]
     originals = [(owner, name, getattr(owner, name)) for (owner, name), _ in targets]
     try:
         for (owner, name), factory in targets:
             setattr(owner, name, factory(builder))
-        yield
+        yield originals
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)

@@ -2,8 +2,9 @@
 
 The user's module is never changed. Acquisition runs the forward of a *shadow* tree: a shallow copy of every
 submodule whose `_parameters`, `_buffers` and tensor attributes hold proxies (the override map), and whose class
-records which plain attributes (`training`, flags, sizes) the program read, so guards check exactly those.
-Assignments the program makes during the forward land on the shadow; buffer rebinds are reported back.
+reports every attribute the program reads to the observer (observe.py), so guards check exactly those on the user's
+module: plain and container attributes, submodules, parameter and buffer slots, hooks, methods. Assignments the
+program makes during the forward land on the shadow; buffer rebinds are reported back.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from torch import nn
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.jit.lookasides import method_lookasides
+from fulmen.jit.observe import Observer
 
-PLAIN_TYPES = (bool, int, float, str, type(None))
 CONTAINERS = ("_parameters", "_buffers", "__dict__")
 
 
@@ -35,32 +36,15 @@ class ModuleInput:
         return getattr(self.module, self.container).get(self.name)
 
 
-@dataclass(frozen=True, slots=True)
-class AttributeGuard:
-    module: nn.Module
-    name: str
-    value: Any
-
-    def holds(self) -> bool:
-        current = self.module.__dict__.get(self.name, _MISSING)
-        return type(current) is type(self.value) and current == self.value
-
-
-_MISSING = object()
-
 
 @dataclass
 class ShadowTree:
     root: nn.Module
+    observer: Observer
     inputs: list[ModuleInput] = field(default_factory=list)
     proxies: list[TensorProxy] = field(default_factory=list)
     # id(shadow) -> (shadow, original, {container: {name: proxy given}})
     given: dict[int, tuple[nn.Module, nn.Module, dict[str, dict[str, TensorProxy]]]] = field(default_factory=dict)
-    reads: dict[tuple[int, str], AttributeGuard] = field(default_factory=dict)
-
-    def guards(self) -> tuple[AttributeGuard, ...]:
-        return tuple(self.reads.values())
-
     def rebinds(self) -> list[tuple[nn.Module, str, str, TensorProxy, TensorProxy]]:
         """(original module, container, name, proxy given, value now) for tensors the forward reassigned."""
         changed = []
@@ -80,7 +64,8 @@ _SHADOW_CLASSES: dict[type, type] = {}
 def _shadow_class(cls: type) -> type:
     shadow = _SHADOW_CLASSES.get(cls)
     if shadow is None:
-        namespace = {"__getattribute__": _recording_getattribute, "__module__": cls.__module__}
+        namespace = {"__getattribute__": _recording_getattribute, "__getattr__": _recording_getattr(cls.__getattr__),
+                     "__module__": cls.__module__}
         namespace.update(method_lookasides(cls))
         shadow = type(cls.__name__, (cls,), namespace)
         _SHADOW_CLASSES[cls] = shadow
@@ -89,16 +74,25 @@ def _shadow_class(cls: type) -> type:
 
 def _recording_getattribute(self: nn.Module, name: str) -> Any:
     value = object.__getattribute__(self, name)
-    if type(value) in PLAIN_TYPES and not name.startswith("__"):
+    if name[:2] != "__":
         state = object.__getattribute__(self, "__dict__")
-        original = state.get("_fulmen_original")
-        if original is not None and original.__dict__.get(name, _MISSING) is value:
-            state["_fulmen_tree"].reads.setdefault((id(original), name), AttributeGuard(original, name, value))
+        state["_fulmen_tree"].observer.module_read(state["_fulmen_original"], type(self), name, value)
     return value
 
 
-def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], TensorProxy]) -> ShadowTree:
-    tree = ShadowTree(root=module)
+def _recording_getattr(fallback: Callable[[nn.Module, str], Any]) -> Callable[[nn.Module, str], Any]:
+    def __getattr__(self: nn.Module, name: str) -> Any:  # parameters, buffers and submodules (nn.Module.__getattr__)
+        value = fallback(self, name)
+        state = object.__getattribute__(self, "__dict__")
+        state["_fulmen_tree"].observer.module_fallback(state["_fulmen_original"], name)
+        return value
+
+    return __getattr__
+
+
+def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], TensorProxy],
+                 observer: Observer) -> ShadowTree:
+    tree = ShadowTree(root=module, observer=observer)
     by_tensor: dict[int, TensorProxy] = {}  # tied weights share one proxy
     shadows: dict[int, nn.Module] = {}
 

@@ -73,7 +73,8 @@ def _patched(original: Callable[..., Any], target: Symbol | Callable[..., Any], 
 
 
 @contextlib.contextmanager
-def replacements(executors: tuple[Any, ...], interpreter: Any) -> Iterator[None]:
+def replacements(executors: tuple[Any, ...], interpreter: Any) -> Iterator[list[tuple[Any, str, Any]]]:
+    """Swaps the replaced functions while acquiring; gives the (owner, name, original) it swapped."""
     functions = []  # the user's functions and methods; torch's callables go to the interpreter's dispatch table
     for original, target in replacement_table(executors).items():
         if lookup(original) is not None:
@@ -90,7 +91,7 @@ def replacements(executors: tuple[Any, ...], interpreter: Any) -> Iterator[None]
                 patches.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, replacement)
         try:
-            yield
+            yield patches
         finally:
             for owner, name, value in reversed(patches):
                 setattr(owner, name, value)

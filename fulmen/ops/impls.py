@@ -38,6 +38,17 @@ def fill(x: torch.Tensor, value: Any) -> torch.Tensor:
     return torch.full_like(x, value)
 
 
+def batch_norm_update(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                      weight: torch.Tensor | None, bias: torch.Tensor | None, momentum: float | None,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`F.batch_norm(..., training=True)` as a pure function: its output and the running statistics it leaves. The
+    update lands on copies, so recomputing it (a backward without a grad rule does) never updates the buffers again;
+    acquisition writes the new statistics back once."""
+    mean, var = running_mean.clone(), running_var.clone()
+    out = torch.nn.functional.batch_norm(x, mean, var, weight, bias, True, momentum, eps)
+    return out, mean, var
+
+
 def view_scatter(
     base: torch.Tensor, value: torch.Tensor, view_fn: Callable[..., Any], args: tuple, kwargs: dict, index: int | None
 ) -> torch.Tensor:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fulmen.ops import prims
-from fulmen.ops.registry import TorchBinding, bind, method, torch_symbol
+from fulmen.ops import impls, prims
+from fulmen.ops.registry import TorchBinding, bind, impl_symbol, method, torch_symbol
 from fulmen.ops.utils import canonical_dim, convert, expand_to, keepdim_shape, to_float
 
 
@@ -120,6 +120,7 @@ torch_symbol(F.layer_norm, decomposition=layer_norm_decomposition)
 torch_symbol(F.rms_norm, decomposition=rms_norm_decomposition)
 torch_symbol(F.group_norm)
 torch_symbol(F.batch_norm)
+batch_norm_update = impl_symbol(impls.batch_norm_update)  # training mode with running statistics (acquire.py)
 torch_symbol(F.normalize)
 
 

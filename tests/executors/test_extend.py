@@ -138,6 +138,17 @@ def test_replaced_method_and_helper_are_claimed_in_forward_and_backward():
     assert (NewGELU.__dict__["forward"], globals()["scale_rows"]) == ORIGINALS
 
 
+def test_replaced_functions_do_not_defeat_the_cache():
+    # acquisition swaps NewGELU.forward and scale_rows; the guards on them expect the user's originals
+    ex, _ = _executor()
+    model = Net()
+    jitted = fulmen.jit(model, executors=[ex])
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        torch.testing.assert_close(jitted(x), model(x))
+    assert fulmen.cache_misses(jitted) == 1
+
+
 def test_checker_false_descends_to_the_original_ops():
     ex, n = _executor(gelu_checker=lambda self, x: x.shape[0] > 100)
     model = Net()

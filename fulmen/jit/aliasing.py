@@ -1,0 +1,96 @@
+"""Inputs that share memory: detected by storage, handled as eager would, and part of what a cache hit requires.
+
+Aliasing only matters to a trace that updates an input in place: `f(x, y): x.add_(1); return y * 2` called as
+`f(a, a)` must see the update through `y`. Such a trace records which inputs share a storage (`storage_groups`,
+compared exactly on every hit), so a trace made without aliasing never runs on aliased inputs, nor the reverse.
+
+When an updated input shares its storage with another input, acquisition runs again with an `AliasPlan`: the
+storage becomes one trace input (a 1-D view of the storage from its start, built from the first member on each
+call), every member enters the program as an `as_strided` view of it, so functionalization sees each update through
+every member, and the write-back goes to the storage once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fulmen.core.errors import TraceError
+from fulmen.core.source import SourceLocation
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def storage_groups(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """For each tensor, the position of the first tensor sharing its storage (its own when none does)."""
+    first: dict[tuple, int] = {}
+    groups = []
+    for i, t in enumerate(tensors):
+        if type(t) not in _PLAIN or t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+            groups.append(i)  # no memory of its own to share (a subclass answers for itself)
+            continue
+        groups.append(first.setdefault((t.device, t.untyped_storage().data_ptr()), i))
+    return tuple(groups)
+
+
+def storage_offsets(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    return tuple([t.storage_offset() for t in tensors])
+
+
+@dataclass(frozen=True, slots=True)
+class AliasGroup:
+    members: tuple[int, ...]  # positions among the trace's inputs (arguments, module tensors, constants)
+    extent: int  # elements of the storage the members reach, counted from its start
+
+
+@dataclass(frozen=True, slots=True)
+class AliasPlan:
+    groups: tuple[AliasGroup, ...]
+
+    def member_of(self, position: int) -> int | None:
+        """The group (its index) that input `position` belongs to."""
+        for index, group in enumerate(self.groups):
+            if position in group.members:
+                return index
+        return None
+
+    def bases(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each group's storage as a tensor: what the trace's extra inputs are on this call."""
+        return [inputs[g.members[0]].as_strided((g.extent,), (1,), 0) for g in self.groups]
+
+
+def _extent(t: torch.Tensor) -> int:
+    return t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+
+
+def plan_aliases(inputs: Sequence[torch.Tensor], written: dict[int, SourceLocation | None], names: Sequence[str],
+                 module_range: range) -> AliasPlan | None:
+    """The plan for the storage groups that hold an input the program updates in place (None when there are none);
+    refuses what it cannot make exact. `written`: the updated inputs' positions, with the line of the update."""
+    members: dict[int, list[int]] = {}
+    for i, first in enumerate(storage_groups(inputs)):
+        members.setdefault(first, []).append(i)
+    groups = []
+    for positions in members.values():
+        updated = [i for i in positions if i in written]
+        if len(positions) < 2 or not updated:
+            continue
+        where = written[updated[0]]
+        tensors = [inputs[i] for i in positions]
+        if not any(t.numel() for t in tensors):
+            continue
+        described = ", ".join(names[i] for i in positions)
+        if any(i in module_range for i in positions):
+            raise TraceError(f"the program updates in place a module tensor that shares memory with another input "
+                             f"({described}); fulmen does not support this", where)
+        if len({(t.dtype, t.device) for t in tensors}) > 1:
+            raise TraceError(f"inputs {described} share memory with different dtypes or devices and one is updated "
+                             "in place; fulmen does not support this", where)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise TraceError(f"inputs {described} share memory, one is updated in place and one requires grad; "
+                             "fulmen cannot differentiate through shared storage: pass copies (x.clone())", where)
+        groups.append(AliasGroup(tuple(positions), max(_extent(t) for t in tensors if t.numel())))
+    return AliasPlan(tuple(groups)) if groups else None

@@ -1,0 +1,106 @@
+"""The cache of one jitted callable: entries found by key, admitted by their guards, bounded, and able to say why a
+call missed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulmen.core.trace import Trace
+from fulmen.jit.aliasing import AliasPlan, storage_groups, storage_offsets
+from fulmen.jit.bridge import GradProgram
+from fulmen.jit.guards import Guard, compile_first_failure, key_difference
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    fn: Callable[..., tuple]
+    traces: tuple[Trace, ...]
+    out_spec: Any
+    out_objects: dict[int, Any]  # unhashable non-tensor outputs, by id
+    n_outputs: int
+    returns_input: tuple[int | None, ...]  # output i is input tensor returns_input[i] itself (eager identity)
+    rebinds: tuple[tuple[nn.Module, str, str], ...]  # trailing outputs reassigned to module attributes
+    constants: tuple[torch.Tensor, ...]
+    backward_traces: tuple[Trace, ...] = ()
+    program: GradProgram | None = None
+    key: Any = None
+    guards: tuple[Guard, ...] = ()  # the Python state the program read (observe.py)
+    check: Callable[[], bool] | None = None  # all guards, compiled
+    storage: tuple[int, ...] | None = None  # the inputs' storage groups, for a trace that updates an input
+    offsets: tuple[int, ...] | None = None  # the inputs' storage offsets, for a trace that depends on them
+    aliases: AliasPlan | None = None
+    module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
+
+    def admits(self, tensors: list, module_tensors: list) -> bool:
+        if self.check is not None and not self.check():
+            return False
+        if self.offsets is not None and storage_offsets([*tensors, *module_tensors, *self.constants]) != self.offsets:
+            return False
+        return self.storage is None or storage_groups([*tensors, *module_tensors, *self.constants]) == self.storage
+
+
+def sharing(groups: Sequence[int], names: Sequence[str]) -> str:
+    """Which inputs share memory, in words."""
+    members: dict[int, list[str]] = {}
+    for i, first in enumerate(groups):
+        members.setdefault(first, []).append(names[i] if i < len(names) else f"#{i}")
+    shared = [" and ".join(group) for group in members.values() if len(group) > 1]
+    return "; ".join(shared) if shared else "no inputs"
+
+
+class Cache:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.entries: list[CacheEntry] = []
+        self.layouts: dict[tuple, None] = {}  # the distinct module_inputs of the entries, in order
+        self._by_key: dict[Any, list[CacheEntry]] = {}
+        self._explain: dict[int, Callable[[], int]] = {}  # id(entry) -> its first failing guard, compiled on demand
+
+    def lookup(self, key: Any, tensors: list, module_tensors: list) -> CacheEntry | None:
+        for entry in self._by_key.get(key, ()):
+            if entry.admits(tensors, module_tensors):
+                return entry
+        return None
+
+    @property
+    def full(self) -> bool:
+        return len(self.entries) >= self.limit
+
+    def add(self, entry: CacheEntry) -> None:
+        self.entries.append(entry)
+        self.layouts[entry.module_inputs] = None
+        self._by_key.setdefault(entry.key, []).append(entry)
+
+    def miss_reasons(self, key: Any, tensors: list, module_tensors: list, names: Sequence[str],
+                     layout: Sequence[Any]) -> list[str]:
+        """For each cached entry, the first thing this call differs in."""
+        return [f"trace {i}: {self._reason(entry, key, tensors, module_tensors, names, tuple(layout))}"
+                for i, entry in enumerate(self.entries)]
+
+    def _reason(self, entry: CacheEntry, key: Any, tensors: list, module_tensors: list, names: Sequence[str],
+                layout: tuple) -> str:
+        if entry.module_inputs != layout:
+            return "the module's parameters and buffers changed (its structure differs)"
+        if entry.key != key:
+            return key_difference(entry.key, key, names)
+        if entry.guards:
+            explain = self._explain.get(id(entry))
+            if explain is None:
+                explain = self._explain[id(entry)] = compile_first_failure(entry.guards)
+            failed = explain()
+            if failed >= 0:
+                return entry.guards[failed].describe()
+        inputs = [*tensors, *module_tensors, *entry.constants]
+        if entry.offsets is not None and storage_offsets(inputs) != entry.offsets:
+            return (f"the inputs' storage offsets {storage_offsets(inputs)}, traced with {entry.offsets} (the program "
+                    "reads them, or updates inputs that share memory)")
+        if entry.storage is not None:
+            now = storage_groups(inputs)
+            return (f"the inputs sharing memory changed: {sharing(now, names)} (traced with "
+                    f"{sharing(entry.storage, names)})")
+        return "unknown"

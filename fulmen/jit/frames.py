@@ -1,0 +1,142 @@
+"""The frame tap of the observer: `sys.settrace` over the frames of the program's code while it is acquired.
+
+Before each read site (reads.py) of an observed frame runs, the tap hands the site and the frame to the observer.
+Frames of fulmen, torch (but for `torch.nn.modules`, whose module classes read module state and the hook registries)
+and the standard library are not followed, nor imports the program triggers. While a symbol records its meta and
+decomposition (the bulk of an acquisition's Python calls, none of them the program's), tracing is off (`Quiet`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from fulmen.jit import reads
+
+
+class Reader(Protocol):
+    def read(self, site: reads.Read, frame: types.FrameType) -> None: ...
+
+
+_FULMEN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_TORCH_MODULES = os.path.join(_TORCH, "nn", "modules") + os.sep
+_PATHS = sysconfig.get_paths()
+_STDLIB = tuple({os.path.abspath(_PATHS[k]) + os.sep for k in ("stdlib", "platstdlib")})
+_PACKAGES = tuple({os.path.abspath(_PATHS[k]) + os.sep for k in ("purelib", "platlib")})
+
+
+def _observed_file(filename: str) -> bool:
+    if filename.startswith(_FULMEN):
+        return False
+    if filename.startswith(_TORCH):
+        return filename.startswith(_TORCH_MODULES)
+    return not filename.startswith(_STDLIB) or filename.startswith(_PACKAGES)
+
+
+def observed(code: types.CodeType, namespace: dict) -> bool:
+    """Whether the observer follows frames of `code`: the program's own code, not fulmen's, torch's (but for its
+    module classes) or the standard library's. Generated code (`<string>`, e.g. a dataclass's `__init__`) counts as
+    the code of the module whose globals it runs in."""
+    filename = code.co_filename
+    if filename.startswith("<"):
+        if filename.startswith(("<frozen", "<fulmen")):
+            return False
+        module = sys.modules.get(namespace.get("__name__", ""))
+        filename = (module.__dict__.get("__file__") if isinstance(module, types.ModuleType) else None) or ""
+        return not filename or _observed_file(os.path.abspath(filename))
+    return _observed_file(filename)
+
+
+_SITES: dict[int, tuple[types.CodeType, dict[int, reads.Read] | None]] = {}  # keeps each code alive: ids stay unique
+
+
+def _sites_of(frame: types.FrameType) -> dict[int, reads.Read] | None:
+    code = frame.f_code
+    known = _SITES.get(id(code))
+    if known is None:
+        known = (code, reads.read_sites(code) if observed(code, frame.f_globals) else None)
+        _SITES[id(code)] = known
+    return known[1]
+
+
+class Quiet:
+    __slots__ = ("tracer",)
+
+    def __init__(self, tracer: Callable[..., Any]) -> None:
+        self.tracer = tracer
+
+    def __enter__(self) -> None:
+        sys.settrace(None)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(self.tracer)
+
+
+class FrameTap:
+    """The `sys.settrace` function of one acquisition; chains a tracer that was already set (a debugger).
+
+    Imports the program triggers (a lazily imported module, with the import system's finders) are not followed:
+    what they run defines state rather than reading it for the trace."""
+
+    def __init__(self, observer: Reader, previous: Callable[..., Any] | None) -> None:
+        self.observer = observer
+        self.previous = previous
+        self.importing = 0  # module bodies running now
+
+    def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        local = self.previous(frame, event, arg) if self.previous is not None else None
+        code = frame.f_code
+        if code.co_name == "<module>" or code.co_filename.startswith("<frozen importlib"):
+            self.importing += 1
+            return _ImportTap(self, local).event
+        if self.importing:
+            return local
+        sites = _sites_of(frame)
+        if not sites:
+            return local
+        tap = _LocalTap(self.observer, sites, local).event
+        frame.f_trace = tap  # before f_trace_opcodes: Python 3.13 only instruments a frame that has a tracer
+        frame.f_trace_opcodes = True
+        if local is None:
+            frame.f_trace_lines = False
+        return tap
+
+
+class _ImportTap:
+    __slots__ = ("tap", "previous")
+
+    def __init__(self, tap: FrameTap, previous: Callable[..., Any] | None) -> None:
+        self.tap = tap
+        self.previous = previous
+
+    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        if event == "return":
+            self.tap.importing -= 1
+        if self.previous is not None:
+            self.previous = self.previous(frame, event, arg)
+        return self.event
+
+
+class _LocalTap:
+    __slots__ = ("observer", "sites", "previous")
+
+    def __init__(self, observer: Reader, sites: dict[int, reads.Read], previous: Callable[..., Any] | None):
+        self.observer = observer
+        self.sites = sites
+        self.previous = previous
+
+    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        if event == "opcode":
+            site = self.sites.get(frame.f_lasti)
+            if site is not None:
+                self.observer.read(site, frame)
+        elif self.previous is not None:
+            self.previous = self.previous(frame, event, arg)
+        return self.event

@@ -1,0 +1,131 @@
+"""Static attribute lookup: the value Python would find for `obj.name`, found without running the program's code.
+
+The observer names what a read site reads (reads.py) by evaluating its source in the running frame; it must not run
+descriptors, `__getattr__` or `__repr__` of the program (they would run twice, or import modules mid-trace), so
+properties and dynamic attributes are left to the observer of the code that computes them.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulmen.jit import reads
+from fulmen.jit.values import MISSING
+
+IMMUTABLE = (int, float, bool, str, bytes, complex, tuple, frozenset, range, slice, torch.device, torch.dtype,
+              torch.Size, type(None))
+
+
+def class_lookup(cls: type, name: str) -> tuple[int, Any] | None:
+    for index, klass in enumerate(cls.__mro__):
+        namespace = klass.__dict__
+        if name in namespace:
+            return index, namespace[name]
+    return None
+
+
+def is_data_descriptor(raw: Any) -> bool:
+    kind = type(raw)
+    return class_lookup(kind, "__set__") is not None or class_lookup(kind, "__delete__") is not None
+
+
+def is_descriptor(raw: Any) -> bool:
+    return class_lookup(type(raw), "__get__") is not None
+
+
+def instance_dict(obj: Any) -> dict | None:
+    """`obj.__dict__` found without running the program's code (no `__getattr__`)."""
+    found = class_lookup(type(obj), "__dict__")
+    if found is None or type(found[1]) is not types.GetSetDescriptorType:
+        return None
+    state = found[1].__get__(obj, type(obj))
+    return state if type(state) is dict else None
+
+
+def slot_value(descriptor: Any, obj: Any) -> Any:
+    try:
+        return descriptor.__get__(obj, type(obj))
+    except AttributeError:  # an empty slot
+        return MISSING
+
+
+def cell_value(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return MISSING
+
+
+MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+
+
+def attribute_value(obj: Any, name: str) -> Any:
+    """`getattr(obj, name)` where it needs no code of the program to run (else MISSING)."""
+    kind = type(obj)
+    if issubclass(kind, types.ModuleType):
+        return obj.__dict__.get(name, MISSING)
+    if issubclass(kind, type):
+        found = class_lookup(obj, name)
+        if found is None:
+            return MISSING
+        raw = found[1]
+        if type(raw) in (classmethod, staticmethod):
+            return raw.__get__(None, obj)
+        return raw if type(raw) is types.FunctionType or not is_descriptor(raw) else MISSING
+    found = class_lookup(type(obj), name)
+    if found is not None and is_data_descriptor(found[1]):
+        return slot_value(found[1], obj) if type(found[1]) is types.MemberDescriptorType else MISSING
+    state = instance_dict(obj)
+    if state is not None and name in state:
+        return state[name]
+    if found is not None:
+        raw = found[1]
+        return raw.__get__(obj, type(obj)) if type(raw) is types.FunctionType else (
+            raw if not is_descriptor(raw) else MISSING)
+    if issubclass(type(obj), nn.Module) and state is not None:
+        for slot in MODULE_SLOTS:
+            if name in state.get(slot, ()):
+                return state[slot][name]
+    return MISSING
+
+
+def evaluate(source: reads.Source, frame: types.FrameType) -> Any:
+    kind = type(source)
+    if kind is reads.Local or kind is reads.Cell:
+        return frame.f_locals.get(source.name, MISSING)
+    if kind is reads.Global:
+        value = frame.f_globals.get(source.name, MISSING)
+        return frame.f_builtins.get(source.name, MISSING) if value is MISSING else value
+    if kind is reads.Const:
+        return source.value
+    base = evaluate(source.base, frame)
+    if base is MISSING:
+        return MISSING
+    if kind is reads.Attr:
+        return attribute_value(base, source.name)
+    key = source.key.value
+    if type(base) is dict:
+        return base.get(key, MISSING)
+    if type(base) in (list, tuple) and type(key) is int and -len(base) <= key < len(base):
+        return base[key]
+    return MISSING
+
+
+def owner_name(obj: Any) -> str:
+    if issubclass(type(obj), types.ModuleType):
+        return f"module {obj.__name__}"
+    if issubclass(type(obj), type):
+        return f"class {obj.__qualname__}"
+    return f"{type(obj).__qualname__} object"
+
+
+
+
+def is_shadow(obj: Any) -> bool:
+    """A shadow module of overrides.py (its reads are reported by the module tap)."""
+    state = instance_dict(obj)
+    return state is not None and "_fulmen_original" in state

@@ -1,0 +1,318 @@
+"""The observer of the acquired Python: what the traced program read, turned into guards.
+
+A trace is specialised on every Python value the program read: globals, closure cells, attributes of objects
+(arguments, configs, classes) and of modules. The observer watches the acquisition through two taps that feed one
+set of guards:
+
+- the frame tap (`Observer.watching`, frames.py): while acquiring, `sys.settrace` follows every frame of the user's
+  code. Before each read site of a frame (reads.py) runs, the observer names the object read in that frame
+  (lookup.py, without running any of the program's code) and records a guard on it.
+- the module tap (`module_read`, `module_fallback`): the shadow modules of overrides.py report every attribute read
+  on them, and the guard is put on the user's module behind the shadow (its attributes, submodules, parameters and
+  buffers slots, hooks, and the class attributes it resolves, methods included).
+
+Objects created during the call need no guard (they are derived from what was read); a guard on one is harmless,
+since nothing changes it afterwards. Reads that only C code makes of objects the program cannot name (an attribute
+of a call's result) are not seen here; the functions the program calls are observed themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import types
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulmen.jit import reads
+from fulmen.jit.frames import FrameTap, Quiet
+from fulmen.jit.guards import Guard
+from fulmen.jit.lookup import (
+    IMMUTABLE,
+    MODULE_SLOTS,
+    cell_value,
+    class_lookup,
+    evaluate,
+    instance_dict,
+    is_data_descriptor,
+    is_shadow,
+    owner_name,
+    slot_value,
+)
+from fulmen.jit.values import MISSING, Emitter, describe, value_check
+
+# nn.Module's hook registries (`_forward_hooks`, ...): almost always empty, then checked together per module
+HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
+                             if "hook" in name and type(value) in (dict, OrderedDict))
+
+
+class Observer:
+    """Collects the guards of one acquisition."""
+
+    def __init__(self, functions: tuple[Callable[..., Any], ...] = ()) -> None:
+        self._guards: dict[tuple, Guard] = {}
+        self._unset: dict[int, _Unset] = {}  # id(an object's __dict__) -> what must stay unset in it
+        self._pinned: list[Any] = []
+        self._swapped: dict[tuple[int, str], Any] = {}  # (id(owner or its namespace), name) -> the original
+        self.active = False  # the program is running (module reads by fulmen itself are not the program's)
+        # While acquisition records a symbol (its meta, its decomposition: fulmen's and torch's code only), frames
+        # need not be followed: the interpreter enters this around that work (the bulk of the Python calls).
+        self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()
+        self._functions: dict[types.CodeType, list[types.FunctionType]] = {}
+        for fn in functions:
+            self._note_function(fn)
+
+    def guards(self) -> tuple[Guard, ...]:
+        return tuple(self._unset[key[1]].guard() if key[0] == "unset" else guard for key, guard in self._guards.items())
+
+    def _still_unset(self, state: dict, owner: str) -> _Unset:
+        """The check, one per object, that names stay out of its `__dict__` and hook registries stay empty."""
+        unset = self._unset.get(id(state))
+        if unset is None:
+            self._pinned.append(state)
+            unset = self._unset[id(state)] = _Unset(state, owner)
+            self._guards[("unset", id(state))] = Guard("", "", {})  # its place among the guards
+        return unset
+
+    # --- recording ---------------------------------------------------------------------------------------------------
+    def _add(self, key: tuple, what: str, expr: Callable[[Emitter], str], value: Any) -> None:
+        if key in self._guards:
+            return
+        emit = Emitter()
+        check = value_check(expr(emit), value, emit)
+        if check is not None:
+            self._guards[key] = Guard(what, check, emit.bindings, describe(value))
+        self._note_function(value)
+
+    def _add_raw(self, key: tuple, what: str, source: Callable[[Emitter], str]) -> None:
+        if key not in self._guards:
+            emit = Emitter()
+            self._guards[key] = Guard(what, source(emit), emit.bindings)
+
+    def _note_function(self, value: Any) -> None:
+        fn = value.__func__ if type(value) is types.MethodType else value
+        if type(fn) is types.FunctionType and fn.__closure__:
+            known = self._functions.setdefault(fn.__code__, [])
+            if fn not in known:
+                known.append(fn)
+
+    def dict_entry(self, namespace: Any, name: str, what: str, owner: Any = None) -> None:
+        """`namespace[name]` (a dict, or a class's mapping proxy with its class as `owner`) keeps its value, or stays
+        absent."""
+        owner = namespace if owner is None else owner
+        self._pinned.append(owner)  # the keys below use ids: the objects stay alive while this observer does
+        if name in namespace:
+            value = self._swapped.get((id(owner), name), MISSING)
+            value = namespace[name] if value is MISSING else value
+            self._add(("dict", id(owner), name), what, lambda e: f"{e.bind(namespace)}[{name!r}]", value)
+        else:
+            self._add_raw(("dict", id(owner), name), f"{what} (absent)",
+                          lambda e: f"{name!r} not in {e.bind(namespace)}")
+
+    def class_attribute(self, cls: type, name: str, what: str, instance: dict | None = None) -> None:
+        """`name` resolves on `cls` (and not in `instance`, the object's own dict) to what it resolves to now."""
+        found = class_lookup(cls, name)
+        index, raw = found if found is not None else (len(cls.__mro__), MISSING)
+        if instance is not None:
+            self._still_unset(instance, what.rsplit(" of ", 1)[-1]).absent.add(name)
+        self._pinned.append(cls)
+        for klass in cls.__mro__[:index]:
+            self._add_raw(("absent", id(klass), name), f"{what} (not defined by {klass.__qualname__})",
+                          lambda e, k=klass: f"{name!r} not in {e.bind(k.__dict__)}")
+        if found is not None:
+            definer = cls.__mro__[index]
+            self.dict_entry(definer.__dict__, name, what, owner=definer)
+
+    # --- the frame tap -----------------------------------------------------------------------------------------------
+    def read_global(self, frame: types.FrameType, name: str) -> None:
+        namespace = frame.f_globals
+        module = namespace.get("__name__", "?")
+        self.dict_entry(namespace, name, f"global {name} of module {module}")
+        if name not in namespace:
+            self.dict_entry(frame.f_builtins, name, f"builtin {name}")
+
+    def read_cell(self, frame: types.FrameType, name: str) -> None:
+        code = frame.f_code
+        value = frame.f_locals.get(name, MISSING)
+        index = code.co_freevars.index(name)
+        functions = self._closures_reading(code, index, value)
+        for fn in functions:
+            cell = fn.__closure__[index]
+            self._add(("cell", id(cell)), f"closure variable {name} of {fn.__qualname__}",
+                      lambda e, c=cell: f"{e.bind(cell_value)}({e.bind(c)})", value)
+
+    def _closures_reading(self, code: types.CodeType, index: int, value: Any) -> list[types.FunctionType]:
+        def matching() -> list[types.FunctionType]:
+            return [fn for fn in self._functions.get(code, ()) if cell_value(fn.__closure__[index]) is value]
+
+        found = matching()
+        if not found:  # a function we have not seen read: find it among the functions of this code
+            for referrer in gc.get_referrers(code):
+                if type(referrer) is types.FunctionType and referrer.__code__ is code:
+                    self._note_function(referrer)
+            found = matching()
+        return found
+
+    def read_attribute(self, obj: Any, name: str) -> None:
+        cls = type(obj)
+        if (name.startswith("__") and name.endswith("__")) or issubclass(cls, (torch.Tensor, *IMMUTABLE)) \
+                or is_shadow(obj):
+            return  # tensors: trace inputs; immutable values: guarded where read; shadows: the module tap
+        what = f"attribute {name} of {owner_name(obj)}"
+        if issubclass(cls, types.ModuleType):
+            self.dict_entry(obj.__dict__, name, what)
+            return
+        if issubclass(cls, type):
+            self.class_attribute(obj, name, what)
+            return
+        found = class_lookup(cls, name)
+        state = instance_dict(obj)
+        if found is not None and is_data_descriptor(found[1]):
+            if type(found[1]) is types.MemberDescriptorType:
+                self._add(("slot", id(obj), name), what,
+                          lambda e: f"{e.bind(slot_value)}({e.bind(found[1])}, {e.bind(obj)})",
+                          slot_value(found[1], obj))
+            else:  # a property: its getter is observed when it runs
+                self.class_attribute(cls, name, what)
+        elif state is not None and name in state:
+            if issubclass(cls, nn.Module) and name in MODULE_SLOTS:
+                self._module_slot(obj, name, None)
+            elif issubclass(cls, nn.Module) and _empty_hooks(name, state[name]):
+                self._still_unset(state, f"{cls.__qualname__} module").empty.add(name)
+            else:
+                self.dict_entry(state, name, what)
+        elif issubclass(cls, nn.Module) and found is None and self.module_fallback(obj, name):
+            pass
+        else:  # a class attribute, or none at all (`getattr(obj, name, default)`, `hasattr`)
+            self.class_attribute(cls, name, what, state)
+
+    def read(self, site: reads.Read, frame: types.FrameType) -> None:
+        kind = type(site)
+        if kind is reads.GlobalRead:
+            self.read_global(frame, site.name)
+        elif kind is reads.CellRead:
+            self.read_cell(frame, site.name)
+        elif kind is reads.AttrRead:
+            receiver = evaluate(site.receiver, frame)
+            if receiver is not MISSING:
+                self.read_attribute(receiver, site.name)
+        elif (function := evaluate(site.function, frame)) is getattr or function is hasattr:
+            receiver, name = evaluate(site.receiver, frame), evaluate(site.name, frame)
+            if receiver is not MISSING and type(name) is str:
+                self.read_attribute(receiver, name)
+
+    @contextlib.contextmanager
+    def watching(self, swapped: list[tuple[Any, str, Any]] = ()) -> Iterator[None]:
+        """Observes the frames of user code started inside the block (this thread only). `swapped`: the attributes
+        fulmen itself swaps while acquiring (lookasides, `replaces=`), as (owner, name, original): a later call finds
+        the original there, so that is what their guards expect."""
+        for owner, name, original in swapped:
+            self._swapped[id(owner), name] = original
+            if isinstance(owner, types.ModuleType):
+                self._swapped[id(owner.__dict__), name] = original
+            self._pinned.append(owner)
+        previous = sys.gettrace()
+        tracer = FrameTap(self, previous)
+        sys.settrace(tracer.call)
+        self.active = True
+        if previous is None:  # with a debugger attached, fulmen's internals stay visible to it
+            self.quiet = Quiet(tracer.call)
+        try:
+            yield
+        finally:
+            self.active = False
+            self.quiet = contextlib.nullcontext()
+            sys.settrace(previous)
+
+    # --- the module tap ----------------------------------------------------------------------------------------------
+    # Guards on a module start from its own `__dict__`, which lives as long as the module: `_modules`,
+    # `_parameters` and `_buffers` are looked up again on every check (ModuleList.__delitem__ replaces `_modules`).
+    def module_read(self, original: nn.Module, shadow_class: type, name: str, value: Any) -> None:
+        """The program read `name` on the shadow of `original` and got `value`."""
+        if not self.active or (name.startswith("__") and name.endswith("__")):
+            return
+        state = original.__dict__
+        what = f"attribute {name} of {type(original).__qualname__} module"
+        if name in state:
+            if name in MODULE_SLOTS:
+                self._module_slot(original, name, None)
+            elif _empty_hooks(name, value):
+                self._still_unset(state, f"{type(original).__qualname__} module").empty.add(name)
+            elif state[name] is value and not issubclass(type(value), torch.Tensor):
+                self.dict_entry(state, name, what)
+            return
+        if name not in shadow_class.__dict__:  # not one of the shadow's own hooks
+            self.class_attribute(type(original), name, what, state)
+
+    def module_fallback(self, module: nn.Module, name: str) -> bool:
+        """The program read `name` through `nn.Module.__getattr__` (a parameter, buffer or submodule)."""
+        if not self.active:
+            return False
+        state = module.__dict__
+        for slot in MODULE_SLOTS:
+            if name in state.get(slot, ()):
+                self._module_slot(module, slot, name)
+                return True
+        return False
+
+    def _module_slot(self, module: nn.Module, slot: str, name: str | None) -> None:
+        """Submodules are compared by identity. A parameter or buffer that is set is a trace input, fetched by name
+        on every call and checked by the cache key, so only one that is None needs a guard. `name` None: the whole
+        container (its names and their order, and which are set)."""
+        state = module.__dict__
+        self._pinned.append(state)
+        kind = type(module).__qualname__
+        what = f"{slot[1:]} of a {kind} module" if name is None else f"{slot[1:-1]} {name} of a {kind} module"
+        if name is not None:
+            value = state[slot][name]
+            if slot == "_modules" or value is None:
+                self._add(("slot", id(state), slot, name), what, lambda e: f"{e.bind(state)}[{slot!r}][{name!r}]",
+                          value)
+            return
+        summary = _children if slot == "_modules" else _tensor_slots
+        self._add_raw(("slot", id(state), slot, None), what,
+                      lambda e: f"{e.bind(summary)}({e.bind(state)}[{slot!r}]) == {e.bind(summary(state[slot]))}")
+
+
+def _empty_hooks(name: str, value: Any) -> bool:
+    return name in HOOK_REGISTRIES and type(value) in (dict, OrderedDict) and not value
+
+
+class _Unset:
+    """Names that must stay out of one object's `__dict__` (its class provides them: methods, class attributes) and
+    hook registries of a module that must stay empty: the most common guards, checked in one expression."""
+
+    def __init__(self, state: dict, owner: str) -> None:
+        self.state = state
+        self.owner = owner
+        self.absent: set[str] = set()
+        self.empty: set[str] = set()
+
+    def guard(self) -> Guard:
+        emit = Emitter()
+        bound = emit.bind(self.state)
+        terms = [f"{n!r} in {bound}" for n in sorted(self.absent)] + [f"{bound}[{n!r}]" for n in sorted(self.empty)]
+        return Guard(f"attributes and hooks of the {self.owner}", f"not ({' or '.join(terms)})", emit.bindings,
+                     explain=self.explain)
+
+    def explain(self) -> str:
+        now_set = sorted(n for n in self.absent if n in self.state)
+        filled = sorted(n for n in self.empty if self.state.get(n, True))
+        what = [f"{', '.join(now_set)} now set on the {self.owner} itself"] if now_set else []
+        what += [f"{', '.join(filled)} of the {self.owner} no longer empty (a hook was added)"] if filled else []
+        return "; ".join(what) or f"attributes and hooks of the {self.owner} changed"
+
+
+def _tensor_slots(container: dict) -> tuple:
+    return tuple((name, value is None) for name, value in container.items())
+
+
+def _children(container: dict) -> tuple:
+    return tuple(container.items())  # modules compare by identity
+
+

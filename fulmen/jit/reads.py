@@ -1,0 +1,180 @@
+"""Where a code object reads Python state that existed before the call: its read sites, found from the bytecode.
+
+A read site is an instruction offset plus how to name what it reads from the frame when it runs: a global (or
+builtin), a closure cell, or an attribute of an object the frame can name (a local, a global, a cell, an attribute
+or constant-key item of one of those, `getattr(obj, name)` with such arguments). The observer (observe.py) evaluates
+these names in the running frame just before the instruction executes, so it sees exactly the object the
+instruction reads.
+
+Naming comes from a small abstract stack per basic block: loads of locals, globals, cells and constants push a
+named value, attribute and subscript loads combine them, and any other instruction makes everything it leaves
+unnamed. Knowledge never crosses a jump target, so a name is only given where the bytecode itself proves it.
+Attribute reads off unnamed values (a call's result, say) are not read sites: the observer sees the reads the
+called function makes itself.
+"""
+
+from __future__ import annotations
+
+import dis
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Local:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Global:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Const:
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    base: Source
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    base: Source
+    key: Const
+
+
+Source = Local | Global | Cell | Const | Attr | Item
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalRead:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CellRead:
+    name: str  # a free variable of the code (its cell belongs to the function, and existed before the call)
+
+
+@dataclass(frozen=True, slots=True)
+class AttrRead:
+    receiver: Source
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetattrRead:
+    function: Global  # `getattr` or `hasattr`, checked to be the builtin when the call runs
+    receiver: Source
+    name: Source
+
+
+Read = GlobalRead | CellRead | AttrRead | GetattrRead
+
+_UNKNOWN = None
+_LOAD_LOCAL = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_BORROW"})
+_LOAD_LOCAL_PAIR = frozenset({"LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
+_LOAD_CELL = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
+_NO_STACK_EFFECT = frozenset({"NOP", "CACHE", "RESUME", "EXTENDED_ARG", "KW_NAMES", "COPY_FREE_VARS", "MAKE_CELL"})
+# The call instruction whose stack still holds the callable and its arguments (3.11 splits PRECALL/CALL).
+_CALL = "PRECALL" if "PRECALL" in dis.opmap else "CALL"
+_GETATTR_BUILTINS = frozenset({"getattr", "hasattr"})
+
+
+def _load_attr_pushes(instruction: dis.Instruction) -> int:
+    """How many values LOAD_ATTR / LOAD_METHOD push (a method load pushes the function and self, or NULL)."""
+    return 1 + dis.stack_effect(instruction.opcode, instruction.arg)
+
+
+class _Stack:
+    """The abstract value stack of one basic block; popping below what the block pushed gives unnamed values."""
+
+    def __init__(self) -> None:
+        self.items: list[Source | None] = []
+
+    def pop(self, n: int = 1) -> list[Source | None]:
+        taken = [self.items.pop() if self.items else _UNKNOWN for _ in range(n)]
+        return taken[::-1]
+
+    def peek(self, depth: int) -> Source | None:
+        return self.items[-depth] if len(self.items) >= depth else _UNKNOWN
+
+    def forget(self, effect: int) -> None:
+        self.items = [_UNKNOWN] * max(0, len(self.items) + effect)
+
+
+def read_sites(code: CodeType) -> dict[int, Read]:
+    """Instruction offset -> what the instruction there reads from state that may predate the call."""
+    sites: dict[int, Read] = {}
+    stack = _Stack()
+    freevars = frozenset(code.co_freevars) - {"__class__"}  # `__class__` is the defining class (zero-arg super)
+    for ins in dis.get_instructions(code):
+        op = ins.opname
+        if ins.is_jump_target or op == "PUSH_EXC_INFO":
+            stack = _Stack()
+        if op in _LOAD_LOCAL:
+            stack.items.append(Local(ins.argval))
+        elif op in _LOAD_LOCAL_PAIR:
+            stack.items.extend(Local(name) for name in ins.argval)
+        elif op in _LOAD_CELL:
+            stack.items.append(Cell(ins.argval))
+            if ins.argval in freevars:
+                sites[ins.offset] = CellRead(ins.argval)
+        elif op in ("LOAD_GLOBAL", "LOAD_NAME"):
+            pushes = dis.stack_effect(ins.opcode, ins.arg)
+            stack.items.extend([_UNKNOWN] * (pushes - 1))  # the NULL of a call (3.11, 3.12)
+            stack.items.append(Global(ins.argval))
+            sites[ins.offset] = GlobalRead(ins.argval)
+        elif op == "LOAD_CONST":
+            stack.items.append(Const(ins.argval))
+        elif op in ("LOAD_ATTR", "LOAD_METHOD"):
+            (receiver,) = stack.pop()
+            if receiver is not _UNKNOWN:
+                sites[ins.offset] = AttrRead(receiver, ins.argval)
+            pushes = _load_attr_pushes(ins)
+            if pushes == 1 and receiver is not _UNKNOWN:
+                stack.items.append(Attr(receiver, ins.argval))
+            else:
+                stack.items.extend([_UNKNOWN] * pushes)
+        elif op == "BINARY_SUBSCR":
+            container, key = stack.pop(2)
+            stack.items.append(Item(container, key) if container is not _UNKNOWN and isinstance(key, Const)
+                               else _UNKNOWN)
+        elif op == "COPY":
+            stack.items.append(stack.peek(ins.arg))
+        elif op == "POP_TOP":
+            stack.pop()
+        elif op == "PUSH_NULL":
+            stack.items.append(_UNKNOWN)
+        elif op in _NO_STACK_EFFECT:
+            pass
+        else:
+            if op == _CALL:
+                _note_getattr(ins, stack, sites)
+            stack.forget(dis.stack_effect(ins.opcode, ins.arg, jump=False) if ins.opcode >= dis.HAVE_ARGUMENT
+                         else dis.stack_effect(ins.opcode, jump=False))
+    return sites
+
+
+def _note_getattr(ins: dis.Instruction, stack: _Stack, sites: dict[int, Read]) -> None:
+    """`getattr(obj, name[, default])` / `hasattr(obj, name)` with a nameable object and name is a read site."""
+    nargs = ins.arg
+    if nargs not in (2, 3):
+        return
+    for depth in (nargs + 1, nargs + 2):  # the callable sits below or above the NULL, by Python version
+        function = stack.peek(depth)
+        if isinstance(function, Global) and function.name in _GETATTR_BUILTINS:
+            receiver, name = stack.peek(nargs), stack.peek(nargs - 1)
+            if receiver is not _UNKNOWN and name is not _UNKNOWN:
+                sites[ins.offset] = GetattrRead(function, receiver, name)
+            return

@@ -1,0 +1,359 @@
+"""No wrong cache hits: each case a new user met (issue 17) gives eager's result, by a retrace or a clear error."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fulmen
+
+
+def _misses(fn) -> int:
+    return fulmen.cache_misses(fn)
+
+
+# --- 1. layout ------------------------------------------------------------------------------------------------------
+def test_reshape_of_an_input_updated_in_place_follows_its_strides():
+    def f(x):
+        y = x.reshape(-1)
+        y.add_(1)  # a copy for a transposed x, x itself for a contiguous one
+        return x.sum()
+
+    fn = fulmen.jit(f)
+    assert fn(torch.zeros(4, 3).t()).item() == 0
+    x = torch.zeros(3, 4)
+    assert fn(x).item() == 12 and x.sum().item() == 12
+    assert _misses(fn) == 2
+    assert "strides" in fulmen.last_cache_miss_reasons(fn)[0]
+
+
+def test_contiguous_copy_never_overwrites_the_input():
+    def f(x):
+        y = x.contiguous()
+        y.mul_(0)
+        return y + 1
+
+    fn = fulmen.jit(f)
+    a = torch.ones(3, 4)
+    fn(a)
+    assert a.sum() == 0  # eager: contiguous() returned a itself
+    b = torch.ones(4, 3).t()
+    torch.testing.assert_close(fn(b), torch.ones(3, 4))
+    assert b.sum() == 12  # eager: contiguous() copied
+
+
+@pytest.mark.parametrize("program", [
+    pytest.param(lambda x: x * 2 if x.is_contiguous() else x * 3, id="is_contiguous"),
+    pytest.param(lambda x: x * x.stride(0), id="stride"),
+    pytest.param(lambda x: x + x.storage_offset(), id="storage_offset"),
+])
+def test_layout_reads_are_guarded(program):
+    fn = fulmen.jit(program)
+    base = torch.randn(6, 8)
+    for x in (base[:3, :4].contiguous(), base[:4, :3].t(), base[1:4, 1:5], base[:3, :4].contiguous()):
+        torch.testing.assert_close(fn(x), program(x))
+
+
+def test_storage_offset_matters_only_to_a_program_that_reads_it():
+    fn = fulmen.jit(lambda x: x * 2)
+    for chunk in torch.randn(4, 3).chunk(4):  # micro-batches: offsets 0, 3, 6, 9
+        torch.testing.assert_close(fn(chunk), chunk * 2)
+    assert _misses(fn) == 1
+    reads = fulmen.jit(lambda x: x + x.storage_offset())
+    for chunk in torch.zeros(4, 3).chunk(4):
+        torch.testing.assert_close(reads(chunk), chunk + chunk.storage_offset())
+    assert _misses(reads) == 4
+    assert "storage offsets" in fulmen.last_cache_miss_reasons(reads)[0]
+
+
+def test_flatten_follows_the_memory_format():
+    fn = fulmen.jit(lambda x: x.flatten(1))
+    x = torch.randn(2, 3, 4, 5)
+    channels_last = x.to(memory_format=torch.channels_last)
+    torch.testing.assert_close(fn(channels_last), channels_last.flatten(1))
+    torch.testing.assert_close(fn(x), x.flatten(1))
+    assert _misses(fn) == 2
+
+
+# --- 2. aliased inputs ----------------------------------------------------------------------------------------------
+def update_first(x, y):
+    x.add_(1)
+    return y * 2
+
+
+def test_the_same_tensor_twice_sees_its_update():
+    fn = fulmen.jit(update_first)
+    a = torch.zeros(2)
+    torch.testing.assert_close(fn(a, a), torch.full((2,), 2.0))  # the first call already
+    torch.testing.assert_close(a, torch.ones(2))
+    b, c = torch.zeros(2), torch.zeros(2)
+    torch.testing.assert_close(fn(b, c), torch.zeros(2))  # no aliasing: not the aliased trace
+    assert "sharing memory changed: no inputs (traced with x and y)" in fulmen.last_cache_miss_reasons(fn)[0]
+    torch.testing.assert_close(fn(a, a), torch.full((2,), 4.0))  # and back: a hit on the aliased trace
+    assert _misses(fn) == 2
+
+
+def test_overlapping_views_as_eager():
+    fn = fulmen.jit(update_first)
+    got, want = torch.arange(6.0), torch.arange(6.0)
+    torch.testing.assert_close(fn(got[0:3], got[1:4]), update_first(want[0:3], want[1:4]))
+    torch.testing.assert_close(got, want)
+    got, want = torch.arange(6.0), torch.arange(6.0)  # a trace made without aliasing is not reused with it
+    fn2 = fulmen.jit(update_first)
+    fn2(torch.zeros(3), torch.zeros(3))
+    torch.testing.assert_close(fn2(got[0:3], got[1:4]), update_first(want[0:3], want[1:4]))
+    torch.testing.assert_close(got, want)
+
+
+CAPTURED = torch.zeros(6)
+
+
+def test_a_captured_tensor_sees_an_update_made_through_an_argument_viewing_it():
+    def f(x):
+        x.add_(1)
+        return CAPTURED * 2
+
+    got = fulmen.jit(f)(CAPTURED[1:3])
+    torch.testing.assert_close(got, torch.tensor([0.0, 2.0, 2.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(CAPTURED, torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0, 0.0]))
+
+
+def test_aliased_update_with_grad_is_refused():
+    fn = fulmen.jit(update_first)
+    w = torch.zeros(4, requires_grad=True)
+    base = w * 1
+    with pytest.raises(fulmen.TraceError, match="share memory.*requires grad") as error:
+        fn(base[0:2], base[1:3])
+    assert error.value.location.line == "x.add_(1)"  # the update's line
+
+
+# --- 3. Python state the program reads ---------------------------------------------------------------------------
+SCALE = 1.0
+WEIGHT = torch.ones(2)
+
+
+def test_globals_are_guarded():
+    global SCALE, WEIGHT
+    fn = fulmen.jit(lambda x: x * SCALE + WEIGHT)
+    x = torch.ones(2)
+    try:
+        torch.testing.assert_close(fn(x), torch.full((2,), 2.0))
+        SCALE = 2.0
+        torch.testing.assert_close(fn(x), torch.full((2,), 3.0))
+        assert "global SCALE" in fulmen.last_cache_miss_reasons(fn)[0]
+        WEIGHT = torch.full((2,), 5.0)
+        torch.testing.assert_close(fn(x), torch.full((2,), 7.0))
+        assert "global WEIGHT" in fulmen.last_cache_miss_reasons(fn)[1]
+    finally:
+        SCALE, WEIGHT = 1.0, torch.ones(2)
+
+
+def test_closure_cells_and_the_lists_they_hold_are_guarded():
+    factor, weights = 2.0, [1.0]
+
+    def f(x):
+        return x * factor * weights[0]
+
+    fn = fulmen.jit(f)
+    x = torch.ones(2)
+    fn(x)
+    factor = 3.0
+    torch.testing.assert_close(fn(x), x * 3.0)
+    weights.append(7.0)
+    weights[0] = 5.0
+    torch.testing.assert_close(fn(x), x * 15.0)
+    assert "closure variable weights" in fulmen.last_cache_miss_reasons(fn)[1]
+
+
+TABLE = [float(i) for i in range(300)]  # past the size whose checks are generated item by item
+
+
+def test_large_containers_are_compared_whole():
+    fn = fulmen.jit(lambda x: x * TABLE[-1])
+    x = torch.ones(2)
+    fn(x)
+    TABLE[-1] = -0.0
+    try:
+        torch.testing.assert_close(fn(x), x * -0.0)
+        fn(x)
+        assert _misses(fn) == 2
+    finally:
+        TABLE[-1] = 299.0
+
+
+class Config:
+    shift = 0.0  # a class attribute
+
+    def __init__(self):
+        self.s = 1.0
+
+
+def test_attributes_of_arguments_and_classes_are_guarded():
+    fn = fulmen.jit(lambda x, cfg: x * cfg.s + cfg.shift + Config.shift)
+    cfg, x = Config(), torch.ones(2)
+    fn(x, cfg)
+    cfg.s = 2.0
+    torch.testing.assert_close(fn(x, cfg), x * 2.0)
+    Config.shift = 1.0
+    try:
+        torch.testing.assert_close(fn(x, cfg), x * 2.0 + 2.0)
+        assert "attribute shift" in fulmen.last_cache_miss_reasons(fn)[1]
+    finally:
+        Config.shift = 0.0
+
+
+# --- 4. module state ------------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.dims = (1,)
+        self.dtype = torch.float32
+        self.coeffs = {"a": 1.0}
+        self.extra = nn.ModuleList()
+
+    def forward(self, x):
+        y = self.act(self.lin(x)) * self.coeffs["a"]
+        for layer in self.extra:
+            y = layer(y)
+        return y.sum(self.dims).to(self.dtype)
+
+
+def _tuple(m):
+    m.dims = (0,)
+
+
+def _swap(m):
+    m.act = nn.Tanh()
+
+
+def _dtype(m):
+    m.dtype = torch.float64
+
+
+def _dict(m):
+    m.coeffs["a"] = 3.0
+
+
+def _append(m):
+    m.extra.append(nn.Linear(4, 4))
+
+
+def _hook(m):
+    m.register_forward_hook(lambda module, args, out: out * 10)
+
+
+def _pre_hook(m):
+    m.lin.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+
+
+@pytest.mark.parametrize("change", [_tuple, _swap, _dtype, _dict, _append, _hook, _pre_hook],
+                         ids=lambda c: c.__name__.strip("_"))
+def test_module_state_changes_retrace(change):
+    model = Block()
+    fn = fulmen.jit(model)
+    x = torch.randn(3, 4)
+    fn(x)
+    change(model)
+    twin = copy.deepcopy(model)  # deepcopy keeps hooks and the submodules' weights
+    torch.testing.assert_close(fn(x), twin(x))
+    assert _misses(fn) == 2
+
+
+def test_hooks_and_instance_overrides_are_named_in_the_miss_reasons():
+    model = Block()
+    fn = fulmen.jit(model)
+    x = torch.randn(3, 4)
+    fn(x)
+    handle = model.lin.register_forward_hook(lambda module, args, out: out * 10)
+    torch.testing.assert_close(fn(x), model(x))
+    assert "_forward_hooks of the Linear module no longer empty" in fulmen.last_cache_miss_reasons(fn)[0]
+    handle.remove()
+    original = model.forward
+    model.forward = lambda y: original(y) * 2  # patched on the instance, as wrappers of forward do
+    torch.testing.assert_close(fn(x), model(x))
+    assert "forward now set on the Block module itself" in fulmen.last_cache_miss_reasons(fn)[0]
+
+
+def test_module_list_delete():
+    model = Block()
+    model.extra.append(nn.Linear(4, 4))
+    fn = fulmen.jit(model)
+    x = torch.randn(3, 4)
+    fn(x)
+    del model.extra[0]
+    torch.testing.assert_close(fn(x), model(x))
+
+
+# --- 5. signed zeros and nan ----------------------------------------------------------------------------------------
+def test_signed_zero_and_nan_scalars():
+    fn = fulmen.jit(lambda x, a: x / a)
+    x = torch.ones(2)
+    torch.testing.assert_close(fn(x, 0.0), torch.full((2,), float("inf")))
+    torch.testing.assert_close(fn(x, -0.0), torch.full((2,), float("-inf")))
+    assert _misses(fn) == 2
+    for _ in range(3):
+        assert fn(x, float("nan")).isnan().all()
+    assert _misses(fn) == 3  # nan retraced once, then hit
+
+
+# --- 6. buffers updated once ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("grad", [True, False], ids=["train step", "no_grad"])
+def test_batch_norm_running_statistics_update_once(grad):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    twin = copy.deepcopy(model)
+    fn = fulmen.jit(model)
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        with torch.set_grad_enabled(grad):
+            for m in (fn, twin):
+                out = m(x)
+                if grad:
+                    out.square().sum().backward()
+    for got, want in zip(model.state_dict().values(), twin.state_dict().values()):
+        torch.testing.assert_close(got, want)
+    if grad:
+        torch.testing.assert_close(model[0].weight.grad, twin[0].weight.grad)
+
+
+# --- 7. a bounded cache ---------------------------------------------------------------------------------------------
+def test_cache_limit_warns_then_runs_eagerly():
+    fn = fulmen.jit(lambda x: x * 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(1, 51):
+            x = torch.randn(n)
+            torch.testing.assert_close(fn(x), x * 2)
+    core = fulmen.core(fn)
+    assert len(core._cache.entries) == 8 and core.stats.eager_calls == 42
+    limit_warnings = [w for w in caught if issubclass(w.category, fulmen.CacheLimitWarning)]
+    assert len(limit_warnings) == 1
+    assert "cache_limit=8" in str(limit_warnings[0].message) and "tensor argument x: shape (9,)" in str(
+        limit_warnings[0].message)
+    x = torch.randn(3)
+    torch.testing.assert_close(fn(x), x * 2)  # cached traces still hit
+    assert core.stats.eager_calls == 42
+
+
+def test_cache_limit_error():
+    fn = fulmen.jit(lambda x: x + 1, options=fulmen.JitOptions(cache_limit=2, cache_limit_action="error"))
+    fn(torch.ones(1))
+    fn(torch.ones(2))
+    with pytest.raises(fulmen.CacheLimitError, match="cache_limit=2.*shape"):
+        fn(torch.ones(3))
+
+
+@pytest.mark.parametrize("kwargs", [{"cache_limit": 0}, {"cache_limit": 2.0}, {"cache_limit_action": "ignore"}])
+def test_cache_options_are_validated(kwargs):
+    with pytest.raises(ValueError, match="JitOptions.cache_limit"):
+        fulmen.JitOptions(**kwargs)
+
+
+def test_cache_limit_action_accepts_the_enum():
+    assert fulmen.JitOptions(cache_limit_action=fulmen.CacheLimitAction.ERROR).cache_limit_action == "error"

@@ -1,0 +1,96 @@
+"""The observer of the acquired Python: read sites found in bytecode, reads that run none of the program's code."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+
+import fulmen
+from fulmen.jit import reads
+
+SCALE = 2.0
+
+
+RUNS = itertools.count()  # the program's own code counts its runs here (a counter whose state no guard reads)
+
+
+class Counting:
+    """An object with a property and a `__getattr__`: the program's code, which only the program may run."""
+
+    def __init__(self):
+        self.s = 3.0
+
+    @property
+    def doubled(self):
+        next(RUNS)
+        return self.s * 2
+
+    def __getattr__(self, name):
+        next(RUNS)
+        return 1.0
+
+
+def program(self, cfg, x):
+    y = x * SCALE + cfg.s + self.config.n + getattr(cfg, "t", 0.0)
+    return y + cfg.items[0]
+
+
+def test_read_sites_name_what_each_instruction_reads():
+    sites = set(reads.read_sites(program.__code__).values())
+    assert reads.GlobalRead("SCALE") in sites and reads.GlobalRead("getattr") in sites
+    assert reads.AttrRead(reads.Local("cfg"), "s") in sites
+    assert reads.AttrRead(reads.Attr(reads.Local("self"), "config"), "n") in sites
+    assert reads.GetattrRead(reads.Global("getattr"), reads.Local("cfg"), reads.Const("t")) in sites
+    assert reads.AttrRead(reads.Local("cfg"), "items") in sites
+    assert not any(isinstance(s, reads.AttrRead) and s.name == "shape" for s in sites)  # `(x * SCALE).shape`: unnamed
+
+
+def test_closure_reads_are_sites_only_for_free_variables():
+    k = 2.0
+
+    def inner(x):
+        own = x * 2
+
+        def nested():
+            return own
+
+        return nested() * k
+
+    sites = set(reads.read_sites(inner.__code__).values())
+    assert reads.CellRead("k") in sites and reads.CellRead("own") not in sites
+
+
+def test_observing_runs_no_code_of_the_program():
+    cfg = Counting()
+    fn = fulmen.jit(lambda x, c: x * c.doubled + c.missing)
+    x = torch.ones(2)
+    start = next(RUNS)
+    torch.testing.assert_close(fn(x, cfg), x * 6.0 + 1.0)
+    assert next(RUNS) == start + 3  # the property and __getattr__ ran once each, as in eager: the observer ran neither
+    fn(x, cfg)
+    assert fulmen.cache_misses(fn) == 1
+    cfg.s = 4.0  # what the property read is guarded
+    torch.testing.assert_close(fn(x, cfg), x * 8.0 + 1.0)
+
+
+def test_a_tracer_already_set_keeps_its_events():
+    seen = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_name == "scaled":
+            seen.append(event)
+        return tracer
+
+    def scaled(x):
+        return x * SCALE
+
+    fn = fulmen.jit(scaled)
+    sys.settrace(tracer)
+    try:
+        fn(torch.ones(2))
+    finally:
+        sys.settrace(None)
+    assert "call" in seen and "line" in seen and "return" in seen
+    assert any("global SCALE" in g.what for g in fulmen.core(fn).last_entry.guards)
