@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fulmen.core import pytree
+from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.distributed.specs import logical_meta
@@ -20,6 +21,8 @@ from fulmen.executors.base import Executor
 from fulmen.executors.passes import transform_for_execution
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.bridge import FulmenFunction, GradProgram
+from fulmen.jit.compiling import seen_as_compiling
+from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import global_state_key, tensor_key
 from fulmen.jit.lookasides import function_lookasides
 from fulmen.jit.overrides import AttributeGuard, ModuleInput, ShadowTree, build_shadow
@@ -102,6 +105,16 @@ def _finalize_backward(executors: tuple[Executor, ...], dist: DistributedProgram
     return traces
 
 
+def _refuse_stored_proxies(args: tuple, kwargs: dict[str, Any]) -> None:
+    """Objects the program was given must not keep traced tensors (eager would have stored real ones there)."""
+    where = pytree.find((args, kwargs), lambda obj: type(obj) is TensorProxy)
+    if where is not None:
+        raise TraceError(
+            f"the program stored a traced tensor into an object it was given (arguments{where}); fulmen cannot "
+            "update Python objects across calls. Create the object inside the program and return it, or leave it "
+            "out (e.g. use_cache=False for a Hugging Face KV cache).", None)
+
+
 class JittedFunction:
     """A callable that runs `fn` through its cached, compiled traces."""
 
@@ -178,8 +191,10 @@ class JittedFunction:
             )
             target = tree.root
             self._module_inputs = tree.inputs
-        with builder, interpreter, function_lookasides(builder), replacements(self.executors, interpreter):
+        with (builder, interpreter, function_lookasides(builder), replacements(self.executors, interpreter),
+              function_apply_recorded(interpreter), seen_as_compiling()):
             result = target(*proxy_args, **proxy_kwargs)
+        _refuse_stored_proxies(args, kwargs)
         with builder:
             entry_parts = self._outputs(result, proxies, tree, interpreter)
         trace_inputs = proxies + (tree.proxies if tree else []) + [p for _, p in interpreter.constants]
@@ -230,8 +245,11 @@ class JittedFunction:
     def _outputs(result: Any, proxies: list[TensorProxy], tree: ShadowTree | None, interpreter: Interpreter):
         functional = interpreter.functional
         leaves: list[torch.Tensor] = []
-        out_spec = pytree.flatten(result, leaves)
         out_objects: dict[int, Any] = {}
+        try:
+            out_spec = pytree.flatten(result, leaves, out_objects)
+        except TypeError as error:
+            raise TraceError(str(error), None) from None
         pytree.identity_objects(result, out_objects)
         input_index = {id(p): i for i, p in enumerate(proxies)}
         values, returns_input = [], []

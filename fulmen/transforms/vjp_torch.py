@@ -200,12 +200,15 @@ def sdpa_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if enable_gqa:
         kwargs["enable_gqa"] = True
     y = F.scaled_dot_product_attention(q, k, v, **kwargs)
-    # Attention is recomputed in the backward (as flash attention does), so only q, k, v are saved.
-    wrt = tuple(i for i, t in enumerate((q, k, v)) if _wants(t))
-    grads = torch_vjp(SYMBOLS["torch.nn.functional.scaled_dot_product_attention"], (q, k, v), kwargs, wrt,
-                      (get_grad(y),))
+    # Attention is recomputed in the backward (as flash attention does), so only q, k, v (and a mask) are saved.
+    # A float mask is added to the scores, so it has a grad too (T5 passes its learned position bias as the mask).
+    differentiable = (q, k, v) if not _wants(attn_mask) else (q, k, v, attn_mask)
+    wrt = tuple(i for i, t in enumerate(differentiable) if _wants(t))
+    del kwargs["attn_mask"]
+    fn = SYMBOLS["torch.nn.functional.scaled_dot_product_attention"]
+    grads = torch_vjp(fn, (q, k, v, attn_mask), kwargs, wrt, (get_grad(y),))
     for i, grad in zip(wrt, grads):
-        put_grad((q, k, v)[i], grad)
+        put_grad(differentiable[i], grad)
     return y
 
 
