@@ -42,7 +42,7 @@ METADATA: frozenset = frozenset(
         T.is_inference, T.dim_order,
         torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type, torch.can_cast,
         torch.promote_types, torch.is_grad_enabled, torch.get_default_dtype, torch.is_autocast_enabled,
-        torch.get_autocast_dtype, torch.is_inference_mode_enabled,
+        torch.get_autocast_dtype, torch.is_inference_mode_enabled, torch.device,
     }
 )
 

@@ -28,6 +28,8 @@ torch_symbol(torch.einsum)
 torch_symbol(torch.outer, aliases=(method("outer"), torch.ger))
 torch_symbol(torch.baddbmm, aliases=(method("baddbmm"),))
 torch_symbol(torch.addmm, aliases=(method("addmm"),))
+if hasattr(torch, "_grouped_mm"):  # one matmul per group of rows (mixture-of-experts layers)
+    torch_symbol(torch._grouped_mm, printed="torch._grouped_mm")
 
 
 def linear_decomposition(x, weight, bias=None) -> Any:
@@ -180,7 +182,7 @@ def embedding_decomposition(index, weight, padding_idx=None, max_norm=None, norm
 torch_symbol(F.embedding, decomposition=embedding_decomposition)
 torch_symbol(F.one_hot)
 torch_symbol(F.pad, decomposition=lambda x, pad, mode="constant", value=None: prims.pad(x, tuple(pad), value or 0.0)
-             if mode == "constant" else NotImplemented)
+             if mode == "constant" else NotImplemented, aliases=(torch._C._nn.pad,))  # what F.pad calls (Dynamo graphs)
 
 
 def nll_loss_decomposition(logp, target, weight=None, size_average=None, ignore_index=-100, reduce=None,

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fulmen.core.symbol import Symbol
+from fulmen.core.symbol import Symbol, Tag
 from fulmen.ops import prims
 from fulmen.ops.registry import method, torch_symbol
 from fulmen.ops.utils import canonical_dims, convert, keepdim_shape
@@ -93,6 +93,7 @@ torch_symbol(torch.topk, aliases=(method("topk"),))
 torch_symbol(torch.sort, aliases=(method("sort"),))
 torch_symbol(torch.argsort, aliases=(method("argsort"),))
 torch_symbol(torch.cumsum, aliases=(method("cumsum"),))
+torch_symbol(torch.histc, aliases=(method("histc"),), tags=Tag.NO_GRAD)  # counts: eager gives them no grad
 torch_symbol(torch.cumprod, aliases=(method("cumprod"),))
 torch_symbol(torch.cummax, aliases=(method("cummax"),))
 torch_symbol(torch.logcumsumexp, aliases=(method("logcumsumexp"),))
