@@ -13,7 +13,9 @@ gives the trace each fulmen piece ran last.
 
 from __future__ import annotations
 
+import copy
 import enum
+import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fulmen.core.errors import FulmenError
@@ -86,8 +89,31 @@ class FallbackPiece(nn.Module):
         if self._compiled is None:
             from torch._inductor import compile as inductor_compile  # heavy: only when a piece needs it
 
-            self._compiled = inductor_compile(self.module, list(args))
+            flat, spec = _flat_outputs(self.module)
+            compiled = inductor_compile(flat, list(args))
+            self._compiled = lambda *inputs: pytree.tree_unflatten(list(compiled(*inputs)), spec)
         return self._compiled(*args)
+
+
+def _flat_outputs(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, pytree.TreeSpec]:
+    """`module` returning a flat tuple of its outputs (what Inductor compiles), and how to rebuild them: outputs
+    that are tuples (a higher-order op's result) are taken apart with getitem."""
+    graph = copy.deepcopy(module.graph)
+    output = graph.output_node()
+
+    def expand(value: Any) -> Any:
+        example = value.meta.get("example_value") if isinstance(value, torch.fx.Node) else None
+        if not isinstance(example, (tuple, list)):
+            return value
+        with graph.inserting_before(output):
+            parts = [graph.call_function(operator.getitem, (value, i)) for i in range(len(example))]
+        for part, item in zip(parts, example):
+            part.meta["example_value"] = item
+        return type(example)(expand(part) for part in parts)
+
+    leaves, spec = pytree.tree_flatten(pytree.tree_map(expand, output.args[0]))
+    output.args = (tuple(leaves),)
+    return torch.fx.GraphModule(module, graph), spec
 
 
 class FulmenPiece(nn.Module):

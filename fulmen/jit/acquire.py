@@ -199,6 +199,8 @@ class Interpreter(TorchFunctionMode):
             return items if isinstance(obj, list) else tuple(items)
         if isinstance(obj, dict):
             return {key: self._values(value) for key, value in obj.items()}
+        if type(obj).__module__ == "numpy" and hasattr(obj, "item"):  # a NumPy scalar: the Python number it holds
+            return obj.item()
         return obj
 
     def _constant(self, tensor: torch.Tensor) -> TensorProxy:
@@ -268,6 +270,11 @@ class Interpreter(TorchFunctionMode):
     def _check_index(self, index: Any) -> None:
         items = index if isinstance(index, tuple) else (index,)
         for item in items:
+            if isinstance(item, slice) and any(isinstance(b, torch.Tensor) for b in (item.start, item.stop, item.step)):
+                raise DataDependentError(
+                    "fulmen cannot trace slicing with tensor bounds: the result's shape depends on tensor values",
+                    self.builder.source,
+                )
             if isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8):
                 raise DataDependentError(
                     "fulmen cannot trace indexing with a boolean mask: the result's shape depends on tensor "

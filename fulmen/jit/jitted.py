@@ -107,10 +107,13 @@ def _finalize_backward(executors: tuple[Executor, ...], dist: DistributedProgram
 
 def _refuse_stored_proxies(args: tuple, kwargs: dict[str, Any]) -> None:
     """Objects the program was given must not keep traced tensors (eager would have stored real ones there)."""
-    where = pytree.find((args, kwargs), lambda obj: type(obj) is TensorProxy)
-    if where is not None:
+    given = [(f"argument {i}", arg) for i, arg in enumerate(args)] + [(f"argument {k}", v) for k, v in kwargs.items()]
+    for name, value in given:
+        where = pytree.find(value, lambda obj: type(obj) is TensorProxy)
+        if where is None:
+            continue
         raise TraceError(
-            f"the program stored a traced tensor into an object it was given (arguments{where}); fulmen cannot "
+            f"the program stored a traced tensor into an object it was given ({name}: {where}); fulmen cannot "
             "update Python objects across calls. Create the object inside the program and return it, or leave it "
             "out (e.g. use_cache=False for a Hugging Face KV cache).", None)
 
