@@ -33,9 +33,15 @@ def _target_name(node: torch.fx.Node) -> str:
     return torch.overrides.resolve_name(node.target) or getattr(node.target, "__name__", str(node.target))
 
 
+# Higher-order ops fulmen acquires: Dynamo's form of a `torch.autograd.Function` call runs the Function it was made
+# from (its forward and backward graphs), which fulmen records as an autograd_function region.
+ACQUIRED_HIGHER_ORDER = frozenset({"autograd_function_apply"})
+
+
 def static_reason(node: torch.fx.Node) -> str | None:
     """Why fulmen refuses `node` without trying it, or None."""
-    if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+    if (node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+            and node.target.name() not in ACQUIRED_HIGHER_ORDER):
         return f"{node.target.name()} is a higher-order op (a nested graph); fulmen acquires plain torch calls"
     target = getattr(torch.Tensor, node.target, None) if node.op == "call_method" else node.target
     if node.op in ("call_function", "call_method") and target in DATA_DEPENDENT:

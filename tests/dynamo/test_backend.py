@@ -53,6 +53,23 @@ def test_graph_breaks_run_every_captured_graph_through_fulmen():
     assert "backward" in str(fulmen.last_backward_traces(backend)[0])
 
 
+def with_cond(x, w):
+    h = torch.relu(x @ w)
+    h = torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,))  # a higher-order op: a nested graph
+    return h.sum(0) + h.mean(0)
+
+
+@pytest.mark.parametrize("fallback", ["eager", "inductor"])
+def test_refused_nodes_are_split_out_and_run_by_the_fallback(fallback):
+    backend = fulmen.dynamo.backend(fallback=fallback)
+    _compare(with_cond, backend, torch.randn(4, 3), torch.randn(3, 5, requires_grad=True), calls=2)
+    (record,) = backend.graphs
+    kinds = [(piece.by_fulmen, bool(piece.reasons)) for piece in record.pieces]
+    assert kinds == [(True, False), (False, True), (True, False)]
+    assert "cond is a higher-order op" in backend.report()
+    assert f"{fallback:<8}" in backend.report()
+
+
 class Cube(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -62,23 +79,16 @@ class Cube(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        return 3 * x * x * g
+        return 3.5 * x * x * g  # not the true derivative: the Function's own backward must be what runs
 
 
-def with_function(x, w):
-    h = torch.relu(x @ w)
-    return Cube.apply(h).sum(0) + h.mean(0)
-
-
-@pytest.mark.parametrize("fallback", ["eager", "inductor"])
-def test_refused_nodes_are_split_out_and_run_by_the_fallback(fallback):
-    backend = fulmen.dynamo.backend(fallback=fallback)
-    _compare(with_function, backend, torch.randn(4, 3), torch.randn(3, 5, requires_grad=True), calls=2)
-    (record,) = backend.graphs
-    kinds = [(piece.by_fulmen, bool(piece.reasons)) for piece in record.pieces]
-    assert kinds == [(True, False), (False, True), (True, False)]
-    assert "autograd_function_apply is a higher-order op" in backend.report()
-    assert f"{fallback:<8}" in backend.report()
+def test_an_autograd_function_in_a_graph_runs_through_fulmen_with_its_backward():
+    backend = fulmen.dynamo.backend(fallback="eager")
+    _compare(lambda x, w: Cube.apply(torch.relu(x @ w)).sum(0), backend, torch.randn(4, 3),
+             torch.randn(3, 5, requires_grad=True))
+    (piece,) = backend.pieces
+    assert piece.by_fulmen
+    assert "3.5" in str(fulmen.last_backward_traces(backend)[0])
 
 
 def test_a_graph_fulmen_refuses_after_acquiring_it_falls_back_whole():
