@@ -206,6 +206,9 @@ class Interpreter(TorchFunctionMode):
     def _constant(self, tensor: torch.Tensor) -> TensorProxy:
         proxy = self._constant_ids.get(id(tensor))
         if proxy is None:
+            if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+                raise UnsupportedOpError("fulmen cannot trace torch.vmap and the other torch.func transforms (a "
+                                         "batched tensor reached it)", self.builder.source)
             proxy = self.builder.make_proxy(logical_meta(tensor), tensor.device, tensor.requires_grad,
                                             name=f"c{len(self.constants)}")
             self.constants.append((tensor, proxy))

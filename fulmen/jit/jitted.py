@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from fulmen.core import pytree
-from fulmen.core.errors import TraceError
+from fulmen.core.errors import DataDependentError, TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.distributed.specs import logical_meta
@@ -118,6 +119,17 @@ def _refuse_stored_proxies(args: tuple, kwargs: dict[str, Any]) -> None:
             "out (e.g. use_cache=False for a Hugging Face KV cache).", None)
 
 
+@dataclass(frozen=True, slots=True)
+class _Acquired:
+    """One run of the program on proxies: what recorded it, its inputs and what it returned."""
+
+    builder: TraceBuilder
+    interpreter: Interpreter
+    proxies: list[TensorProxy]
+    tree: ShadowTree | None
+    result: Any
+
+
 class JittedFunction:
     """A callable that runs `fn` through its cached, compiled traces."""
 
@@ -173,7 +185,8 @@ class JittedFunction:
         return pytree.unflatten(entry.out_spec, outputs, entry.out_objects)
 
     # --- compilation ---------------------------------------------------------------------------------------------
-    def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[CacheEntry, list]:
+    def _acquire(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor],
+                 compiling: bool) -> _Acquired:
         builder = TraceBuilder(decompose=self._options.decompose)
         interpreter = Interpreter(builder)
         hints = _arg_hints(self._module.forward if self._module is not None else self._fn, args, kwargs)
@@ -195,11 +208,21 @@ class JittedFunction:
             target = tree.root
             self._module_inputs = tree.inputs
         with (builder, interpreter, function_lookasides(builder), replacements(self.executors, interpreter),
-              function_apply_recorded(interpreter), seen_as_compiling()):
+              function_apply_recorded(interpreter), seen_as_compiling() if compiling else contextlib.nullcontext()):
             result = target(*proxy_args, **proxy_kwargs)
+        return _Acquired(builder, interpreter, proxies, tree, result)
+
+    def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[CacheEntry, list]:
+        try:
+            run = self._acquire(args, kwargs, tensors, compiling=False)
+        except DataDependentError:
+            # Eager's path reads a tensor value; libraries keep such reads out of the path they take under a tracer
+            # (Hugging Face's `if padding_mask.all()`), which computes the same values.
+            run = self._acquire(args, kwargs, tensors, compiling=True)
+        builder, interpreter, proxies, tree = run.builder, run.interpreter, run.proxies, run.tree
         _refuse_stored_proxies(args, kwargs)
         with builder:
-            entry_parts = self._outputs(result, proxies, tree, interpreter)
+            entry_parts = self._outputs(run.result, proxies, tree, interpreter)
         trace_inputs = proxies + (tree.proxies if tree else []) + [p for _, p in interpreter.constants]
         values, out_spec, out_objects, returns_input, rebinds = entry_parts
         acquired = Trace("computation", trace_inputs, builder.bound_symbols, tuple(values), "Acquisition (fulmen.jit)",

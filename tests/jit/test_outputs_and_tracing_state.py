@@ -1,5 +1,6 @@
 """What a jitted program returns and what it sees: objects holding tensors come back with real, fresh tensors on
-every call; objects it is given never keep traced tensors; it sees `torch.compiler.is_compiling()` while traced."""
+every call; objects it is given never keep traced tensors; where eager's path reads a tensor value, it is acquired
+again seeing `torch.compiler.is_compiling()`, the path libraries keep for tracers."""
 
 from __future__ import annotations
 
@@ -65,11 +66,23 @@ def test_objects_given_to_the_program_must_not_keep_traced_tensors():
         fulmen.jit(fill)(torch.randn(3), cache)
 
 
-def test_the_program_sees_compiling_while_traced_and_eager_does_not():
-    def fn(x):
-        return x * 2 if torch.compiler.is_compiling() else x
+def test_the_tracer_path_is_taken_only_where_eagers_path_reads_values():
+    def library(x):
+        if torch.compiler.is_compiling():  # what a library does under a tracer: no value read
+            return x * 2
+        return x * 2 if x.sum() > 0 else x * 2  # eager's path reads a value (same result either way)
 
     x = torch.randn(3)
-    torch.testing.assert_close(fulmen.jit(fn)(x), x * 2)
+    torch.testing.assert_close(fulmen.jit(library)(x), x * 2)
     assert not torch.compiler.is_compiling()
-    torch.testing.assert_close(fn(x), x)
+
+    def plain(x):
+        return x + 1 if torch.compiler.is_compiling() else x  # no value read: acquired as eager runs it
+
+    torch.testing.assert_close(fulmen.jit(plain)(x), x)
+
+    def reads_either_way(x):
+        return x if x.sum() > 0 else -x
+
+    with pytest.raises(fulmen.DataDependentError, match="__bool__"):
+        fulmen.jit(reads_either_way)(x)

@@ -27,6 +27,17 @@ _BY_NAME = {family.name: family for family in FAMILIES}
 JIT_REFUSED = {
     "afmoe": "routing reads tensor values (torch.unique_consecutive)",
     "aria_text": "experts slice tokens with tensor bounds (data-dependent shapes)",
+    "bamba": "branches on tensor values (`if ... torch.all(attention_mask == 1)`)",
+    "deepseek_v2": "complex tensors (torch.polar) are not supported",
+    "falcon": "builds its mask with torch.vmap (fulmen does not trace torch.func transforms)",
+    "falcon_h1": "branches on tensor values (`if ... torch.all(attention_mask == 1)`)",
+    "fsmt": "branches on tensor values (`if not padding_mask.any()`)",
+    "funnel": "torch.arange with tensor bounds reads tensor values",
+    "jamba": "branches on tensor values (`if ... torch.all(attention_mask == 1)`)",
+    "led": "reads tensor values (Tensor.item)",
+    "mamba2": "branches on tensor values (`if ... cache_position[0] > 0`)",
+    "prophetnet": "Tensor.fill_diagonal_ is not supported",
+    "qwen3_next": "branches on tensor values (`if ... torch.all(attention_mask == 1)`)",
     "fnet": "complex tensors (torch.fft.fftn) are not supported",
     "flaubert": "reads tensor values (Tensor.item)",
     "granitemoe": "routing reads tensor values (Tensor.tolist)",
@@ -67,12 +78,20 @@ def _summary(request):
 
 
 def _model(family: Family) -> torch.nn.Module:
-    why = why_not_built(family)
+    """The family's tiny model, or a skip saying why it is left out: not a text family, too big, or transformers
+    itself fails to build or train it at the tiny sizes."""
+    try:
+        why = why_not_built(family)
+        model = build(family) if why is None else None
+        if model is not None:
+            model(**batch(padded=True)).loss.backward()
+    except Exception as error:  # noqa: BLE001 - transformers' own failure at these sizes, reported as the reason
+        why = f"transformers fails at the tiny sizes: {type(error).__name__}: {str(error)[:200]}"
     if why is not None:
         RESULTS["not built"] += 1
         pytest.skip(why)
     RESULTS[f"built:{family.name}"] = 1
-    return build(family)
+    return model
 
 
 def _step(model: torch.nn.Module, run, inputs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
@@ -110,12 +129,12 @@ def _forward_and_loss(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
 def test_trains_through_jit(family):
     model = _model(family)
+    module_form = fulmen.jit(model)
     if family.name in JIT_REFUSED:
         with pytest.raises(fulmen.FulmenError):
-            fulmen.jit(model)(**batch(padded=True))
+            module_form(**batch(padded=True))
         RESULTS["jit refused"] += 1
         pytest.xfail(JIT_REFUSED[family.name])
-    module_form = fulmen.jit(model)
     for padded in (False, True):
         inputs = batch(padded)
         expected = _step(model, lambda i: model(**i), inputs)
