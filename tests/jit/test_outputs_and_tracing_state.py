@@ -86,3 +86,12 @@ def test_the_tracer_path_is_taken_only_where_eagers_path_reads_values():
 
     with pytest.raises(fulmen.DataDependentError, match="__bool__"):
         fulmen.jit(reads_either_way)(x)
+
+
+def test_both_ways_of_setting_the_flag_are_seen_and_restored():
+    from fulmen.jit import compiling
+
+    for session in (compiling.seen_as_compiling, compiling._session_flag):
+        with session():
+            assert torch.compiler.is_compiling()
+        assert not torch.compiler.is_compiling()

@@ -73,3 +73,19 @@ def test_histc_counts_without_grad_and_grouped_offsets():
     want = offsets(ids, x)
     torch.testing.assert_close(got[0], want[0])
     assert not fulmen.jit(lambda v: torch.histc(v, bins=3))(torch.randn(5, requires_grad=True)).requires_grad
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is newer than this torch")
+def test_grouped_mm_in_fp32_on_cpu_matches_eager():
+    rows, weight = torch.randn(8, 32, requires_grad=True), torch.randn(4, 32, 16, requires_grad=True)
+    offsets = torch.tensor([2, 3, 6, 8], dtype=torch.int32)
+
+    def experts(rows, weight):
+        return torch._grouped_mm(rows, weight, offs=offsets).square().sum()
+
+    experts(rows, weight).backward()
+    want = rows.grad.clone(), weight.grad.clone()
+    rows.grad = weight.grad = None
+    fulmen.jit(experts)(rows, weight).backward()
+    torch.testing.assert_close(rows.grad, want[0])
+    torch.testing.assert_close(weight.grad, want[1])
