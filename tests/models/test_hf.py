@@ -89,7 +89,7 @@ def _model(family: Family) -> torch.nn.Module:
         why = f"transformers fails at the tiny sizes: {type(error).__name__}: {str(error)[:200]}"
     if why is not None:
         RESULTS["not built"] += 1
-        pytest.skip(why)
+        pytest.skip(f"{family.name}: {why}")
     RESULTS[f"built:{family.name}"] = 1
     return model
 
