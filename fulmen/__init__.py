@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,27 +23,47 @@ from fulmen.examine import ExamineReport, examine
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import get_default_executors, get_executor
 from fulmen.executors.registry import resolve as resolve_executors
+from fulmen.jit.batching import vmap
+from fulmen.jit.functional import FunctionalTransform, grad, jvp, vjp
 from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule, core
-from fulmen.options import JitOptions
+from fulmen.jit.rewrite import rewrite
+from fulmen.options import JitOptions, OffloadOptions
 from fulmen.transforms.autodiff import get_grad, put_grad, put_grads, register_grad
+from fulmen.transforms.transform import GradTraces, Stage, TraceKind, Transform, TransformError
 
 __all__ = [
-    "CacheStats", "DataDependentError", "ExamineReport", "FulmenError", "JitOptions", "JittedFunction",
-    "JittedModule", "TensorProxy", "Trace", "TraceError", "UnsupportedOpError", "cache_hits", "cache_misses",
-    "examine", "extend", "get_default_executors", "get_executor", "get_grad", "jit", "last_backward_traces",
-    "last_traces", "put_grad", "put_grads", "register_grad", "torch",
+    "CacheStats", "DataDependentError", "ExamineReport", "FulmenError", "FunctionalTransform", "GradTraces",
+    "JitOptions", "JittedFunction", "JittedModule", "OffloadOptions", "Stage", "TensorProxy", "Trace", "TraceError",
+    "TraceKind", "Transform", "TransformError", "UnsupportedOpError", "cache_hits", "cache_misses", "examine",
+    "extend", "get_default_executors", "get_executor", "get_grad", "grad", "jit", "jvp", "last_backward_traces",
+    "last_traces", "put_grad", "put_grads", "register_grad", "rewrite", "torch", "vjp", "vmap",
 ]
 
 
 def jit(fn: Callable[..., Any] | nn.Module, executors: Sequence[Executor | str] | None = None,
-        options: JitOptions | None = None) -> JittedFunction | JittedModule:
+        options: JitOptions | None = None, *, transforms: Sequence[Transform] = (),
+        offload: OffloadOptions | None = None) -> JittedFunction | JittedModule:
     """Acquires `fn` (a function or an `nn.Module`) into traces on its first call and runs them after.
 
     `executors` is a priority list of executor objects or names (default: `get_default_executors()`); the torch
-    executor always comes last.
+    executor always comes last. `transforms` and `offload` set `JitOptions.transforms` and `JitOptions.offload`
+    (give them here or in `options`, not both): user trace transforms run at the pipeline's stages
+    (fulmen.jit.pipeline), and CPU offloading of the tensors saved for the backward.
     """
     options = options or JitOptions()
+    if isinstance(transforms, Transform):
+        raise TypeError("fulmen.jit: transforms must be a list of fulmen.Transform, e.g. transforms=[MyTransform()]")
+    if transforms:
+        if options.transforms:
+            raise ValueError("fulmen.jit: give transforms as an argument or in JitOptions.transforms, not both")
+        options = dataclasses.replace(options, transforms=tuple(transforms))
+    if offload is not None:
+        if options.offload is not None:
+            raise ValueError("fulmen.jit: give offload as an argument or in JitOptions.offload, not both")
+        options = dataclasses.replace(options, offload=offload)
     resolved = resolve_executors(executors)
+    if isinstance(fn, FunctionalTransform):  # fulmen.grad(f) / vmap(f): jitted with these executors and options
+        return JittedFunction(fn.inline, options, executors=resolved)
     if isinstance(fn, JittedModule | JittedFunction):
         return fn
     if isinstance(fn, nn.Module):

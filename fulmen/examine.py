@@ -14,6 +14,7 @@ from fulmen.core.trace import TraceBuilder
 from fulmen.jit.acquire import DATA_DEPENDENT, METADATA, Interpreter
 from fulmen.jit.jitted import core
 from fulmen.ops import lookup
+from fulmen.transforms.fused_loss import PROVENANCE as FUSED_LOSS
 from fulmen.transforms.remat import nbytes
 
 
@@ -28,14 +29,14 @@ class _Recorder(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-
-
 @dataclass
 class ExamineReport:
     ops: dict[str, tuple[int, bool]] = field(default_factory=dict)  # torch op -> (calls, supported)
     error: str | None = None  # why acquisition failed, if it did
     # What the forward saves for the backward: (name, type, bytes), when inputs required grad.
     saved: list[tuple[str, str, int]] = field(default_factory=list)
+    # Each cross-entropy: fused with the linear before it (fulmen.transforms.fused_loss) or why not.
+    fused_losses: list[str] = field(default_factory=list)
 
     @property
     def saved_bytes(self) -> int:
@@ -51,6 +52,7 @@ class ExamineReport:
             lines.append(f"{count:>6}  {'yes' if ok else 'NO':<9}  {name}")
         lines.append(f"{len(self.ops)} ops, {len(self.unsupported)} unsupported")
         lines.append(f"acquisition: {'ok' if self.error is None else self.error}")
+        lines.extend(f"linear + cross-entropy {note}" for note in self.fused_losses)
         if self.saved:
             lines.append(f"saved for backward: {len(self.saved)} tensors, {self.saved_bytes} bytes")
             lines.extend(f"  {name}: {kind} ({nbytes} bytes)" for name, kind, nbytes in self.saved)
@@ -86,7 +88,11 @@ def examine(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExamineReport:
     except TraceError as error:
         report.error = str(error)
         return report
-    program = core(jitted).last_entry.program
+    entry = core(jitted).last_entry
+    for trace in entry.traces:
+        if trace.provenance.startswith(f"{FUSED_LOSS}: "):
+            report.fused_losses = trace.provenance.removeprefix(f"{FUSED_LOSS}: ").split("; ")
+    program = entry.program
     if program is not None:
         report.saved = [(p.pname, p.type_string(), nbytes(p)) for p in program.plan.saved]
     return report

@@ -5,6 +5,9 @@
     my_gelu = ex.register_operator("my_gelu", like=lambda x: fulmen.TensorProxy(like=x), fn=gelu_kernel)
     ex.register_implementation(fulmen.torch.gelu, checker=..., execution_transform=..., grad_transform=...)
     jitted = fulmen.jit(model, executors=[ex, *fulmen.get_default_executors()])
+
+`fused_loss` holds fulmen's own symbols an executor may implement too: the chunked linear + cross-entropy
+(`fused_loss.LINEAR_CROSS_ENTROPY`, `LINEAR_CROSS_ENTROPY_FORWARD`, ...; fulmen.transforms.fused_loss).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from fulmen.executors.registry import (
 from fulmen.executors.sdpa import sdpa
 from fulmen.executors.torch_compile import TorchCompileExecutor, torchcompile
 from fulmen.executors.torch_eager import torch_executor
+from fulmen.ops import fused_loss
 
 __all__ = [
-    "Executor", "FusionExecutor", "Implementation", "OperatorExecutor", "TorchCompileExecutor", "get_all_executors",
-    "get_default_executors", "get_executor", "register_executor", "sdpa", "set_default_executors", "torch_executor",
-    "torchcompile",
+    "Executor", "FusionExecutor", "Implementation", "OperatorExecutor", "TorchCompileExecutor", "fused_loss",
+    "get_all_executors", "get_default_executors", "get_executor", "register_executor", "sdpa", "set_default_executors",
+    "torch_executor", "torchcompile",
 ]

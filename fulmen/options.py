@@ -2,7 +2,43 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from fulmen.transforms.transform import Transform
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadOptions:
+    """CPU offloading of the tensors the forward saves for the backward (`fulmen.transforms.offload`).
+
+    A saved tensor on a CUDA device is copied to pinned host memory on a side stream right after the forward
+    computes it, its device memory is freed after its last forward use, and it is copied back on the side stream
+    ahead of its first use in the backward. Results are unchanged; device memory at any point is at most what it
+    is without offloading. Tensors on the CPU are never offloaded (they are on the host already).
+
+    Attributes:
+        fraction: the share of the eligible saved bytes to offload, in (0, 1]. The tensors that stay saved the
+            longest (farthest apart last forward use and first backward use) go first.
+        min_bytes: saved tensors smaller than this stay on the device (the copies cost more than they free).
+        min_distance: saved tensors whose last forward use and first backward use are fewer than this many
+            trace operations apart stay on the device (their copies could not overlap with compute).
+        prefetch: how many offloaded tensors are being copied back ahead of their first use in the backward, at
+            most (each reload starts after the first backward use of the one `prefetch` places before it).
+    """
+
+    fraction: float = 1.0
+    min_bytes: int = 1 << 20
+    min_distance: int = 16
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, int | float) or not (
+                0 < self.fraction <= 1):
+            raise ValueError(f"OffloadOptions.fraction must be a number in (0, 1], got {self.fraction!r}")
+        for name in ("min_bytes", "min_distance", "prefetch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"OffloadOptions.{name} must be a non-negative int, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,12 +49,34 @@ class JitOptions:
         decompose: record each torch-level symbol's decomposition into prims as its subsymbols (the multi-level IR).
             Off makes acquisition faster when no transform needs the prim level.
         cse: merge identical calls in the final trace.
+        fuse_linear_cross_entropy: compute a cross-entropy of a linear's output (a language model's head and loss)
+            chunk by chunk of rows, so the full logits and their gradient never exist (fulmen.transforms.fused_loss).
+        cross_entropy_chunk_rows: rows (tokens) per chunk of the fused loss; None chooses from memory (each chunk's
+            logits at most 1/8 of the full logits and 256 MiB, but at least 1024 rows).
+        transforms: `fulmen.Transform`s run at the pipeline's stages, in this order (see fulmen.jit.pipeline).
+        offload: CPU offloading of the tensors saved for the backward (None: off).
     """
 
     decompose: bool = True
     cse: bool = True
+    fuse_linear_cross_entropy: bool = True
+    cross_entropy_chunk_rows: int | None = None
+    transforms: tuple[Transform, ...] = field(default=())
+    offload: OffloadOptions | None = None
 
     def __post_init__(self) -> None:
-        for name in ("decompose", "cse"):
+        for name in ("decompose", "cse", "fuse_linear_cross_entropy"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"JitOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        rows = self.cross_entropy_chunk_rows
+        if rows is not None and (type(rows) is not int or rows < 1):
+            raise ValueError(f"JitOptions.cross_entropy_chunk_rows must be a positive int or None, got {rows!r}")
+        if not isinstance(self.transforms, tuple | list):
+            raise TypeError(f"JitOptions.transforms must be a list of fulmen.Transform, got {self.transforms!r}")
+        for transform in self.transforms:
+            if not isinstance(transform, Transform):
+                raise TypeError(f"JitOptions.transforms holds {transform!r}, which is not a fulmen.Transform "
+                                "(subclass it and override the hooks of the stages you need)")
+        object.__setattr__(self, "transforms", tuple(self.transforms))
+        if self.offload is not None and not isinstance(self.offload, OffloadOptions):
+            raise TypeError(f"JitOptions.offload must be an OffloadOptions or None, got {self.offload!r}")

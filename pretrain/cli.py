@@ -4,37 +4,34 @@ pretraining with fulmen as the compiler.
 The arguments are those of `setup` below (jsonargparse: `--print_config` prints the full configuration, a YAML
 file sets any of them, dotted flags override single fields). Without any, it trains the embedded tiny default: a
 2-layer Llama-style model with a byte vocabulary on the corpus shipped with fulmen, on CPU when there is no GPU.
+
+As in LitGPT (and jsonargparse), a later argument overrides an earlier one; a `--config` file that would override
+a flag given before it is refused (put `--config` first). `--optimizer.lr 0.5`, `--optimizer.init_args.lr 0.5` and
+`--optimizer SGD --optimizer.momentum 0.9` change the optimizer; `--model_config.<key> <value>` changes one key of
+the model the run would otherwise train (the embedded tiny one, a `--model_name`, or a config file's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from jsonargparse import CLI
+import torch
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from litgpt.args import EvalArgs, TrainArgs
-from litgpt.config import Config
+from litgpt.config import Config, name_to_config
 from litgpt.data import DataModule
 
-from fulmen.distributed import FSDPBucketingStrategy, FSDPType
+from fulmen.pretrain.run import run
+from fulmen.pretrain.settings import TINY, FSDPArgs, Settings, make_config
 
-TINY = Config(name="fulmen-tiny", block_size=128, vocab_size=256, padded_vocab_size=256, n_layer=2, n_head=4,
-              n_embd=64, n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
-              norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=176)
-
-
-@dataclass
-class FSDPArgs:
-    """ThunderFSDPStrategy's options (strategy: fsdp)."""
-
-    sharding_strategy: Literal["ZERO2", "ZERO3"] = "ZERO3"
-    bucketing_strategy: Literal["NONE", "LAYER", "BLOCK"] = "BLOCK"
-    state_dict_type: Literal["full", "sharded"] = "full"
-
-    def __post_init__(self) -> None:  # the enums' own spellings are accepted too
-        self.sharding_strategy = FSDPType[str(self.sharding_strategy).upper()].name
-        self.bucketing_strategy = FSDPBucketingStrategy[str(self.bucketing_strategy).upper()].name
+OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
+DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-3, "weight_decay": 0.1,
+                                                                      "betas": [0.9, 0.95]}}
 
 
 def setup(
@@ -43,17 +40,18 @@ def setup(
     out_dir: Path = Path("out/pretrain/fulmen-tiny"),
     precision: Literal["bf16-true", "bf16-mixed", "32-true", "16-mixed"] | None = None,
     resume: bool | Literal["auto"] | Path = False,
+    allow_model_change: bool = False,
     data: DataModule | None = None,
     tokenizer_dir: Path | None = None,
     train: TrainArgs = TrainArgs(save_interval=100, log_interval=20, global_batch_size=16, micro_batch_size=8,
                                  max_steps=400, max_seq_length=128, lr_warmup_steps=20, max_norm=1.0, min_lr=1e-4),
     eval: EvalArgs = EvalArgs(interval=100, max_iters=10, initial_validation=False, final_validation=True),
-    optimizer: str | dict = {"class_path": "torch.optim.AdamW",
-                             "init_args": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+    optimizer: str | dict | OptimizerFactory = DEFAULT_OPTIMIZER,
     devices: int | str = "auto",
     num_nodes: int = 1,
     compiler: Literal["fulmen", "torch"] | None = "fulmen",
     executors: list[str] | None = None,
+    offload: float | None = None,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
@@ -67,30 +65,134 @@ def setup(
         out_dir: where checkpoints (`step-XXXXXXXX/`, `final/`), logs and the configuration go.
         precision: "bf16-true", "bf16-mixed", "32-true" or "16-mixed"; default bf16-true on a GPU with bf16,
             32-true on CPU.
-        resume: False, "auto" (the latest checkpoint in out_dir if there is one), True (it must exist) or a
-            checkpoint path.
+        resume: False, "auto" (the newest complete checkpoint in out_dir, if there is one), True (there must be
+            one) or a checkpoint path.
+        allow_model_change: resume even when the checkpoint's model_config.yaml differs from this run's model.
         data: a LitGPT data module; default: the corpus shipped with fulmen (`fulmen.pretrain.ShippedCorpus`).
         tokenizer_dir: a LitGPT checkpoint directory holding the tokenizer, for data modules that need one.
         train: LitGPT's training arguments (batch sizes, max_tokens or max_steps, warmup, min_lr, max_norm, ...).
         eval: LitGPT's evaluation arguments (interval, max_iters, initial/final validation).
-        optimizer: an optimizer name from torch.optim or {class_path, init_args}.
+        optimizer: a torch.optim class ({class_path, init_args}, or its name); from Python also a callable that
+            makes the optimizer from the parameters.
         devices: devices per node ("auto": every GPU, or 1 CPU process).
         num_nodes: nodes (launch the same command on each, or under torchrun / SLURM).
         compiler: "fulmen" jits forward_and_loss (the loss is in the trace), "torch" uses torch.compile, null eager.
         executors: fulmen's executor list, e.g. [sdpa, torchcompile, torch]; default fulmen's.
+        offload: the share of the activations saved for the backward that fulmen offloads to CPU memory (CUDA),
+            in (0, 1], the longest-lived first; null: none.
         strategy: "auto" (one device: none; several: ddp), "ddp" or "fsdp" (fulmen's Fabric strategies).
         fsdp: the FSDP strategy's options.
         logger_name: "csv" or "tensorboard".
         seed: seeds the weights and the data order.
     """
-    arguments = dict(locals())  # exactly the parameters above
-    from fulmen.pretrain.run import Settings, run  # run.py imports this module's defaults
+    return run(Settings(**locals()))  # exactly the parameters above
 
-    return run(Settings(**arguments))
+
+def make_parser() -> ArgumentParser:
+    parser = ArgumentParser(default_meta=False, allow_abbrev=False,  # a misspelt key is an error, not a guess
+                            description=(setup.__doc__ or "").splitlines()[0])
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file of these arguments")
+    parser.add_function_arguments(setup, as_positional=False, skip={"optimizer"})
+    # jsonargparse's subclass type: --optimizer.lr, --optimizer.init_args.lr and --optimizer SGD work and are typed
+    parser.add_argument("--optimizer", type=OptimizerFactory, default=DEFAULT_OPTIMIZER,
+                        help="a torch.optim class: its name or class_path, and init_args")
+    return parser
+
+
+def _quiet(argv: list[str]) -> list[str]:
+    """`argv` without `--print_config` (and its value), to parse it without printing and exiting."""
+    kept: list[str] = []
+    skip_value = False
+    for arg in argv:
+        if skip_value and not arg.startswith("-"):
+            skip_value = False
+            continue
+        skip_value = arg == "--print_config"
+        if not arg.startswith("--print_config"):
+            kept.append(arg)
+    return kept
+
+
+def _flags(argv: list[str]) -> list[tuple[str, int, int]]:
+    """(key, start, end) of every `--key value`, `--key=value` and `--key` (no value follows) in `argv`."""
+    found, index = [], 0
+    while index < len(argv):
+        arg = argv[index]
+        if not arg.startswith("--"):
+            index += 1
+            continue
+        valued = "=" not in arg and index + 1 < len(argv) and not argv[index + 1].startswith("--")
+        found.append((arg[2:].split("=", 1)[0], index, index + 1 + valued))
+        index += 1 + valued
+    return found
+
+
+def _differences(first: Namespace, second: Namespace) -> list[str]:
+    a, b = first.as_dict(), second.as_dict()
+
+    def walk(x: Any, y: Any, prefix: str) -> list[str]:
+        if isinstance(x, dict) and isinstance(y, dict):
+            return [d for key in sorted(set(x) | set(y), key=str)
+                    for d in walk(x.get(key), y.get(key), f"{prefix}.{key}" if prefix else str(key))]
+        return [] if x == y else [prefix]
+
+    return walk(a, b, "")
+
+
+def _check_config_order(parser: ArgumentParser, argv: list[str], parsed: Namespace) -> None:
+    """Refuses a `--config` that overrides a flag given before it (the later one wins, silently otherwise)."""
+    flags = _flags(argv)
+    configs = [(start, end) for key, start, end in flags if key == "config"]
+    if not configs or all(key == "config" for key, start, _ in flags if start < configs[-1][0]):
+        return
+    first = [arg for start, end in configs for arg in argv[start:end]]
+    rest = [arg for index, arg in enumerate(argv) if not any(start <= index < end for start, end in configs)]
+    clobbered = _differences(parsed, parser.parse_args(first + rest))
+    if clobbered:
+        raise ValueError(f"a --config file given after other flags overrides them: {', '.join(clobbered)}. The later "
+                         "argument wins (as in LitGPT), so those flags would be ignored: put --config first")
+
+
+def _model_base(parser: ArgumentParser, argv: list[str], parsed: Namespace) -> list[str]:
+    """`--model_config.<key>` flags without a whole model_config to change would change LitGPT's default `Config`
+    (16 layers, 4096 wide). They change the model the run would otherwise train: the named model, or the tiny one."""
+    dotted = [(start, end) for key, start, end in _flags(argv) if key.startswith("model_config.")]
+    if not dotted or parsed.model_config is None:
+        return argv
+    without = [arg for index, arg in enumerate(argv) if not any(start <= index < end for start, end in dotted)]
+    base = parser.parse_args(_quiet(without))
+    if base.model_config is not None or (base.model_name is not None and base.model_name not in name_to_config):
+        return argv  # a config file or a whole --model_config is there to change (or the name is unknown: refused)
+    model = Config.from_name(base.model_name) if base.model_name is not None else TINY
+    start = dotted[0][0]
+    whole = f"--model_config={json.dumps(dataclasses.asdict(model))}"
+    return [*argv[:start], whole, *argv[start:], "--model_name=null"]
+
+
+def resolve_arguments(parser: ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` checked for a `--config` that overrides earlier flags, with `--model_config.<key>` flags given the
+    model they change."""
+    if any(arg in ("-h", "--help") or arg.split("=")[0].endswith(".help") for arg in argv):
+        return argv
+    quiet = _quiet(argv)
+    parsed = parser.parse_args(quiet)
+    _check_config_order(parser, quiet, parsed)
+    return _model_base(parser, argv, parsed)
+
+
+def parse_and_run(argv: list[str]) -> dict:
+    """The command line `argv` run; returns what `setup` returns (losses, validation losses, a summary)."""
+    parser = make_parser()
+    parsed = parser.parse_args(resolve_arguments(parser, argv))
+    if parsed.model_config is not None:  # LitGPT's Config asserts: say which key is wrong before it does
+        make_config(parsed.model_config.as_dict())
+    arguments = parser.instantiate_classes(parsed).as_dict()
+    arguments.pop("config", None)
+    return setup(**arguments)
 
 
 def main(argv: list[str] | None = None) -> None:
-    CLI(setup, args=argv, as_positional=False, allow_abbrev=False)  # a misspelt key is an error, not a guess
+    parse_and_run(list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ class ShippedCorpus(DataModule):
         super().__init__()
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be between 0 and 1, got {self.val_fraction}")
+        if self.num_samples < 1:
+            raise ValueError(f"data.num_samples must be a positive integer, got {self.num_samples}")
 
     def connect(self, tokenizer: Tokenizer | None = None, batch_size: int = 1,
                 max_seq_length: int | None = None) -> None:

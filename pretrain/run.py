@@ -3,82 +3,34 @@ strategies, `forward_and_loss` jitted with the loss in the trace, the loop, its 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from litgpt.args import EvalArgs, TrainArgs
-from litgpt.config import Config, name_to_config
-from litgpt.data import DataModule
+from litgpt.config import Config
 from litgpt.model import GPT
 from litgpt.tokenizer import Tokenizer
-from litgpt.utils import CycleIterator, choose_logger, estimate_flops, instantiate_torch_optimizer, save_config
+from litgpt.utils import CycleIterator, choose_logger, estimate_flops
 from tqdm import tqdm
 
 import fulmen
-from fulmen.pretrain.cli import TINY, FSDPArgs
+from fulmen.distributed.manifest import CheckpointError
 from fulmen.pretrain.corpus import ShippedCorpus
 from fulmen.pretrain.flops import peak_flops
-from fulmen.strategies import ThunderDDPStrategy, ThunderFSDPStrategy
-
-CHECKPOINT_FILE = "lit_model.pth"  # LitGPT's name; a directory for sharded FSDP checkpoints
-
-
-@dataclass
-class Settings:
-    model_name: str | None
-    model_config: Config | None
-    out_dir: Path
-    precision: str | None
-    resume: bool | Literal["auto"] | Path
-    data: DataModule | None
-    tokenizer_dir: Path | None
-    train: TrainArgs
-    eval: EvalArgs
-    optimizer: str | dict
-    devices: int | str
-    num_nodes: int
-    compiler: str | None
-    executors: list[str] | None
-    strategy: str
-    fsdp: FSDPArgs
-    logger_name: str
-    seed: int
-
-    def __post_init__(self) -> None:
-        self.out_dir = Path(self.out_dir)
+from fulmen.pretrain.resume import CHECKPOINT_FILE, Resume, check_model, remove_partials, save_config
+from fulmen.pretrain.resume import plan as resume_plan
+from fulmen.pretrain.settings import Plan, Settings, check
+from fulmen.strategies import FulmenCheckpointIO, ThunderDDPStrategy, ThunderFSDPStrategy
 
 
 def forward_and_loss(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def model_config(settings: Settings) -> Config:
-    if settings.model_name is not None and settings.model_config is not None:
-        raise ValueError("model_name and model_config are mutually exclusive: give one")
-    if settings.model_name is None:
-        return settings.model_config or TINY
-    if settings.model_name not in name_to_config:
-        close = sorted(n for n in name_to_config if settings.model_name.lower()[:6] in n.lower())[:8]
-        raise ValueError(f"model_name {settings.model_name!r} is not a LitGPT config name"
-                         + (f"; close ones: {close}" if close else ""))
-    return Config.from_name(settings.model_name)
-
-
-def device_count(devices: int | str) -> int:
-    if devices == "auto":
-        return max(1, torch.cuda.device_count())
-    if isinstance(devices, str):
-        raise ValueError(f"devices must be a number or 'auto', got {devices!r}")
-    return devices
 
 
 def make_strategy(settings: Settings, world: int) -> Any:
@@ -87,10 +39,7 @@ def make_strategy(settings: Settings, world: int) -> Any:
         kind = "ddp" if world > 1 else "auto"
     if kind == "auto":
         return "auto"
-    if settings.compiler != "fulmen":
-        if kind == "fsdp":
-            raise ValueError(f"strategy fsdp is fulmen's ThunderFSDPStrategy and needs compiler: fulmen, got "
-                             f"compiler: {settings.compiler}")
+    if settings.compiler != "fulmen":  # (fsdp needs fulmen: settings.check refuses it)
         return "ddp"
     if kind == "ddp":
         return ThunderDDPStrategy(jit=False)
@@ -101,7 +50,8 @@ def make_strategy(settings: Settings, world: int) -> Any:
 
 def compile_loss(settings: Settings) -> Any:
     if settings.compiler == "fulmen":
-        return fulmen.jit(forward_and_loss, executors=settings.executors)
+        offload = None if settings.offload is None else fulmen.OffloadOptions(fraction=settings.offload)
+        return fulmen.jit(forward_and_loss, executors=settings.executors, offload=offload)
     if settings.compiler == "torch":
         return torch.compile(forward_and_loss)
     return forward_and_loss
@@ -109,60 +59,6 @@ def compile_loss(settings: Settings) -> Any:
 
 def default_precision() -> str:
     return "bf16-true" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
-
-
-def find_resume(settings: Settings) -> Path | None:
-    resume = settings.resume
-    if resume is False:
-        return None
-    if resume in (True, "auto"):
-        found = sorted(settings.out_dir.glob(f"step-*/{CHECKPOINT_FILE}"))
-        if not found and resume is True:
-            raise FileNotFoundError(f"resume: True, but {settings.out_dir} holds no step-*/{CHECKPOINT_FILE}; "
-                                    "use resume: auto to start fresh when there is none")
-        return found[-1] if found else None
-    path = Path(resume)
-    path = path / CHECKPOINT_FILE if (path / CHECKPOINT_FILE).exists() else path
-    if not path.exists():
-        raise FileNotFoundError(f"resume: no checkpoint at {resume}")
-    return path
-
-
-def check(settings: Settings, config: Config, world: int) -> tuple[int, int]:
-    """Everything that can be wrong with the settings, before anything is written. Returns (accumulation
-    iterations per step, sequence length)."""
-    train = settings.train
-    per_step = train.micro_batch_size * world
-    if train.global_batch_size % per_step:
-        raise ValueError(f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
-                         f"train.micro_batch_size ({train.micro_batch_size}) x {world} data-parallel ranks")
-    if (train.max_steps is None) == (train.max_tokens is None):
-        raise ValueError("give exactly one of train.max_steps and train.max_tokens")
-    limit = train.max_steps if train.max_steps is not None else train.max_tokens
-    if limit < 1:
-        raise ValueError(f"train.max_steps / train.max_tokens must be positive, got {limit}")
-    if settings.executors is not None and settings.compiler != "fulmen":
-        raise ValueError(f"executors are fulmen's and need compiler: fulmen, got compiler: {settings.compiler}")
-    if settings.executors is not None:
-        fulmen.resolve_executors(settings.executors)  # unknown names fail here
-    seq = train.max_seq_length or config.block_size
-    if seq > config.block_size:
-        raise ValueError(f"train.max_seq_length ({seq}) exceeds the model's block_size ({config.block_size})")
-    data = settings.data
-    if (data is None or isinstance(data, ShippedCorpus)) and settings.tokenizer_dir is None \
-            and config.padded_vocab_size < 256:
-        raise ValueError(f"the shipped corpus is read as bytes (256 token ids) without a tokenizer, but the model's "
-                         f"padded_vocab_size is {config.padded_vocab_size}: give tokenizer_dir or a larger vocab")
-    if data is not None and not isinstance(data, ShippedCorpus) and settings.tokenizer_dir is None:
-        raise ValueError(f"data: {type(data).__name__} needs a tokenizer: give tokenizer_dir (a LitGPT checkpoint "
-                         "directory with tokenizer files)")
-    if settings.logger_name == "tensorboard" and not any(importlib.util.find_spec(m) for m in ("tensorboard",
-                                                                                               "tensorboardX")):
-        raise ValueError("logger_name: tensorboard needs the tensorboard package (pip install tensorboard), or use "
-                         "logger_name: csv")
-    if settings.tokenizer_dir is not None and not Path(settings.tokenizer_dir).is_dir():
-        raise FileNotFoundError(f"tokenizer_dir: no directory at {settings.tokenizer_dir}")
-    return train.global_batch_size // per_step, seq
 
 
 def learning_rate(step: int, base: float, warmup: int, total: int, minimum: float) -> float:
@@ -185,24 +81,49 @@ def validate(fabric: L.Fabric, loss_fn: Any, model: torch.nn.Module, loader: Any
 
 
 def run(settings: Settings) -> dict[str, Any]:
-    config = model_config(settings)
-    world = device_count(settings.devices) * settings.num_nodes
-    accumulate, seq = check(settings, config, world)
-    resume_path = find_resume(settings)
+    plan = check(settings)
+    resume = resume_plan(settings, plan.config)
     settings.precision = precision = settings.precision or default_precision()
-    strategy = make_strategy(settings, world)
-    logger = choose_logger(settings.logger_name, settings.out_dir, name=f"pretrain-{config.name}",
-                           resume=resume_path is not None, log_interval=settings.train.log_interval)
-    fabric = L.Fabric(devices=settings.devices, num_nodes=settings.num_nodes, strategy=strategy, precision=precision,
-                      loggers=[logger])
+    logger = choose_logger(settings.logger_name, settings.out_dir, name=f"pretrain-{plan.config.name}",
+                           resume=bool(resume.candidates), log_interval=settings.train.log_interval)
+    fabric = L.Fabric(devices=settings.devices, num_nodes=settings.num_nodes, precision=precision, loggers=[logger],
+                      strategy=make_strategy(settings, plan.world), plugins=[FulmenCheckpointIO()])
     fabric.launch()
     fabric.seed_everything(settings.seed)
-    return fit(fabric, settings, config, accumulate, seq, resume_path)
+    if fabric.global_rank == 0 and (removed := remove_partials(settings.out_dir)):
+        fabric.print(f"removed what interrupted saves left: {', '.join(str(p) for p in removed)}")
+    for note in resume.notes:
+        fabric.print(note)
+    return fit(fabric, settings, plan, resume)
 
 
-def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, seq: int,
-        resume_path: Path | None) -> dict[str, Any]:
-    train = settings.train
+def load_newest(fabric: L.Fabric, state: dict[str, Any], resume: Resume, settings: Settings,
+                config: Config) -> Path | None:
+    """Loads the first of `resume.candidates` that matches its manifest into `state`; None when none does and the
+    run may start afresh (resume: auto)."""
+    errors = []
+    for index, path in enumerate(resume.candidates):
+        if index:  # the first one's model was compared before anything was written
+            for note in check_model(path, config, settings.allow_model_change):
+                fabric.print(note)
+        try:
+            fabric.load(path, state)  # checks the manifest's checksums before reading anything
+        except CheckpointError as error:
+            errors.append(str(error))
+            fabric.print(f"resume: skipping {path}: {error}")
+            continue
+        newest = " (the newest complete checkpoint)" if settings.resume is True or settings.resume == "auto" else ""
+        fabric.print(f"resume: from {path}{newest}, step {state['step_count']}")
+        return path
+    if resume.required:
+        raise CheckpointError("resume: no checkpoint could be loaded:\n  " + "\n  ".join(errors))
+    if resume.notes or errors:
+        fabric.print(f"resume: no complete checkpoint in {settings.out_dir}: starting from step 0")
+    return None
+
+
+def fit(fabric: L.Fabric, settings: Settings, plan: Plan, resume: Resume) -> dict[str, Any]:
+    train, config, accumulate, seq = settings.train, plan.config, plan.accumulate, plan.seq
     tokenizer = Tokenizer(settings.tokenizer_dir) if settings.tokenizer_dir is not None else None
     data = settings.data or ShippedCorpus(seed=settings.seed)
     data.connect(tokenizer=tokenizer, batch_size=train.micro_batch_size, max_seq_length=seq)
@@ -217,13 +138,11 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
         model.max_seq_length = seq
     flops = estimate_flops(model, training=True) * train.micro_batch_size  # per micro-batch, per device
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(instantiate_torch_optimizer(settings.optimizer, model.parameters()))
+    optimizer = fabric.setup_optimizers(plan.make_optimizer(model.parameters()))
     base_lr = optimizer.param_groups[0]["lr"]  # before a checkpoint's param groups (the lr of its step) load
     loss_fn = compile_loss(settings)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
-    if resume_path is not None:
-        fabric.print(f"resuming from {resume_path}")
-        fabric.load(resume_path, state)
+    load_newest(fabric, state, resume, settings, config)
 
     tokens_per_iter = train.micro_batch_size * seq * fabric.world_size
     max_steps = train.max_steps if train.max_steps is not None else max(1, train.max_tokens // (tokens_per_iter *
@@ -244,6 +163,9 @@ def fit(fabric: L.Fabric, settings: Settings, config: Config, accumulate: int, s
         torch.cuda.reset_peak_memory_stats(fabric.device)
     progress = tqdm(total=max_steps, initial=state["step_count"], desc="steps", unit="step", leave=False,
                     disable=fabric.global_rank != 0)
+    if settings.eval.initial_validation:
+        val_losses[state["step_count"]] = validate(fabric, loss_fn, model, val_loader, settings.eval.max_iters)
+        say(fabric, f"step {state['step_count']} | val_loss {val_losses[state['step_count']]:.4f}")
     while state["step_count"] < max_steps:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(state["step_count"], base_lr, warmup, max_steps, train.min_lr)

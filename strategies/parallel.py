@@ -38,6 +38,7 @@ import fulmen
 from fulmen.distributed import checkpoint, clip_grad_norm_, distributed_state, no_sync
 from fulmen.executors.base import Executor
 from fulmen.jit.jitted import JittedModule
+from fulmen.strategies.checkpoint_io import FulmenCheckpointIO
 
 
 class _NoBackwardSync(_BackwardSyncControl):
@@ -240,17 +241,37 @@ class FulmenParallelStrategy(ParallelStrategy):
         """torch's layout, the state of sharded parameters gathered (full) or as DTensors (sharded)."""
         return checkpoint.get_optimizer_state_dict(optimizer, self._state_dict_options)
 
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """FulmenCheckpointIO unless a plugin is given: files with manifests, checked on load."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = FulmenCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    def _plain_torch_io(self) -> bool:
+        """True when the CheckpointIO plugin only does `torch.save` / `torch.load`, so the strategy calls them
+        itself (streaming to the file, mapping it on load)."""
+        return type(self.checkpoint_io) in (TorchCheckpointIO, FulmenCheckpointIO)
+
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
-        """Full: one file written by rank 0 through the CheckpointIO plugin. Sharded: a directory (DCP), every rank
-        writing its rows. Either is written beside `path` and then swapped in (see fulmen.distributed.checkpoint).
-        Paths are on a local or shared filesystem."""
+        """Full: one file written by rank 0 (through a custom CheckpointIO plugin, when there is one). Sharded: a
+        directory (DCP), every rank writing its rows. Either is written beside `path`, fsync'd, renamed into place
+        and certified by a manifest written last (see fulmen.distributed.manifest). Paths are on a local or shared
+        filesystem."""
         collected = self._convert_stateful_objects_in_state(state, filter or {})
+        if storage_options is not None and (self.state_dict_type == "sharded" or self._plain_torch_io()):
+            writer = "torch.distributed.checkpoint" if self.state_dict_type == "sharded" else "torch.save"
+            raise TypeError(f"{type(self).__name__} writes {self.state_dict_type} checkpoints with {writer}, not a "
+                            "custom CheckpointIO plugin, so storage_options are not supported")
         if self.state_dict_type == "sharded":
-            if storage_options is not None:
-                raise TypeError(f"{type(self).__name__} writes sharded checkpoints with torch.distributed.checkpoint, "
-                                "not the CheckpointIO plugin, so storage_options are not supported")
             checkpoint.write_sharded(collected, path, self._group())
+        elif self._plain_torch_io():
+            checkpoint.write_full(collected, path, self._group())
         else:
 
             def write(obj: Any, where: Path) -> None:
@@ -259,7 +280,7 @@ class FulmenParallelStrategy(ParallelStrategy):
             checkpoint.write_full(collected, path, self._group(), write)
 
     def _read_full(self, path: Path, weights_only: bool | None) -> Any:
-        if type(self.checkpoint_io) is TorchCheckpointIO:  # every rank reads it: map it rather than copy it
+        if self._plain_torch_io():  # every rank reads it: map it rather than copy it
             return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
@@ -278,6 +299,7 @@ class FulmenParallelStrategy(ParallelStrategy):
         path = Path(path)
         if not path.exists():
             raise checkpoint.missing_checkpoint(path)
+        checkpoint.verify(path, self._group())  # every rank checks its share; CheckpointError on all of them
         sharded = checkpoint.is_sharded_checkpoint(path)
         if isinstance(state, nn.Module | Optimizer):  # fabric.load_raw
             if sharded:

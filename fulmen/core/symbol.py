@@ -32,6 +32,7 @@ IMPORTS: dict[str, str] = {
     "torch": "import torch",
     "prims": "from fulmen.ops import prims",
     "impls": "from fulmen.ops import impls",
+    "fused_loss": "from fulmen.ops import fused_loss",
     "operator": "import operator",
 }
 

@@ -17,7 +17,8 @@ from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import BoundSymbol, Builder, Symbol, Tag, iter_proxies, map_proxies, pop_builder, push_builder
 
 # Names a generated trace must not shadow.
-_RESERVED = frozenset({"torch", "prims", "impls", "operator", "math", "inf", "nan"}) | frozenset(dir(__builtins__))
+_RESERVED = (frozenset({"torch", "prims", "impls", "fused_loss", "operator", "math", "inf", "nan"})
+             | frozenset(dir(__builtins__)))
 
 
 class Namespace:
@@ -197,6 +198,17 @@ class TraceBuilder(Builder):
         produced = {name for bsym in parts for name in bsym.output_names()}
         for res, out in zip(results, outputs):
             if res.pname in produced:
+                _rename(parts, res.pname, out.pname)
                 res.pname = out.pname
             else:
                 parts.append(BoundSymbol(self.alias_symbol, (res,), {}, out, [], source))
+
+
+def _rename(bsyms: list[BoundSymbol], old: str, new: str) -> None:
+    """Renames `old` to `new` in the decompositions of `bsyms`, whose parts named a result as the call then did."""
+    for bsym in bsyms:
+        for sub in bsym.subsymbols:
+            for proxy in iter_proxies((sub.args, sub.kwargs, sub.output)):
+                if proxy.pname == old:
+                    proxy.pname = new
+        _rename(bsym.subsymbols, old, new)

@@ -9,19 +9,19 @@ torch's layout (state keyed by the parameter's position in the param groups), so
 the same training on one process would save: `torch.optim.Optimizer.load_state_dict` and `nn.Module` take it as is.
 
 A checkpoint is a file (full: `torch.save` of the state, from rank 0) or a directory (sharded: DCP's files for the
-tensors plus `meta.pt`, everything else), on a local or shared filesystem. Either is written next to `path` and
-swapped in when complete, so a crash mid-save never destroys the previous checkpoint: it is still at `path`, or at
-`<path>.old` if the crash came during the swap itself.
+tensors plus `meta.pt`, everything else), on a local or shared filesystem. Either is written beside `path`,
+fsync'd, renamed into place and certified by a manifest written last (`<path>.manifest.json`: sizes and CRC-32
+checksums, see fulmen.distributed.manifest), so a kill at any moment leaves a complete checkpoint or one that is
+refused; loading checks the manifest first (`CheckpointError`: nothing was read).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
+from fulmen.distributed import manifest
+from fulmen.distributed.manifest import CheckpointError as CheckpointError  # re-exported
+from fulmen.distributed.manifest import verify as verify  # re-exported
 from fulmen.distributed.prims import _all_gather
 from fulmen.distributed.setup import unwrap_module
 from fulmen.distributed.specs import DistributedState, ParamSpec, local_shard, spec_of, valid_rows
 
+T = TypeVar("T")
 META_FILE = "meta.pt"  # a sharded checkpoint's non-tensor state and the places of its tensors
 
 
@@ -203,59 +207,36 @@ def _group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
-def _on_rank0(group: dist.ProcessGroup | None, action: Callable[[], None], what: str) -> None:
-    """Runs `action` on rank 0 and tells every rank how it went: a failure raises on all of them, so none is left
-    waiting in a collective for a rank that gave up."""
-    error: Exception | None = None
+def _on_rank0(group: dist.ProcessGroup | None, action: Callable[[], T], what: str) -> T:
+    """Runs `action` on rank 0 and tells every rank how it went and what it returned: a failure raises on all of
+    them, so none is left waiting in a collective for a rank that gave up."""
+    error: BaseException | None = None
+    result = None
     if _group_rank(group) == 0:
         try:
-            action()
-        except Exception as caught:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            result = action()
+        except BaseException as caught:  # noqa: BLE001 - re-raised below, after the other ranks are told
             error = caught
     message = None if error is None else f"{type(error).__name__}: {error}"
     if group is not None:
-        box = [message]
+        box = [message, result]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        message = box[0]
+        message, result = box
     if error is not None:
         raise error
     if message is not None:
         raise RuntimeError(f"rank 0 failed to {what}: {message}")
-
-
-def _replace(tmp: Path, path: Path) -> None:
-    """Puts the complete checkpoint `tmp` at `path`. File over file is one atomic rename; otherwise the previous
-    checkpoint (file or directory) is first moved to `<path>.old` and removed once the new one is in place, so a
-    crash in between leaves it there (see `missing_checkpoint`)."""
-    if path.is_file() and tmp.is_file():
-        os.replace(tmp, path)
-        return
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        _remove(old)
-        path.rename(old)
-    tmp.rename(path)
-    _remove(old)
-
-
-def _remove(path: Path) -> None:
-    """Removes a file or directory if it is there; a failure here does not fail the save that calls it."""
-    try:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-    except OSError:
-        pass
+    return result
 
 
 def missing_checkpoint(path: str | os.PathLike) -> FileNotFoundError:
-    """The error for a checkpoint that is not there, pointing at the previous one when a save was interrupted."""
+    """The error for a checkpoint that is not there, naming what an interrupted save left instead."""
     path = Path(path)
-    old = path.with_name(path.name + ".old")
-    if old.exists():
-        return FileNotFoundError(f"no checkpoint at {path}, but {old} holds the previous one (a save was interrupted "
-                                 f"while replacing it): rename it to {path.name} to load it")
+    left = sorted(p.name for p in path.parent.glob(f"{path.name}{manifest.PARTIAL_MARK}*")) \
+        if path.parent.is_dir() else []
+    if left:
+        return FileNotFoundError(f"no checkpoint at {path}, only what an interrupted save left ({', '.join(left)}); "
+                                 "the next save there removes it")
     return FileNotFoundError(f"no checkpoint at {path}")
 
 
@@ -298,50 +279,60 @@ def _storage_key(path: tuple) -> str:
     return "/".join(str(part) for part in path)
 
 
+def _prepare(path: Path) -> Path:
+    """Rank 0, before a save: the parent directory made, what interrupted saves of `path` left removed, and the
+    name the data is written under until it is complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    manifest.remove_partials(path.parent, path.name)
+    return manifest.partial_path(path)
+
+
 def write_full(checkpoint: Any, path: str | os.PathLike, group: dist.ProcessGroup | None = None,
                write: Callable[[Any, Path], None] | None = None) -> None:
-    """Rank 0 writes `checkpoint` (already gathered) with `write(checkpoint, path)` (default `torch.save`)."""
+    """Rank 0 writes `checkpoint` (already gathered) with `write(checkpoint, path)` (default `torch.save`), beside
+    `path` first, then fsync'd, renamed into place and certified by its manifest (see fulmen.distributed.manifest)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
 
     def save() -> None:
+        partial = _prepare(path)
         try:
-            (write or torch.save)(checkpoint, tmp)
-            _replace(tmp, path)
+            (write or torch.save)(checkpoint, partial)
+            manifest.fsync_tree(partial)
+            manifest.commit(partial, path, manifest.checksums(partial))
         except BaseException:
-            _remove(tmp)
+            manifest.remove(partial)
             raise
 
     _on_rank0(group, save, f"write the checkpoint {path}")
 
 
 def write_sharded(checkpoint: Any, path: str | os.PathLike, group: dist.ProcessGroup | None = None) -> None:
-    """Writes the tensors of `checkpoint` (DTensors for sharded ones) with DCP and the rest to `meta.pt`."""
+    """Writes the tensors of `checkpoint` (DTensors for sharded ones) with DCP and the rest to `meta.pt`, into a
+    directory beside `path`; every rank checksums its share of the files, and rank 0 renames the directory into
+    place and writes the manifest."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     skeleton, tensors = _flatten(checkpoint)
     keys = {_storage_key(p): p for p in tensors}
     if len(keys) != len(tensors):
         raise ValueError("two checkpoint entries have the same storage key (a key holds '/'); rename one")
-    _on_rank0(group, lambda: _remove(tmp), f"clear {tmp}")
+    partial = _on_rank0(group, lambda: _prepare(path), f"prepare to write {path}")
     try:
-        # DCP tells every rank when one fails to write (a CheckpointException on all of them).
-        dcp.save({key: tensors[p] for key, p in keys.items()}, checkpoint_id=tmp, process_group=group,
+        # DCP tells every rank when one fails to write (a CheckpointException on all of them), and fsyncs its files.
+        dcp.save({key: tensors[p] for key, p in keys.items()}, checkpoint_id=partial, process_group=group,
                  no_dist=group is None)
+        _on_rank0(group, lambda: torch.save({"skeleton": skeleton, "tensors": list(tensors)}, partial / META_FILE),
+                  f"write {partial / META_FILE}")
+        contents = manifest.checksums(partial, group)
+
+        def finish() -> None:
+            manifest.fsync_tree(partial)
+            manifest.commit(partial, path, contents)
+
+        _on_rank0(group, finish, f"write the checkpoint {path}")
     except BaseException:
         if _group_rank(group) == 0:
-            _remove(tmp)
+            manifest.remove(partial)
         raise
-
-    def finish() -> None:
-        try:
-            torch.save({"skeleton": skeleton, "tensors": list(tensors)}, tmp / META_FILE)
-            _replace(tmp, path)
-        except BaseException:
-            _remove(tmp)
-            raise
-
-    _on_rank0(group, finish, f"write the checkpoint {path}")
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -417,13 +408,16 @@ def save(model: nn.Module, path: str | os.PathLike, options: StateDictOptions = 
 
 
 def load(model: nn.Module, path: str | os.PathLike, *, strict: bool = True):
-    """Reads what `save` wrote (either kind, told apart by file or directory), at any world size."""
+    """Reads what `save` wrote (either kind, told apart by file or directory), at any world size, after checking it
+    against its manifest (`CheckpointError` when it does not match)."""
     module = unwrap_module(model)
     path = Path(path)
     if not path.exists():
         raise missing_checkpoint(path)
+    group = _group_of(module)
+    verify(path, group)
     if is_sharded_checkpoint(path):
-        state_dict = read_sharded(path, {(): module}, _group_of(module))
+        state_dict = read_sharded(path, {(): module}, group)
     else:
         state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     return load_model_state_dict(module, state_dict, strict=strict)

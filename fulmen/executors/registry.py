@@ -26,7 +26,7 @@ def register_executor(executor: Executor) -> Executor:
 
 
 # Executors that register themselves when their module is imported, found by name without the user importing it.
-PROVIDERS: dict[str, str] = {"unsloth": "fulmen.unsloth"}
+PROVIDERS: dict[str, str] = {"unsloth": "fulmen.unsloth", "liger": "fulmen.liger"}
 
 
 def get_executor(name: str) -> Executor:

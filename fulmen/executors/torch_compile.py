@@ -8,6 +8,9 @@ attention kernels and regions must not move communication. Each region becomes o
 
 Regions are printed with canonical names and compiled once per distinct source: the repeated blocks of a
 transformer give identical regions (same ops, same shapes), which share one compiled function.
+
+It also claims the chunked linear + cross-entropy symbols (fulmen.ops.fused_loss): they run with `compiled=True`,
+each chunk's elementwise work (log-sum-exp, softmax and its gradient) as one compiled function between the matmuls.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import torch
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, map_proxies
 from fulmen.core.trace import Namespace, Trace
-from fulmen.executors.base import FusionExecutor
+from fulmen.executors.base import FusionExecutor, Implementation
 from fulmen.executors.registry import register_executor
-from fulmen.ops import prims
+from fulmen.ops import fused_loss, prims
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.remat import CHEAP_PRIMS
 
@@ -48,6 +51,12 @@ class TorchCompileExecutor(FusionExecutor):
         self.compile_options = {"fullgraph": True, "dynamic": False, **(compile_options or {})}
         self._compiled: dict[str, Callable[..., Any]] = {}
 
+    def claims(self, bsym: BoundSymbol) -> Implementation | None:
+        if bsym.sym not in _COMPILED_CHUNKS or bsym.kwargs.get("compiled"):
+            return None
+        on_device = all(p.device.type in ("cuda", "cpu") for p in bsym.proxy_args())
+        return _COMPILED_CHUNKS[bsym.sym] if on_device else None
+
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         if bsym.sym.executor is not None or bsym.sym.tags & (Tag.RANDOM | Tag.IMPURE):
             return False
@@ -70,6 +79,13 @@ class TorchCompileExecutor(FusionExecutor):
         name = f"TorchCompile{index}"
         sym = Symbol(name=name, printed=name, impl=compiled, meta=None, executor=self)
         return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), list(bsyms), bsyms[0].source, executor=self)
+
+
+def _with_compiled_chunks(sym: Symbol) -> Implementation:
+    return Implementation(execution_transform=lambda *args, **kwargs: sym(*args, **{**kwargs, "compiled": True}))
+
+
+_COMPILED_CHUNKS = {sym: _with_compiled_chunks(sym) for sym in fused_loss.CHUNKED}
 
 
 def _canonical_region(bsyms: list[BoundSymbol], inputs: list[TensorProxy],

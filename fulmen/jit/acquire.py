@@ -209,8 +209,10 @@ class Interpreter(TorchFunctionMode):
             if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
                 raise UnsupportedOpError("fulmen cannot trace torch.vmap and the other torch.func transforms (a "
                                          "batched tensor reached it)", self.builder.source)
-            proxy = self.builder.make_proxy(logical_meta(tensor), tensor.device, tensor.requires_grad,
-                                            name=f"c{len(self.constants)}")
+            # Outside __torch_function__ (a replaced function's arguments) this mode would see the meta's creation.
+            with torch._C.DisableTorchFunction():
+                meta = logical_meta(tensor)
+            proxy = self.builder.make_proxy(meta, tensor.device, tensor.requires_grad, name=f"c{len(self.constants)}")
             self.constants.append((tensor, proxy))
             self._constant_ids[id(tensor)] = proxy
         return proxy

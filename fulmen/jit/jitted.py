@@ -17,9 +17,8 @@ from fulmen.core.errors import DataDependentError, TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.distributed.specs import logical_meta
-from fulmen.distributed.transform import DistributedProgram, GradSync
+from fulmen.distributed.transform import DistributedProgram
 from fulmen.executors.base import Executor
-from fulmen.executors.passes import transform_for_execution
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.bridge import FulmenFunction, GradProgram
 from fulmen.jit.compiling import seen_as_compiling
@@ -27,12 +26,11 @@ from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import global_state_key, tensor_key
 from fulmen.jit.lookasides import function_lookasides
 from fulmen.jit.overrides import AttributeGuard, ModuleInput, ShadowTree, build_shadow
+from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.replacements import replacements
 from fulmen.ops import prims
 from fulmen.options import JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
-from fulmen.transforms.common import cse, dce, delete_last_used
-from fulmen.transforms.forward_backward import plan_grad
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,22 +88,6 @@ def _needs_grad(trace: Trace) -> bool:
         isinstance(out, TensorProxy) and out.requires_grad for out in trace.output)
 
 
-def _for_execution(trace: Trace, executors: tuple[Executor, ...]) -> list[Trace]:
-    claimed = transform_for_execution(trace, executors, Interpreter)
-    return [claimed, delete_last_used(claimed)]
-
-
-def _finalize_backward(executors: tuple[Executor, ...], dist: DistributedProgram | None, trace: Trace,
-                       mode: GradSync) -> list[Trace]:
-    traces = [trace, dce(trace)]
-    traces.append(cse(traces[-1]))
-    traces.append(dce(traces[-1]))
-    if dist is not None:
-        traces.append(dist.backward(traces[-1], mode))
-    traces.extend(_for_execution(traces[-1], executors))
-    return traces
-
-
 def _refuse_stored_proxies(args: tuple, kwargs: dict[str, Any]) -> None:
     """Objects the program was given must not keep traced tensors (eager would have stored real ones there)."""
     given = [(f"argument {i}", arg) for i, arg in enumerate(args)] + [(f"argument {k}", v) for k, v in kwargs.items()]
@@ -143,6 +125,7 @@ class JittedFunction:
         self._module_inputs: list[ModuleInput] = []
         self.stats = CacheStats()
         self.last_entry: CacheEntry | None = None
+        self.pipeline = Pipeline(options, executors, Interpreter)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
@@ -227,28 +210,16 @@ class JittedFunction:
         values, out_spec, out_objects, returns_input, rebinds = entry_parts
         acquired = Trace("computation", trace_inputs, builder.bound_symbols, tuple(values), "Acquisition (fulmen.jit)",
                          builder.namespace)
-        traces = [acquired, dce(acquired)]
-        if self._options.cse:
-            traces.append(cse(traces[-1]))
-            traces.append(dce(traces[-1]))
+        traces = self.pipeline.acquire(acquired)
         module_tensors = [source.fetch() for source in self._module_inputs]
         dist = DistributedProgram.of(acquired, [*tensors, *module_tensors, *(t for t, _ in interpreter.constants)])
         program = None
         if _needs_grad(traces[-1]):
-            plan = plan_grad(traces[-1], Interpreter, self.executors)
-            traces.append(plan.forward)
-            if dist is not None:
-                traces.append(dist.forward(plan.forward, plan.n_outputs))
-            traces.extend(_for_execution(traces[-1], self.executors))
-            finalize = functools.partial(_finalize_backward, self.executors, dist)
-            program = GradProgram(plan, traces[-1].python_callable(), finalize,
-                                  finalize(plan.backward(plan.differentiable), GradSync.SYNC), autocast_enabled(),
-                                  dist)
+            program, forward_traces = self.pipeline.differentiate(traces[-1], dist)
+            traces.extend(forward_traces)
             fn = functools.partial(FulmenFunction.apply, program)
         else:
-            if dist is not None:
-                traces.append(dist.forward(traces[-1], len(traces[-1].output)))
-            traces.extend(_for_execution(traces[-1], self.executors))
+            traces.extend(self.pipeline.computation(traces[-1], dist))
             fn = traces[-1].python_callable()
         if autocast_enabled():
             fn = without_autocast(fn)

@@ -1,16 +1,19 @@
-"""Functional forms of in-place updates, as traces print them (`impls.setitem(...)`).
+"""fulmen's own callables, as traces print them (`impls.setitem(...)`).
 
-Acquisition turns every in-place update into one of these out-of-place calls (or the op's own out-of-place
-symbol), so traces are pure until the final `prims.copy_` write-backs into the program's inputs.
+Functional forms of in-place updates: acquisition turns every in-place update into one of these out-of-place calls
+(or the op's own out-of-place symbol), so traces are pure until the final `prims.copy_` write-backs into the
+program's inputs. Also: the fallbacks of the grad transform, and the copies of CPU offloading.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 
@@ -68,5 +71,96 @@ def torch_vjp(fn: Callable[..., Any], args: tuple, kwargs: dict, wrt: tuple[int,
     floating = [o for o in tree_leaves(out)
                 if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())]
     pairs = [(o, g) for o, g in zip(floating, cotangents) if o.requires_grad]
-    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+    # Differentiable itself when the caller records autograd (a backward differentiated again, fulmen.jvp of it).
+    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True,
+                                create_graph=torch.is_grad_enabled())
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
+
+
+def _floating_leaves(out: Any) -> list[torch.Tensor]:
+    return [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())]
+
+
+def torch_jvp(fn: Callable[..., Any], args: tuple, kwargs: dict, tangents: tuple) -> tuple[Any, tuple]:
+    """`fn(*args, **kwargs)` and the tangents of its floating outputs, by torch's forward-mode AD on `fn` itself,
+    given the tangents of its tensor arguments in order (None: zero). The JVP of an op fulmen has no JVP rule for;
+    the outputs come from the same call, so an op that draws random numbers draws them once."""
+    position = itertools.count()
+
+    def dual(t: torch.Tensor) -> torch.Tensor:
+        tangent = tangents[next(position)]
+        return t if tangent is None else forward_ad.make_dual(t, tangent)
+
+    # grad mode on: an op that is itself a backward (impls.torch_vjp) records what forward-mode AD goes through
+    with forward_ad.dual_level(), torch.enable_grad():
+        args, kwargs = tree_map_only(torch.Tensor, dual, (args, kwargs))
+        out = fn(*args, **kwargs)
+        floating = _floating_leaves(out)
+        results = [forward_ad.unpack_dual(o).tangent for o in floating]
+        out = tree_map_only(torch.Tensor, lambda o: forward_ad.unpack_dual(o).primal.detach(), out)
+    return out, tuple(torch.zeros_like(o) if t is None else t.detach() for o, t in zip(_floating_leaves(out), results))
+
+
+def batch_loop(fn: Callable[..., Any], args: tuple, kwargs: dict, batched: tuple[bool, ...], size: int) -> Any:
+    """`fn` mapped over dim 0 of its `batched` tensor arguments (flags in argument order), `size` calls, results
+    stacked along a new dim 0: the batching of an op fulmen has no batching rule for, one call per example."""
+    results = []
+    for index in range(size):
+        flags = iter(batched)
+        example = tree_map_only(torch.Tensor, lambda t, i=index, flags=flags: t[i] if next(flags) else t,
+                                (args, kwargs))
+        results.append(fn(*example[0], **example[1]))
+    return torch.utils._pytree.tree_map(lambda *parts: torch.stack(parts), *results)
+
+
+# --- CPU offloading of saved tensors (fulmen.transforms.offload) ----------------------------------------------------
+# A device tensor's copy to pinned host memory and back runs on a side stream per device; events attached to the
+# tensors order the streams. Tensors on the CPU are copied plainly (nothing is freed; tests run the rewrite so).
+
+
+@functools.cache
+def offload_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def offload_to_host(x: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of `x`, started on the offload stream once `x` is computed. The caching allocator
+    reuses `x`'s memory only after the copy is done, however early the program drops `x`."""
+    if x.device.type != "cuda":
+        return x.clone()
+    stream = offload_stream(x.device)
+    host = torch.empty_like(x, device="cpu", pin_memory=True)
+    stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):
+        host.copy_(x, non_blocking=True)
+        host._fulmen_copied = stream.record_event()  # type: ignore[attr-defined]
+    x.record_stream(stream)
+    return host
+
+
+def reload_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A device copy of `host`, started on the offload stream; `wait_for_copy` makes it safe to read."""
+    if device.type != "cuda":
+        return host.clone()
+    copied = getattr(host, "_fulmen_copied", None)
+    if copied is not None:
+        # The device memory the forward copied from must be free again before this one is allocated, so
+        # offloading never raises the peak (when the copy out lags, the caller waits instead).
+        copied.synchronize()
+        host._fulmen_copied = None  # type: ignore[attr-defined]
+    out = torch.empty_like(host, device=device)
+    stream = offload_stream(out.device)
+    stream.wait_stream(torch.cuda.current_stream(out.device))  # the compute stream may still use out's memory
+    with torch.cuda.stream(stream):
+        out.copy_(host, non_blocking=True)
+        out._fulmen_ready = stream.record_event()  # type: ignore[attr-defined]
+    return out
+
+
+def wait_for_copy(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself, once the copy `reload_to_device` started into it is done (the current stream waits)."""
+    ready = getattr(x, "_fulmen_ready", None)
+    if ready is not None:
+        torch.cuda.current_stream(x.device).wait_event(ready)
+        x._fulmen_ready = None  # type: ignore[attr-defined]
+    return x

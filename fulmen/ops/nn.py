@@ -222,6 +222,8 @@ def cross_entropy_decomposition(logits, target, weight=None, size_average=None, 
     if label_smoothing != 0.0 or logits.dim() != 2 or target.dtype.is_floating_point:
         return NotImplemented
     logp = log_softmax_decomposition(logits, 1)
+    if logp is NotImplemented:  # empty logits
+        return NotImplemented
     return nll_loss_decomposition(logp, target, weight, size_average, ignore_index, reduce, reduction)
 
 

@@ -59,6 +59,16 @@ def _operator_binding(op: Any) -> TorchBinding | None:
     return binding
 
 
+def symbol_of(target: Symbol | Callable[..., Any], what: str) -> Symbol:
+    """`target` itself, or the symbol fulmen records for the torch callable `target` (to register `what` for)."""
+    if isinstance(target, Symbol):
+        return target
+    binding = lookup(target)
+    if binding is None:
+        raise ValueError(f"{target} has no fulmen symbol to register {what} for")
+    return binding.symbol
+
+
 def printed_name(fn: Callable[..., Any]) -> str:
     name = resolve_name(fn)
     if name is None:

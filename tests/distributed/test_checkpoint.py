@@ -7,7 +7,7 @@ import collections
 import pytest
 import torch
 
-from fulmen.distributed import checkpoint
+from fulmen.distributed import checkpoint, manifest
 from fulmen.distributed.specs import local_shard
 from tests.distributed import workers
 from tests.distributed.launch import run_ranks, values
@@ -93,7 +93,7 @@ def test_either_kind_replaces_the_other_and_nested_state_round_trips(tmp_path):
              "step": 7}
     checkpoint.write_full({"old": torch.ones(1)}, path)
     checkpoint.write_sharded(state, path)  # a directory where a file was
-    assert path.is_dir() and not (tmp_path / "ckpt.old").exists() and not (tmp_path / "ckpt.tmp").exists()
+    assert path.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.manifest.json"]
     loaded = checkpoint.read_sharded(path, {}, weights_only=False)
     assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], state["model"]["w"])
     point = loaded["extra"][0]
@@ -101,12 +101,40 @@ def test_either_kind_replaces_the_other_and_nested_state_round_trips(tmp_path):
     assert isinstance(loaded["extra"][1], tuple) and torch.equal(loaded["extra"][1][0], torch.zeros(1))
     checkpoint.write_full(state, path)  # and a file where a directory was
     assert path.is_file() and torch.load(path, weights_only=False)["step"] == 7
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.manifest.json"]
 
 
-def test_an_interrupted_swap_points_at_the_previous_checkpoint(tmp_path):
-    (tmp_path / "ckpt.old").mkdir()  # what a crash between moving the old checkpoint aside and the new one in leaves
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*ckpt, but .*ckpt.old holds the previous one"):
+def test_what_an_interrupted_save_leaves_is_named_and_cleaned_by_the_next(tmp_path):
+    partial = tmp_path / f"ckpt{manifest.PARTIAL_MARK}123-abcdef"  # what a kill mid-save leaves
+    partial.mkdir()
+    with pytest.raises(FileNotFoundError, match=rf"no checkpoint at .*ckpt, only what an interrupted save left "
+                                                rf"\(ckpt{manifest.PARTIAL_MARK}123-abcdef\)"):
         checkpoint.load(workers.make_model(), tmp_path / "ckpt")
-    checkpoint.save(workers.make_model(), tmp_path / "ckpt")  # the next complete save clears it away
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    checkpoint.save(workers.make_model(), tmp_path / "ckpt")  # the next save of that path clears it away
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.manifest.json"]
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_loading_checks_the_manifest(tmp_path, kind):
+    model, path = workers.make_model(), tmp_path / "ckpt"
+    checkpoint.save(model, path, FULL if kind == "full" else checkpoint.StateDictOptions())
+    data = path if kind == "full" else max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    original = data.read_bytes()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 1
+    data.write_bytes(bytes(flipped))
+    fresh = workers.make_model(seed=3)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(checkpoint.CheckpointError, match=f"bytes 0-{len(original)} of {data} do not match"):
+        checkpoint.load(fresh, path)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing was read
+    data.write_bytes(original[:-1])
+    with pytest.raises(checkpoint.CheckpointError, match=f"{data} has {len(original) - 1} bytes, its manifest says "
+                                                         f"{len(original)} \\(truncated\\)"):
+        checkpoint.load(fresh, path)
+    data.write_bytes(original)
+    checkpoint.load(fresh, path)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+    manifest.manifest_path(path).unlink()  # written by another tool: loads, unverified
+    assert not checkpoint.verify(path)
+    checkpoint.load(workers.make_model(seed=4), path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -153,3 +154,107 @@ def run_vjp_case(case: Case, eps: float = 1e-6) -> None:
     jvp = sum(((plus[i] - minus[i]) / (2 * eps) * w).sum() for i, w in zip(keep, v))
     torch.testing.assert_close(torch.as_tensor(vjp, dtype=torch.float64), torch.as_tensor(jvp, dtype=torch.float64),
                                rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+# --- torch.func as the oracle: fulmen.jvp and fulmen.vmap on float64 samples ---------------------------------------
+FUNCTIONAL_SAMPLES_PER_OP = 4
+BATCH = 2
+
+
+class NoOracle(Exception):
+    """torch.func cannot transform the sample (no forward-mode AD formula, a vmap it refuses): nothing to compare."""
+
+
+def functional_cases() -> Iterator[Case]:
+    chosen = [o for o in supported_opinfos() if torch.float64 in o.supported_dtypes("cpu")]
+    return _samples(chosen, torch.float64, False, FUNCTIONAL_SAMPLES_PER_OP)
+
+
+def _flat_program(case: Case):
+    """The sample as a function of its tensor leaves (in order), the leaves, and nothing else captured."""
+    op, sample = case.opinfo.op, case.sample
+    structure = (sample.input, sample.args, sample.kwargs)
+    leaves, spec = torch.utils._pytree.tree_flatten(structure)
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def program(*tensors):
+        filled = list(leaves)
+        for i, t in zip(positions, tensors):
+            filled[i] = t
+        inp, args, kwargs = torch.utils._pytree.tree_unflatten(filled, spec)
+        return op(inp, *args, **kwargs)
+
+    return program, [leaves[i] for i in positions]
+
+
+def _oracle(fn):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn()
+    except Exception as error:  # noqa: BLE001 - torch.func's own limits are not fulmen's failures
+        raise NoOracle(f"{type(error).__name__}: {error}") from error
+
+
+def _assert_same(actual, expected, values: bool = True) -> None:
+    """The same structure, shapes and dtypes, and (unless `values` is False: uninitialized outputs) values."""
+    got, want = torch.utils._pytree.tree_leaves(actual), torch.utils._pytree.tree_leaves(expected)
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want):
+        if isinstance(w, torch.Tensor):
+            assert isinstance(g, torch.Tensor) and g.shape == w.shape and g.dtype == w.dtype, (g, w)
+            if values:
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, equal_nan=True)
+        else:
+            assert g == w
+
+
+def run_jvp_case(case: Case) -> str:
+    """fulmen.jvp against torch.func.jvp with respect to every floating tensor of the sample; returns how fulmen
+    computed it: "rules", or "fallback" when some op went through torch's forward-mode AD."""
+    program, tensors = _flat_program(case)
+    floating = [i for i, t in enumerate(tensors) if t.dtype.is_floating_point]
+    if not floating:
+        raise NotDifferentiable
+
+    def of_floats(*primals):
+        args = list(tensors)
+        for i, p in zip(floating, primals):
+            args[i] = p
+        return program(*args)
+
+    primals = tuple(tensors[i] for i in floating)
+    generator = torch.Generator().manual_seed(case.index)
+    tangents = tuple(torch.randn(p.shape, dtype=p.dtype, generator=generator) for p in primals)
+    expected = _oracle(lambda: torch.func.jvp(of_floats, primals, tangents))
+    jitted = fulmen.jit(lambda p, t: fulmen.jvp(of_floats, p, t))
+    (out, tangent_out) = jitted(primals, tangents)
+    _assert_same(out, expected[0], values=case.opinfo.name not in UNINITIALIZED)
+    _assert_same(tangent_out, expected[1])
+    return "fallback" if "impls.torch_jvp" in str(fulmen.last_traces(jitted)[-1]) else "rules"
+
+
+def _batched(x: torch.Tensor, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """A batch of BATCH examples along `dim`: `x` and `x` with its elements permuted (valid wherever `x` is: the same
+    values, so indices stay in range and unique indices stay unique)."""
+    order = torch.randperm(x.numel(), generator=generator)
+    other = x.flatten()[order].reshape(x.shape) if x.numel() else x
+    return torch.stack([x, other], dim)
+
+
+def run_vmap_case(case: Case) -> str:
+    """fulmen.vmap against torch.func.vmap, every tensor of the sample batched (the first along a dim that varies
+    with the sample, every third one not batched); returns "rules", or "loop" when some op ran once per example."""
+    program, tensors = _flat_program(case)
+    generator = torch.Generator().manual_seed(case.index)
+    in_dims, batched = [], []
+    for k, t in enumerate(tensors):
+        dim = case.index % (t.dim() + 1) if k == 0 else (None if k % 3 == 2 else 0)
+        in_dims.append(dim)
+        batched.append(t if dim is None else _batched(t, dim, generator))
+    if all(d is None for d in in_dims):
+        raise NotDifferentiable  # nothing to map over
+    expected = _oracle(lambda: torch.func.vmap(program, in_dims=tuple(in_dims))(*batched))
+    mapped = fulmen.vmap(program, in_dims=tuple(in_dims))
+    _assert_same(mapped(*batched), expected, values=case.opinfo.name not in UNINITIALIZED)
+    return "loop" if "impls.batch_loop" in str(fulmen.last_traces(mapped)[-1]) else "rules"

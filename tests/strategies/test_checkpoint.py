@@ -3,7 +3,7 @@
 Saving after 3 of 5 steps and resuming into a fresh model and optimizer (other weights) gives the uninterrupted
 run's next losses exactly, for DDP, FSDP full and FSDP sharded checkpoints. The FSDP checkpoints load at another
 world size, and a full one is the checkpoint plain PyTorch reads (`torch.load`, `load_state_dict`). A save that
-fails midway leaves the previous checkpoint whole.
+fails midway leaves the previous checkpoint whole (and nothing partial beside it).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_resume_gives_the_uninterrupted_losses(resumed, uninterrupted, case):
         torch.testing.assert_close(got["losses"], uninterrupted, rtol=1e-5, atol=0)
     assert got["step"] == RESUME_AT and got["counter"] == RESUME_AT * 10 and got["remainder"] == {}
     assert got["is_dir"] == ("sharded" in case.name)
-    assert got["leftovers"] == []  # no .tmp / .old next to the checkpoint
+    assert got["leftovers"] == []  # nothing partial next to the checkpoint
     # fabric.save(..., filter=) keeps the model entries the filter accepts; fabric.load(path) returns it all
     assert got["filtered"] == {"model": ["lm_head.weight"], "step": STEPS}
 
@@ -85,4 +85,4 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
         # every rank raises (none is left waiting for the others), naming what went wrong
         assert "disk full (on purpose)" in got["error"]
         assert "disk full (on purpose)" in ranks[1][kind]["error"]
-        assert got["beside"] == [kind]  # neither a .tmp nor an .old left next to it
+        assert got["beside"] == [kind, f"{kind}.manifest.json"]  # nothing partial left next to it

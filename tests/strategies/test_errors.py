@@ -82,6 +82,13 @@ def test_misuse_on_launched_ranks(errors, name, expected):
     assert re.search(expected, errors[name], flags=re.S), errors[name]
 
 
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_a_flipped_bit_is_refused_on_every_rank(errors, kind):
+    for error in errors[f"{kind}_bit_flip"]:  # each rank checksums its share of the chunks, all of them raise
+        assert re.search(rf"CheckpointError: the checkpoint .*damaged-{kind} is damaged: bytes 0-\d+ of .*damaged-"
+                         rf"{kind}.* do not match the checksum saved with them", error or ""), error
+
+
 def test_non_strict_loading_skips_what_the_checkpoint_lacks(errors):
     for kind in ("full", "sharded"):
         assert errors[f"{kind}_non_strict_missing_key"] is None

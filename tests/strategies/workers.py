@@ -4,6 +4,7 @@ single-process eager training it is compared with. The model, batches and loss a
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from lightning.fabric.plugins.io import TorchCheckpointIO
 from litgpt import GPT, Config
 
 import fulmen
-from fulmen.distributed import checkpoint
+from fulmen.distributed import checkpoint, manifest
 from fulmen.strategies import ThunderDDPStrategy, ThunderFSDPStrategy
 from tests.distributed.workers import (
     CONFIG,
@@ -223,7 +224,7 @@ def resume_suite(rank: int, world: int, cases: list[Case], directory: str) -> di
             "remainder": remainder,
             "is_dir": path.is_dir(),
             "leftovers": sorted(p.name for p in Path(directory).iterdir()
-                                if p.name.startswith(case.name) and p.suffix in (".tmp", ".old")),
+                                if p.name.startswith(case.name) and manifest.PARTIAL_MARK in p.name),
         }
     return results
 
@@ -338,6 +339,21 @@ def error_paths(rank: int, world: int, directory: str) -> dict[str, Any]:
         errors[f"{kind}_non_strict_missing_key"] = _error(lambda p=path, e=extra: fabric.load(p, e, strict=False))
         restored = checkpoint.get_model_state_dict(fresh.model, checkpoint.FULL)  # the non-strict load restored it
         errors[f"{kind}_non_strict_restored"] = all(torch.equal(restored[k], v) for k, v in trained.items())
+    for kind, path in (("full", full), ("sharded", sharded)):  # one bit flipped in the largest file
+        damaged = Path(directory) / f"damaged-{kind}"
+        if rank == 0:
+            (shutil.copytree if kind == "sharded" else shutil.copy)(path, damaged)
+            shutil.copy(manifest.manifest_path(path), manifest.manifest_path(damaged))
+            largest = damaged if kind == "full" else max(damaged.iterdir(), key=lambda f: f.stat().st_size)
+            data = bytearray(largest.read_bytes())
+            data[len(data) // 2] ^= 4
+            largest.write_bytes(bytes(data))
+        fabric.barrier()
+        fresh = setup(fabric, case, seed=99)
+        error = _error(lambda d=damaged, f=fresh: fabric.load(d, {"model": f.model, "optimizer": f.optimizer}))
+        every_rank: list[Any] = [None] * world
+        torch.distributed.all_gather_object(every_rank, error)
+        errors[f"{kind}_bit_flip"] = every_rank
     partial = Path(directory) / "lm_head_only"
     fabric.save(partial, {"model": run.model}, filter={"model": lambda k, v: k == "lm_head.weight"})
     fresh = setup(fabric, case, seed=99)

@@ -73,6 +73,17 @@ def assert_grads_close(got: dict, expected: dict, rtol: float = 1e-5, atol: floa
         torch.testing.assert_close(got[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def assert_bf16_step_close(loss, grads: dict, expected_loss, expected: dict, exact_loss, exact: dict) -> None:
+    """A bf16 step (`loss`, `grads`) against fp32 maths on the same weights (`exact_*`): no further from it than eager
+    bf16 (`expected_*`) is, with some slack."""
+    assert abs(loss.float() - exact_loss) <= 2 * abs(expected_loss.float() - exact_loss) + 2e-3, (loss, expected_loss)
+    for name, grad in exact.items():
+        scale = grad.abs().max().clamp_min(1e-6)
+        ours = ((grads[name].float() - grad).abs().max() / scale).item()
+        theirs = ((expected[name].float() - grad).abs().max() / scale).item()
+        assert ours <= 2 * theirs + 1e-2, f"{name}: relative error {ours:.3g} vs eager's {theirs:.3g}"
+
+
 def expected_calls(config: Config) -> set[str]:
     """The kernels a training step of this LitGPT architecture calls."""
     calls = set(CROSS_ENTROPY)

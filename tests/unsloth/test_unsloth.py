@@ -68,7 +68,9 @@ def test_cpu_tensors_are_declined_and_results_match_eager(monkeypatch):
     monkeypatch.setattr(executor, "_interpreted", lambda: False)  # as without Triton's interpreter
     model = llama()
     idx, targets = batch(model)
-    jitted = fulmen.jit(forward_and_loss, executors=["unsloth", "sdpa", "torch"])
+    # unfused, so the cross-entropy is a call of its own (by default the lm_head and the loss are one fused op)
+    unfused = fulmen.JitOptions(fuse_linear_cross_entropy=False)
+    jitted = fulmen.jit(forward_and_loss, executors=["unsloth", "sdpa", "torch"], options=unfused)
     loss, grads = loss_and_grads(jitted, model, idx, targets)
     expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
@@ -340,7 +342,9 @@ def test_the_restated_llama_mlp_forward_is_litgpts():
 def test_llama_traces_call_the_kernels_and_match_eager(interpreted):
     model = llama()
     idx, targets = batch(model, batch_size=3)
-    jitted = fulmen.jit(forward_and_loss, executors=["unsloth", "sdpa", "torch"])
+    # unfused, so the cross-entropy is a call of its own (by default the lm_head and the loss are one fused op)
+    unfused = fulmen.JitOptions(fuse_linear_cross_entropy=False)
+    jitted = fulmen.jit(forward_and_loss, executors=["unsloth", "sdpa", "torch"], options=unfused)
     loss, grads = loss_and_grads(jitted, model, idx, targets)
     expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
@@ -374,7 +378,8 @@ def test_pretrain_with_unsloth_trains_as_without(interpreted, tmp_path, monkeypa
     train = short(max_steps=3, micro_batch_size=2, global_batch_size=2, max_seq_length=32)
     with_unsloth = cli.setup(out_dir=tmp_path / "a", train=train, eval=no_eval,
                              executors=["unsloth", "sdpa", "torch"])
-    assert set(calls) == {"cross_entropy", "swiglu", "rope"}
+    # pretraining's loss reads the lm_head's output alone: fused with it (fulmen.transforms.fused_loss)
+    assert set(calls) == {"swiglu", "rope"}
     without = cli.setup(out_dir=tmp_path / "b", train=train, eval=no_eval, executors=["sdpa", "torch"])
     torch.testing.assert_close(with_unsloth["losses"], without["losses"], rtol=1e-5, atol=0)
 

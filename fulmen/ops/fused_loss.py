@@ -1,0 +1,254 @@
+"""Linear + cross-entropy over chunks of rows: the loss of a language model's head without its full logits.
+
+`logits = linear(h, weight, bias)` followed by `cross_entropy(logits.to(dtype), target)` is computed chunk by chunk
+of rows (tokens): each chunk's logits exist only while that chunk is processed. Traces print these symbols as
+`fused_loss.NAME(...)`:
+
+* `linear_cross_entropy` -> the loss (forward only: what runs without grad, or what a grad rule replaces).
+* `linear_cross_entropy_forward` -> (loss, *grads): reductions "mean" and "sum" have a loss whose cotangent is one
+  number, so each chunk's gradients for h, weight and bias are computed in the forward while its logits are at hand;
+  only those gradients are kept for the backward.
+* `linear_cross_entropy_backward(g, grads)` -> the grads scaled by the loss's cotangent `g`.
+* `linear_cross_entropy_rows_backward` -> grads for reduction "none", whose per-row cotangent is only known in the
+  backward: it recomputes each chunk's logits there.
+
+`wants` says which of (h, weight, bias) get a gradient (a frozen weight gets none). Numerics follow eager's: the
+logits are computed in the linear's dtype, converted to `dtype` (what the cross-entropy reads: a LitGPT upcast is
+`dtype=torch.float32`), and the softmax works in float32 for half-precision `dtype`; the weight's gradient is summed
+over chunks in float32 and rounded once, as a single matmul over all rows would be.
+
+`compiled=True` runs each chunk's elementwise work (log-sum-exp, softmax, its gradient) as one torch.compile'd
+function instead of a series of torch ops (the "torchcompile" executor chooses it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import Symbol
+from fulmen.core.trace import TraceBuilder
+from fulmen.ops.registry import SYMBOLS
+
+REDUCTIONS = ("mean", "sum", "none")
+# Automatic chunks: each chunk's logits take at most this fraction of the full logits' bytes, and at most
+# CHUNK_BYTES (the transients of a chunk are about 4x its logits: fp32 work and the logits' gradient), but at least
+# MIN_ROWS rows: fewer rows leave a GPU's matmuls short of work and add a pass over the weight's gradient per chunk.
+CHUNK_FRACTION = 8
+CHUNK_BYTES = 256 * 2**20
+MIN_ROWS = 1024
+# Rows per chunk are rounded down to a multiple of this (matmul tiles) when there are more.
+ROW_MULTIPLE = 64
+
+
+def chunk_rows_for(rows: int, vocab: int, dtype: torch.dtype) -> int:
+    """The automatic number of rows per chunk for `rows` x `vocab` logits of `dtype`."""
+    row_bytes = vocab * dtype.itemsize
+    budget = min(rows * row_bytes // CHUNK_FRACTION, CHUNK_BYTES) // row_bytes
+    chunk = max(budget, MIN_ROWS)
+    if chunk >= rows:
+        return rows
+    return chunk - chunk % ROW_MULTIPLE if chunk >= ROW_MULTIPLE else chunk
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# --- one chunk ------------------------------------------------------------------------------------------------------
+def chunk_step(logits: torch.Tensor, target: torch.Tensor, row_scale: torch.Tensor, ignore_index: int,
+               label_smoothing: float, dtype: torch.dtype, want_grad: bool) -> tuple[torch.Tensor, Any]:
+    """Per-row losses of one chunk (compute dtype) and, when `want_grad`, the gradient of `sum(losses * row_scale)`
+    with respect to `logits`, in the logits' dtype. Ignored rows have loss 0 and gradient 0.
+
+    Owns `logits` (the chunk's own matmul output): it is overwritten when it already has the compute dtype."""
+    x = logits.to(dtype).to(compute_dtype(dtype))
+    valid = target != ignore_index
+    safe = torch.where(valid, target, 0).long().unsqueeze(1)
+    lse = torch.logsumexp(x, 1)
+    picked = x.gather(1, safe).squeeze(1)
+    if label_smoothing:
+        # torch's smoothing: (1 - e) * nll + e * mean over classes of -log_softmax
+        losses = lse - (1 - label_smoothing) * picked - label_smoothing * x.mean(1)
+    else:
+        losses = lse - picked
+    losses = torch.where(valid, losses, 0.0)
+    if not want_grad:
+        return losses, None
+    grad = x.sub_(lse.unsqueeze(1)).exp_()
+    if label_smoothing:
+        grad.sub_(label_smoothing / x.shape[1])
+    grad.scatter_add_(1, safe, torch.full_like(picked, label_smoothing - 1).unsqueeze(1))
+    grad.mul_(torch.where(valid, row_scale, 0.0).unsqueeze(1))
+    return losses, grad.to(dtype).to(logits.dtype)
+
+
+@functools.cache
+def _compiled_step() -> Callable[..., Any]:
+    return torch.compile(chunk_step, fullgraph=True)
+
+
+def _step(compiled: bool) -> Callable[..., Any]:
+    if not compiled:
+        return chunk_step
+
+    def step(logits, target, row_scale, *args):
+        for rows in (logits, target, row_scale):  # one compiled step for every chunk length
+            if rows.dim():
+                torch._dynamo.maybe_mark_dynamic(rows, 0)
+        return _compiled_step()(logits, target, row_scale, *args)
+
+    return step
+
+
+# --- the loop over chunks -------------------------------------------------------------------------------------------
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc (+)= a @ b, with a float32 `acc` for half-precision a and b (no rounding between chunks)."""
+    beta = 0 if first else 1  # the first chunk ignores the uninitialised accumulator
+    if acc.dtype == a.dtype:
+        torch.addmm(acc, a, b, beta=beta, out=acc)
+    elif acc.device.type == "cuda":
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
+    else:  # no mixed-dtype matmul on CPU
+        torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)
+
+
+def _run(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, *,
+         ignore_index: int, reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_rows: int,
+         wants: tuple[bool, bool, bool], row_scale: torch.Tensor | None, compiled: bool) -> tuple[Any, tuple]:
+    """The loss (None when `row_scale` is given: a backward) and the wanted grads of `sum(losses * scale)`, where
+    the scale is `row_scale` per row, or 1 / (rows not ignored) for "mean", or 1 for "sum"."""
+    compute = compute_dtype(dtype)
+    hidden = h.shape[-1]
+    h2 = h.reshape(-1, hidden)
+    rows = h2.shape[0]
+    want_grad = any(wants)
+    if row_scale is None:
+        count = (target != ignore_index).sum().to(compute)
+        scale = 1 / count if reduction == "mean" else torch.ones((), dtype=compute, device=h.device)
+        losses_all = torch.empty(rows, dtype=compute, device=h.device) if reduction == "none" else None
+        total = torch.zeros((), dtype=compute, device=h.device)
+    grad_h = torch.empty_like(h2) if wants[0] else None
+    acc_dtype = compute_dtype(weight.dtype)
+    grad_w = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if wants[1] else None
+    grad_b = torch.zeros(weight.shape[0], dtype=acc_dtype, device=weight.device) if wants[2] else None
+    step = _step(compiled)
+    for start in range(0, rows, chunk_rows):
+        stop = min(start + chunk_rows, rows)
+        h_chunk = h2[start:stop]
+        chunk_scale = row_scale[start:stop].to(compute) if row_scale is not None else scale
+        losses, grad = step(F.linear(h_chunk, weight, bias), target[start:stop], chunk_scale, ignore_index,
+                            label_smoothing, dtype, want_grad)
+        if row_scale is None:
+            if losses_all is not None:
+                losses_all[start:stop] = losses
+            else:
+                total += losses.sum()
+        if grad_h is not None:
+            torch.mm(grad, weight, out=grad_h[start:stop])
+        if grad_w is not None:
+            _accumulate_mm(grad_w, grad.t(), h_chunk, first=start == 0)
+        if grad_b is not None:
+            grad_b += grad.sum(0, dtype=acc_dtype)
+        del grad, losses
+    grads = []
+    if grad_h is not None:
+        grads.append(grad_h.view(h.shape))
+    if grad_w is not None:
+        grads.append(grad_w.to(weight.dtype))
+    if grad_b is not None:
+        grads.append(grad_b.to(bias.dtype))
+    if row_scale is not None:
+        return None, tuple(grads)
+    # torch's mean divides the sum by the rows not ignored (NaN when every row is)
+    loss = losses_all if losses_all is not None else total / count if reduction == "mean" else total
+    return loss.to(dtype), tuple(grads)
+
+
+def linear_cross_entropy(h, weight, bias, target, *, ignore_index: int, reduction: str, label_smoothing: float,
+                         dtype: torch.dtype, chunk_rows: int, compiled: bool = False) -> torch.Tensor:
+    """`cross_entropy(linear(h, weight, bias).to(dtype).reshape(-1, V), target, ...)` without its logits."""
+    loss, _ = _run(h, weight, bias, target, ignore_index=ignore_index, reduction=reduction,
+                   label_smoothing=label_smoothing, dtype=dtype, chunk_rows=chunk_rows, wants=(False, False, False),
+                   row_scale=None, compiled=compiled)
+    return loss
+
+
+def linear_cross_entropy_forward(h, weight, bias, target, *, ignore_index: int, reduction: str,
+                                 label_smoothing: float, dtype: torch.dtype, chunk_rows: int,
+                                 wants: tuple[bool, bool, bool], compiled: bool = False) -> tuple[torch.Tensor, ...]:
+    """The loss ("mean" or "sum") and the gradients of the loss for the `wants` among (h, weight, bias)."""
+    loss, grads = _run(h, weight, bias, target, ignore_index=ignore_index, reduction=reduction,
+                       label_smoothing=label_smoothing, dtype=dtype, chunk_rows=chunk_rows, wants=wants,
+                       row_scale=None, compiled=compiled)
+    return (loss, *grads)
+
+
+def linear_cross_entropy_backward(g: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The forward's gradients scaled by the loss's cotangent."""
+    return tuple(grad * g for grad in grads)
+
+
+def linear_cross_entropy_rows_backward(g: torch.Tensor, h, weight, bias, target, *, ignore_index: int,
+                                       reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_rows: int,
+                                       wants: tuple[bool, bool, bool], compiled: bool = False
+                                       ) -> tuple[torch.Tensor, ...]:
+    """Gradients of reduction "none" losses with per-row cotangents `g`, recomputing each chunk's logits."""
+    _, grads = _run(h, weight, bias, target, ignore_index=ignore_index, reduction=reduction,
+                    label_smoothing=label_smoothing, dtype=dtype, chunk_rows=chunk_rows, wants=wants, row_scale=g,
+                    compiled=compiled)
+    return grads
+
+
+# --- symbols --------------------------------------------------------------------------------------------------------
+def _new(builder: TraceBuilder, like: TensorProxy, shape: tuple[int, ...], dtype: torch.dtype,
+         requires_grad: bool = False) -> TensorProxy:
+    return builder.make_proxy(torch.empty(shape, dtype=dtype, device="meta"), like.device,
+                              requires_grad and torch.is_grad_enabled())
+
+
+def _loss_proxy(builder: TraceBuilder, h, weight, bias, target, reduction: str, dtype: torch.dtype) -> TensorProxy:
+    shape = tuple(target.shape) if reduction == "none" else ()
+    differentiable = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (h, weight, bias))
+    return _new(builder, h, shape, dtype, differentiable)
+
+
+def _grad_proxies(builder: TraceBuilder, wants, *tensors) -> tuple[TensorProxy, ...]:
+    return tuple(_new(builder, t, tuple(t.shape), t.dtype) for t, wanted in zip(tensors, wants) if wanted)
+
+
+def _loss_meta(builder, h, weight, bias, target, *, reduction, dtype, **spec):
+    return _loss_proxy(builder, h, weight, bias, target, reduction, dtype)
+
+
+def _forward_meta(builder, h, weight, bias, target, *, reduction, dtype, wants, **spec):
+    return (_loss_proxy(builder, h, weight, bias, target, reduction, dtype),
+            *_grad_proxies(builder, wants, h, weight, bias))
+
+
+def _backward_meta(builder, g, grads):
+    return tuple(_new(builder, grad, tuple(grad.shape), grad.dtype) for grad in grads)
+
+
+def _rows_backward_meta(builder, g, h, weight, bias, target, *, wants, **spec):
+    return _grad_proxies(builder, wants, h, weight, bias)
+
+
+def _symbol(fn: Callable[..., Any], meta: Callable[..., Any]) -> Symbol:
+    printed = f"fused_loss.{fn.__name__}"
+    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, meta=meta)
+    SYMBOLS[printed] = sym
+    return sym
+
+
+LINEAR_CROSS_ENTROPY = _symbol(linear_cross_entropy, _loss_meta)
+LINEAR_CROSS_ENTROPY_FORWARD = _symbol(linear_cross_entropy_forward, _forward_meta)
+LINEAR_CROSS_ENTROPY_BACKWARD = _symbol(linear_cross_entropy_backward, _backward_meta)
+LINEAR_CROSS_ENTROPY_ROWS_BACKWARD = _symbol(linear_cross_entropy_rows_backward, _rows_backward_meta)
+#: The symbols that loop over chunks (they accept `compiled=`).
+CHUNKED = (LINEAR_CROSS_ENTROPY, LINEAR_CROSS_ENTROPY_FORWARD, LINEAR_CROSS_ENTROPY_ROWS_BACKWARD)

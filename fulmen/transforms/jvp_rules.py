@@ -1,0 +1,429 @@
+"""The JVP rules: every prim with floating outputs, and the torch-level leaves that are linear or common in
+backward traces. Symbols not here are differentiated through their decomposition, or by torch's forward-mode AD.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fulmen.ops import lookup, prims
+from fulmen.ops.registry import SYMBOLS
+from fulmen.transforms.jvp import JVP_RULES, Dot, add_tangents, register_jvp, zeros_like
+from fulmen.transforms.vjp_prims import BINARY_VJPS, UNARY_VJPS, _keepdim
+
+
+def _tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _as_tangent(t: Any, y: torch.Tensor) -> torch.Tensor:
+    """A contribution to `y`'s tangent with `y`'s dtype and shape (a VJP formula may give a number, or a
+    broadcastable tensor when a 0-dim operand met a dimensioned one)."""
+    if not _tensor(t):
+        return torch.full_like(y, t)
+    t = t.to(y.dtype) if t.dtype != y.dtype else t
+    return t.expand(y.shape) if tuple(t.shape) != tuple(y.shape) else t
+
+
+# --- elementwise: the VJP formula applied to the tangent (a diagonal Jacobian is its own transpose) --------------
+def _unary(prim, vjp):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        (x,) = args
+        y = prim(x)
+        return y, _as_tangent(vjp(x, y, dot(x)), y)
+
+    return rule
+
+
+for _name, _vjp in UNARY_VJPS.items():
+    JVP_RULES[getattr(prims, _name)] = _unary(getattr(prims, _name), _vjp)
+
+
+def _binary(prim, vjp):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        a, b = args
+        y = prim(a, b)
+        ta, tb = dot(a), dot(b)
+        return y, add_tangents(None if ta is None else _as_tangent(vjp(a, b, y, ta)[0], y),
+                               None if tb is None else _as_tangent(vjp(a, b, y, tb)[1], y))
+
+    return rule
+
+
+for _name, _vjp in BINARY_VJPS.items():
+    JVP_RULES[getattr(prims, _name)] = _binary(getattr(prims, _name), _vjp)
+
+
+@register_jvp(prims.where)
+def _where(dot: Dot, args: tuple, kwargs: dict):
+    cond, a, b = args
+    y = prims.where(cond, a, b)
+    ta, tb = dot(a), dot(b)
+    return y, torch.where(cond, ta if ta is not None else 0.0, tb if tb is not None else 0.0).to(y.dtype)
+
+
+# --- linear ops: the op applied to the tangents (zeros for the operands without one) -----------------------------
+def _operand_tangent(dot: Dot, x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return type(x)(_operand_tangent(dot, item) for item in x)
+    if _tensor(x):
+        t = dot(x)
+        return t if t is not None else zeros_like(x)
+    if isinstance(x, (int, float, complex)) and not isinstance(x, bool):
+        return type(x)(0)
+    return x
+
+
+def linear(fn: Callable[..., Any], operands: tuple[int | str, ...]):
+    """The rule of `fn`, linear in the arguments at `operands` (positions or keywords) taken together."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        y = fn(*args, **kwargs)
+        targs, tkwargs = list(args), dict(kwargs)
+        for operand in operands:
+            if isinstance(operand, int) and operand < len(targs):
+                targs[operand] = _operand_tangent(dot, targs[operand])
+            elif isinstance(operand, str) and operand in tkwargs:
+                tkwargs[operand] = _operand_tangent(dot, tkwargs[operand])
+        return y, fn(*targs, **tkwargs)
+
+    return rule
+
+
+PRIM_OPERANDS: dict[str, tuple[int, ...]] = {
+    **dict.fromkeys(("convert_element_type", "device_put", "alias", "clone", "sum", "cumsum", "reshape", "permute",
+                     "expand", "squeeze", "unsqueeze", "slice", "select", "cat", "flip", "take",
+                     "take_along_axis"), (0,)),
+    "pad": (0, 2), "index_put": (0, 2), "index_copy": (0, 3), "scatter_add": (0, 3), "slice_scatter": (0, 1),
+    "select_scatter": (0, 1),
+}
+for _name, _operands in PRIM_OPERANDS.items():
+    JVP_RULES[prims.PRIMS[_name]] = linear(prims.PRIMS[_name], _operands)
+
+_EVERY_POSITIONAL = tuple(range(64))  # ops of any number of tensors (torch.broadcast_tensors(*tensors))
+T = torch.Tensor
+# Torch-level leaves (no prim decomposition) linear in the arguments at these positions or keywords.
+TORCH_OPERANDS: dict[Callable[..., Any], tuple[int | str, ...]] = {
+    **dict.fromkeys((torch.narrow, torch.diagonal, T.unfold, torch.roll, T.repeat, torch.tile, torch.hstack,
+                     torch.vstack, torch.unbind, torch.tensor_split, torch.take_along_dim, torch.cumsum), (0,)),
+    **dict.fromkeys((torch.broadcast_tensors, torch.atleast_1d, torch.atleast_2d, torch.atleast_3d),
+                    _EVERY_POSITIONAL),
+    torch.index_add: (0, 3, "source"), torch.scatter_add: (0, 3, "src"), torch.index_fill: (0, 3, "value"),
+    torch.index_put: (0, 2, "values"), torch.masked_scatter: (0, 2), torch.slice_scatter: (0, 1, "src"),
+    torch.select_scatter: (0, 1, "src"), torch.diagonal_scatter: (0, 1, "src"),
+}
+for _fn, _operands in TORCH_OPERANDS.items():
+    _sym = lookup(_fn).symbol
+    JVP_RULES[_sym] = linear(_sym, _operands)
+# fulmen's functional forms of in-place updates
+for _name, _operands in (("setitem", (0, 2)), ("copy", (1,)), ("fill", (1,)), ("view_scatter", (0, 1))):
+    JVP_RULES[SYMBOLS[f"impls.{_name}"]] = linear(SYMBOLS[f"impls.{_name}"], _operands)
+
+
+@register_jvp(torch.scatter)
+def _scatter(dot: Dot, args: tuple, kwargs: dict):
+    if "reduce" in kwargs:
+        return NotImplemented
+    return linear(lookup(torch.scatter).symbol, (0, 3, "src", "value"))(dot, args, kwargs)
+
+
+# --- bilinear ------------------------------------------------------------------------------------------------------
+def _bilinear(fn: Callable[..., Any]):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        a, b = args[:2]
+        y = fn(a, b, *args[2:], **kwargs)
+        ta, tb = dot(a), dot(b)
+        return y, add_tangents(None if ta is None else fn(ta, b, *args[2:], **kwargs),
+                               None if tb is None else fn(a, tb, *args[2:], **kwargs))
+
+    return rule
+
+
+for _sym in (prims.matmul, *(lookup(fn).symbol for fn in (torch.matmul, torch.outer, T.__rmatmul__))):
+    JVP_RULES[_sym] = _bilinear(_sym)
+
+
+# --- reductions and selections -------------------------------------------------------------------------------------
+def _extremum(prim):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, dims = args
+        y = prim(x, dims)
+        hit = (x == _keepdim(y, x, dims)).to(x.dtype)
+        return y, (dot(x) * hit).sum(dims) / hit.sum(dims)
+
+    return rule
+
+
+JVP_RULES[prims.amax] = _extremum(prims.amax)
+JVP_RULES[prims.amin] = _extremum(prims.amin)
+
+
+@register_jvp(prims.var)
+def _var(dot: Dot, args: tuple, kwargs: dict):
+    x, dims, correction = args
+    y = prims.var(x, dims, correction)
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    centered = x - _keepdim(x.mean(dims), x, dims)
+    # torch's double arithmetic: 2 / 0 is inf (a nan tangent), an empty reduction's tangent is 0
+    scale = 0.0 if n == 0 else 2.0 / (n - correction) if n != correction else math.inf
+    return y, (centered * dot(x)).sum(dims) * scale
+
+
+def _sorted_values(prim, dim_position: int):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        values, indices = prim(*args)
+        dim = args[dim_position]
+        return (values, indices), (torch.gather(dot(args[0]), dim, indices), None)
+
+    return rule
+
+
+JVP_RULES[prims.topk] = _sorted_values(prims.topk, 2)
+JVP_RULES[prims.sort] = _sorted_values(prims.sort, 1)
+
+
+@register_jvp(torch.logsumexp)
+def _logsumexp(dot: Dot, args: tuple, kwargs: dict):
+    x, dim = args[0], args[1] if len(args) > 1 else kwargs["dim"]
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    y = torch.logsumexp(x, dim, keepdim)
+    kept = y if keepdim else torch.logsumexp(x, dim, True)
+    return y, (dot(x) * torch.exp(x - kept)).sum(dim, keepdim=keepdim)
+
+
+
+# --- torch-level leaves: activations and losses by their derivative, composites by their parts --------------------
+SELU_SCALE, SELU_ALPHA = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
+
+# fn -> d(output)/d(input) of an elementwise function of one tensor, from (x, *the call's other arguments)
+DERIVATIVES: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.leaky_relu: lambda x, negative_slope=0.01, inplace=False: torch.where(x > 0, 1.0, negative_slope),
+    F.hardtanh: lambda x, min_val=-1.0, max_val=1.0, inplace=False: ((x > min_val) & (x < max_val)).to(x.dtype),
+    F.relu6: lambda x, inplace=False: ((x > 0) & (x < 6)).to(x.dtype),
+    F.threshold: lambda x, threshold, value, inplace=False: (x > threshold).to(x.dtype),
+    F.elu: lambda x, alpha=1.0, inplace=False: torch.where(x > 0, 1.0, alpha * torch.exp(x)),
+    F.celu: lambda x, alpha=1.0, inplace=False: torch.where(x > 0, 1.0, torch.exp(x / alpha)),
+    F.selu: lambda x, inplace=False: SELU_SCALE * torch.where(x > 0, 1.0, SELU_ALPHA * torch.exp(x)),
+    F.softplus: lambda x, beta=1.0, threshold=20.0: torch.where(x * beta > threshold, 1.0, torch.sigmoid(x * beta)),
+    F.hardswish: lambda x, inplace=False: torch.where(x < -3, 0.0, torch.where(x <= 3, x / 3 + 0.5, 1.0)),
+    F.hardsigmoid: lambda x, inplace=False: ((x > -3) & (x < 3)).to(x.dtype) / 6,
+    F.logsigmoid: lambda x: torch.sigmoid(-x),
+    F.softsign: lambda x: 1 / ((1 + torch.abs(x)) * (1 + torch.abs(x))),
+    F.tanhshrink: lambda x: torch.tanh(x) * torch.tanh(x),
+    F.mish: lambda x, inplace=False: _mish_derivative(x),
+    torch.nan_to_num: lambda x, nan=0.0, posinf=None, neginf=None: torch.isfinite(x).to(x.dtype),
+}
+
+
+def _mish_derivative(x: torch.Tensor) -> torch.Tensor:
+    t = torch.tanh(F.softplus(x))
+    return t + x * torch.sigmoid(x) * (1 - t * t)
+
+
+def _by_derivative(sym, derivative):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        y = sym(*args, **kwargs)
+        return y, _as_tangent(dot(args[0]) * derivative(*args, **kwargs), y)
+
+    return rule
+
+
+for _fn, _derivative in DERIVATIVES.items():
+    JVP_RULES[lookup(_fn).symbol] = _by_derivative(lookup(_fn).symbol, _derivative)
+
+
+def _constant(sym):
+    """Outputs that do not depend on the values of the inputs (their shapes only): zero tangents."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        return sym(*args, **kwargs), None
+
+    return rule
+
+
+for _fn in (torch.empty_like, torch.full_like, torch.round):
+    JVP_RULES[lookup(_fn).symbol] = _constant(lookup(_fn).symbol)
+for _fn, _operands in ((F.pad, (0, 3, "value")), (T.__getitem__, (0,)), (torch.repeat_interleave, (0,))):
+    JVP_RULES[lookup(_fn).symbol] = linear(lookup(_fn).symbol, _operands)
+
+
+def _clamp_bound(fn, keep):
+    """clamp_min / clamp_max: the input's tangent where it is kept, the bound's where the bound is."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, bound = args[0], args[1] if len(args) > 1 else next(iter(kwargs.values()))
+        y = fn(x, bound)
+        kept = keep(x, bound)
+        tx, tb = dot(x), dot(bound)
+        return y, add_tangents(None if tx is None else torch.where(kept, tx, 0.0).to(y.dtype),
+                               None if tb is None else torch.where(kept, 0.0, tb).to(y.dtype))
+
+    return rule
+
+
+JVP_RULES[lookup(torch.clamp_min).symbol] = _clamp_bound(lookup(torch.clamp_min).symbol, lambda x, b: x >= b)
+JVP_RULES[lookup(torch.clamp_max).symbol] = _clamp_bound(lookup(torch.clamp_max).symbol, lambda x, b: x <= b)
+
+
+def _tangent_or_zero(dot: Dot, x: Any) -> Any:
+    return dot(x) if _tensor(x) and dot(x) is not None else 0.0
+
+
+@register_jvp(torch.addcmul)
+def _addcmul(dot: Dot, args: tuple, kwargs: dict):
+    x, a, b = args
+    value = kwargs.get("value", 1)
+    y = torch.addcmul(x, a, b, value=value)
+    t = _tangent_or_zero(dot, x) + value * (_tangent_or_zero(dot, a) * b + a * _tangent_or_zero(dot, b))
+    return y, _as_tangent(t, y)
+
+
+@register_jvp(torch.addcdiv)
+def _addcdiv(dot: Dot, args: tuple, kwargs: dict):
+    x, a, b = args
+    value = kwargs.get("value", 1)
+    y = torch.addcdiv(x, a, b, value=value)
+    t = _tangent_or_zero(dot, x) + value * (_tangent_or_zero(dot, a) / b - a * _tangent_or_zero(dot, b) / (b * b))
+    return y, _as_tangent(t, y)
+
+
+@register_jvp(torch.lerp)
+def _lerp(dot: Dot, args: tuple, kwargs: dict):
+    start, end, weight = args
+    y = torch.lerp(start, end, weight)
+    ts, te = _tangent_or_zero(dot, start), _tangent_or_zero(dot, end)
+    t = ts + weight * (te - ts) + _tangent_or_zero(dot, weight) * (end - start)
+    return y, _as_tangent(t, y)
+
+
+def _matmul_plus(fn, product):
+    """addmm / baddbmm: beta * input + alpha * (m1 @ m2)."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, m1, m2 = args
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        y = fn(x, m1, m2, beta=beta, alpha=alpha)
+        t1, t2 = dot(m1), dot(m2)
+        parts = [None if t1 is None else product(t1, m2), None if t2 is None else product(m1, t2)]
+        t = add_tangents(None if dot(x) is None else _as_tangent(beta * dot(x), y),
+                         None if not any(p is not None for p in parts) else alpha * add_tangents(*parts))
+        return y, None if t is None else _as_tangent(t, y)
+
+    return rule
+
+
+JVP_RULES[lookup(torch.addmm).symbol] = _matmul_plus(lookup(torch.addmm).symbol, torch.matmul)
+JVP_RULES[lookup(torch.baddbmm).symbol] = _matmul_plus(lookup(torch.baddbmm).symbol, torch.matmul)
+
+
+def _values_along(fn, dim_position: int, default_dim: int | None, keepdim_position: int | None = None):
+    """Ops returning (values, indices) picked along a dim: the values' tangent is the tangent picked alike."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        dim = args[dim_position] if len(args) > dim_position else kwargs.get("dim", default_dim)
+        if not isinstance(dim, int):
+            return NotImplemented
+        values, indices = fn(*args, **kwargs)
+        keepdim = keepdim_position is None or (args[keepdim_position] if len(args) > keepdim_position
+                                               else kwargs.get("keepdim", False))
+        index = indices if keepdim or indices.dim() == args[0].dim() else indices.unsqueeze(dim)
+        picked = torch.gather(dot(args[0]), dim, index)
+        return (values, indices), (picked if keepdim or indices.dim() == args[0].dim() else picked.squeeze(dim), None)
+
+    return rule
+
+
+for _fn, _spec in ((torch.topk, (2, -1)), (torch.sort, (1, -1)), (torch.cummax, (1, None))):
+    JVP_RULES[lookup(_fn).symbol] = _values_along(lookup(_fn).symbol, *_spec)
+def _max_min(fn, binary: str):
+    """torch.max / min: of two tensors elementwise (maximum / minimum), else the values along a dim."""
+    along = _values_along(fn, 1, None, keepdim_position=2)
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        if len(args) < 2 or not _tensor(args[1]):
+            return along(dot, args, kwargs)
+        a, b = args
+        y = fn(a, b)
+        ta, tb = dot(a), dot(b)
+        vjp = BINARY_VJPS[binary]
+        return y, add_tangents(None if ta is None else _as_tangent(vjp(a, b, y, ta)[0], y),
+                               None if tb is None else _as_tangent(vjp(a, b, y, tb)[1], y))
+
+    return rule
+
+
+JVP_RULES[lookup(torch.max).symbol] = _max_min(lookup(torch.max).symbol, "maximum")
+JVP_RULES[lookup(torch.min).symbol] = _max_min(lookup(torch.min).symbol, "minimum")
+
+
+def _fmax_fmin(fn, keeps_first):
+    """fmax / fmin: the first operand's tangent where it is chosen (NaNs lose), the second's elsewhere."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        a, b = args
+        y = fn(a, b)
+        chosen = keeps_first(a, b) | torch.isnan(b)
+        ta, tb = _tangent_or_zero(dot, a), _tangent_or_zero(dot, b)
+        return y, _as_tangent(torch.where(chosen, ta, tb), y)
+
+    return rule
+
+
+JVP_RULES[lookup(torch.fmax).symbol] = _fmax_fmin(lookup(torch.fmax).symbol, lambda a, b: a >= b)
+JVP_RULES[lookup(torch.fmin).symbol] = _fmax_fmin(lookup(torch.fmin).symbol, lambda a, b: a <= b)
+
+
+@register_jvp(torch.xlogy)
+def _xlogy(dot: Dot, args: tuple, kwargs: dict):
+    x, y_ = args
+    out = torch.xlogy(x, y_)
+    tx, ty = dot(x), dot(y_)
+    return out, add_tangents(None if tx is None else _as_tangent(tx * torch.xlogy((x != 0).to(out.dtype), y_), out),
+                             None if ty is None else _as_tangent(ty * x / y_, out))
+
+
+def _loss(fn, pointwise):
+    """mse_loss / l1_loss (input, target, reduction): the pointwise derivative times the difference of tangents."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, target = args[:2]
+        reduction = kwargs.get("reduction", "mean")
+        if len(args) > 2 or any(v is not None for k, v in kwargs.items() if k != "reduction"):
+            return NotImplemented  # the deprecated size_average / reduce arguments, a weight
+        y = fn(x, target, reduction=reduction)
+        difference = x - target
+        t = pointwise(difference) * (_tangent_or_zero(dot, x) - _tangent_or_zero(dot, target))
+        t = t.sum() if reduction == "sum" else t.mean() if reduction == "mean" else t
+        return y, _as_tangent(t, y)
+
+    return rule
+
+
+JVP_RULES[lookup(F.mse_loss).symbol] = _loss(lookup(F.mse_loss).symbol, lambda d: 2 * d)
+JVP_RULES[lookup(F.l1_loss).symbol] = _loss(lookup(F.l1_loss).symbol, torch.sign)
+
+
+def _conv(fn, spatial: int):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, weight = args[:2]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        rest, options = args[3:], {k: v for k, v in kwargs.items() if k != "bias"}
+        y = fn(x, weight, bias, *rest, **options)
+        tx, tw, tb = dot(x), dot(weight), dot(bias) if bias is not None else None
+        t = add_tangents(None if tx is None else fn(tx, weight, None, *rest, **options),
+                         None if tw is None else fn(x, tw, None, *rest, **options),
+                         None if tb is None else tb.reshape(-1, *(1,) * spatial).expand(y.shape))
+        return y, None if t is None else _as_tangent(t, y)
+
+    return rule
+
+
+for _fn, _spatial in ((F.conv1d, 1), (F.conv2d, 2)):
+    JVP_RULES[lookup(_fn).symbol] = _conv(lookup(_fn).symbol, _spatial)

@@ -1,0 +1,106 @@
+"""The public transform API: user code that rewrites fulmen.jit's traces at documented stages.
+
+    class CountOps(fulmen.Transform):
+        def transform_acquired(self, trace):
+            ...
+            return trace.from_trace("CountOps", bound_symbols=...)
+
+    jitted = fulmen.jit(fn, transforms=[CountOps()])
+
+`fulmen.jit` calls each transform's hooks in the order the transforms are listed (see fulmen.jit.pipeline for the
+whole pipeline). A hook returns a new trace, or the trace it was given to leave it unchanged. What a hook returns is
+checked before anything runs: same inputs, the same number of outputs with the same shape, dtype and device, and
+every value defined before it is read. Its provenance line (`# Constructed by ...`) names the transform.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from fulmen.core.errors import FulmenError
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.trace import Trace
+
+
+class TransformError(FulmenError):
+    """A transform returned a trace fulmen cannot run in place of the one it was given."""
+
+
+class Stage(enum.Enum):
+    """The stages of fulmen.jit's pipeline, in order."""
+
+    ACQUIRED = "acquired"  # the whole program as acquired, after dead-code elimination and CSE, before autodiff
+    GRAD = "grad"  # the forward and backward traces autodiff split the program into
+    DISTRIBUTED = "distributed"  # DDP / FSDP collectives inserted (built in, no hook)
+    EXECUTION = "execution"  # calls claimed by executors, fusion regions formed (built in, no hook)
+    FINAL = "final"  # the traces that run, before codegen
+    CODEGEN = "codegen"  # `del` after last use, Python source (built in, no hook)
+
+
+class TraceKind(enum.Enum):
+    """Which trace a FINAL-stage hook sees."""
+
+    COMPUTATION = "computation"  # a program without a backward (nothing required grad)
+    FORWARD = "forward"  # returns the program's outputs, then the tensors saved for the backward
+    BACKWARD = "backward"  # takes (saved, cotangents), returns the inputs' grads
+
+
+@dataclass(frozen=True, slots=True)
+class GradTraces:
+    """The forward and backward traces of a differentiated program, as GRAD-stage hooks see them.
+
+    The forward returns the program's outputs followed by the `n_saved` tensors saved for the backward; the
+    backward takes those saved tensors (in the same order), then the outputs' cotangents, and returns the grads of
+    the program's inputs. A hook may change what is saved (its device, say) as long as the forward's saved outputs
+    and the backward's saved inputs keep matching.
+    """
+
+    forward: Trace
+    backward: Trace
+    n_saved: int
+
+    @property
+    def saved_by_forward(self) -> tuple[TensorProxy, ...]:
+        return tuple(self.forward.output[len(self.forward.output) - self.n_saved :])
+
+    @property
+    def saved_in_backward(self) -> tuple[TensorProxy, ...]:
+        return tuple(self.backward.inputs[: self.n_saved])
+
+
+class Transform:
+    """A trace transform for `fulmen.jit(fn, transforms=[...])`. Override the hooks of the stages you need.
+
+    Every hook returns a trace: a new one (`trace.from_trace(provenance, bound_symbols=..., ...)`) or the one it
+    was given, unchanged. Symbols are recorded by calling them inside `with TraceBuilder(trace.namespace)`, or
+    bound symbols may be copied and reordered (`bsym.from_bsym(...)`).
+    """
+
+    @property
+    def name(self) -> str:
+        """What the provenance of the traces this transform returns names it by."""
+        return type(self).__name__
+
+    def transform_acquired(self, trace: Trace) -> Trace:
+        """Stage ACQUIRED: the whole program (torch-level symbols, each with its prims as subsymbols), before
+        autodiff. What it returns is differentiated, distributed and claimed by executors like the program."""
+        return trace
+
+    def transform_forward(self, traces: GradTraces) -> Trace:
+        """Stage GRAD: a new forward trace, given the forward and the backward for all outputs' cotangents."""
+        return traces.forward
+
+    def transform_backward(self, traces: GradTraces) -> Trace:
+        """Stage GRAD: a new backward trace, given the forward this transform returned (`traces.forward`).
+
+        Called for every backward fulmen builds (one per pattern of outputs that receive a cotangent), each time
+        with the same forward."""
+        return traces.backward
+
+    def transform_final(self, trace: Trace, kind: TraceKind) -> Trace:
+        """Stage FINAL: the trace that will run, after executors claimed its calls; codegen only adds `del`s."""
+        return trace
+
+    def __repr__(self) -> str:
+        return f"<Transform {self.name}>"

@@ -1,0 +1,168 @@
+"""Batching a trace: batching rules, one table, and the transform that runs them (fulmen.vmap).
+
+Every batched value carries its batch dimension first. A batching rule gets a `Batch` (the batch size, which
+values are batched, helpers to batch an unbatched operand), then the call's arguments and keyword arguments, and
+returns the call's outputs for the whole batch, each with the batch dimension first:
+
+    @register_batching(prims.permute)
+    def _permute(batch, args, kwargs):
+        x, perm = args
+        return prims.permute(x, (0, *(p + 1 for p in perm)))
+
+A rule runs only when some tensor argument is batched (other calls are copied as they are) and may return
+NotImplemented to decline. A symbol without a rule is batched through its decomposition; a leaf without either
+runs once per example (`impls.batch_loop`), as torch.func does for ops it has no rule for.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fulmen.core.errors import TraceError
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
+from fulmen.core.trace import TraceBuilder
+from fulmen.ops import impls, prims
+from fulmen.ops.registry import impl_symbol, symbol_of
+from fulmen.transforms.autodiff import STORAGE_OPS
+from fulmen.transforms.inline import Emitter
+
+
+class Randomness(enum.Enum):
+    """torch.func.vmap's `randomness`: what a random op inside the function does."""
+
+    ERROR = "error"  # refuse random ops
+    SAME = "same"  # one draw shared by every example (ops whose arguments are not batched)
+    DIFFERENT = "different"  # an independent draw per example
+
+
+class Batch:
+    """What a batching rule knows: the batch size and which values carry the batch dimension (always dim 0)."""
+
+    def __init__(self, size: int, batched: set[str]) -> None:
+        self.size = size
+        self.names = batched
+
+    def batched(self, x: Any) -> bool:
+        return type(x) is TensorProxy and x.pname in self.names
+
+    def materialize(self, x: Any) -> Any:
+        """`x` with a batch dimension: an unbatched tensor is broadcast over the batch (a view)."""
+        if type(x) is not TensorProxy or self.batched(x):
+            return x
+        return prims.expand(prims.unsqueeze(x, 0), (self.size, *x.shape))
+
+    def pad_to(self, x: TensorProxy, ndim: int) -> TensorProxy:
+        """A batched `x` with size-1 dims after the batch dim, so that one example has `ndim` dims (for
+        broadcasting against operands with more dims, which would otherwise align with the batch dim)."""
+        example = x.dim() - 1
+        if example >= ndim:
+            return x
+        return prims.reshape(x, (self.size, *(1,) * (ndim - example), *x.shape[1:]))
+
+
+BatchRule = Callable[[Batch, tuple, dict], Any]
+
+# symbol -> rule (fulmen.transforms.batching_prims and batching_torch fill it).
+BATCH_RULES: dict[Symbol, BatchRule] = {}
+
+BATCH_LOOP = impl_symbol(impls.batch_loop)
+
+
+def register_batching(target: Symbol | Callable[..., Any]) -> Callable[[BatchRule], BatchRule]:
+    """Registers the decorated function as the batching rule of `target` (a symbol or a torch callable)."""
+    sym = symbol_of(target, "a batching rule")
+
+    def decorator(rule: BatchRule) -> BatchRule:
+        BATCH_RULES[sym] = rule
+        return rule
+
+    return decorator
+
+
+class BatchTransform:
+    """Writes the batched form of source calls into `builder`.
+
+    `env` maps the source's names to the target's values; `batched` names the target values that carry the batch
+    dimension (first).
+    """
+
+    def __init__(self, builder: TraceBuilder, interpreter: Any, env: dict[str, Any], batched: set[str], size: int,
+                 randomness: Randomness) -> None:
+        self.builder = builder
+        self.interpreter = interpreter
+        self.emitter = Emitter(builder, env)
+        self.batch = Batch(size, set(batched))
+        self.randomness = randomness
+        self.loops: list[str] = []  # the symbols that ran once per example
+
+    def run(self, bsyms: list[BoundSymbol]) -> None:
+        for bsym in bsyms:
+            self.call(bsym)
+
+    def call(self, bsym: BoundSymbol) -> None:
+        args, kwargs = self.emitter.read(bsym.args), self.emitter.read(bsym.kwargs)
+        batched = [self.batch.batched(p) for p in iter_proxies((args, kwargs))]
+        random = bool(bsym.sym.tags & Tag.RANDOM)
+        if random and self.randomness is Randomness.ERROR:
+            raise TraceError(f"fulmen.vmap: {bsym.sym.printed} draws random numbers; pass randomness='same' or "
+                             "'different' to say what each example gets (as torch.func.vmap)", bsym.source)
+        if random and self.randomness is Randomness.SAME and any(batched):
+            raise TraceError(f"fulmen.vmap(randomness='same') cannot batch {bsym.sym.printed} over batched "
+                             "arguments: each example would need its own values with shared randomness",
+                             bsym.source)
+        if not any(batched) and not (random and self.randomness is Randomness.DIFFERENT):
+            self.emitter.emit(bsym)
+            return
+        if bsym.sym.tags & Tag.IMPURE or bsym.sym.printed in STORAGE_OPS:
+            raise TraceError(f"fulmen.vmap cannot batch {bsym.sym.printed}: it writes into a tensor or addresses "
+                             "storage, which traces do not model", bsym.source)
+        rule = None if random else BATCH_RULES.get(bsym.sym)
+        if rule is not None and self._apply(bsym, lambda: rule(self.batch, args, kwargs)):
+            return
+        if bsym.subsymbols and not random:
+            self.run(bsym.subsymbols)
+            return
+        self.loops.append(bsym.sym.printed)
+        self._apply(bsym, lambda: self._loop(bsym, args, kwargs, tuple(batched)))
+
+    def _apply(self, bsym: BoundSymbol, run: Callable[[], Any]) -> bool:
+        """Runs a rule for `bsym` and maps its outputs (all batched); False when the rule declines."""
+        self.builder.source = bsym.source
+        self.builder.scopes.append([])
+        try:
+            with self.interpreter.rule_mode(bsym.source):
+                out = run()
+        finally:
+            recorded = self.builder.scopes.pop()
+        if out is NotImplemented:
+            return False
+        self.builder.scopes[-1].extend(recorded)
+        sources, outputs = bsym.proxy_outputs(), list(iter_proxies(out))
+        if len(outputs) != len(sources):
+            raise TraceError(f"the batching rule of {bsym.sym.printed} returned {len(outputs)} tensors, the symbol "
+                             f"gives {len(sources)}", bsym.source)
+        for source, value in zip(sources, outputs):
+            if (tuple(value.shape), value.dtype) != ((self.batch.size, *source.shape), source.dtype):
+                raise TraceError(f"the batching rule of {bsym.sym.printed} computed {value.type_string()} where a "
+                                 f"batch of {self.batch.size} of {source.type_string()} was expected", bsym.source)
+            self.emitter.env[source.pname] = value
+            self.batch.names.add(value.pname)
+        return True
+
+    def _loop(self, bsym: BoundSymbol, args: tuple, kwargs: dict, batched: tuple[bool, ...]) -> Any:
+        size = self.batch.size
+
+        def batched_proxy(p: TensorProxy) -> TensorProxy:
+            with torch._C.DisableTorchFunction():  # a meta tensor, not a call of the program
+                meta = torch.empty((size, *p.shape), dtype=p.dtype, device="meta")
+            return self.builder.make_proxy(meta, p.device)
+
+        out = map_proxies(bsym.output, batched_proxy)
+        self.builder.scopes[-1].append(BoundSymbol(BATCH_LOOP, (bsym.sym, args, kwargs, batched, size), {}, out, [],
+                                                   bsym.source))
+        return out
