@@ -79,23 +79,14 @@ def attributes(obj: Any, modules: bool = False) -> Iterator[tuple[str, Any]]:
                 yield name, getattr(obj, name)
 
 
-def holds_tensors(obj: Any, _seen: set[int] | None = None) -> bool:
-    """Whether a tensor is reachable from `obj` through containers and object attributes."""
-    if isinstance(obj, torch.Tensor):
-        return True
-    seen = set() if _seen is None else _seen
-    if id(obj) in seen:
-        return False
-    seen.add(id(obj))
-    if isinstance(obj, (tuple, list)):
-        return any(holds_tensors(item, seen) for item in obj)
-    if isinstance(obj, dict):
-        return any(holds_tensors(item, seen) for item in obj.values())
-    return any(holds_tensors(value, seen) for _, value in attributes(obj))
+def holds_tensors(obj: Any) -> bool:
+    """Whether a tensor is reachable from `obj` through containers and object attributes (modules excluded)."""
+    return find(obj, lambda item: isinstance(item, torch.Tensor), modules=False) is not None
 
 
-def find(obj: Any, predicate: Any, path: str = "", _seen: set[int] | None = None) -> str | None:
-    """The path (`.layers[0].keys`) to the first object inside `obj`, modules included, that satisfies `predicate`."""
+def find(obj: Any, predicate: Any, path: str = "", modules: bool = True, _seen: set[int] | None = None) -> str | None:
+    """The path (`.layers[0].keys`) to the first object inside `obj` (through containers, object attributes and,
+    with `modules`, module attributes) that satisfies `predicate`."""
     if predicate(obj):
         return path
     seen = set() if _seen is None else _seen
@@ -107,9 +98,9 @@ def find(obj: Any, predicate: Any, path: str = "", _seen: set[int] | None = None
     elif isinstance(obj, dict):
         items = ((f"{path}[{key!r}]", item) for key, item in obj.items())
     else:
-        items = ((f"{path}.{name}", value) for name, value in attributes(obj, modules=True))
+        items = ((f"{path}.{name}", value) for name, value in attributes(obj, modules))
     for where, item in items:
-        found = find(item, predicate, where, seen)
+        found = find(item, predicate, where, modules, seen)
         if found is not None:
             return found
     return None
