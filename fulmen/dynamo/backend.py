@@ -4,11 +4,11 @@
 
 Dynamo splits the program where it cannot build a graph (data-dependent branches, `.item()`, `nonzero`) and runs
 those parts as Python; each graph it captures (an FX graph, parameters among its inputs, no AOT autograd) comes
-here. On its first call the graph is acquired by fulmen node by node (fulmen.dynamo.splitter); nodes fulmen refuses
-are split out and run by Inductor (or eagerly), the rest runs through `fulmen.jit` with its autodiff and
-executors. A piece whose compilation fulmen refuses later (a new shape, a grad it cannot build) falls back the same
-way. `report()` lists Dynamo's graph breaks and fulmen's pieces with their reasons; `fulmen.last_traces(backend)`
-gives the trace each fulmen piece ran last.
+here. On its first call the whole graph goes through `fulmen.jit` (its autodiff and executors); if fulmen refuses
+it, the graph is acquired node by node to find the nodes it refuses (fulmen.dynamo.splitter), which are split out
+and run by Inductor (or eagerly) while fulmen runs the rest. A piece whose compilation fulmen refuses later (a new
+shape, a grad it cannot build) falls back the same way. `report()` lists Dynamo's graph breaks and fulmen's pieces
+with their reasons; `fulmen.last_traces(backend)` gives the trace each fulmen piece ran last.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import Trace
-from fulmen.dynamo.splitter import CALLS, refused_nodes, split, static_reason
+from fulmen.dynamo.splitter import CALLS, first_line, refused_nodes, split, static_reason
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import resolve
 from fulmen.jit.jitted import JittedModule
@@ -64,10 +64,6 @@ class GraphRecord:
     graph: torch.fx.GraphModule
     breaks: list[str]
     pieces: list[Piece] = field(default_factory=list)
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).split("\n", 1)[0]
 
 
 def _calls(module: torch.fx.GraphModule) -> int:
@@ -136,7 +132,7 @@ class FulmenPiece(nn.Module):
             except FulmenError as error:
                 self.fallback = FallbackPiece(self.module, self._fallback_kind)
                 if self.record is not None:
-                    self.record.reasons.append(_first_line(error))
+                    self.record.reasons.append(first_line(error))
         return self.fallback(*args)
 
 
@@ -159,7 +155,7 @@ class _SplitProgram:
             try:
                 out = whole.jitted(*args)
             except FulmenError as error:
-                refusal = _first_line(error)
+                refusal = first_line(error)
             else:
                 self.run = self._keep("graph", graph, whole, []).runner
                 return out

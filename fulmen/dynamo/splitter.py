@@ -48,7 +48,7 @@ def static_reason(node: torch.fx.Node) -> str | None:
     return None
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     return str(error).split("\n", 1)[0]
 
 
@@ -75,7 +75,7 @@ class _Probe(torch.fx.Interpreter):
                 try:
                     return super().run_node(node)
                 except FulmenError as error:
-                    self.reasons[node] = f"{_target_name(node)}: {_first_line(error)}"
+                    self.reasons[node] = f"{_target_name(node)}: {first_line(error)}"
             return self._stand_in(node.meta.get("example_value"))
         return super().run_node(node)
 
