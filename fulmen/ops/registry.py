@@ -52,8 +52,7 @@ def _operator_binding(op: Any) -> TorchBinding | None:
         return None
     seeded = any(torch.Tag.nondeterministic_seeded in overload.tags for overload in overloads)
     printed = f"torch.ops.{resolve_name(op)}"
-    sym = Symbol(name=printed.rsplit(".", 1)[-1] if op is packet else printed.split(".")[-2], printed=printed,
-                 impl=op, tags=Tag.RANDOM if seeded else Tag.NONE)
+    sym = Symbol(name=resolve_name(op), printed=printed, impl=op, tags=Tag.RANDOM if seeded else Tag.NONE)
     binding = TORCH_BINDINGS.setdefault(op, TorchBinding(sym))
     SYMBOLS.setdefault(printed, binding.symbol)
     return binding
