@@ -17,12 +17,14 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.function import Function, _is_setup_context_defined
 
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.symbol import BoundSymbol, iter_proxies
+from fulmen.jit.lookasides import checkpoint_lookaside
 from fulmen.transforms.function_grad import AUTOGRAD_FUNCTION, FunctionCall, FunctionContext
 
 _ORIGINAL_APPLY = Function.__dict__["apply"]  # a classmethod
@@ -33,6 +35,9 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     interpreter = _RECORDING.get()
     if interpreter is None:
         return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    if cls is torch.utils.checkpoint.CheckpointFunction:  # checkpoint(use_reentrant=True): a checkpointed region
+        function, _, *inputs = args
+        return checkpoint_lookaside(interpreter.builder)(function, *inputs)
     return record_function(interpreter, cls, args, kwargs)
 
 

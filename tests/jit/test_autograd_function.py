@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint as bound_checkpoint
 
 import fulmen
 
@@ -265,3 +266,25 @@ def test_outside_acquisition_apply_is_torchs_own():
     x = torch.randn(3, requires_grad=True)
     Square.apply(x).sum().backward()
     torch.testing.assert_close(x.grad, 2 * x.detach())
+
+
+def test_reentrant_checkpoint_is_a_checkpointed_region():
+    """Called through a name bound before fulmen ran (as libraries import it), so torch's own checkpoint runs and
+    applies its CheckpointFunction."""
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def fn(x, w):
+        def block(x):
+            return torch.tanh(x @ w) * 2
+
+        return bound_checkpoint(block, x, use_reentrant=True).sum()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    fn(x, w).backward()
+    want = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    jitted = fulmen.jit(fn)
+    jitted(x, w).backward()
+    torch.testing.assert_close(x.grad, want[0])
+    torch.testing.assert_close(w.grad, want[1])
+    assert any(b.checkpoint_region for b in fulmen.last_traces(jitted)[0].bound_symbols)
