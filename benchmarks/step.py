@@ -5,7 +5,14 @@
         [--out benchmarks/step.json]
 
 `fulmen+unsloth` is fulmen with the "unsloth" executor (fulmen.unsloth's Triton kernels for cross-entropy, SwiGLU
-and RoPE) ahead of the same executors as the `fulmen` row (`--executors`, or fulmen's defaults).
+and RoPE) ahead of the same executors as the `fulmen` row (`--executors`, or fulmen's defaults). `fulmen+cudagraphs`
+is fulmen with `JitOptions(cuda_graphs=True)`, `torch.compile+cudagraphs` torch.compile's "reduce-overhead" mode
+(neither is in the default list).
+
+`--preset seed-002` is the seed-002 notebook's regime: llm.c's GPT-2 124M as examples/llmc/model.py writes it
+(`--model_name llmc-gpt2`, its own loss in the forward), B=4, T=64, fp32 with TF32 off, `torch.optim.Adam`:
+
+    python benchmarks/step.py --preset seed-002 --compilers eager,torch.compile,fulmen,fulmen+cudagraphs
 
 Every compiler runs in turn in this one process on one device, each on a fresh model built from the same seed and
 trained on the same random batch, so the losses they report should agree. The weights are in the benchmark dtype
@@ -16,16 +23,19 @@ What is compiled: the function `forward_and_loss(model, x, y)`, so the cross-ent
 Thunder's pretraining script (`torch.compile` and `thunder.jit` get the same function, for parity). When a compiler
 raises on that function it is retried on the module alone with the loss computed eagerly; `mode` in the JSON says
 which one ran ("function" or "module") and `function_mode_error` why the first failed. The optimizer step is eager
-for every compiler: `torch.optim.AdamW(fused=True)` on CUDA, `foreach=True` on CPU.
+for every compiler: `torch.optim.AdamW(fused=True)` on CUDA, `foreach=True` on CPU (`--optimizer adam`:
+`torch.optim.Adam` with its defaults, as the seed-002 notebook).
 
 Measured per compiler: the wall time of the first step (compilation included), then `--warmup` untimed steps, then
 `--iters` steps each timed with a device synchronize on either side (median reported); the peak allocated CUDA
 memory over the compiler's whole run (model, optimizer state and steps); tokens/s = micro_batch_size * seq_len /
-median; the loss of the last step. MFU = FLOPs per step / (median seconds * the GPU's dense bf16 peak), with the
+median; the loss of the last step; on CUDA, the GPU time per step of each kernel family (matmul, attention,
+triton, adam, other) from torch.profiler over `--profile_steps` further steps, and the largest kernels.
+MFU = FLOPs per step / (median seconds * the GPU's dense bf16 peak), with the
 FLOPs per step from LitGPT's `estimate_flops(model, training=True) * micro_batch_size` (what LitGPT's pretraining
 logs): 3 * (2 * n_params * seq_len + 4 * n_layer * n_embd * seq_len**2) per sequence, all parameters counted, the
-embedding included. MFU is null on CPU, for a dtype other than bf16 and for a GPU not in
-`fulmen.pretrain.flops.PEAK_BF16_DENSE_FLOPS`.
+embedding included (the same formula for llmc-gpt2). MFU is null on CPU, for a dtype other than bf16 and for a GPU
+not in `fulmen.pretrain.flops.PEAK_BF16_DENSE_FLOPS`.
 
 A failing compiler (an exception or an OOM) is recorded with its error and the next one runs.
 CPU smoke test:
@@ -54,22 +64,35 @@ import torch
 import torch.nn.functional as F
 from litgpt import GPT, Config
 from litgpt.utils import estimate_flops
+from torch.autograd import DeviceType
 
 REPO = Path(__file__).resolve().parents[1]
-try:
-    import fulmen
-except ImportError:  # run from a checkout that is not pip-installed
+if str(REPO) not in sys.path:  # fulmen may be pip-installed; examples/ is imported from the checkout
     sys.path.insert(0, str(REPO))
-    import fulmen
+import fulmen  # noqa: E402
+from examples.llmc import model as llmc_model  # noqa: E402
 from fulmen.pretrain.flops import peak_flops  # noqa: E402 - the same table pretraining reports MFU with
 
-COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen+unsloth", "thunder")
+DEFAULT_COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen+unsloth", "thunder")
+COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LLMC_GPT2 = "llmc-gpt2"  # the seed-002 notebook's GPT-2 (examples/llmc/model.py), not a LitGPT config
+PRESETS = {"seed-002": {"model_name": LLMC_GPT2, "micro_batch_size": 4, "seq_len": 64, "dtype": "fp32",
+                        "optimizer": "adam", "tf32": False}}
 
 
 def forward_and_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(x)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def forward_and_own_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """llm.c's GPT-2 computes its loss in its forward, as the seed-002 notebook trains it."""
+    return model(x, y)[1]
+
+
+def loss_function(model: torch.nn.Module) -> Callable:
+    return forward_and_own_loss if isinstance(model, llmc_model.GPT) else forward_and_loss
 
 
 @contextlib.contextmanager
@@ -82,15 +105,29 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> GPT:
-    """A randomly initialised GPT created on `device` in `dtype` (the default dtype while the weights are made)."""
+def build_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A randomly initialised GPT created on `device` in `dtype` (the default dtype while the weights are made):
+    LitGPT's, or llm.c's GPT-2 for `--model_name llmc-gpt2`."""
     overrides = {"n_layer": args.n_layer} if args.n_layer is not None else {}
-    config = Config.from_name(args.model_name, **overrides)
     torch.manual_seed(args.seed)
+    if args.model_name == LLMC_GPT2:
+        with torch.device(device), default_dtype(dtype):
+            return llmc_model.GPT(llmc_model.GPTConfig(**overrides)).to(dtype)
+    config = Config.from_name(args.model_name, **overrides)
     with torch.device(device), default_dtype(dtype):
         model = GPT(config)
         model.max_seq_length = args.seq_len
     return model.to(dtype)  # the RoPE cache LitGPT builds in fp32 too, as bf16-true precision converts it
+
+
+def training_flops(model: torch.nn.Module, args: argparse.Namespace) -> float:
+    """FLOPs of a training step: LitGPT's `estimate_flops`, or its formula for llm.c's GPT-2 (all parameters,
+    3 * (2 * n_params * T + 4 * n_layer * n_embd * T**2) per sequence)."""
+    if isinstance(model, llmc_model.GPT):
+        config, n_params = model.config, sum(p.numel() for p in model.parameters())
+        per_sequence = 3 * (2 * n_params * args.seq_len + 4 * config.n_layer * config.n_embd * args.seq_len ** 2)
+        return per_sequence * args.micro_batch_size
+    return estimate_flops(model, training=True) * args.micro_batch_size
 
 
 def make_batch(args: argparse.Namespace, config: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +140,12 @@ def make_batch(args: argparse.Namespace, config: Config, device: torch.device) -
 def compile_fn(name: str, executors: list[str] | None) -> Callable[[Any], Callable]:
     if name == "torch.compile":
         return torch.compile
+    if name == "torch.compile+cudagraphs":
+        return lambda fn: torch.compile(fn, mode="reduce-overhead")
     if name == "fulmen":
         return lambda fn: fulmen.jit(fn, executors=executors)
+    if name == "fulmen+cudagraphs":
+        return lambda fn: fulmen.jit(fn, executors=executors, options=fulmen.JitOptions(cuda_graphs=True))
     if name == "fulmen+unsloth":  # fulmen.unsloth's Triton kernels first, then the same executors
         names = executors or [executor.name for executor in fulmen.get_default_executors()]
         return lambda fn: fulmen.jit(fn, executors=["unsloth", *names])
@@ -115,16 +156,24 @@ def compile_fn(name: str, executors: list[str] | None) -> Callable[[Any], Callab
     raise ValueError(f"unknown compiler {name!r}")
 
 
-def make_loss_fn(name: str, mode: str, model: GPT, executors: list[str] | None) -> Callable:
+def make_loss_fn(name: str, mode: str, model: torch.nn.Module, executors: list[str] | None) -> Callable:
     """`loss_fn(x, y)` for one compiler: the compiled `forward_and_loss` ("function") or compiled module ("module")."""
+    loss = loss_function(model)
     if name == "eager":
-        return lambda x, y: forward_and_loss(model, x, y)
+        return lambda x, y: loss(model, x, y)
     compile_ = compile_fn(name, executors)
     if mode == "function":
-        compiled = compile_(forward_and_loss)
-        return lambda x, y: compiled(model, x, y)
-    compiled_model = compile_(model)
-    return lambda x, y: forward_and_loss(compiled_model, x, y)
+        compiled = compile_(loss)
+    else:
+        compiled_model = compile_(model)
+        compiled = lambda _, x, y: loss(compiled_model, x, y)  # noqa: E731
+    if name == "torch.compile+cudagraphs":  # each step is a new generation of torch's cudagraph trees
+        def step_begin(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(model, x, y)
+
+        return step_begin
+    return lambda x, y: compiled(model, x, y)
 
 
 def sync(device: torch.device) -> None:
@@ -132,15 +181,66 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# Kernel families of a step's GPU time, by kernel name: the first family with a matching fragment wins.
+KERNEL_FAMILIES = (
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("triton", ("triton",)),
+    ("adam", ("adam", "multi_tensor_apply")),  # fused AdamW, and the foreach kernels of torch.optim.Adam
+    ("matmul", ("gemm", "cutlass", "cublas", "nvjet", "xmma", "wgmma", "matmul", "splitk")),
+    ("communication", ("nccl",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    for family, fragments in KERNEL_FAMILIES:
+        if any(fragment in lowered for fragment in fragments):
+            return family
+    return "other"
+
+
+def profile_steps(step: Callable[[], Any], steps: int, fence: Callable[[], None]) -> dict:
+    """GPU time per step of each kernel family and of the largest kernels, from torch.profiler over `steps` steps."""
+    fence()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            step()
+        fence()
+    families = {family: 0.0 for family, _ in KERNEL_FAMILIES} | {"other": 0.0}
+    kernels: dict[str, list[float]] = {}  # name -> [ms per step, launches per step]
+    launches = 0
+    for event in profiler.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        ms = event.time_range.elapsed_us() / 1e3 / steps  # a kernel (or copy) on the device
+        families[kernel_family(event.name)] += ms
+        totals = kernels.setdefault(event.name, [0.0, 0.0])
+        totals[0] += ms
+        totals[1] += 1 / steps
+        launches += 1
+    top = sorted(kernels.items(), key=lambda item: -item[1][0])[:40]
+    return {"gpu_ms_per_step_by_family": families, "gpu_ms_per_step": sum(families.values()),
+            "kernels_per_step": launches / steps,
+            "top_kernels": [{"name": name, "ms_per_step": ms, "launches_per_step": count}
+                            for name, (ms, count) in top]}
+
+
+def make_optimizer(params: list[torch.Tensor], name: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW, fused on CUDA and foreach on CPU; or the seed-002 notebook's `torch.optim.Adam` with its defaults."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4)
+    if params[0].device.type == "cuda":
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
 def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
                args: argparse.Namespace, fence: Callable[[], None],
                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> dict:
-    """AdamW (fused on CUDA, foreach on CPU) over `params`: one first step, `args.warmup` untimed steps, then
-    `args.iters` steps each timed between two `fence()` calls. `backward`: `fabric.backward` for Fabric's rows."""
-    if params[0].device.type == "cuda":
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    """`make_optimizer(params, args.optimizer)`: one first step, `args.warmup` untimed steps, then `args.iters` steps
+    each timed between two `fence()` calls, then (on CUDA) `args.profile_steps` profiled steps. `backward`:
+    `fabric.backward` for Fabric's rows."""
+    optimizer = make_optimizer(params, getattr(args, "optimizer", "adamw"))
 
     def step(count_grads: bool = False) -> tuple[torch.Tensor, int]:
         loss = loss_fn(x, y)
@@ -155,18 +255,22 @@ def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y
     first_loss, with_grad = step(count_grads=True)
     fence()
     first_step_s = time.perf_counter() - start
+    first_loss = first_loss.item()  # now: a compiler replaying CUDA graphs overwrites it with the next step
     for _ in range(args.warmup):
         step()
     iter_ms = []
-    loss = first_loss
+    loss = None
     for _ in range(args.iters):
         fence()
         start = time.perf_counter()
         loss, _ = step()
         fence()
         iter_ms.append((time.perf_counter() - start) * 1e3)
-    return {"iter_ms": iter_ms, "first_step_s": first_step_s, "first_loss": first_loss.item(),
-            "final_loss": loss.item(), "params_with_grad": [with_grad, len(params)]}
+    timed = {"iter_ms": iter_ms, "first_step_s": first_step_s, "first_loss": first_loss,
+             "final_loss": loss.item(), "params_with_grad": [with_grad, len(params)]}
+    if params[0].device.type == "cuda" and getattr(args, "profile_steps", 0):
+        timed["profile"] = profile_steps(step, args.profile_steps, fence)
+    return timed
 
 
 def run_compiler(name: str, mode: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
@@ -176,7 +280,7 @@ def run_compiler(name: str, mode: str, args: argparse.Namespace, device: torch.d
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(args, device, dtype)
-    flops_per_step = estimate_flops(model, training=True) * args.micro_batch_size
+    flops_per_step = training_flops(model, args)
     n_params = sum(p.numel() for p in model.parameters())
     params = list(model.parameters())
     x, y = make_batch(args, model.config, device)
@@ -194,6 +298,8 @@ def run_compiler(name: str, mode: str, args: argparse.Namespace, device: torch.d
         "iter_ms": iter_ms,
         "first_step_s": timed["first_step_s"],
         "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        # CUDA graphs' pools hold memory the allocator counts as reserved, not allocated, between replays
+        "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None,
         "allocated_before_gb": allocated_before_gb,
         "tokens_per_s": args.micro_batch_size * args.seq_len / median_s,
         "mfu": flops_per_step / (median_s * peak) if peak else None,
@@ -202,6 +308,7 @@ def run_compiler(name: str, mode: str, args: argparse.Namespace, device: torch.d
         "first_loss": timed["first_loss"],
         "final_loss": timed["final_loss"],
         "params_with_grad": timed["params_with_grad"],
+        **timed.get("profile", {}),
     }
     with_grad = timed["params_with_grad"][0]
     if with_grad != len(params):
@@ -214,7 +321,7 @@ def is_oom(error: BaseException) -> bool:
 
 
 def cleanup(name: str, device: torch.device) -> None:
-    if name == "torch.compile":
+    if name.startswith("torch.compile"):
         torch._dynamo.reset()  # its caches hold on to the graphs compiled for this model
     gc.collect()
     if device.type == "cuda":
@@ -249,18 +356,42 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(results: dict[str, dict], ratios: dict[str, dict]) -> None:
-    header = f"{'compiler':15}{'ms/iter':>10}{'x eager':>9}{'peak GB':>9}{'1st step s':>12}{'tokens/s':>11}"
+    header = f"{'compiler':25}{'ms/iter':>10}{'x eager':>9}{'peak GB':>9}{'1st step s':>12}{'tokens/s':>11}"
     print(header + f"{'MFU':>7}{'final loss':>12}  mode")
     for name, r in results.items():
         if r["status"] != "ok":
-            print(f"{name:15}{r['status']}: {r.get('error') or r.get('reason')}")
+            print(f"{name:25}{r['status']}: {r.get('error') or r.get('reason')}")
             continue
         ratio = ratios.get(name, {}).get("ms_per_iter")
         print(
-            f"{name:15}{r['ms_per_iter']:10.2f}{fmt(ratio, '.3f'):>9}{fmt(r['peak_gb'], '.2f'):>9}"
+            f"{name:25}{r['ms_per_iter']:10.2f}{fmt(ratio, '.3f'):>9}{fmt(r['peak_gb'], '.2f'):>9}"
             f"{r['first_step_s']:12.2f}{r['tokens_per_s']:11.0f}{fmt(r['mfu'], '.1%'):>7}{r['final_loss']:12.5f}"
             f"  {r['mode']}" + (f"  WARNING: {r['warning']}" if "warning" in r else "")
         )
+    profiled = {name: r for name, r in results.items() if "gpu_ms_per_step_by_family" in r}
+    if profiled:
+        families = list(next(iter(profiled.values()))["gpu_ms_per_step_by_family"])
+        print(f"\n{'GPU ms per step':25}{'reserved GB':>12}{'kernels':>9}{'total':>8}"
+              + "".join(f"{family:>14}" for family in families))
+        for name, r in profiled.items():
+            by_family = r["gpu_ms_per_step_by_family"]
+            print(f"{name:25}{fmt(r['peak_reserved_gb'], '.2f'):>12}{r['kernels_per_step']:9.0f}"
+                  f"{r['gpu_ms_per_step']:8.2f}" + "".join(f"{by_family[family]:14.2f}" for family in families))
+
+
+def ratios_to(results: dict[str, dict], baseline: str) -> dict[str, dict]:
+    """Each row's ms/iter and peak memory over the `baseline` row's (empty when the baseline did not run)."""
+    base = results.get(baseline, {})
+    if base.get("status") != "ok":
+        return {}
+    ratios = {}
+    for name, r in results.items():
+        if r["status"] == "ok":
+            ratios[name] = {
+                "ms_per_iter": r["ms_per_iter"] / base["ms_per_iter"],
+                "peak_gb": r["peak_gb"] / base["peak_gb"] if r["peak_gb"] and base["peak_gb"] else None,
+            }
+    return ratios
 
 
 def git_revision() -> str | None:
@@ -288,27 +419,39 @@ def write_report(report: dict, path: str | Path) -> None:
     print(f"wrote {out}")
 
 
-def make_parser(description: str | None, choices: tuple[str, ...], out: str) -> argparse.ArgumentParser:
-    """The arguments this script and fsdp_step.py share; `choices`: the compilers (rows) to pick from."""
+def make_parser(description: str | None, choices: tuple[str, ...], out: str,
+                defaults: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """The arguments this script and fsdp_step.py share; `choices`: the compilers (rows) to pick from, `defaults`
+    the rows run when none are named (all choices when None)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_name", default="tiny-llama-1.1b", help="a LitGPT config name")
+    parser.add_argument("--model_name", default="tiny-llama-1.1b", help=f"a LitGPT config name, or {LLMC_GPT2}")
     parser.add_argument("--micro_batch_size", type=int, default=4, help="sequences per process")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     parser.add_argument("--iters", type=int, default=10, help="timed steps (the median is reported)")
-    parser.add_argument("--compilers", default=",".join(choices), help=f"comma list from {','.join(choices)}")
+    parser.add_argument("--compilers", default=",".join(defaults or choices),
+                        help=f"comma list from {','.join(choices)}")
     parser.add_argument("--executors", default=None, help="comma list passed as fulmen.jit(..., executors=[...])")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--n_layer", type=int, default=None, help="override the config's n_layer (smoke tests)")
     parser.add_argument("--seed", type=int, default=42, help="the weights' seed (the same in every process)")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam"))
+    parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=False,
+                        help="TF32 matmuls for fp32 (off by default, as in the seed-002 regime)")
+    parser.add_argument("--profile_steps", type=int, default=3, help="steps profiled on CUDA (0: none)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a named regime; its settings are the defaults the other flags override")
     parser.add_argument("--out", default=out)
     return parser
 
 
 def parse_common(parser: argparse.ArgumentParser, argv: list[str] | None,
                  choices: tuple[str, ...]) -> argparse.Namespace:
-    """Parses and checks the shared arguments (comma lists become lists)."""
+    """Parses and checks the shared arguments (comma lists become lists; a preset's settings become defaults)."""
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset is not None:
+        parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args(argv)
     args.compilers = [c.strip() for c in args.compilers.split(",") if c.strip()]
     unknown = sorted(set(args.compilers) - set(choices))
@@ -322,11 +465,17 @@ def parse_common(parser: argparse.ArgumentParser, argv: list[str] | None,
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return parse_common(make_parser(__doc__, COMPILERS, "benchmarks/step.json"), argv, COMPILERS)
+    return parse_common(make_parser(__doc__, COMPILERS, "benchmarks/step.json", DEFAULT_COMPILERS), argv, COMPILERS)
+
+
+def set_tf32(enabled: bool) -> None:
+    # matmuls only: these models have no convolution (cuDNN's TF32 flag is left as it is)
+    torch.backends.cuda.matmul.allow_tf32 = enabled
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    set_tf32(args.tf32)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -350,18 +499,10 @@ def main(argv: list[str] | None = None) -> dict:
         r = results[name]
         print(f"{name}: {r['status']}" + (f" ({r['error']})" if "error" in r else ""), flush=True)
 
-    ratios: dict[str, dict] = {}
-    eager = results.get("eager", {})
-    if eager.get("status") == "ok":
-        for name, r in results.items():
-            if r["status"] == "ok":
-                ratios[name] = {
-                    "ms_per_iter": r["ms_per_iter"] / eager["ms_per_iter"],
-                    "peak_gb": r["peak_gb"] / eager["peak_gb"] if r["peak_gb"] and eager["peak_gb"] else None,
-                }
+    ratios = ratios_to(results, "eager")
     print_table(results, ratios)
     report = {
-        "benchmark": "LitGPT training step: forward, cross-entropy, backward, AdamW step",
+        "benchmark": f"training step of {args.model_name}: forward, cross-entropy, backward, {args.optimizer} step",
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "machine": platform.processor() or platform.machine(),
@@ -376,6 +517,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_flops": peak_flops(device, dtype),
         "results": results,
         "ratios_vs_eager": ratios,
+        "ratios_vs_torch_compile": ratios_to(results, "torch.compile"),
     }
     write_report(report, args.out)
     return report

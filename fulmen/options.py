@@ -55,6 +55,9 @@ class JitOptions:
             logits at most 1/8 of the full logits and 256 MiB, but at least 1024 rows).
         transforms: `fulmen.Transform`s run at the pipeline's stages, in this order (see fulmen.jit.pipeline).
         offload: CPU offloading of the tensors saved for the backward (None: off).
+        cuda_graphs: capture the final forward and backward traces in CUDA graphs and replay them
+            (fulmen.transforms.cudagraphs; torch.compile's "reduce-overhead"): for steps that launch many small
+            kernels. Programs that cannot be captured run without graphs, with a warning that says why.
     """
 
     decompose: bool = True
@@ -63,9 +66,10 @@ class JitOptions:
     cross_entropy_chunk_rows: int | None = None
     transforms: tuple[Transform, ...] = field(default=())
     offload: OffloadOptions | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("decompose", "cse", "fuse_linear_cross_entropy"):
+        for name in ("decompose", "cse", "fuse_linear_cross_entropy", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"JitOptions.{name} must be a bool, got {getattr(self, name)!r}")
         rows = self.cross_entropy_chunk_rows

@@ -52,6 +52,7 @@ def setup(
     compiler: Literal["fulmen", "torch"] | None = "fulmen",
     executors: list[str] | None = None,
     offload: float | None = None,
+    cuda_graphs: bool = False,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
@@ -80,6 +81,9 @@ def setup(
         executors: fulmen's executor list, e.g. [sdpa, torchcompile, torch]; default fulmen's.
         offload: the share of the activations saved for the backward that fulmen offloads to CPU memory (CUDA),
             in (0, 1], the longest-lived first; null: none.
+        cuda_graphs: fulmen replays the step's forward and backward as CUDA graphs (`JitOptions.cuda_graphs`),
+            for small models and batches whose steps are launch-bound; a program it cannot capture (CPU, ddp, fsdp)
+            runs without, with a warning.
         strategy: "auto" (one device: none; several: ddp), "ddp" or "fsdp" (fulmen's Fabric strategies).
         fsdp: the FSDP strategy's options.
         logger_name: "csv" or "tensorboard".

@@ -51,7 +51,8 @@ def make_strategy(settings: Settings, world: int) -> Any:
 def compile_loss(settings: Settings) -> Any:
     if settings.compiler == "fulmen":
         offload = None if settings.offload is None else fulmen.OffloadOptions(fraction=settings.offload)
-        return fulmen.jit(forward_and_loss, executors=settings.executors, offload=offload)
+        return fulmen.jit(forward_and_loss, executors=settings.executors,
+                          options=fulmen.JitOptions(offload=offload, cuda_graphs=settings.cuda_graphs))
     if settings.compiler == "torch":
         return torch.compile(forward_and_loss)
     return forward_and_loss

@@ -64,6 +64,7 @@ class Settings:
     compiler: str | None
     executors: list[str] | None
     offload: float | None
+    cuda_graphs: bool
     strategy: str
     fsdp: FSDPArgs
     logger_name: str
@@ -261,6 +262,8 @@ def check(settings: Settings) -> Plan:
         raise ValueError(f"executors are fulmen's and need compiler: fulmen, got compiler: {settings.compiler}")
     if settings.executors is not None:
         fulmen.resolve_executors(settings.executors)  # unknown names fail here
+    if settings.cuda_graphs and settings.compiler != "fulmen":
+        raise ValueError(f"cuda_graphs is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
     if settings.offload is not None:
         if settings.compiler != "fulmen":
             raise ValueError(f"offload is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")

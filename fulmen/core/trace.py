@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
@@ -105,6 +106,53 @@ def _is_differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+class _Uncacheable(Exception):
+    pass
+
+
+def _meta_key(obj: Any) -> Any:
+    """A hashable description of everything a meta kernel reads from arguments (a tensor's shape, strides, offset
+    and dtype; any other value with its type, since 1, 1.0 and True promote differently)."""
+    if type(obj) is TensorProxy:
+        return (TensorProxy, tuple(obj.shape), obj.stride(), obj.storage_offset(), obj.dtype)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(_meta_key(item) for item in obj))
+    if isinstance(obj, dict):
+        return (dict, tuple((key, _meta_key(value)) for key, value in obj.items()))
+    if isinstance(obj, torch.Tensor):  # a real tensor (a constant): its values may matter
+        raise _Uncacheable
+    try:
+        hash(obj)
+    except TypeError:
+        raise _Uncacheable from None
+    return (type(obj), obj)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor)]
+
+
+def _new_tensors_only(meta_out: Any, meta_args: tuple, meta_kwargs: dict[str, Any]) -> bool:
+    """Whether every tensor `meta_out` holds is a new, dense tensor (no view or input: their aliasing is not kept)."""
+    inputs = {id(t) for t in _tensors((meta_args, meta_kwargs))}
+    for tensor in _tensors(meta_out):
+        if tensor._is_view() or id(tensor) in inputs or tensor.storage_offset() != 0:
+            return False
+    return isinstance(meta_out, (torch.Tensor, tuple, list))
+
+
+def _fresh_metas(meta_out: Any) -> Any:
+    """New meta tensors laid out as those of `meta_out` (each call gets its own)."""
+    if isinstance(meta_out, torch.Tensor):
+        return torch.empty_strided(meta_out.shape, meta_out.stride(), dtype=meta_out.dtype, device="meta")
+    if isinstance(meta_out, (tuple, list)):
+        items = [_fresh_metas(item) for item in meta_out]
+        if hasattr(type(meta_out), "n_fields"):  # torch.return_types structseqs
+            return type(meta_out)(items)
+        return items if isinstance(meta_out, list) else tuple(items)
+    return meta_out
+
+
 class TraceBuilder(Builder):
     """Records bound symbols into nested scopes while the user's program (or a decomposition) runs."""
 
@@ -113,6 +161,9 @@ class TraceBuilder(Builder):
 
     def __init__(self, namespace: Namespace | None = None, decompose: bool = True) -> None:
         self.namespace = namespace or Namespace()
+        # The repeated blocks of a model ask torch's meta kernels the same question once per block: the answers,
+        # by the arguments' metadata (see _meta_key), for calls whose outputs are new tensors.
+        self._metas: dict[tuple, Any] = {}
         self.scopes: list[list[BoundSymbol]] = [[]]
         self.source: SourceLocation | None = None
         self.decompose = decompose
@@ -153,8 +204,7 @@ class TraceBuilder(Builder):
                 output = sym.meta(self, *args, **kwargs)
             else:
                 device = infer_device(args, kwargs)
-                meta_args, meta_kwargs = _to_meta(args, kwargs)
-                meta_out = sym.impl(*meta_args, **meta_kwargs)
+                meta_out = self._meta_outputs(sym, args, kwargs)
                 requires_grad = (torch.is_grad_enabled() and not sym.tags & Tag.NO_GRAD
                                  and any(p.requires_grad for p in iter_proxies((args, kwargs))))
                 output = self.wrap_outputs(meta_out, device, requires_grad)
@@ -164,6 +214,20 @@ class TraceBuilder(Builder):
             self.scopes[-1].append(
                 BoundSymbol(sym, args, kwargs, output, subsymbols, self.source, self.checkpoint_region))
         return output
+
+    def _meta_outputs(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
+        try:
+            key = _meta_key((sym, args, kwargs))
+        except _Uncacheable:
+            key = None
+        cached = self._metas.get(key) if key is not None else None
+        if cached is not None:
+            return _fresh_metas(cached)
+        meta_args, meta_kwargs = _to_meta(args, kwargs)
+        meta_out = sym.impl(*meta_args, **meta_kwargs)
+        if key is not None and _new_tensors_only(meta_out, meta_args, meta_kwargs):
+            self._metas[key] = meta_out
+        return meta_out
 
     def bind_meta(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The outputs `sym`'s meta function gives for these arguments, without recording a call."""

@@ -199,7 +199,13 @@ class OperatorExecutor(Executor):
 
 
 class FusionExecutor(Executor):
-    """An executor that compiles regions of consecutive fusible calls (see fulmen.executors.passes)."""
+    """An executor that compiles regions of consecutive fusible calls (see fulmen.executors.passes).
+
+    `recomputes_inputs`: cheap values a region would hand to a later region are recomputed by that region instead
+    (fulmen.executors.region_remat); the executor must fuse any cheap call it fused once again elsewhere.
+    """
+
+    recomputes_inputs = False
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         raise NotImplementedError

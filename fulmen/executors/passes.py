@@ -7,10 +7,12 @@ from typing import Any
 
 from fulmen.core.errors import UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies
+from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.base import Executor, FusionExecutor
+from fulmen.executors.region_remat import REGION, plan_regions
 from fulmen.transforms.recording import record_call
+from fulmen.transforms.regions import form_regions
 
 
 class _Claimer:
@@ -64,40 +66,24 @@ def transform_for_execution(trace: Trace, executors: tuple[Executor, ...],
 def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Executor]) -> Trace:
     """Groups runs of consecutive calls `executor` can fuse (among those claimed by executors after it) into its
     regions. Regions are consecutive in the trace, so no value is computed earlier or freed later than before:
-    fusing cannot raise peak memory (a region's intermediates are never materialised)."""
-    last_use: dict[str, int] = {}
-    for position, bsym in enumerate(trace.bound_symbols):
-        for name in bsym.arg_names():
-            last_use[name] = position
-    for proxy in iter_proxies(trace.output):
-        last_use[proxy.pname] = len(trace.bound_symbols)
-    bsyms: list[BoundSymbol] = []
-    run: list[BoundSymbol] = []
-    regions = 0
+    fusing cannot raise peak memory (a region's intermediates are never materialised). Then, when the executor
+    `recomputes_inputs`, regions merge across independent calls and cheap values a region would hand to later
+    regions are recomputed there instead (fulmen.executors.region_remat, which never raises peak memory either)."""
 
-    def flush(end: int) -> None:
-        nonlocal regions
-        if run and executor.worth_fusing(run):
-            produced: dict[str, TensorProxy] = {}
-            inputs: dict[str, TensorProxy] = {}
-            for bsym in run:
-                for proxy in bsym.proxy_args():
-                    if proxy.pname not in produced:
-                        inputs.setdefault(proxy.pname, proxy)
-                for proxy in bsym.proxy_outputs():
-                    produced[proxy.pname] = proxy
-            outputs = [proxy for name, proxy in produced.items() if last_use.get(name, -1) >= end]
-            bsyms.append(executor.fuse(list(run), list(inputs.values()), outputs, regions))
+    def plan(run: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy]) -> BoundSymbol | None:
+        return BoundSymbol(REGION, tuple(inputs), {}, tuple(outputs), run) if executor.worth_fusing(run) else None
+
+    def fusible(bsym: BoundSymbol) -> bool:
+        return bsym.executor in later and executor.can_fuse(bsym)
+
+    bsyms = form_regions(trace, fusible, plan).bound_symbols
+    if executor.recomputes_inputs:
+        # a trace taking its inputs in groups frees them as it goes (a backward's saved values)
+        bsyms = plan_regions(bsyms, trace.inputs, trace.output, not trace.input_groups, fusible)
+    fused, regions = [], 0
+    for bsym in bsyms:
+        if bsym.sym is REGION:
+            bsym = executor.fuse(bsym.subsymbols, list(bsym.args), list(bsym.output), regions)
             regions += 1
-        else:
-            bsyms.extend(run)
-        run.clear()
-
-    for position, bsym in enumerate(trace.bound_symbols):
-        if bsym.executor in later and executor.can_fuse(bsym):
-            run.append(bsym)
-        else:
-            flush(position)
-            bsyms.append(bsym)
-    flush(len(trace.bound_symbols))
-    return trace.from_trace(f"Fusion ({executor.name})", bound_symbols=bsyms)
+        fused.append(bsym)
+    return trace.from_trace(f"Fusion ({executor.name})", bound_symbols=fused)

@@ -4,18 +4,32 @@ with their own backward kernels.
 Without it, the torch executor runs `F.scaled_dot_product_attention` (torch picks a kernel) and the backward
 recomputes attention through torch autograd. With it, the forward calls the fused kernel once, saves its
 output and log-sum-exp, and the backward calls the matching fused backward: no attention matrix is ever stored
-or recomputed. Flash serves fp16/bf16 (cuDNN where flash is disabled); memory-efficient serves fp32 and head sizes
-the others do not. The choice follows torch's backend switches (`torch.nn.attention.sdpa_kernel`). Calls with an
-attention mask, dropout or `enable_gqa` are declined (the torch executor runs them).
+or recomputed. The kernel is the one eager would pick for the same inputs: torch's own selector
+(`torch._fused_sdp_choice`, which follows `torch.nn.attention.sdpa_kernel` and prefers cuDNN on Hopper) is asked
+with stand-in tensors of the call's shapes, strides and dtypes. Calls with an attention mask, dropout or
+`enable_gqa`, and calls torch would run with its math kernel, are declined (the torch executor runs them).
+
+cuDNN and eager's gradients: PyTorch caches one built cuDNN backward graph per thread, keyed by the shapes and
+strides of q, k and v only (aten/src/ATen/native/cudnn/MHA.cpp, `mhagraphbackwardcache`), while the graph also
+bakes in the strides of the output, its cotangent and the log-sum-exp. Two callers that pass the same q, k, v
+layouts but another cotangent layout share a graph built for the first one's layout and the second gets wrong
+gradients, silently. fulmen used to copy the cotangent into the output's layout (as PyTorch did before cuDNN
+9.5.1), eager passes it as it comes, so whichever of the two ran second in a process got wrong LitGPT gradients.
+So the backward passes everything as eager does: the cotangent as it comes (the aten op itself fixes a
+non-unit innermost stride), and an output laid out as the forward would have laid it out for these q strides.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import Symbol
 from fulmen.executors.base import OperatorExecutor
 from fulmen.executors.registry import register_executor
 from fulmen.transforms.autodiff import get_grad, put_grads
@@ -40,9 +54,31 @@ def cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return out, lse, seed, offset
 
 
+def cudnn_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
+    # eager asks for no log-sum-exp when nothing needs a gradient (another cached cuDNN graph, less work)
+    return aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, is_causal, False, scale=scale)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def forward_output_strides(q_shape: tuple[int, ...], q_strides: tuple[int, ...],
+                           shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of the output cuDNN's forward allocates for a q of this layout (MHA.cpp's
+    `alloc_with_matching_layout`): `empty_like(q)` when the shapes agree, else q's dimension order."""
+    if q_shape == shape:
+        return torch.empty_like(torch.empty_strided(q_shape, q_strides, device="meta")).stride()
+    order = sorted(range(len(q_shape)), key=lambda d: q_strides[d])  # stable, as its std::stable_sort
+    strides, step = [0] * len(shape), 1
+    for d in order:
+        strides[d], step = step, step * shape[d]
+    return tuple(strides)
+
+
 def cudnn_backward(g, q, k, v, out, lse, seed, offset, is_causal: bool, scale: float | None):
-    if g.stride() != out.stride():  # cuDNN reads the output's cotangent in the output's layout
-        g = torch.empty_like(out).copy_(g)
+    # The cached backward graph assumes the output's layout is the one the forward gives for these q strides (see the
+    # module docstring); a q rebuilt by rematerialisation with other strides gets its output re-laid accordingly.
+    strides = forward_output_strides(tuple(q.shape), q.stride(), tuple(out.shape))
+    if out.stride() != strides:
+        out = torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
     return aten._scaled_dot_product_cudnn_attention_backward(
         g, q, k, v, out, lse, seed, offset, None, None, None, q.shape[-2], k.shape[-2], 0.0, is_causal, scale=scale)
 
@@ -61,39 +97,46 @@ sdpa = register_executor(OperatorExecutor("sdpa"))
 sdpa_flash_forward = sdpa.register_operator("sdpa_flash_forward", fn=flash_forward)
 sdpa_flash_backward = sdpa.register_operator("sdpa_flash_backward", fn=flash_backward)
 sdpa_cudnn_forward = sdpa.register_operator("sdpa_cudnn_forward", fn=cudnn_forward)
+sdpa_cudnn_inference = sdpa.register_operator("sdpa_cudnn_inference", fn=cudnn_inference)
 sdpa_cudnn_backward = sdpa.register_operator("sdpa_cudnn_backward", fn=cudnn_backward)
 sdpa_efficient_forward = sdpa.register_operator("sdpa_efficient_forward", fn=efficient_forward)
 sdpa_efficient_backward = sdpa.register_operator("sdpa_efficient_backward", fn=efficient_backward)
 
 
-def _cudnn_fits(q: TensorProxy) -> bool:
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    forward: Symbol  # (q, k, v, is_causal, scale) -> (out, lse, seed, offset)
+    backward: Symbol
+    inference: Symbol | None = None  # (q, k, v, is_causal, scale) -> out, when no gradient is needed
+
+
+_KERNELS = {
+    int(SDPBackend.CUDNN_ATTENTION): Kernels(sdpa_cudnn_forward, sdpa_cudnn_backward, sdpa_cudnn_inference),
+    int(SDPBackend.FLASH_ATTENTION): Kernels(sdpa_flash_forward, sdpa_flash_backward),
+    int(SDPBackend.EFFICIENT_ATTENTION): Kernels(sdpa_efficient_forward, sdpa_efficient_backward),
+}
+
+
+def _stand_in(proxy: TensorProxy) -> torch.Tensor:
+    tensor = torch.empty_strided(proxy.shape, proxy.stride(), dtype=proxy.dtype, device=proxy.device)
+    return tensor.requires_grad_(proxy.requires_grad)
+
+
+def eager_choice(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale: float | None) -> int:
+    """The `SDPBackend` eager's `F.scaled_dot_product_attention` picks for tensors laid out like these (torch's
+    selector reads shapes, strides, dtypes, devices, requires_grad, the grad mode and the backend switches, and
+    needs real tensors of the device: uninitialised stand-ins, outside the acquisition)."""
+    with torch._C.DisableTorchFunction():
+        return torch._fused_sdp_choice(_stand_in(q), _stand_in(k), _stand_in(v), None, 0.0, is_causal, scale=scale)
+
+
+def _kernels(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale: float | None) -> Kernels | None:
+    """The fused kernels eager would run for these inputs, or None when it would use its math kernel (or pad the
+    head dimension, which fulmen does not restate)."""
     head = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and head % 8 == 0 and head <= 128
-            and torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (9, 0))
-
-
-def _flash_fits(q: TensorProxy) -> bool:
-    head = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and head % 8 == 0 and head <= 256
-            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (8, 0))
-
-
-def _efficient_fits(q: TensorProxy) -> bool:
-    return q.shape[-1] % (4 if q.dtype == torch.float32 else 8) == 0 and torch.backends.cuda.mem_efficient_sdp_enabled()
-
-
-def _kernels(q: TensorProxy):
-    """The (forward, backward) operators for these inputs, or None when no fused kernel takes them."""
-    # Flash first: cuDNN is faster on Hopper (about 5 ms of a 120 ms TinyLlama step on an H200) and exact on its own,
-    # but LitGPT bf16 grads through it disagreed with eager's in our tests, unexplained so far; it serves when flash
-    # is disabled (`torch.nn.attention.sdpa_kernel`).
-    if _flash_fits(q):
-        return sdpa_flash_forward, sdpa_flash_backward
-    if _cudnn_fits(q):
-        return sdpa_cudnn_forward, sdpa_cudnn_backward
-    if _efficient_fits(q):
-        return sdpa_efficient_forward, sdpa_efficient_backward
-    return None
+    if head % (4 if q.dtype == torch.float32 else 8) != 0:
+        return None
+    return _KERNELS.get(eager_choice(q, k, v, is_causal, scale))
 
 
 def checker(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -108,18 +151,20 @@ def checker(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.
     same_heads = q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[-1] == k.shape[-1] == v.shape[-1]
     if not same_heads or k.shape[-2] != v.shape[-2] or (is_causal and q.shape[-2] != k.shape[-2]):
         return False
-    return _kernels(q) is not None
+    return _kernels(q, k, v, is_causal, scale) is not None
 
 
 def execution_transform(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    forward, _ = _kernels(q)
-    return forward(q, k, v, is_causal, scale)[0]
+    kernels = _kernels(q, k, v, is_causal, scale)
+    if kernels.inference is not None:
+        return kernels.inference(q, k, v, is_causal, scale)
+    return kernels.forward(q, k, v, is_causal, scale)[0]
 
 
 def grad_transform(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    forward, backward = _kernels(q)
-    out, lse, seed, offset = forward(q, k, v, is_causal, scale)
-    grads = backward(get_grad(out), q, k, v, out, lse, seed, offset, is_causal, scale)
+    kernels = _kernels(q, k, v, is_causal, scale)
+    out, lse, seed, offset = kernels.forward(q, k, v, is_causal, scale)
+    grads = kernels.backward(get_grad(out), q, k, v, out, lse, seed, offset, is_causal, scale)
     put_grads((q, k, v), grads)
     return out
 

@@ -5,6 +5,10 @@ freed as soon as the backward has used it (tensors saved with `ctx.save_for_back
 node finishes). Their version counters are checked as eager's would be. When saved-tensor hooks are active
 (`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`), the tensors go through `save_for_backward` so the
 hooks see them.
+
+With CUDA graphs (`JitOptions.cuda_graphs`), a forward replays its graphs only when the previous replayed forward's
+backward has run (`GraphedProgram.start_forward`); otherwise it runs the same program without graphs, and its
+backward does too.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from fulmen.core.trace import Trace
 from fulmen.distributed.transform import DistributedProgram, GradSync
 from fulmen.transforms.autocast import without_autocast
+from fulmen.transforms.cudagraphs import GraphedProgram
 from fulmen.transforms.forward_backward import GradPlan
 
 Finalize = Callable[[Trace, GradSync], list[Trace]]  # the passes from a backward trace to the one that runs
@@ -31,12 +36,23 @@ class GradProgram:
     autocast: bool = False  # acquired under autocast: the backward runs with autocast off, like the forward
     dist: DistributedProgram | None = None  # collectives of ddp / fsdp parameters
     _backward_fns: dict[tuple[tuple[bool, ...], GradSync], Callable[..., tuple]] = field(default_factory=dict)
+    graphs: GraphedProgram | None = None  # CUDA graphs: forward_fn and graphed_backward_fn replay them
+    plain_forward_fn: Callable[..., tuple] | None = None  # the forward without graphs
+    graphed_backward_fn: Callable[..., tuple] | None = None
 
     def __post_init__(self) -> None:
         self._backward_fns[self.plan.differentiable, GradSync.SYNC] = self._callable(self.backward_traces[-1])
         self.n_outputs = self.plan.n_outputs
         self.non_differentiable = tuple(i for i, d in enumerate(self.plan.differentiable) if not d)
         self.saved_names = tuple(p.pname for p in self.plan.saved)
+
+    def use_graphs(self, graphs: GraphedProgram, plain_forward: Trace, plain_backward: Trace) -> None:
+        """The forward and backward traces (the last of `backward_traces`) replay CUDA graphs; `plain_forward` and
+        `plain_backward` are the same programs without them."""
+        self.graphs = graphs
+        self.plain_forward_fn = plain_forward.python_callable()
+        self.graphed_backward_fn = self._backward_fns[self.plan.differentiable, GradSync.SYNC]
+        self._backward_fns[self.plan.differentiable, GradSync.SYNC] = self._callable(plain_backward)
 
     def _callable(self, trace: Trace) -> Callable[..., tuple]:
         fn = trace.python_callable()
@@ -49,9 +65,13 @@ class GradProgram:
             self._backward_fns[present, mode] = fn
         return fn
 
-    def run_backward(self, present: tuple[bool, ...], sync: bool, saved: list, cotangents: list) -> tuple:
+    def run_backward(self, present: tuple[bool, ...], sync: bool, saved: list, cotangents: list,
+                     graphed: bool = False) -> tuple:
         """The input grads; gradients of distributed parameters are reduced across ranks when `sync`, else
-        held back (as `ParamSpec.pending`) for the next synced backward to add before reducing."""
+        held back (as `ParamSpec.pending`) for the next synced backward to add before reducing. `graphed`: the
+        forward replayed CUDA graphs (its saved values are their outputs)."""
+        if graphed and present == self.plan.differentiable:
+            return self.graphed_backward_fn(saved, cotangents)
         if self.dist is None:
             return self.backward_fn(present)(saved, cotangents)
         owners = self.dist.grad_owners
@@ -82,11 +102,18 @@ def _hooks_active() -> bool:
 class FulmenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        results = program.forward_fn(*inputs)
+        ctx.hooked = _hooks_active()
+        forward_fn = program.forward_fn
+        ctx.graph_token = None
+        if program.graphs is not None:
+            # saved-tensor hooks would move the saved values out of the graphs' memory: no graphs under them
+            ctx.graph_token = None if ctx.hooked else program.graphs.start_forward()
+            if ctx.graph_token is None:
+                forward_fn = program.plain_forward_fn
+        results = forward_fn(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program = program
         ctx.sync = program.dist is None or program.dist.sync  # no_sync() is decided when the forward runs
-        ctx.hooked = _hooks_active()
         if ctx.hooked:
             ctx.save_for_backward(*saved)
         else:
@@ -120,5 +147,8 @@ class FulmenFunction(torch.autograd.Function):
                     )
         present = tuple(d and g is not None for d, g in zip(program.plan.differentiable, grads))
         cotangents = [g for g, p in zip(grads, present) if p]
-        input_grads = program.run_backward(present, ctx.sync, saved, cotangents)
+        token = ctx.graph_token
+        input_grads = program.run_backward(present, ctx.sync, saved, cotangents, graphed=token is not None)
+        if token is not None:
+            GraphedProgram.finish_backward(token)
         return (None, *input_grads)

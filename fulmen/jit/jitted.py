@@ -31,6 +31,7 @@ from fulmen.jit.replacements import replacements
 from fulmen.ops import prims
 from fulmen.options import JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
+from fulmen.transforms.cudagraphs import GraphedProgram, graph_pool_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,13 +214,19 @@ class JittedFunction:
         traces = self.pipeline.acquire(acquired)
         module_tensors = [source.fetch() for source in self._module_inputs]
         dist = DistributedProgram.of(acquired, [*tensors, *module_tensors, *(t for t, _ in interpreter.constants)])
+        graphs = None
+        if self._options.cuda_graphs:
+            graphs = graph_pool_for(traces[-1], dist is not None, getattr(self._fn, "__qualname__", "the program"))
         program = None
         if _needs_grad(traces[-1]):
-            program, forward_traces = self.pipeline.differentiate(traces[-1], dist)
+            program, forward_traces = self.pipeline.differentiate(traces[-1], dist, graphs)
             traces.extend(forward_traces)
+            if graphs is not None:
+                # the forward and backward without graphs, for a forward whose previous backward has not run yet
+                program.use_graphs(GraphedProgram(graphs), traces[-3], program.backward_traces[-3])
             fn = functools.partial(FulmenFunction.apply, program)
         else:
-            traces.extend(self.pipeline.computation(traces[-1], dist))
+            traces.extend(self.pipeline.computation(traces[-1], dist, graphs))
             fn = traces[-1].python_callable()
         if autocast_enabled():
             fn = without_autocast(fn)

@@ -7,7 +7,8 @@
     distributed  DDP / FSDP collectives (programs with distributed parameters)
     execution    executors claim the calls, fusion regions form
     final        each transform's transform_final
-    codegen      `del` after last use
+    codegen      `del` after last use; with JitOptions.cuda_graphs, the capturable runs grouped into CUDA graphs
+                 (and `del` after last use again)
 
 The transforms are the user's (`fulmen.jit(fn, transforms=[...])`) followed by the built-in ones the options ask
 for (`JitOptions.offload`): one mechanism for both. `fulmen.last_traces` (the forward, or the whole program when
@@ -32,6 +33,7 @@ from fulmen.jit.bridge import GradProgram
 from fulmen.options import JitOptions
 from fulmen.transforms.autocast import autocast_enabled
 from fulmen.transforms.common import cse, dce, delete_last_used
+from fulmen.transforms.cudagraphs import GraphPool, capture_regions
 from fulmen.transforms.forward_backward import plan_grad
 from fulmen.transforms.fused_loss import fuse_linear_cross_entropy
 from fulmen.transforms.offload import OffloadTransform
@@ -94,13 +96,18 @@ class Pipeline:
                                        _check_same_interface))
         return traces
 
-    def computation(self, trace: Trace, dist: DistributedProgram | None) -> list[Trace]:
+    def computation(self, trace: Trace, dist: DistributedProgram | None,
+                    graphs: GraphPool | None = None) -> list[Trace]:
         """The stages after ACQUIRED for a program nothing is differentiated in."""
         traces = [dist.forward(trace, len(trace.output))] if dist is not None else []
-        return traces + self.finish(traces[-1] if traces else trace, TraceKind.COMPUTATION)
+        trace = traces[-1] if traces else trace
+        return traces + self.finish(trace, TraceKind.COMPUTATION, graphs, len(trace.output))
 
-    def differentiate(self, trace: Trace, dist: DistributedProgram | None) -> tuple[GradProgram, list[Trace]]:
-        """Stage GRAD and what follows for the forward; the backward's passes run in the returned program."""
+    def differentiate(self, trace: Trace, dist: DistributedProgram | None,
+                      graphs: GraphPool | None = None) -> tuple[GradProgram, list[Trace]]:
+        """Stage GRAD and what follows for the forward; the backward's passes run in the returned program. With
+        `graphs`, the last two traces of the forward and of the backward capture CUDA graphs and the two before
+        them are the same program without graphs."""
         plan = plan_grad(trace, self.interpreter_factory, self.executors)
         n_saved = len(plan.saved)
         forward = plan.forward
@@ -115,22 +122,29 @@ class Pipeline:
             backward = self._transform_backward(transform, GradTraces(forward, backward, n_saved))
         if dist is not None:
             traces.append(dist.forward(traces[-1], plan.n_outputs))
-        traces += self.finish(traces[-1], TraceKind.FORWARD)
+        traces += self.finish(traces[-1], TraceKind.FORWARD, graphs, plan.n_outputs)
         finalize = BackwardPasses(self, tuple(forwards), n_saved, dist)
         program = GradProgram(plan, traces[-1].python_callable(), finalize,
-                              finalize(plan.backward(plan.differentiable), GradSync.SYNC), autocast_enabled(), dist)
+                              finalize(plan.backward(plan.differentiable), GradSync.SYNC, graphs), autocast_enabled(),
+                              dist)
         return program, traces
 
-    def finish(self, trace: Trace, kind: TraceKind) -> list[Trace]:
-        """Stages EXECUTION, FINAL and CODEGEN."""
+    def finish(self, trace: Trace, kind: TraceKind, graphs: GraphPool | None = None,
+               cloned_outputs: int = 0) -> list[Trace]:
+        """Stages EXECUTION, FINAL and CODEGEN. `graphs`: capture CUDA graphs into that pool, cloning the first
+        `cloned_outputs` outputs (what the caller receives) out of it."""
         traces = [trace]
         for step in self.execution:
             traces.append(step.run(traces[-1]))
         for transform in self.transforms:
             _append(traces, self._hook(transform, Stage.FINAL, traces[-1],
                                        transform.transform_final(traces[-1], kind), _check_same_interface))
+        final = traces[-1]
         for step in self.codegen:
             traces.append(step.run(traces[-1]))
+        if graphs is not None:
+            graphed = capture_regions(final, graphs, cloned_outputs)
+            traces += [graphed, delete_last_used(graphed)]
         return traces[1:]
 
     def _clean(self, trace: Trace) -> list[Trace]:
@@ -178,14 +192,15 @@ class BackwardPasses:
     n_saved: int
     dist: DistributedProgram | None
 
-    def __call__(self, backward: Trace, mode: GradSync) -> list[Trace]:
+    def __call__(self, backward: Trace, mode: GradSync, graphs: GraphPool | None = None) -> list[Trace]:
         traces = self.pipeline._clean(backward)
         for transform, forward in zip(self.pipeline.transforms, self.forwards):
             _append(traces, self.pipeline._transform_backward(transform, GradTraces(forward, traces[-1],
                                                                                     self.n_saved)))
         if self.dist is not None:
             traces.append(self.dist.backward(traces[-1], mode))
-        return traces + self.pipeline.finish(traces[-1], TraceKind.BACKWARD)
+        # the gradients all go to the caller: all cloned out of the graphs' pool
+        return traces + self.pipeline.finish(traces[-1], TraceKind.BACKWARD, graphs, len(traces[-1].output))
 
 
 def _append(traces: list[Trace], trace: Trace) -> None:

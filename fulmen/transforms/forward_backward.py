@@ -82,14 +82,16 @@ def _with_recomputation(bsyms: list[BoundSymbol], outputs: tuple, available: set
         if producer is None:
             raise AssertionError(f"internal error: the backward reads {name}, which the forward neither saves nor "
                                  "computes")
-        for arg in producer.arg_names():
-            ensure(arg)
+        # in argument order, not a set's (hash) order: the repeated layers of a model then get the same backward
+        # code, and their fusion regions the same source (compiled once)
+        for arg in producer.proxy_args():
+            ensure(arg.pname)
         result.append(producer)
         produced.update(producer.output_names())
 
     for bsym in bsyms:
-        for arg in bsym.arg_names():
-            ensure(arg)
+        for arg in bsym.proxy_args():
+            ensure(arg.pname)
         result.append(bsym)
         produced.update(bsym.output_names())
     for out in outputs:

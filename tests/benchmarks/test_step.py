@@ -39,3 +39,26 @@ def test_step_benchmark_smoke(tmp_path):
     assert set(ratios) == set(results) and ratios["eager"]["ms_per_iter"] == 1.0
     for name, ratio in ratios.items():  # each row's time over the baseline's
         assert ratio["ms_per_iter"] == results[name]["ms_per_iter"] / results["eager"]["ms_per_iter"] > 0
+
+
+def test_seed_002_preset_and_kernel_families():
+    step = _load_step()
+    args = step.parse_args(["--preset", "seed-002", "--micro_batch_size", "8"])  # flags override the preset
+    assert (args.model_name, args.micro_batch_size, args.seq_len, args.dtype) == ("llmc-gpt2", 8, 64, "fp32")
+    assert args.optimizer == "adam" and args.tf32 is False
+    assert step.parse_args([]).model_name == "tiny-llama-1.1b"
+    model = step.build_model(step.parse_args(["--preset", "seed-002", "--n_layer", "1"]), "meta", step.DTYPES["fp32"])
+    assert step.loss_function(model) is step.forward_and_own_loss
+    # names of kernels an H200 profile showed (benchmarks/step_tinyllama_h200.json)
+    families = {
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1_kernel0_0":
+            "attention",
+        "triton_per_fused__to_copy_add_div_expand_mul_sum_view_0": "triton",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor": "adam",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float, float>": "other",
+        "Memset (Device)": "other",
+    }
+    for name, family in families.items():
+        assert step.kernel_family(name) == family, name

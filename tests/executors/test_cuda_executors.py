@@ -1,4 +1,5 @@
-"""The sdpa and torchcompile executors on CUDA, bf16 LitGPT against eager; peak memory of the default executors."""
+"""The sdpa and torchcompile executors on CUDA, bf16 LitGPT against eager; the attention kernel eager picks, cuDNN's
+gradients against eager's own cuDNN path; peak memory of the default executors."""
 
 from __future__ import annotations
 
@@ -6,14 +7,43 @@ import pytest
 import torch
 import torch.nn.functional as F
 from litgpt import GPT
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 import fulmen
 from fulmen.executors.sdpa import sdpa
 from fulmen.executors.torch_compile import torchcompile
 from tests.cuda_memory import cuda_peak
+from tests.executors.test_region_remat import no_recompute
 from tests.models.litgpt_configs import shrunk
 
 pytestmark = pytest.mark.cuda
+
+_KERNEL_BY_INT = {int(SDPBackend.CUDNN_ATTENTION): "cudnn", int(SDPBackend.FLASH_ATTENTION): "flash",
+                  int(SDPBackend.EFFICIENT_ATTENTION): "efficient"}
+
+
+class _AttentionArguments(TorchFunctionMode):
+    """Records the (q, k, v, is_causal, scale) of the eager program's F.scaled_dot_product_attention calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls.append((args[:3], kwargs.get("is_causal", False), kwargs.get("scale")))
+        return func(*args, **kwargs)
+
+
+def _eager_kernel(model, idx) -> str:
+    """The attention kernel eager runs for this model and input: torch's selector on the real q, k and v."""
+    with _AttentionArguments() as recorded:
+        model(idx)
+    (q, k, v), is_causal, scale = recorded.calls[0]
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+    return _KERNEL_BY_INT[choice]
 
 
 def _loss(model, idx, targets):
@@ -52,7 +82,8 @@ def test_litgpt_bf16_matches_eager(executors):
     executors_seen = {b.sym.executor for t in (forward, backward) for b in t.bound_symbols}
     if executors in (["sdpa"], None):
         names = {b.sym.name for t in (forward, backward) for b in t.bound_symbols}
-        assert {"sdpa_flash_forward", "sdpa_flash_backward"} <= names
+        kernel = _eager_kernel(model, idx)  # the kernel eager picks (cuDNN on an H200 with a recent cuDNN)
+        assert {f"sdpa_{kernel}_forward", f"sdpa_{kernel}_backward"} <= names
         assert "torch_vjp" not in names  # attention is not recomputed through autograd
     if executors in (["torchcompile"], None):
         assert torchcompile in executors_seen
@@ -98,3 +129,47 @@ def test_default_executors_peak_memory_at_most_eagers():
     eager_peak = cuda_peak(lambda: _loss(model, idx, targets))
     print(f"peak forward+backward: eager {eager_peak / 2**20:.1f} MiB, fulmen {fulmen_peak / 2**20:.1f} MiB")
     assert fulmen_peak <= eager_peak
+
+
+@pytest.mark.parametrize("groups", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("first", ["fulmen", "eager"])
+def test_cudnn_gradients_equal_eagers_cudnn(first, groups):
+    # PyTorch caches one cuDNN backward graph per q/k/v layout and bakes the output's and its cotangent's layouts
+    # into it: whichever of fulmen and eager runs second uses the graph the first built, so both orders must agree.
+    # A sequence length no other test uses keeps the first run here the one that builds the graphs.
+    seq = {("fulmen", 2): 192, ("eager", 2): 320, ("fulmen", 4): 448, ("eager", 4): 576}[first, groups]
+    model, config = _model(head_size=64, n_embd=256, n_head=4, n_query_groups=groups, block_size=seq)
+    idx, targets = (torch.randint(0, config.padded_vocab_size, (3, seq), device="cuda") for _ in range(2))
+    jitted = fulmen.jit(_loss)
+    runs = {}
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        for name in (first, "eager" if first == "fulmen" else "fulmen"):
+            runs[name] = _grads(model, jitted if name == "fulmen" else _loss, idx, targets)
+    names = {b.sym.name for b in fulmen.last_backward_traces(jitted)[-1].bound_symbols}
+    assert "sdpa_cudnn_backward" in names
+    reference = GPT(config).cuda()  # fp32, torch's math attention: what both must approximate
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref_loss, ref_grads = _grads(reference, _loss, idx, targets)
+    (loss, grads), (eager_loss, eager_grads) = runs["fulmen"], runs["eager"]
+    torch.testing.assert_close(loss, eager_loss, rtol=2e-2, atol=2e-2)
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().clamp_min(1e-6)
+        assert (grad - eager_grads[name]).abs().max() / scale < 5e-2, f"fulmen vs eager cuDNN: {name}"
+        # a backward graph built for another cotangent layout gives errors of the gradients' own size
+        assert (eager_grads[name] - ref_grads[name]).abs().max() / scale < 1e-1, f"eager cuDNN vs fp32: {name}"
+        assert (grad - ref_grads[name]).abs().max() / scale < 1e-1, f"fulmen cuDNN vs fp32: {name}"
+
+
+def test_recomputing_region_inputs_does_not_raise_peak_memory():
+    model, config = _model(n_layer=4, n_embd=512, n_head=8, head_size=64, intermediate_size=1536,
+                           padded_vocab_size=8192, vocab_size=8192, block_size=512)
+    idx, targets = (torch.randint(0, 8192, (4, 512), device="cuda") for _ in range(2))
+    peaks = {}
+    for executor in (torchcompile, no_recompute):
+        jitted = fulmen.jit(_loss, executors=[sdpa, executor])
+        peaks[executor.name] = cuda_peak(lambda jitted=jitted: jitted(model, idx, targets))
+        model.zero_grad(set_to_none=True)
+    print(f"peak forward+backward: recomputing {peaks[torchcompile.name] / 2**20:.1f} MiB, "
+          f"not {peaks[no_recompute.name] / 2**20:.1f} MiB")
+    assert peaks[torchcompile.name] <= peaks[no_recompute.name]

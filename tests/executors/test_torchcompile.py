@@ -26,7 +26,6 @@ def test_litgpt_forward_and_backward_match_eager():
     model = GPT(config)
     idx, targets = (torch.randint(0, config.padded_vocab_size, (2, 16)) for _ in range(2))
     jitted = fulmen.jit(_loss, executors=["torchcompile"])
-    compiled_before = len(torchcompile._compiled)
     loss = jitted(model, idx, targets)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -44,8 +43,24 @@ def test_litgpt_forward_and_backward_match_eager():
         assert not {sub.sym.name for sub in region.subsymbols} & {"linear", "matmul", "scaled_dot_product_attention"}
     assert "TorchCompile0(" in str(forward)
     # the layers' identical regions share compiled functions
-    compiled = len(torchcompile._compiled) - compiled_before
-    assert 0 < compiled < len(regions)
+    assert 0 < len({id(region.sym.impl) for region in regions}) < len(regions)
+
+
+def _compiled_functions(n_layer: int) -> int:
+    config = shrunk("Llama-3.2-1B")
+    config.n_layer = n_layer
+    model = GPT(config)
+    idx, targets = (torch.randint(0, config.padded_vocab_size, (2, 16)) for _ in range(2))
+    jitted = fulmen.jit(_loss, executors=["torchcompile"])
+    jitted(model, idx, targets).backward()
+    traces = (fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1])
+    return len({id(region.sym.impl) for trace in traces for region in _regions(trace)})
+
+
+def test_more_identical_layers_compile_no_more_regions():
+    # each layer's forward and backward regions print the same source (names by position, calls in a fixed order),
+    # so they share one compiled function whatever the depth: compile time does not grow with the layers
+    assert _compiled_functions(6) == _compiled_functions(3)
 
 
 def test_regions_follow_the_executor_order():
@@ -59,3 +74,27 @@ def test_regions_follow_the_executor_order():
     torch.testing.assert_close(fused(x), torch_only(x))
     assert not _regions(fulmen.last_traces(torch_only)[-1])
     assert len(_regions(fulmen.last_traces(fused)[-1])) == 1
+
+
+def test_regions_call_inductors_code_without_dynamo():
+    # A region is traced and compiled once per layout of its arguments and then called directly: no Dynamo frame
+    # (whose guards torch.compile would evaluate on every call) is ever traced, and another layout of the same
+    # shapes (the trace's cache key ignores strides) gets its own compiled variant, not code indexed for the first.
+    from torch._dynamo.utils import counters
+
+    from fulmen.executors.torch_compile import CompiledRegion
+
+    def f(x, w):
+        return torch.softmax(torch.tanh(x) * w, -1)
+
+    jitted = fulmen.jit(f, executors=["torchcompile"])
+    x, w = torch.randn(8, 16), torch.randn(16)
+    counters.clear()
+    torch.testing.assert_close(jitted(x, w), f(x, w))
+    torch.testing.assert_close(jitted(x, w), f(x, w))
+    (region,) = _regions(fulmen.last_traces(jitted)[-1])
+    assert isinstance(region.sym.impl, CompiledRegion) and len(region.sym.impl.variants) == 1
+    transposed = torch.randn(16, 8).t()
+    torch.testing.assert_close(jitted(transposed, w), f(transposed, w))
+    assert fulmen.cache_misses(jitted) == 1 and len(region.sym.impl.variants) == 2
+    assert counters["stats"]["unique_graphs"] == 0 and counters["stats"]["calls_captured"] == 0  # no Dynamo

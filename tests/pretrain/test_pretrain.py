@@ -78,6 +78,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     (["--model_name", "pythia-14m", "--model_config", '{"n_layer": 1}'], "mutually exclusive"),
     (["--train.global_batch_size", "10", "--train.micro_batch_size", "4"], "must be a multiple of"),
     (["--compiler", "torch", "--executors", "[sdpa]"], "executors are fulmen's and need compiler: fulmen"),
+    (["--compiler", "null", "--cuda_graphs", "true"], "cuda_graphs is fulmen's and needs compiler: fulmen"),
     (["--compiler", "null", "--strategy", "fsdp"], "strategy fsdp is fulmen's ThunderFSDPStrategy"),
     (["--executors", "[sdpa, nvfuser]"], "unknown executor 'nvfuser'"),
     (["--compiler", "torch", "--offload", "0.5"], "offload is fulmen's and needs compiler: fulmen"),
@@ -142,3 +143,13 @@ def test_clipping_happens(tmp_path):
     assert runs[None][0] == runs[1e-3][0]  # the same first forward
     assert runs[None][1:] != runs[1e-3][1:]  # but a tiny max_norm scales every update down
     assert runs[1e-3][-1] > runs[None][-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason fulmen gives without CUDA")
+def test_cuda_graphs_key_reaches_fulmen(tmp_path):
+    # on a machine without CUDA fulmen declines the graphs with its reason, and the run trains as without them
+    no_eval = EvalArgs(interval=0, final_validation=False)
+    with pytest.warns(UserWarning, match="forward_and_loss runs without CUDA graphs"):
+        graphed = cli.setup(out_dir=tmp_path / "graphs", train=short(max_steps=3), eval=no_eval, cuda_graphs=True)
+    plain = cli.setup(out_dir=tmp_path / "plain", train=short(max_steps=3), eval=no_eval)
+    assert graphed["losses"] == plain["losses"]

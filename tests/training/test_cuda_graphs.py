@@ -1,0 +1,137 @@
+"""CUDA graphs (`JitOptions(cuda_graphs=True)`) on a GPU: training replays them and reaches the losses and gradients
+of the same program without graphs, step by step; a forward run before the previous backward stays correct; the
+graphs' memory pool does not double the step's peak. The CPU checks of the replay protocol are in
+tests/transforms/test_cudagraphs.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from litgpt import GPT
+
+import fulmen
+from examples.llmc.model import GPT as SeedGPT
+from examples.llmc.model import GPTConfig
+from fulmen.transforms.cudagraphs import CUDAGraphRegion
+from tests.models.litgpt_configs import shrunk
+
+pytestmark = pytest.mark.cuda
+
+GRAPHS = fulmen.JitOptions(cuda_graphs=True)
+
+
+def _loss(model, idx, targets):
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _seed_loss(model, idx, targets):
+    return model(idx, targets)[1]
+
+
+def _litgpt():
+    config = shrunk("Llama-3.2-1B")
+    config.n_layer = 3
+    torch.manual_seed(0)
+    return GPT(config).cuda().to(torch.bfloat16)
+
+
+def _seed_gpt2():
+    torch.manual_seed(0)
+    return SeedGPT(GPTConfig(block_size=64, vocab_size=512, n_layer=2, n_head=4, n_embd=128)).cuda()
+
+
+def _batches(vocab: int, steps: int, seq: int = 32):
+    generator = torch.Generator().manual_seed(0)
+    return [tuple(torch.randint(0, vocab, (4, seq), generator=generator).cuda() for _ in range(2))
+            for _ in range(steps)]
+
+
+def _train(loss_fn, model, batches):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses, grads = [], []
+    for idx, targets in batches:
+        loss = loss_fn(model, idx, targets)
+        loss.backward()
+        losses.append(loss.detach().float())
+        grads.append([p.grad.float() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def _graph_regions(jitted):
+    traces = (fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1])
+    return [b.sym.impl for t in traces for b in t.bound_symbols if isinstance(b.sym.impl, CUDAGraphRegion)]
+
+
+@pytest.mark.parametrize("case", ["litgpt-bf16", "seed-gpt2-fp32"])
+def test_training_replays_match_the_program_without_graphs(case):
+    build, loss_fn, vocab = (_litgpt, _loss, 96) if case == "litgpt-bf16" else (_seed_gpt2, _seed_loss, 512)
+    batches = _batches(vocab, 6)
+    graphed = fulmen.jit(loss_fn, options=GRAPHS)
+    losses, grads = _train(graphed, build(), batches)
+    want_losses, want_grads = _train(fulmen.jit(loss_fn), build(), batches)
+    tol = dict(rtol=1e-2, atol=1e-2) if case == "litgpt-bf16" else dict(rtol=1e-4, atol=1e-5)
+    for step in range(len(batches)):
+        torch.testing.assert_close(losses[step], want_losses[step], **tol, msg=f"loss of step {step}")
+        for got, want in zip(grads[step], want_grads[step]):
+            torch.testing.assert_close(got, want, **tol, msg=f"a gradient of step {step}")
+    regions = _graph_regions(graphed)
+    assert len(regions) == 2  # the whole forward and the whole backward
+    assert all(region.graph is not None and region.pool.disabled is None for region in regions)
+    if case == "seed-gpt2-fp32":  # and eager's losses (fp32 without TF32)
+        eager_losses, _ = _train(_seed_loss, build(), batches)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-4, atol=1e-5)
+
+
+def test_a_forward_before_the_previous_backward_stays_correct():
+    model = _litgpt()
+    graphed = fulmen.jit(_loss, options=GRAPHS)
+    batches = _batches(96, 5)
+    for idx, targets in batches[:3]:
+        graphed(model, idx, targets).backward()
+    model.zero_grad(set_to_none=True)
+    first = graphed(model, *batches[3])
+    second = graphed(model, *batches[4])  # the first's saved values live in the graphs: this one runs without
+    second.backward()
+    grads_second = [p.grad.float() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    first.backward()
+    grads_first = [p.grad.float() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    plain = fulmen.jit(_loss)
+    for batch, loss, grads in ((batches[3], first, grads_first), (batches[4], second, grads_second)):
+        want = plain(model, *batch)
+        want.backward()
+        torch.testing.assert_close(loss.float(), want.float(), rtol=1e-2, atol=1e-2)
+        for grad, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(grad, p.grad.float(), rtol=1e-2, atol=1e-2)
+        model.zero_grad(set_to_none=True)
+
+
+def test_graph_pool_does_not_double_the_peak():
+    def peak(options):
+        config = shrunk("Llama-3.2-1B")
+        config.n_layer, config.n_embd, config.head_size, config.intermediate_size = 4, 512, 64, 1536
+        config.n_head, config.n_query_groups = 8, 4
+        config.padded_vocab_size = config.vocab_size = 8192
+        config.block_size = 512
+        torch.manual_seed(0)
+        model = GPT(config).cuda().to(torch.bfloat16)
+        jitted = fulmen.jit(_loss, options=options)
+        idx, targets = _batches(8192, 1, seq=512)[0]
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for _ in range(4):  # warm-up, capture, replays
+            jitted(model, idx, targets).backward()
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_reserved() - base
+
+    plain, graphed = peak(None), peak(GRAPHS)
+    print(f"peak reserved over 4 steps: without graphs {plain / 2**20:.1f} MiB, with {graphed / 2**20:.1f} MiB")
+    assert graphed < 2 * plain
