@@ -15,7 +15,7 @@ from torch import nn
 
 import fulmen.ops  # noqa: F401  (registers the torch-level symbols)
 import fulmen.transforms.vjp_torch  # noqa: F401  (registers the grad rules)
-from fulmen import extend, torch  # noqa: F401  (public namespaces: fulmen.extend, fulmen.torch)
+from fulmen import dynamo, extend, torch  # noqa: F401  (public namespaces: fulmen.dynamo, fulmen.extend, fulmen.torch)
 from fulmen.core.errors import (
     CacheLimitError,
     CacheLimitWarning,
@@ -81,16 +81,22 @@ def jit(fn: Callable[..., Any] | nn.Module, executors: Sequence[Executor | str] 
     return JittedFunction(fn, options, executors=resolved)
 
 
-def last_traces(fn: JittedFunction | JittedModule) -> list[Trace]:
-    """The traces of the last call, in the order the passes produced them (the last one is what ran)."""
+def last_traces(fn: JittedFunction | JittedModule | dynamo.FulmenBackend) -> list[Trace]:
+    """The traces of the last call, in the order the passes produced them (the last one is what ran). For a
+    `fulmen.dynamo` backend: the trace each piece fulmen compiled ran last."""
+    if isinstance(fn, dynamo.FulmenBackend):
+        return fn.last_traces()
     entry = core(fn).last_entry
     if entry is None:
         raise RuntimeError("last_traces: the jitted callable has not been called yet")
     return list(entry.traces)
 
 
-def last_backward_traces(fn: JittedFunction | JittedModule) -> list[Trace]:
-    """The backward traces of the last call (empty when it built no backward: no input required grad)."""
+def last_backward_traces(fn: JittedFunction | JittedModule | dynamo.FulmenBackend) -> list[Trace]:
+    """The backward traces of the last call (empty when it built no backward: no input required grad). For a
+    `fulmen.dynamo` backend: the backward trace each piece fulmen compiled built last."""
+    if isinstance(fn, dynamo.FulmenBackend):
+        return fn.last_backward_traces()
     entry = core(fn).last_entry
     if entry is None:
         raise RuntimeError("last_backward_traces: the jitted callable has not been called yet")

@@ -10,6 +10,11 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--hf-all", action="store_true", default=False,
+                     help="tests/models/test_hf.py: run every transformers family through the Dynamo backend too")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

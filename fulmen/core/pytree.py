@@ -3,16 +3,24 @@
 A flattened structure is (leaves, spec). Tensors are leaves; every other leaf (ints, strings, dtypes, ...) is
 kept in the spec, so the spec is a hashable cache key that specialises on Python values. Floats are kept by their
 exact bits (`float.hex`), so `-0.0` and `0.0` are different keys and `nan` is equal to itself.
+
+Outputs may also hold other objects with tensors in their attributes (a KV cache): flattened with `objects`, such an
+object becomes an OBJECT spec, and unflattening copies it with the new tensors in place of the old ones, so every
+call returns a fresh object holding its own tensors.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 TENSOR = "T"  # marks a tensor leaf's position inside a spec
+OBJECT = "object"  # (OBJECT, id of the template object, attribute names, their specs)
 
 
 def _const(obj: Any) -> Any:
@@ -28,22 +36,80 @@ def _const(obj: Any) -> Any:
     return ("v", type(obj), obj)
 
 
-def flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
-    """Appends the tensors in `obj` to `leaves`; returns the spec."""
+def flatten(obj: Any, leaves: list[torch.Tensor], objects: dict[int, Any] | None = None) -> Any:
+    """Appends the tensors in `obj` to `leaves`; returns the spec. With `objects`, other objects holding tensors in
+    their attributes are flattened too (and kept there by id, as templates)."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return TENSOR
     kind = type(obj)
     if kind is tuple or kind is list:
-        return (kind, tuple(flatten(item, leaves) for item in obj))
+        return (kind, tuple(flatten(item, leaves, objects) for item in obj))
     if kind is dict:
-        return (dict, tuple(obj.keys()), tuple(flatten(value, leaves) for value in obj.values()))
+        return (dict, tuple(obj.keys()), tuple(flatten(value, leaves, objects) for value in obj.values()))
     if isinstance(obj, tuple) and (hasattr(kind, "_fields") or hasattr(kind, "n_fields")):
-        return (kind, tuple(flatten(item, leaves) for item in obj))
+        return (kind, tuple(flatten(item, leaves, objects) for item in obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = tuple(f.name for f in dataclasses.fields(obj))
-        return (kind, names, tuple(flatten(getattr(obj, name), leaves) for name in names))
+        return (kind, names, tuple(flatten(getattr(obj, name), leaves, objects) for name in names))
+    if objects is not None and holds_tensors(obj):
+        if id(obj) in objects:
+            raise TypeError(f"fulmen cannot return a {kind.__qualname__} (an object holding tensors) that appears "
+                            "twice in the outputs or refers to itself")
+        names = tuple(name for name, value in attributes(obj) if holds_tensors(value))
+        objects[id(obj)] = obj
+        return (OBJECT, id(obj), names, tuple(flatten(getattr(obj, name), leaves, objects) for name in names))
     return _const(obj)
+
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, torch.nn.Module,
+           str, bytes, int, float, bool, complex, torch.dtype, torch.device)
+
+
+def attributes(obj: Any, modules: bool = False) -> Iterator[tuple[str, Any]]:
+    """The instance attributes of a plain Python object (its `__dict__` and `__slots__`); none for classes,
+    functions and values, nor for modules unless `modules`."""
+    if modules and isinstance(obj, torch.nn.Module):
+        for name, value in vars(obj).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                yield from value.items()
+            else:
+                yield name, value
+        return
+    if isinstance(obj, _OPAQUE) or obj is None:
+        return
+    yield from getattr(obj, "__dict__", {}).items()
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                yield name, getattr(obj, name)
+
+
+def holds_tensors(obj: Any) -> bool:
+    """Whether a tensor is reachable from `obj` through containers and object attributes (modules excluded)."""
+    return find(obj, lambda item: isinstance(item, torch.Tensor), modules=False) is not None
+
+
+def find(obj: Any, predicate: Any, path: str = "", modules: bool = True, _seen: set[int] | None = None) -> str | None:
+    """The path (`.layers[0].keys`) to the first object inside `obj` (through containers, object attributes and,
+    with `modules`, module attributes) that satisfies `predicate`."""
+    if predicate(obj):
+        return path
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return None
+    seen.add(id(obj))
+    if isinstance(obj, (tuple, list)):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(obj))
+    elif isinstance(obj, dict):
+        items = ((f"{path}[{key!r}]", item) for key, item in obj.items())
+    else:
+        items = ((f"{path}.{name}", value) for name, value in attributes(obj, modules))
+    for where, item in items:
+        found = find(item, predicate, where, modules, seen)
+        if found is not None:
+            return found
+    return None
 
 
 def unflatten(spec: Any, leaves: Any, originals: Any = None) -> Any:
@@ -63,6 +129,11 @@ def _build(spec: Any, leaves, originals) -> Any:
         return complex(float.fromhex(spec[1]), float.fromhex(spec[2]))
     if kind == "id":
         return originals[spec[1]]
+    if kind == OBJECT:
+        made = copy.copy(originals[spec[1]])
+        for name, child in zip(spec[2], spec[3]):
+            object.__setattr__(made, name, _build(child, leaves, originals))
+        return made
     if kind is tuple or kind is list:
         return kind(_build(item, leaves, originals) for item in spec[1])
     if kind is dict:

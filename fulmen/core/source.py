@@ -6,6 +6,7 @@ import linecache
 import os
 import sys
 from dataclasses import dataclass
+from types import TracebackType
 
 import torch
 
@@ -47,3 +48,14 @@ def user_location(skip: int = 1) -> SourceLocation | None:
             return SourceLocation(code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
     return None
+
+
+def traceback_location(tb: TracebackType | None) -> SourceLocation | None:
+    """The innermost frame of a traceback outside fulmen and torch, or None."""
+    found = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not _is_library(code.co_filename):
+            found = SourceLocation(code.co_filename, tb.tb_lineno, code.co_name)
+        tb = tb.tb_next
+    return found

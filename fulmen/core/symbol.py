@@ -24,6 +24,7 @@ class Tag(enum.Flag):
     RANDOM = enum.auto()  # draws from an RNG (never merged by CSE)
     NO_GRAD = enum.auto()  # the output never requires grad (detach)
     RECOMPUTABLE = enum.auto()  # cheap next to its outputs' bytes: the backward may rerun it instead of saving them
+    REGION = enum.auto()  # a recorded region of the user's program (an autograd.Function call): runs as its parts
 
 
 # How the printed callee's root name is imported, so a printed trace executes as it stands.

@@ -6,13 +6,13 @@ as their torch callable (`torch.nn.functional.linear`), so what it runs is plain
 
 from __future__ import annotations
 
-from fulmen.core.symbol import BoundSymbol
+from fulmen.core.symbol import BoundSymbol, Tag
 from fulmen.executors.base import DIRECT, Executor, Implementation
 
 
 class TorchExecutor(Executor):
     def claims(self, bsym: BoundSymbol) -> Implementation | None:
-        return DIRECT if bsym.sym.executor is None else None
+        return DIRECT if bsym.sym.executor is None and not bsym.sym.tags & Tag.REGION else None
 
 
 torch_executor = TorchExecutor("torch")

@@ -44,7 +44,7 @@ METADATA: frozenset = frozenset(
         T.is_inference, T.dim_order,
         torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type, torch.can_cast,
         torch.promote_types, torch.is_grad_enabled, torch.get_default_dtype, torch.is_autocast_enabled,
-        torch.get_autocast_dtype, torch.is_inference_mode_enabled,
+        torch.get_autocast_dtype, torch.is_inference_mode_enabled, torch.device,
     }
 )
 
@@ -205,11 +205,16 @@ class Interpreter(TorchFunctionMode):
             return items if isinstance(obj, list) else tuple(items)
         if isinstance(obj, dict):
             return {key: self._values(value) for key, value in obj.items()}
+        if type(obj).__module__ == "numpy" and hasattr(obj, "item"):  # a NumPy scalar: the Python number it holds
+            return obj.item()
         return obj
 
     def _constant(self, tensor: torch.Tensor) -> TensorProxy:
         proxy = self._constant_ids.get(id(tensor))
         if proxy is None:
+            if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+                raise UnsupportedOpError("fulmen cannot trace torch.vmap and the other torch.func transforms (a "
+                                         "batched tensor reached it)", self.builder.source)
             # Outside __torch_function__ (a replaced function's arguments) this mode would see the meta's creation.
             with torch._C.DisableTorchFunction():
                 meta = logical_meta(tensor)
@@ -283,6 +288,11 @@ class Interpreter(TorchFunctionMode):
     def _check_index(self, index: Any) -> None:
         items = index if isinstance(index, tuple) else (index,)
         for item in items:
+            if isinstance(item, slice) and any(isinstance(b, torch.Tensor) for b in (item.start, item.stop, item.step)):
+                raise DataDependentError(
+                    "fulmen cannot trace slicing with tensor bounds: the result's shape depends on tensor values",
+                    self.builder.source,
+                )
             if isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8):
                 raise DataDependentError(
                     "fulmen cannot trace indexing with a boolean mask: the result's shape depends on tensor "

@@ -23,6 +23,8 @@ from fulmen.jit import reads
 class Reader(Protocol):
     def read(self, site: reads.Read, frame: types.FrameType) -> None: ...
 
+    def created(self, obj: Any) -> None: ...
+
 
 _FULMEN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -99,6 +101,12 @@ class FrameTap:
         if self.importing:
             return local
         sites = _sites_of(frame)
+        if sites is None:
+            return local
+        if code.co_name == "__init__" and code.co_argcount:
+            # an object the program creates now: what it later reads of it, it made itself (no guard needed), and
+            # it may change it after reading (a cache filled layer by layer)
+            self.observer.created(frame.f_locals.get(code.co_varnames[0]))
         if not sites:
             return local
         tap = _LocalTap(self.observer, sites, local).event

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from fulmen.core import pytree
-from fulmen.core.errors import CacheLimitError, CacheLimitWarning
+from fulmen.core.errors import CacheLimitError, CacheLimitWarning, DataDependentError, TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace, TraceBuilder
@@ -25,6 +26,8 @@ from fulmen.jit.acquire import Interpreter
 from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
 from fulmen.jit.bridge import FulmenFunction
 from fulmen.jit.cache import Cache, CacheEntry
+from fulmen.jit.compiling import seen_as_compiling
+from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import compile_check, global_state_key, tensor_key
 from fulmen.jit.lookasides import function_lookasides
 from fulmen.jit.observe import Observer
@@ -75,6 +78,19 @@ def _needs_grad(trace: Trace) -> bool:
         isinstance(out, TensorProxy) and out.requires_grad for out in trace.output)
 
 
+def _refuse_stored_proxies(args: tuple, kwargs: dict[str, Any]) -> None:
+    """Objects the program was given must not keep traced tensors (eager would have stored real ones there)."""
+    given = [(f"argument {i}", arg) for i, arg in enumerate(args)] + [(f"argument {k}", v) for k, v in kwargs.items()]
+    for name, value in given:
+        where = pytree.find(value, lambda obj: type(obj) is TensorProxy)
+        if where is None:
+            continue
+        raise TraceError(
+            f"the program stored a traced tensor into an object it was given ({name}: {where}); fulmen cannot "
+            "update Python objects across calls. Create the object inside the program and return it, or leave it "
+            "out (e.g. use_cache=False for a Hugging Face KV cache).", None)
+
+
 @dataclass
 class Acquisition:
     """One run of the user's program under the interpreter, and what it produced."""
@@ -89,6 +105,7 @@ class Acquisition:
     out_objects: dict[int, Any]
     returns_input: tuple[int | None, ...]
     rebinds: list[tuple[nn.Module, str, str]]
+    compiling: bool  # traced as a tracer is seen (torch.compiler.is_compiling()), see fulmen.jit.compiling
 
     def written(self) -> dict[int, SourceLocation | None]:
         """The inputs the program updates in place (their final values are copied back), by position, with the line
@@ -204,7 +221,7 @@ class JittedFunction:
 
     # --- acquisition ---------------------------------------------------------------------------------------------
     def _acquire(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], names: list[str],
-                 aliases: AliasPlan | None, real_inputs: list[torch.Tensor]) -> Acquisition:
+                 aliases: AliasPlan | None, real_inputs: list[torch.Tensor], compiling: bool) -> Acquisition:
         builder = TraceBuilder(decompose=self._options.decompose)
         interpreter = Interpreter(builder)
         observer = Observer((self._fn,))
@@ -224,17 +241,19 @@ class JittedFunction:
                 observer,
             )
             target = tree.root
-        with builder, interpreter, function_lookasides(builder) as swapped, \
-                replacements(self.executors, interpreter) as replaced, observer.watching(swapped + replaced):
+        with (builder, interpreter, function_lookasides(builder) as swapped,
+              replacements(self.executors, interpreter) as replaced, observer.watching(swapped + replaced),
+              function_apply_recorded(interpreter), seen_as_compiling() if compiling else contextlib.nullcontext()):
             interpreter.quiet = observer.quiet
             result = target(*proxy_args, **proxy_kwargs)
+        _refuse_stored_proxies(args, kwargs)
         module_proxies = tree.proxies if tree else []
         with builder:
             values, out_spec, out_objects, returns_input, rebinds = self._outputs(
                 result, visible, tree, interpreter, proxies + module_proxies + storage)
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
         return Acquisition(builder, interpreter, observer, tree, inputs, values, out_spec, out_objects, returns_input,
-                           rebinds)
+                           rebinds, compiling)
 
     @staticmethod
     def _shared_storage(builder: TraceBuilder, interpreter: Interpreter, proxies: list[TensorProxy],
@@ -263,7 +282,13 @@ class JittedFunction:
     # --- compilation ---------------------------------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], key_parts: tuple,
                  names: list[str]) -> tuple[CacheEntry, list]:
-        acquisition = self._acquire(args, kwargs, tensors, names, None, [])
+        try:
+            acquisition = self._acquire(args, kwargs, tensors, names, None, [], compiling=False)
+        except DataDependentError:
+            # Eager's path reads a tensor value; libraries keep such reads out of the path they take under a tracer
+            # (Hugging Face's `if padding_mask.all()`), which computes the same values.
+            acquisition = self._acquire(args, kwargs, tensors, names, None, [], compiling=True)
+        compiling = acquisition.compiling
         tree, interpreter = acquisition.tree, acquisition.interpreter
         module_inputs = tree.inputs if tree is not None else []
         self._module_inputs = module_inputs
@@ -277,7 +302,7 @@ class JittedFunction:
             aliases = plan_aliases(real_inputs, written, all_names, range(len(tensors), len(tensors) +
                                                                                len(module_tensors)))
             if aliases is not None:  # acquire again, with the shared storage as one input
-                acquisition = self._acquire(args, kwargs, tensors, names, aliases, real_inputs)
+                acquisition = self._acquire(args, kwargs, tensors, names, aliases, real_inputs, compiling)
                 tree, interpreter = acquisition.tree, acquisition.interpreter
                 constants = [t for t, _ in interpreter.constants]
                 real_inputs = [*tensors, *module_tensors, *constants]
@@ -334,8 +359,11 @@ class JittedFunction:
                  inputs: list[TensorProxy]):
         functional = interpreter.functional
         leaves: list[torch.Tensor] = []
-        out_spec = pytree.flatten(result, leaves)
         out_objects: dict[int, Any] = {}
+        try:
+            out_spec = pytree.flatten(result, leaves, out_objects)
+        except TypeError as error:
+            raise TraceError(str(error), None) from None
         pytree.identity_objects(result, out_objects)
         input_index = {id(p): i for i, p in enumerate(proxies)}
         values, returns_input = [], []

@@ -52,7 +52,7 @@ def method_lookasides(cls: type) -> dict[str, Callable[..., Any]]:
     return METHOD_LOOKASIDES.get(f"{cls.__module__}.{cls.__qualname__}", {})
 
 
-def _checkpoint_lookaside(builder: TraceBuilder) -> Callable[..., Any]:
+def checkpoint_lookaside(builder: TraceBuilder) -> Callable[..., Any]:
     def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
                    context_fn: Any = None, determinism_check: str = "default", debug: bool = False,
                    preserve_rng_state: bool = True, **kwargs: Any) -> Any:
@@ -81,7 +81,7 @@ def _fabric_backward_hook_lookaside(builder: TraceBuilder) -> Callable[..., Any]
 # acquiring, so `torch.utils.checkpoint.checkpoint(...)` calls are seen (a name imported before is not). A module
 # not imported yet is left alone: nothing can call into it from the program.
 FUNCTION_LOOKASIDES: dict[tuple[str, str], Callable[[TraceBuilder], Callable[..., Any]]] = {
-    ("torch.utils.checkpoint", "checkpoint"): _checkpoint_lookaside,
+    ("torch.utils.checkpoint", "checkpoint"): checkpoint_lookaside,
     ("lightning.fabric.wrappers", "_FabricModule._register_backward_hook"): _fabric_backward_hook_lookaside,
 }
 

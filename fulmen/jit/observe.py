@@ -64,6 +64,9 @@ class Observer:
         # need not be followed: the interpreter enters this around that work (the bulk of the Python calls).
         self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._functions: dict[types.CodeType, list[types.FunctionType]] = {}
+        self._created: set[int] = set()  # ids of the objects the program created while acquired (kept in _pinned)
+        # (id(object or globals dict), name) the program assigned while acquired: its later reads read that value
+        self._written: set[tuple[int, str]] = set()
         for fn in functions:
             self._note_function(fn)
 
@@ -131,6 +134,8 @@ class Observer:
     # --- the frame tap -----------------------------------------------------------------------------------------------
     def read_global(self, frame: types.FrameType, name: str) -> None:
         namespace = frame.f_globals
+        if (id(namespace), name) in self._written:
+            return
         module = namespace.get("__name__", "?")
         self.dict_entry(namespace, name, f"global {name} of module {module}")
         if name not in namespace:
@@ -158,11 +163,19 @@ class Observer:
             found = matching()
         return found
 
+    def created(self, obj: Any) -> None:
+        """`obj` is being initialised by the program: it did not exist before this call."""
+        if id(obj) not in self._created:
+            self._pinned.append(obj)
+            self._created.add(id(obj))
+
     def read_attribute(self, obj: Any, name: str) -> None:
         cls = type(obj)
         if (name.startswith("__") and name.endswith("__")) or issubclass(cls, (torch.Tensor, *IMMUTABLE)) \
-                or is_shadow(obj):
-            return  # tensors: trace inputs; immutable values: guarded where read; shadows: the module tap
+                or is_shadow(obj) or id(obj) in self._created or (id(obj), name) in self._written:
+            # tensors: trace inputs; immutable values: guarded where read; shadows: the module tap; objects the
+            # program created, attributes it assigned: derived from what it read
+            return
         what = f"attribute {name} of {owner_name(obj)}"
         if issubclass(cls, types.ModuleType):
             self.dict_entry(obj.__dict__, name, what)
@@ -201,6 +214,13 @@ class Observer:
             receiver = evaluate(site.receiver, frame)
             if receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
+        elif kind is reads.AttrWrite:
+            receiver = evaluate(site.receiver, frame)
+            if receiver is not MISSING:
+                self._pinned.append(receiver)
+                self._written.add((id(receiver), site.name))
+        elif kind is reads.GlobalWrite:
+            self._written.add((id(frame.f_globals), site.name))
         elif (function := evaluate(site.function, frame)) is getattr or function is hasattr:
             receiver, name = evaluate(site.receiver, frame), evaluate(site.name, frame)
             if receiver is not MISSING and type(name) is str:

@@ -72,11 +72,14 @@ def _shadow_class(cls: type) -> type:
     return shadow
 
 
+# A module of a shadow class that the program itself creates (`ModuleList.__getitem__` with a slice builds one of
+# `self.__class__`) has no original behind it: what the program reads of it, it made, and needs no guard.
 def _recording_getattribute(self: nn.Module, name: str) -> Any:
     value = object.__getattribute__(self, name)
     if name[:2] != "__":
         state = object.__getattribute__(self, "__dict__")
-        state["_fulmen_tree"].observer.module_read(state["_fulmen_original"], type(self), name, value)
+        if "_fulmen_tree" in state:
+            state["_fulmen_tree"].observer.module_read(state["_fulmen_original"], type(self), name, value)
     return value
 
 
@@ -84,7 +87,8 @@ def _recording_getattr(fallback: Callable[[nn.Module, str], Any]) -> Callable[[n
     def __getattr__(self: nn.Module, name: str) -> Any:  # parameters, buffers and submodules (nn.Module.__getattr__)
         value = fallback(self, name)
         state = object.__getattribute__(self, "__dict__")
-        state["_fulmen_tree"].observer.module_fallback(state["_fulmen_original"], name)
+        if "_fulmen_tree" in state:
+            state["_fulmen_tree"].observer.module_fallback(state["_fulmen_original"], name)
         return value
 
     return __getattr__

@@ -1,4 +1,6 @@
 """Where a code object reads Python state that existed before the call: its read sites, found from the bytecode.
+(Its attribute and global writes are sites too: what the program wrote during the call, it does not read from
+before it.)
 
 A read site is an instruction offset plus how to name what it reads from the frame when it runs: a global (or
 builtin), a closure cell, or an attribute of an object the frame can name (a local, a global, a cell, an attribute
@@ -79,7 +81,18 @@ class GetattrRead:
     name: Source
 
 
-Read = GlobalRead | CellRead | AttrRead | GetattrRead
+@dataclass(frozen=True, slots=True)
+class AttrWrite:
+    receiver: Source
+    name: str  # a later read of this attribute in the same call reads what the program wrote: no guard
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalWrite:
+    name: str
+
+
+Read = GlobalRead | CellRead | AttrRead | GetattrRead | AttrWrite | GlobalWrite
 
 _UNKNOWN = None
 _LOAD_LOCAL = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_BORROW"})
@@ -146,6 +159,13 @@ def read_sites(code: CodeType) -> dict[int, Read]:
                 stack.items.append(Attr(receiver, ins.argval))
             else:
                 stack.items.extend([_UNKNOWN] * pushes)
+        elif op == "STORE_ATTR":  # TOS.name = TOS1
+            _, receiver = stack.pop(2)
+            if receiver is not _UNKNOWN:
+                sites[ins.offset] = AttrWrite(receiver, ins.argval)
+        elif op == "STORE_GLOBAL":
+            stack.pop()
+            sites[ins.offset] = GlobalWrite(ins.argval)
         elif op == "BINARY_SUBSCR":
             container, key = stack.pop(2)
             stack.items.append(Item(container, key) if container is not _UNKNOWN and isinstance(key, Const)

@@ -270,10 +270,10 @@ def clamp_decomposition(x: Any, min: Any = None, max: Any = None) -> Any:
     x = convert(x, dtype)
     if min is not None:
         lower = expand_to(convert(min, dtype), x.shape)
-        x = prims.where(prims.lt(x, lower), lower, x) if is_tensor(lower) else prims.maximum(x, lower)
+        x = prims.where(prims.lt(x, lower), lower, x)  # NaN stays NaN, as with torch.clamp
     if max is not None:
         upper = expand_to(convert(max, dtype), x.shape)
-        x = prims.where(prims.gt(x, upper), upper, x) if is_tensor(upper) else prims.minimum(x, upper)
+        x = prims.where(prims.gt(x, upper), upper, x)
     return x
 
 

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import torch
+import torch._meta_registrations
 import torch.nn.functional as F
 
 from fulmen.ops import impls, prims
@@ -28,6 +29,21 @@ torch_symbol(torch.einsum)
 torch_symbol(torch.outer, aliases=(method("outer"), torch.ger))
 torch_symbol(torch.baddbmm, aliases=(method("baddbmm"),))
 torch_symbol(torch.addmm, aliases=(method("addmm"),))
+
+
+def _grouped_mm_meta(builder, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """torch's own output rule (`_create_grouped_mm_output_tensor`); its meta kernel also demands bf16 inputs, which
+    the CPU kernel does not."""
+    offsets = offs.meta if offs is not None else None
+    out = torch._meta_registrations._create_grouped_mm_output_tensor(mat_a.meta, mat_b.meta, offsets, out_dtype)
+    requires_grad = torch.is_grad_enabled() and (mat_a.requires_grad or mat_b.requires_grad)
+    return builder.make_proxy(out, mat_a.device, requires_grad)
+
+
+if hasattr(torch, "_grouped_mm"):  # one matmul per group of rows (mixture-of-experts layers)
+    torch_symbol(torch._grouped_mm, printed="torch._grouped_mm",
+                 meta=_grouped_mm_meta if hasattr(torch._meta_registrations, "_create_grouped_mm_output_tensor")
+                 else None)
 
 
 def linear_decomposition(x, weight, bias=None) -> Any:
@@ -181,7 +197,7 @@ def embedding_decomposition(index, weight, padding_idx=None, max_norm=None, norm
 torch_symbol(F.embedding, decomposition=embedding_decomposition)
 torch_symbol(F.one_hot)
 torch_symbol(F.pad, decomposition=lambda x, pad, mode="constant", value=None: prims.pad(x, tuple(pad), value or 0.0)
-             if mode == "constant" else NotImplemented)
+             if mode == "constant" else NotImplemented, aliases=(torch._C._nn.pad,))  # what F.pad calls (Dynamo graphs)
 
 
 def nll_loss_decomposition(logp, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -222,3 +238,5 @@ torch_symbol(F.binary_cross_entropy_with_logits)
 torch_symbol(F.kl_div)
 torch_symbol(F.conv1d)
 torch_symbol(F.conv2d)
+torch_symbol(F.unfold)
+torch_symbol(F.fold)

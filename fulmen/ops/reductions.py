@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fulmen.core.symbol import Symbol
+from fulmen.core.symbol import Symbol, Tag
 from fulmen.ops import prims
 from fulmen.ops.registry import method, torch_symbol
 from fulmen.ops.utils import canonical_dims, convert, keepdim_shape
@@ -14,6 +14,18 @@ from fulmen.ops.utils import canonical_dims, convert, keepdim_shape
 
 def _finish(out: Any, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> Any:
     return prims.reshape(out, keepdim_shape(x.shape, dims)) if keepdim and dims else out
+
+
+def _numpy_names(decomposition):
+    """Accepts torch's NumPy spellings `axis=` and `keepdims=` (`x.mean(axis=2)`) as `dim=` and `keepdim=`."""
+
+    def normalized(x, *args, **kwargs) -> Any:
+        for numpy_name, name in (("axis", "dim"), ("keepdims", "keepdim")):
+            if numpy_name in kwargs:
+                kwargs[name] = kwargs.pop(numpy_name)
+        return decomposition(x, *args, **kwargs)
+
+    return normalized
 
 
 def sum_decomposition(x, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
@@ -24,7 +36,7 @@ def sum_decomposition(x, dim=None, keepdim: bool = False, *, dtype: torch.dtype 
     return _finish(prims.sum(x, dims), x, dims, keepdim)
 
 
-torch_symbol(torch.sum, decomposition=sum_decomposition, aliases=(method("sum"),))
+torch_symbol(torch.sum, decomposition=_numpy_names(sum_decomposition), aliases=(method("sum"),))
 
 
 def mean_decomposition(x, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> Any:
@@ -37,7 +49,7 @@ def mean_decomposition(x, dim=None, keepdim: bool = False, *, dtype: torch.dtype
     return _finish(prims.div(total, count), x, dims, keepdim)
 
 
-torch_symbol(torch.mean, decomposition=mean_decomposition, aliases=(method("mean"),))
+torch_symbol(torch.mean, decomposition=_numpy_names(mean_decomposition), aliases=(method("mean"),))
 
 
 def _extremum_decomposition(prim: Symbol):
@@ -48,8 +60,8 @@ def _extremum_decomposition(prim: Symbol):
     return decomposition
 
 
-torch_symbol(torch.amax, decomposition=_extremum_decomposition(prims.amax), aliases=(method("amax"),))
-torch_symbol(torch.amin, decomposition=_extremum_decomposition(prims.amin), aliases=(method("amin"),))
+torch_symbol(torch.amax, decomposition=_numpy_names(_extremum_decomposition(prims.amax)), aliases=(method("amax"),))
+torch_symbol(torch.amin, decomposition=_numpy_names(_extremum_decomposition(prims.amin)), aliases=(method("amin"),))
 
 
 def _max_min_decomposition(reduce: Symbol, binary: Symbol):
@@ -76,8 +88,9 @@ def var_decomposition(x, dim=None, unbiased=None, keepdim: bool = False, *, corr
     return _finish(prims.var(x, dims, correction), x, dims, keepdim)
 
 
-torch_symbol(torch.var, decomposition=var_decomposition, aliases=(method("var"),))
-torch_symbol(torch.std, decomposition=lambda *a, **k: prims.sqrt(var_decomposition(*a, **k)), aliases=(method("std"),))
+torch_symbol(torch.var, decomposition=_numpy_names(var_decomposition), aliases=(method("var"),))
+torch_symbol(torch.std, decomposition=_numpy_names(lambda *a, **k: prims.sqrt(var_decomposition(*a, **k))),
+             aliases=(method("std"),))
 torch_symbol(torch.var_mean)
 torch_symbol(torch.std_mean)
 torch_symbol(torch.prod, aliases=(method("prod"),))
@@ -93,6 +106,9 @@ torch_symbol(torch.topk, aliases=(method("topk"),))
 torch_symbol(torch.sort, aliases=(method("sort"),))
 torch_symbol(torch.argsort, aliases=(method("argsort"),))
 torch_symbol(torch.cumsum, aliases=(method("cumsum"),))
+torch_symbol(torch.diff, aliases=(method("diff"),))
+torch_symbol(method("sum_to_size"))
+torch_symbol(torch.histc, aliases=(method("histc"),), tags=Tag.NO_GRAD)  # counts: eager gives them no grad
 torch_symbol(torch.cumprod, aliases=(method("cumprod"),))
 torch_symbol(torch.cummax, aliases=(method("cummax"),))
 torch_symbol(torch.logcumsumexp, aliases=(method("logcumsumexp"),))

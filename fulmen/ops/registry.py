@@ -34,7 +34,28 @@ SYMBOLS: dict[str, Symbol] = {}
 
 
 def lookup(fn: Callable[..., Any]) -> TorchBinding | None:
-    return TORCH_BINDINGS.get(fn)
+    binding = TORCH_BINDINGS.get(fn)
+    if binding is None and isinstance(fn, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        binding = _operator_binding(fn)
+    return binding
+
+
+def _operator_binding(op: Any) -> TorchBinding | None:
+    """A symbol for a registered operator the program calls directly (a `torch.library` custom op such as
+    `torch.ops.transformers.grouped_mm_fallback`), made when first seen. It runs the operator itself, takes its
+    output metadata from the operator's fake (meta) kernel and its grad from torch autograd on the operator.
+    Operators that write to or alias their inputs stay unsupported: a trace could not order those effects."""
+    packet = op if isinstance(op, torch._ops.OpOverloadPacket) else op.overloadpacket
+    overloads = [getattr(packet, name) for name in packet.overloads()] if op is packet else [op]
+    schemas = [overload._schema for overload in overloads]
+    if any(item.alias_info is not None for schema in schemas for item in (*schema.arguments, *schema.returns)):
+        return None
+    seeded = any(torch.Tag.nondeterministic_seeded in overload.tags for overload in overloads)
+    printed = f"torch.ops.{resolve_name(op)}"
+    sym = Symbol(name=resolve_name(op), printed=printed, impl=op, tags=Tag.RANDOM if seeded else Tag.NONE)
+    binding = TORCH_BINDINGS.setdefault(op, TorchBinding(sym))
+    SYMBOLS.setdefault(printed, binding.symbol)
+    return binding
 
 
 def symbol_of(target: Symbol | Callable[..., Any], what: str) -> Symbol:
@@ -72,9 +93,11 @@ def torch_symbol(
     inplace: tuple[Callable[..., Any], ...] = (),
     tags: Tag = Tag.NONE,
     name: str | None = None,
+    printed: str | None = None,
 ) -> Symbol:
-    """Registers `fn` (and its aliases) as one torch-level symbol executed by `fn` itself."""
-    printed = printed_name(fn)
+    """Registers `fn` (and its aliases) as one torch-level symbol executed by `fn` itself (`printed`: how traces call
+    it, for callables torch.overrides cannot name)."""
+    printed = printed or printed_name(fn)
     sym = Symbol(
         name=name or printed.rsplit(".", 1)[-1],
         printed=printed,

@@ -88,6 +88,11 @@ def _active(what: str) -> _RuleScope:
     return _ACTIVE[-1]
 
 
+def differentiated_call() -> BoundSymbol:
+    """The call whose grad rule is running (for rules that replay the parts a call recorded)."""
+    return _active("differentiated_call").bsym
+
+
 def get_grad(x: TensorProxy) -> TensorProxy:
     """The cotangent of `x`, an output of the forward computation of the rule being run."""
     _active("get_grad")

@@ -196,16 +196,18 @@ def silu_grad(x, inplace=False):
 def sdpa_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if dropout_p != 0.0:
         return NotImplemented  # the random draw must happen once: differentiated through torch autograd
-    kwargs = {"attn_mask": attn_mask, "dropout_p": 0.0, "is_causal": is_causal, "scale": scale}
+    kwargs = {"dropout_p": 0.0, "is_causal": is_causal, "scale": scale}
     if enable_gqa:
         kwargs["enable_gqa"] = True
-    y = F.scaled_dot_product_attention(q, k, v, **kwargs)
-    # Attention is recomputed in the backward (as flash attention does), so only q, k, v are saved.
-    wrt = tuple(i for i, t in enumerate((q, k, v)) if _wants(t))
-    grads = torch_vjp(SYMBOLS["torch.nn.functional.scaled_dot_product_attention"], (q, k, v), kwargs, wrt,
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask, **kwargs)
+    # Attention is recomputed in the backward (as flash attention does), so only q, k, v (and a mask) are saved.
+    # A float mask is added to the scores, so it has a grad too (T5 passes its learned position bias as the mask).
+    inputs = (q, k, v, attn_mask)
+    wrt = tuple(i for i, t in enumerate(inputs) if _wants(t))
+    grads = torch_vjp(SYMBOLS["torch.nn.functional.scaled_dot_product_attention"], inputs, kwargs, wrt,
                       (get_grad(y),))
     for i, grad in zip(wrt, grads):
-        put_grad((q, k, v)[i], grad)
+        put_grad(inputs[i], grad)
     return y
 
 

@@ -252,6 +252,48 @@ def _pre_hook(m):
     m.lin.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
 
 
+class _Buffer:
+    def __init__(self) -> None:
+        self.items: list[torch.Tensor] = []
+
+
+def test_objects_the_program_creates_and_fills_keep_cache_hits():
+    # what the program reads of an object it made (a cache filled layer by layer) is derived from its inputs: no
+    # guard, or every call would find the object changed after the read and trace again
+    def program(x):
+        buffer = _Buffer()
+        buffer.items.append(x)
+        count = len(buffer.items)
+        buffer.items.append(x * 2)
+        return buffer.items[-1] * count
+
+    jitted = fulmen.jit(program)
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(jitted(x), program(x))
+    assert (fulmen.cache_hits(jitted), fulmen.cache_misses(jitted)) == (2, 1)
+
+
+def test_an_object_the_program_did_not_create_is_still_guarded_after_it_changes_it():
+    shared = _Buffer()
+
+    def program(x):
+        scale = len(shared.items)  # read before the program changes it: a later call reads another length
+        shared.items.append(x)
+        return x * scale
+
+    jitted = fulmen.jit(program, options=fulmen.JitOptions(cache_limit=2))
+    results = []
+    for i in range(4):
+        x = torch.randn(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fulmen.CacheLimitWarning)
+            results.append(jitted(x))
+        torch.testing.assert_close(results[-1], x * i)
+    assert len(shared.items) == 4 and fulmen.cache_hits(jitted) == 0
+
+
+
 @pytest.mark.parametrize("change", [_tuple, _swap, _dtype, _dict, _append, _hook, _pre_hook],
                          ids=lambda c: c.__name__.strip("_"))
 def test_module_state_changes_retrace(change):
@@ -357,3 +399,57 @@ def test_cache_options_are_validated(kwargs):
 
 def test_cache_limit_action_accepts_the_enum():
     assert fulmen.JitOptions(cache_limit_action=fulmen.CacheLimitAction.ERROR).cache_limit_action == "error"
+
+
+def test_a_module_list_slice_made_by_the_program():
+    # ModuleList.__getitem__ with a slice builds a new ModuleList of the (shadow) class the program runs on
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+            self.depth = 2
+
+        def forward(self, x):
+            for layer in self.layers[: self.depth]:
+                x = layer(x)
+            return x
+
+    model = Stack()
+    jitted = fulmen.jit(model)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(jitted(x), model(x))
+    torch.testing.assert_close(jitted(x), model(x))
+    model.depth = 3
+    torch.testing.assert_close(jitted(x), model(x))
+    assert (fulmen.cache_hits(jitted), fulmen.cache_misses(jitted)) == (1, 2)
+
+
+class _Switch:
+    def __init__(self) -> None:
+        self.on = False
+
+    def set(self) -> None:
+        self.on = True
+
+    def reset(self) -> None:
+        self.on = False
+
+
+SWITCH = _Switch()
+
+
+def test_state_the_program_sets_before_reading_it_is_not_a_guard():
+    # a flag the program sets, reads and resets (transformers' CompileableContextVar does this under a tracer): what
+    # it reads, it wrote in the same call, so the next call must not see the flag as changed
+    def program(x):
+        SWITCH.set()
+        y = x * 2 if SWITCH.on else x
+        SWITCH.reset()
+        return y
+
+    jitted = fulmen.jit(program)
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(jitted(x), x * 2)
+    assert (fulmen.cache_hits(jitted), fulmen.cache_misses(jitted)) == (2, 1)
+    assert SWITCH.on is False

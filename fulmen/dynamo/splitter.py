@@ -1,0 +1,132 @@
+"""Finding the nodes of a Dynamo graph fulmen cannot acquire, and splitting the graph around them.
+
+A node is refused when it is a higher-order op (a nested graph such as Dynamo's `autograd_function_apply`) or a read
+of tensor values, or when acquiring it fails: the whole graph is acquired once, node by node, with fulmen's own
+interpreter on proxies of the first call's inputs. A node that fails is given stand-ins for its outputs (from the
+example values Dynamo recorded) so the nodes after it are still tried, and every refusal keeps its reason. The graph
+is then split into runs of consecutive nodes fulmen takes and runs of nodes it refuses (`split_module`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from fulmen.core.errors import FulmenError
+from fulmen.core.trace import TraceBuilder
+from fulmen.distributed.specs import logical_meta
+from fulmen.jit.acquire import DATA_DEPENDENT, Interpreter
+from fulmen.jit.function_apply import function_apply_recorded
+
+CALLS = ("call_function", "call_method", "call_module")
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    return torch.overrides.resolve_name(node.target) or getattr(node.target, "__name__", str(node.target))
+
+
+# Higher-order ops fulmen acquires: Dynamo's form of a `torch.autograd.Function` call runs the Function it was made
+# from (its forward and backward graphs), which fulmen records as an autograd_function region.
+ACQUIRED_HIGHER_ORDER = frozenset({"autograd_function_apply"})
+
+
+def static_reason(node: torch.fx.Node) -> str | None:
+    """Why fulmen refuses `node` without trying it, or None."""
+    if (node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+            and node.target.name() not in ACQUIRED_HIGHER_ORDER):
+        return f"{node.target.name()} is a higher-order op (a nested graph); fulmen acquires plain torch calls"
+    target = getattr(torch.Tensor, node.target, None) if node.op == "call_method" else node.target
+    if node.op in ("call_function", "call_method") and target in DATA_DEPENDENT:
+        return f"{_target_name(node)} reads tensor values"
+    return None
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).split("\n", 1)[0]
+
+
+@contextlib.contextmanager
+def _global_state_kept() -> Iterator[None]:
+    """Grad mode as it was, whichever node the probe stopped at."""
+    grad = torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        torch.set_grad_enabled(grad)
+
+
+class _Probe(torch.fx.Interpreter):
+    def __init__(self, module: torch.fx.GraphModule, builder: TraceBuilder, reasons: dict[torch.fx.Node, str]):
+        super().__init__(module)
+        self.builder = builder
+        self.reasons = reasons
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        if node.op in CALLS:
+            reason = self.reasons.get(node)
+            if reason is None:
+                try:
+                    return super().run_node(node)
+                except FulmenError as error:
+                    self.reasons[node] = f"{_target_name(node)}: {first_line(error)}"
+            return self._stand_in(node.meta.get("example_value"))
+        return super().run_node(node)
+
+    def _stand_in(self, value: Any) -> Any:
+        """A proxy (or plain value) shaped like Dynamo's example value of a refused node."""
+        if isinstance(value, torch.Tensor):
+            shape = [_concrete(s) for s in value.shape]
+            stride = [_concrete(s) for s in value.stride()]
+            with torch._C.DisableTorchFunction():
+                meta = torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+            return self.builder.make_proxy(meta, value.device, value.requires_grad)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._stand_in(item) for item in value)
+        return _concrete(value)
+
+
+def _concrete(value: Any) -> Any:
+    if isinstance(value, torch.SymInt):
+        return value.node.hint
+    return value
+
+
+def refused_nodes(module: torch.fx.GraphModule, args: tuple, decompose: bool) -> dict[torch.fx.Node, str]:
+    """The nodes of `module` fulmen refuses for these inputs, each with its reason (acquired as the pieces will be:
+    a symbol fulmen records may still fail in its decomposition)."""
+    reasons = {node: reason for node in module.graph.nodes if (reason := static_reason(node)) is not None}
+    builder = TraceBuilder(decompose=decompose)
+    interpreter = Interpreter(builder)
+    inputs = [builder.make_proxy(logical_meta(a), a.device, a.requires_grad) if isinstance(a, torch.Tensor) else a
+              for a in args]
+    with _global_state_kept(), builder, interpreter, function_apply_recorded(interpreter):
+        _Probe(module, builder, reasons).run(*inputs)
+    return reasons
+
+
+def split(module: torch.fx.GraphModule, refused: dict[torch.fx.Node, str]) -> tuple[torch.fx.GraphModule, dict]:
+    """`module` as consecutive pieces (`submod_0`, `submod_1`, ...), each all taken or all refused by fulmen;
+    returns it with, per piece name, the reasons of its refused nodes (an empty list for a piece fulmen takes)."""
+    piece, taken, pieces = 0, None, {}
+    assignment: dict[torch.fx.Node, int] = {}
+    for node in module.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        ok = node not in refused
+        if taken is not None and ok != taken and node.op in CALLS:
+            piece += 1
+        if node.op in CALLS:
+            taken = ok
+        assignment[node] = piece
+        pieces.setdefault(f"submod_{piece}", [])
+        if not ok:
+            pieces[f"submod_{piece}"].append(refused[node])
+    result = split_module(module, None, lambda node: assignment[node], keep_original_order=True)
+    return result, pieces

@@ -1,0 +1,122 @@
+"""The `fulmen.dynamo` torch.compile backend: Dynamo splits where it cannot capture, fulmen runs each captured graph
+with its autodiff; what fulmen refuses runs by the fallback. Oracle: eager on the same inputs (values and grads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fulmen
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compare(fn, backend, *inputs, calls=1):
+    compiled = torch.compile(fn, backend=backend)
+    for _ in range(calls):
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        want = fn(*leaves)
+        want.sum().backward()
+        want_grads = [t.grad for t in leaves]
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        got = compiled(*leaves)
+        got.sum().backward()
+        torch.testing.assert_close(got, want)
+        for g, w in zip((t.grad for t in leaves), want_grads):
+            assert (g is None) == (w is None)
+            if w is not None:
+                torch.testing.assert_close(g, w)
+
+
+def data_dependent(x, w):
+    y = torch.tanh(x @ w)
+    if y.sum() > 0:  # a branch on a value: Dynamo breaks the graph here
+        y = y * 2
+    n = int((y > 0.5).sum().item())  # .item(): another break
+    picked = y[torch.nonzero(y > 0)[:, 0]]  # data-dependent shape: another
+    return y.sum(-1) * n + picked.sum()
+
+
+def test_graph_breaks_run_every_captured_graph_through_fulmen():
+    backend = fulmen.dynamo.backend(fallback="eager")
+    _compare(data_dependent, backend, torch.randn(4, 3), torch.randn(3, 5, requires_grad=True))
+    assert len(backend.graphs) >= 3 and backend.pieces and all(piece.by_fulmen for piece in backend.pieces)
+    report = backend.report()
+    assert "Dynamo graph break: Unsupported Tensor.item()" in report and "fulmen" in report
+    traces = fulmen.last_traces(backend)
+    assert len(traces) == len(backend.pieces) and "torch.tanh" in str(traces[0])
+    assert "backward" in str(fulmen.last_backward_traces(backend)[0])
+
+
+def with_cond(x, w):
+    h = torch.relu(x @ w)
+    h = torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,))  # a higher-order op: a nested graph
+    return h.sum(0) + h.mean(0)
+
+
+@pytest.mark.parametrize("fallback", ["eager", "inductor"])
+def test_refused_nodes_are_split_out_and_run_by_the_fallback(fallback):
+    backend = fulmen.dynamo.backend(fallback=fallback)
+    _compare(with_cond, backend, torch.randn(4, 3), torch.randn(3, 5, requires_grad=True), calls=2)
+    (record,) = backend.graphs
+    kinds = [(piece.by_fulmen, bool(piece.reasons)) for piece in record.pieces]
+    assert kinds == [(True, False), (False, True), (True, False)]
+    assert "cond is a higher-order op" in backend.report()
+    assert f"{fallback:<8}" in backend.report()
+
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3.5 * x * x * g  # not the true derivative: the Function's own backward must be what runs
+
+
+def test_an_autograd_function_in_a_graph_runs_through_fulmen_with_its_backward():
+    backend = fulmen.dynamo.backend(fallback="eager")
+    _compare(lambda x, w: Cube.apply(torch.relu(x @ w)).sum(0), backend, torch.randn(4, 3),
+             torch.randn(3, 5, requires_grad=True))
+    (piece,) = backend.pieces
+    assert piece.by_fulmen
+    assert "3.5" in str(fulmen.last_backward_traces(backend)[0])
+
+
+def test_a_graph_fulmen_refuses_after_acquiring_it_falls_back_whole():
+    def scale_in_place(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        y.mul_(3)  # an in-place update of the second graph's input, which requires grad
+        return y + 1
+
+    backend = fulmen.dynamo.backend(fallback="eager")
+    _compare(scale_in_place, backend, torch.randn(5, requires_grad=True))
+    first, second = backend.pieces
+    assert first.by_fulmen and not first.reasons
+    assert not second.by_fulmen and "cannot differentiate an in-place update" in second.reasons[0]
+
+
+def test_new_shapes_are_traced_anew():
+    backend = fulmen.dynamo.backend(fallback="eager")
+    w = torch.randn(3, 5, requires_grad=True)
+    for rows in (2, 4, 6):
+        _compare(lambda x, w: torch.relu(x @ w) * x.shape[0], backend, torch.randn(rows, 3), w)
+    assert all(piece.by_fulmen for piece in backend.pieces)
+
+
+def test_bad_arguments_are_refused_up_front():
+    with pytest.raises(ValueError, match="fallback must be one of"):
+        fulmen.dynamo.backend(fallback="aot")
+    with pytest.raises(TypeError, match="JitOptions"):
+        fulmen.dynamo.backend(options={"cse": False})
+    with pytest.raises(ValueError, match="unknown executor"):
+        fulmen.dynamo.backend(executors=["no_such_executor"])
