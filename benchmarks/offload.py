@@ -179,6 +179,7 @@ def part2(args: argparse.Namespace, results: dict[str, dict]) -> dict:
     device = torch.device(args.device)
     if device.type != "cuda":
         return {"skipped": "the memory cap needs a CUDA device"}
+    device = torch.device("cuda", torch.cuda.current_device())  # the cap takes an index
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 1e9 / total), device)
     # parameters, grads and AdamW's two states in the model's dtype: what does not grow with the batch

@@ -134,13 +134,22 @@ def offload_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+def _empty_with_layout(x: torch.Tensor, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+    """An empty tensor with `x`'s strides, also for a view that is not dense (`empty_like` would make that one
+    contiguous): the backward's kernels pick their algorithm by layout, and must see the one eager saved."""
+    overlapping = any(stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape))
+    if overlapping or x.is_contiguous():
+        return torch.empty_like(x, device=device, pin_memory=pin_memory)
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device, pin_memory=pin_memory)
+
+
 def offload_to_host(x: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of `x`, started on the offload stream once `x` is computed. The caching allocator
     reuses `x`'s memory only after the copy is done, however early the program drops `x`."""
     if x.device.type != "cuda":
         return x.clone()
     stream = offload_stream(x.device)
-    host = torch.empty_like(x, device="cpu", pin_memory=True)
+    host = _empty_with_layout(x, torch.device("cpu"), pin_memory=True)
     stream.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(stream):
         host.copy_(x, non_blocking=True)
@@ -159,7 +168,7 @@ def reload_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         # offloading never raises the peak (when the copy out lags, the caller waits instead).
         copied.synchronize()
         host._fulmen_copied = None  # type: ignore[attr-defined]
-    out = torch.empty_like(host, device=device)
+    out = _empty_with_layout(host, device)
     stream = offload_stream(out.device)
     stream.wait_stream(torch.cuda.current_stream(out.device))  # the compute stream may still use out's memory
     with torch.cuda.stream(stream):

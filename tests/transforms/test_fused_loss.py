@@ -63,7 +63,7 @@ def _run(fn, tensors, cotangent=None):
     return out.detach(), [t.grad for t in tensors if t.requires_grad]
 
 
-def check(fn, tensors, options, grads=None, cotangent_like=False, executors=None):
+def check(fn, tensors, options, grads=None, cotangent_like=False, executors=None, grad_atol=1e-6):
     """fn jitted with `options` against eager on the same inputs: output, and grads of the inputs requiring them."""
     jitted = fulmen.jit(fn, executors=executors, options=options)
     ours = _leaves(*tensors, grads=grads)
@@ -75,7 +75,7 @@ def check(fn, tensors, options, grads=None, cotangent_like=False, executors=None
     torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-7, equal_nan=True)
     assert len([t for t in ours if t.requires_grad]) == len(expected_grads)
     for got, want in zip((t.grad for t in ours if t.requires_grad), expected_grads):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=grad_atol)
     return jitted
 
 
@@ -396,8 +396,9 @@ def test_cuda_fp32_equals_eager(executors, reduction):
         torch.randn(5000, device="cuda")
     t = torch.randint(0, 5000, (4, 500), device="cuda")
     t[:, ::3] = -100
+    # cuBLAS adds the weight gradient's per-chunk partials in another order than one matmul over all rows does
     jitted = check(_head(reduction, bias=True), [h, w, t, b], _options(384), cotangent_like=True,
-                   executors=executors)
+                   executors=executors, grad_atol=1e-5)
     assert ("compiled=True" in fulmen.last_traces(jitted)[-1].python()) == ("torchcompile" in executors)
 
 
