@@ -74,7 +74,7 @@ from examples.llmc import model as llmc_model  # noqa: E402
 from fulmen.pretrain.flops import peak_flops  # noqa: E402 - the same table pretraining reports MFU with
 
 DEFAULT_COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen+unsloth", "thunder")
-COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs")
+COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs", "fulmen-unfused-loss")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LLMC_GPT2 = "llmc-gpt2"  # the seed-002 notebook's GPT-2 (examples/llmc/model.py), not a LitGPT config
 PRESETS = {"seed-002": {"model_name": LLMC_GPT2, "micro_batch_size": 4, "seq_len": 64, "dtype": "fp32",
@@ -146,6 +146,9 @@ def compile_fn(name: str, executors: list[str] | None) -> Callable[[Any], Callab
         return lambda fn: fulmen.jit(fn, executors=executors)
     if name == "fulmen+cudagraphs":
         return lambda fn: fulmen.jit(fn, executors=executors, options=fulmen.JitOptions(cuda_graphs=True))
+    if name == "fulmen-unfused-loss":  # what the fused linear + cross-entropy pass changes
+        return lambda fn: fulmen.jit(fn, executors=executors,
+                                     options=fulmen.JitOptions(fuse_linear_cross_entropy=False))
     if name == "fulmen+unsloth":  # fulmen.unsloth's Triton kernels first, then the same executors
         names = executors or [executor.name for executor in fulmen.get_default_executors()]
         return lambda fn: fulmen.jit(fn, executors=["unsloth", *names])
