@@ -10,6 +10,33 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Lines the oracles report (their counts), printed at the end of the run; with pytest-xdist each worker hands its
+# lines to the controller, which prints them all.
+SUMMARY = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def summary(request):
+    """`summary(line)`: adds a line to the report printed after the tests."""
+    return request.config.stash.setdefault(SUMMARY, []).append
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["fulmen_summary"] = session.config.stash.get(SUMMARY, [])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    node.config.stash.setdefault(SUMMARY, []).extend(getattr(node, "workeroutput", {}).get("fulmen_summary", []))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in terminalreporter.config.stash.get(SUMMARY, []):
+        terminalreporter.write_line(line)
+
+
 def pytest_addoption(parser):
     parser.addoption("--hf-all", action="store_true", default=False,
                      help="tests/models/test_hf.py: run every transformers family through the Dynamo backend too")

@@ -441,9 +441,9 @@ def families() -> list[Family]:
     ]
 
 
-def test_guard_fuzz():
+def test_guard_fuzz(summary):
     tally = Tally()
     for family in families():
         _run(family, tally)
-    print(f"\nguard fuzz: {tally.calls} calls compared with eager, {len(tally.mismatches)} mismatches")
+    summary(f"guard fuzz: {tally.calls} calls compared with eager, {len(tally.mismatches)} mismatches")
     assert not tally.mismatches, "\n".join(tally.mismatches)

@@ -58,23 +58,20 @@ RESULTS: Counter = Counter()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _summary(request):
+def _summary(summary):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: threads only add overhead
     started = time.perf_counter()
     yield
     torch.set_num_threads(threads)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None and RESULTS:
+    if RESULTS:
         groups = Counter(family.group for family in FAMILIES if RESULTS.get(f"built:{family.name}"))
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(
-                f"\ntransformers {transformers.__version__}: {len(FAMILIES)} families, {sum(groups.values())} built "
-                f"tiny ({groups['decoder']} decoders, {groups['encoder']} encoders, {groups['encoder-decoder']} "
-                f"encoder-decoders), {RESULTS['not built']} left out; fulmen.jit: {RESULTS['jit passed']} trained as "
-                f"eager, {RESULTS['jit refused']} refused; Dynamo backend: {RESULTS['dynamo passed']} trained as "
-                f"eager; {time.perf_counter() - started:.0f} s")
+        summary(
+            f"transformers {transformers.__version__}: {len(FAMILIES)} families, {sum(groups.values())} built "
+            f"tiny ({groups['decoder']} decoders, {groups['encoder']} encoders, {groups['encoder-decoder']} "
+            f"encoder-decoders), {RESULTS['not built']} left out; fulmen.jit: {RESULTS['jit passed']} trained as "
+            f"eager, {RESULTS['jit refused']} refused; Dynamo backend: {RESULTS['dynamo passed']} trained as "
+            f"eager; {time.perf_counter() - started:.0f} s")
 
 
 def _model(family: Family) -> torch.nn.Module:

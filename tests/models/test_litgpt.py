@@ -59,13 +59,12 @@ def test_kv_cache_decode_matches_eager(name):
     assert fulmen.cache_misses(jitted) == 2  # prefill and decode shapes; the decode steps hit
 
 
-def test_coverage_report(capsys):
+def test_coverage_report(summary):
     """How many of LitGPT's configs the representative architectures above cover."""
     covered = {architecture_key(shrunk(name)) for name in NAMES}
     keys = [architecture_key(Config(**entry)) for entry in configs]
     n_covered = sum(1 for key in keys if key in {architecture_key(Config.from_name(n)) for n in NAMES})
-    with capsys.disabled():
-        print(f"\nLitGPT coverage: {len(NAMES)} architectures cover {n_covered}/{len(configs)} configs")
+    summary(f"LitGPT coverage: {len(NAMES)} architectures cover {n_covered}/{len(configs)} configs")
     assert covered and n_covered == len(configs)
 
 

@@ -23,7 +23,7 @@ def test_op_db_sample(case):
     run_case(case)
 
 
-def test_op_db_summary(capsys):
+def test_op_db_summary(summary):
     counts = {"pass": 0, "fail": 0, "xfail": 0}
     unexpected = []
     for case in CASES:
@@ -39,8 +39,7 @@ def test_op_db_summary(capsys):
                 counts["fail"] += 1
                 unexpected.append(f"{case.id}: {type(error).__name__}: {error}")
     total = sum(counts.values())
-    with capsys.disabled():
-        print(f"\nop_db: {len(supported_opinfos())} OpInfos, {total} samples: {counts['pass']} pass, "
-              f"{counts['fail']} fail, {counts['xfail']} xfail")
+    summary(f"op_db: {len(supported_opinfos())} OpInfos, {total} samples: {counts['pass']} pass, "
+            f"{counts['fail']} fail, {counts['xfail']} xfail")
     assert not unexpected, "\n".join(unexpected[:20])
     assert counts["pass"] >= 0.95 * total

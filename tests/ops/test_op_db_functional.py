@@ -67,7 +67,7 @@ def test_functional_sample(kind, case):
 
 
 @pytest.mark.parametrize("kind", ["jvp", "vmap"])
-def test_functional_summary(kind, capsys):
+def test_functional_summary(kind, summary):
     counts = {"pass": 0, "fail": 0, "xfail": 0}
     how = {"rules": 0, "fallback": 0, "loop": 0}
     unexpected = []
@@ -86,10 +86,9 @@ def test_functional_summary(kind, capsys):
     total = sum(counts.values())
     other = ("through torch's forward-mode AD for an op without a JVP rule" if kind == "jvp"
              else "with an op run once per example (no batching rule)")
-    with capsys.disabled():
-        print(f"\nop_db {kind} against torch.func.{kind} (float64): {len({c.op_name for c in CASES})} OpInfos of "
-              f"{len(supported_opinfos())} supported, {total} samples: {counts['pass']} pass ({how['rules']} by "
-              f"fulmen's rules alone, {how['fallback'] + how['loop']} {other}), {counts['fail']} fail, "
-              f"{counts['xfail']} xfail")
+    summary(f"op_db {kind} against torch.func.{kind} (float64): {len({c.op_name for c in CASES})} OpInfos of "
+            f"{len(supported_opinfos())} supported, {total} samples: {counts['pass']} pass ({how['rules']} by "
+            f"fulmen's rules alone, {how['fallback'] + how['loop']} {other}), {counts['fail']} fail, "
+            f"{counts['xfail']} xfail")
     assert not unexpected, "\n".join(unexpected[:20])
     assert counts["pass"] >= 0.95 * total

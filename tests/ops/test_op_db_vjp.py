@@ -40,7 +40,7 @@ def test_vjp_sample(case):
     assert outcome == "pass", outcome
 
 
-def test_vjp_summary(capsys):
+def test_vjp_summary(summary):
     counts = {"pass": 0, "fail": 0, "xfail": 0}
     unexpected = []
     for case in CASES:
@@ -56,8 +56,7 @@ def test_vjp_summary(capsys):
             unexpected.append(f"{case.id}: {outcome}")
     total = sum(counts.values())
     ops = len({c.op_name for c in CASES})
-    with capsys.disabled():
-        print(f"\nop_db VJP (float64): {ops} differentiable OpInfos of {len(supported_opinfos())} supported, "
-              f"{total} samples: {counts['pass']} pass, {counts['fail']} fail, {counts['xfail']} xfail")
+    summary(f"op_db VJP (float64): {ops} differentiable OpInfos of {len(supported_opinfos())} supported, "
+            f"{total} samples: {counts['pass']} pass, {counts['fail']} fail, {counts['xfail']} xfail")
     assert not unexpected, "\n".join(unexpected[:20])
     assert counts["pass"] >= 0.95 * total
