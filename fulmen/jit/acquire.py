@@ -19,11 +19,12 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.source import user_location
+from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.distributed.specs import logical_meta
 from fulmen.jit.functionalize import Functionalizer
+from fulmen.jit.lookasides import is_fabric_backward_check
 from fulmen.ops import lookup, shape
 from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
@@ -110,6 +111,7 @@ class Interpreter(TorchFunctionMode):
             torch.where: self._where,
             F.batch_norm: self._batch_norm,
             T.storage_offset: self._storage_offset,
+            T.register_hook: self._register_hook,
         }
         for name, dtype in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
                             ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64),
@@ -157,15 +159,30 @@ class Interpreter(TorchFunctionMode):
 
     def record_replacement(self, sym: Symbol, call_original: Callable[[], Any], args: tuple,
                            kwargs: dict[str, Any]) -> Any:
-        """Records a call of a replaced function as `sym`, keeping the original's ops as its parts."""
-        location = user_location()
-        values, kwvalues = self._values(args), self._values(kwargs)
-        builder = self.builder
-        builder.scopes.append([])
+        """Records a call of a replaced torch callable as `sym`, keeping the original's ops as its parts."""
+        started = self.begin_replacement(sym, args, kwargs, user_location())
         try:
             result = call_original()
-        finally:
-            parts = builder.scopes.pop()
+        except BaseException:
+            self.end_replacement(started, None, raised=True)
+            raise
+        return self.end_replacement(started, result)
+
+    def begin_replacement(self, sym: Symbol, args: tuple, kwargs: dict[str, Any],
+                          location: SourceLocation | None) -> tuple:
+        """A call of a replaced function starts: the ops recorded until `end_replacement` are its parts."""
+        self.builder.scopes.append([])
+        return sym, self._values(args), self._values(kwargs), location
+
+    def end_replacement(self, started: tuple, result: Any, raised: bool = False) -> Any:
+        """The replaced call returned `result`: records it as one call of its operator (checked against the
+        operator's like=/meta=). A returned input is also the output of an alias of it, which the result
+        names instead."""
+        sym, values, kwvalues, location = started
+        builder = self.builder
+        parts = builder.scopes.pop()
+        if raised:
+            return None
         expected = builder.bind_meta(sym, values, kwvalues) if sym.meta is not None else result
         got, want = list(iter_proxies(result)), list(iter_proxies(expected))
         if [(tuple(p.shape), p.dtype) for p in got] != [(tuple(p.shape), p.dtype) for p in want]:
@@ -182,6 +199,15 @@ class Interpreter(TorchFunctionMode):
                                               builder.checkpoint_region))
         builder.source = location
         return result
+
+    @contextlib.contextmanager
+    def replacing(self, table: dict[Callable[..., Any], Symbol]) -> Iterator[None]:
+        """Calls of these torch callables are recorded as these operators (replacements.py), inside the block."""
+        self.replaced = table
+        try:
+            yield
+        finally:
+            self.replaced = {}
 
     @contextlib.contextmanager
     def rule_mode(self, source: Any) -> Iterator[None]:
@@ -308,6 +334,12 @@ class Interpreter(TorchFunctionMode):
                 self.builder.source,
             )
         return self._record(lookup(torch.where).symbol, (condition, *args), kwargs)
+
+    def _register_hook(self, x: torch.Tensor, hook: Callable[..., Any]) -> Any:
+        if not is_fabric_backward_check(hook):
+            raise UnsupportedOpError("fulmen cannot trace Tensor.register_hook (a hook has no place in a trace); "
+                                     "register it on the jitted function's output instead", self.builder.source)
+        return None
 
     def _storage_offset(self, x: torch.Tensor) -> int:
         self.reads_storage_offset = True

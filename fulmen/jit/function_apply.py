@@ -24,7 +24,7 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.symbol import BoundSymbol, iter_proxies
-from fulmen.jit.lookasides import checkpoint_lookaside
+from fulmen.jit.lookasides import checkpoint_region
 from fulmen.transforms.function_grad import AUTOGRAD_FUNCTION, FunctionCall, FunctionContext
 
 _ORIGINAL_APPLY = Function.__dict__["apply"]  # a classmethod
@@ -37,7 +37,8 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
     if cls is torch.utils.checkpoint.CheckpointFunction:  # checkpoint(use_reentrant=True): a checkpointed region
         function, _, *inputs = args
-        return checkpoint_lookaside(interpreter.builder)(function, *inputs)
+        with checkpoint_region(interpreter.builder):
+            return function(*inputs)
     return record_function(interpreter, cls, args, kwargs)
 
 
