@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,6 +35,7 @@ IMPORTS: dict[str, str] = {
     "impls": "from fulmen.ops import impls",
     "fused_loss": "from fulmen.ops import fused_loss",
     "operator": "import operator",
+    "dist": "from fulmen.distributed import prims as dist",  # the collectives (fulmen.distributed.prims)
 }
 
 
@@ -131,17 +133,20 @@ class Builder:
         raise NotImplementedError
 
 
-_BUILDERS: list[Builder] = []
+# The builders receiving symbol calls, innermost last: per thread and per task (a ContextVar holding a tuple).
+_BUILDERS: ContextVar[tuple[Builder, ...]] = ContextVar("fulmen_trace_builders", default=())
 
 
 def current_builder() -> Builder | None:
-    return _BUILDERS[-1] if _BUILDERS else None
+    builders = _BUILDERS.get()
+    return builders[-1] if builders else None
 
 
 def push_builder(builder: Builder) -> None:
-    _BUILDERS.append(builder)
+    _BUILDERS.set((*_BUILDERS.get(), builder))
 
 
 def pop_builder(builder: Builder) -> None:
-    assert _BUILDERS and _BUILDERS[-1] is builder, "unbalanced trace builders"
-    _BUILDERS.pop()
+    builders = _BUILDERS.get()
+    assert builders and builders[-1] is builder, "unbalanced trace builders"
+    _BUILDERS.set(builders[:-1])

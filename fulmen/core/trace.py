@@ -153,11 +153,12 @@ def _fresh_metas(meta_out: Any) -> Any:
     return meta_out
 
 
+# The prim a call's parts use when its result is one of its inputs (fulmen.ops.prims lists it as `prims.alias`).
+ALIAS = Symbol(name="alias", printed="prims.alias", impl=lambda x: x, is_prim=True)
+
+
 class TraceBuilder(Builder):
     """Records bound symbols into nested scopes while the user's program (or a decomposition) runs."""
-
-    # Set by fulmen.ops.prims: the prim a decomposition uses when its result is one of its inputs.
-    alias_symbol: Symbol | None = None
 
     def __init__(self, namespace: Namespace | None = None, decompose: bool = True) -> None:
         self.namespace = namespace or Namespace()
@@ -265,7 +266,7 @@ class TraceBuilder(Builder):
                 _rename(parts, res.pname, out.pname)
                 res.pname = out.pname
             else:
-                parts.append(BoundSymbol(self.alias_symbol, (res,), {}, out, [], source))
+                parts.append(BoundSymbol(ALIAS, (res,), {}, out, [], source))
 
 
 def _rename(bsyms: list[BoundSymbol], old: str, new: str) -> None:

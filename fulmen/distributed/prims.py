@@ -13,10 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fulmen.core.symbol import IMPORTS, Symbol, Tag
+from fulmen.core.symbol import Symbol, Tag
 from fulmen.core.trace import TraceBuilder
-
-IMPORTS["dist"] = "from fulmen.distributed import prims as dist"
 
 GROUPS: dict[str, dist.ProcessGroup] = {}
 

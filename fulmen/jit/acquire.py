@@ -21,7 +21,7 @@ from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpErro
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
-from fulmen.core.trace import TraceBuilder
+from fulmen.core.trace import ALIAS, TraceBuilder
 from fulmen.distributed.specs import logical_meta
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.jit.lookasides import is_fabric_backward_check
@@ -193,7 +193,7 @@ class Interpreter(TorchFunctionMode):
         for proxy in got:
             if proxy.pname not in produced:  # the original returned an input: the operator's output aliases it
                 alias = builder.make_proxy(proxy.meta, proxy.device, proxy.requires_grad)
-                parts.append(BoundSymbol(builder.alias_symbol, (proxy,), {}, alias, [], location))
+                parts.append(BoundSymbol(ALIAS, (proxy,), {}, alias, [], location))
                 result = map_proxies(result, lambda p, old=proxy, new=alias: new if p is old else p)
         builder.scopes[-1].append(BoundSymbol(sym, tuple(values), kwvalues, result, parts, location,
                                               builder.checkpoint_region))

@@ -23,6 +23,7 @@ without a rule falls back to torch autograd on its own callable (`impls.torch_vj
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,13 +80,15 @@ class _RuleScope:
     inputs: set[str]
 
 
-_ACTIVE: list[_RuleScope] = []
+# The grad rules running now, innermost last (a rule may differentiate a call that has a rule of its own).
+_ACTIVE: ContextVar[tuple[_RuleScope, ...]] = ContextVar("fulmen_grad_rules", default=())
 
 
 def _active(what: str) -> _RuleScope:
-    if not _ACTIVE:
+    active = _ACTIVE.get()
+    if not active:
         raise RuntimeError(f"{what} can only be called inside a grad rule (a grad_transform run by fulmen)")
-    return _ACTIVE[-1]
+    return active[-1]
 
 
 def differentiated_call() -> BoundSymbol:
@@ -198,12 +201,12 @@ def _differentiable(p: Any) -> bool:
 
 def _run_rule(rule: GradRule, bsym: BoundSymbol, builder: TraceBuilder, interpreter) -> list[BoundSymbol] | None:
     """Runs `rule` on the arguments of `bsym`; returns what it recorded, with its results named as bsym's outputs."""
-    _ACTIVE.append(_RuleScope(bsym, {p.pname for p in bsym.proxy_args()}))
+    token = _ACTIVE.set((*_ACTIVE.get(), _RuleScope(bsym, {p.pname for p in bsym.proxy_args()})))
     try:
         return record_call(rule, bsym, builder, interpreter, f"the grad rule of {bsym.sym.printed}",
                            may_return_inputs=False)
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.reset(token)
 
 
 def _split(recorded: list[BoundSymbol], targets_from: BoundSymbol) -> tuple[list[BoundSymbol], Chunk]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 import threading
@@ -14,7 +15,7 @@ from torch import nn
 
 import fulmen
 from fulmen import TensorProxy, get_grad, put_grad, put_grads
-from fulmen.executors.registry import resolve
+from fulmen.executors.registry import PROVIDERS, resolve
 from fulmen.extend import OperatorExecutor, register_executor
 
 _names = itertools.count()
@@ -282,6 +283,17 @@ def test_wrong_like_and_missing_grad_are_reported_at_the_user_line():
     op = ex2.register_operator(f"nograd{next(_names)}", like=lambda x: TensorProxy(like=x), fn=torch.neg)
     with pytest.raises(fulmen.TraceError, match="has no grad"):
         fulmen.jit(lambda x: op(x) * 2, executors=[ex2])(torch.randn(3, requires_grad=True))
+
+
+def test_every_shipped_executor_is_known_by_its_name():
+    """One table names them all; naming one imports the module that defines it."""
+    assert {"sdpa", "torchcompile", "unsloth", "liger"} <= PROVIDERS.keys()
+    for name, module in PROVIDERS.items():
+        executor = fulmen.get_executor(name)
+        assert executor.name == name and fulmen.get_executor(name) is executor
+        assert any(value is executor for value in vars(importlib.import_module(module)).values())
+    with pytest.raises(ValueError, match=r"registered executors: \[.*'liger'.*'sdpa'.*'torchcompile'.*'unsloth'"):
+        fulmen.get_executor("nope")
 
 
 def test_executor_list_resolution():
