@@ -14,6 +14,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
 
@@ -100,30 +101,18 @@ class BoundSymbol:
         return [p.pname for p in iter_proxies(self.output)]
 
 
+def _is_proxy(obj: Any) -> bool:
+    return type(obj) is TensorProxy
+
+
 def iter_proxies(obj: Any) -> Iterator[TensorProxy]:
-    """Proxies inside nested tuples, lists and dicts, in order."""
-    if type(obj) is TensorProxy:
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from iter_proxies(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_proxies(item)
+    """Proxies inside nested containers (fulmen.core.pytree's rule), in order."""
+    return pytree.leaves(obj, _is_proxy)
 
 
 def map_proxies(obj: Any, fn: Callable[[TensorProxy], Any]) -> Any:
     """`obj` with every proxy replaced by `fn(proxy)`, keeping the container types."""
-    if type(obj) is TensorProxy:
-        return fn(obj)
-    if isinstance(obj, tuple):
-        items = [map_proxies(item, fn) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [map_proxies(item, fn) for item in obj]
-    if isinstance(obj, dict):
-        return {key: map_proxies(value, fn) for key, value in obj.items()}
-    return obj
+    return pytree.tree_map(fn, obj, _is_proxy)
 
 
 class Builder:

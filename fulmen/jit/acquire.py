@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from fulmen.core import pytree
 from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
-from fulmen.core.trace import ALIAS, TraceBuilder
+from fulmen.core.trace import TraceBuilder, mismatch
 from fulmen.distributed.specs import logical_meta
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.jit.lookasides import is_fabric_backward_check
@@ -68,6 +69,11 @@ DATA_DEPENDENT: frozenset = frozenset(
         torch.is_nonzero, T.is_nonzero, torch.bincount, T.bincount, T.data_ptr, T.untyped_storage, T.__dlpack__,
     }
 )
+
+
+def _is_value(obj: Any) -> bool:
+    """A tensor, or a NumPy scalar (read as the Python number it holds)."""
+    return isinstance(obj, torch.Tensor) or (type(obj).__module__ == "numpy" and hasattr(obj, "item"))
 
 
 def _describe(func: Callable[..., Any]) -> str:
@@ -183,18 +189,18 @@ class Interpreter(TorchFunctionMode):
         parts = builder.scopes.pop()
         if raised:
             return None
-        expected = builder.bind_meta(sym, values, kwvalues) if sym.meta is not None else result
-        got, want = list(iter_proxies(result)), list(iter_proxies(expected))
-        if [(tuple(p.shape), p.dtype) for p in got] != [(tuple(p.shape), p.dtype) for p in want]:
-            raise TraceError(
-                f"operator {sym.name} replaces a function that returned {[p.type_string() for p in got]}, but its "
-                f"like= function says {[p.type_string() for p in want]}", location)
+        got = list(iter_proxies(result))
+        if sym.meta is not None:
+            differs = mismatch(got, list(iter_proxies(builder.bind_meta(sym, values, kwvalues))))
+            if differs is not None:
+                raise TraceError(f"operator {sym.name} replaces a function that returned {differs[0]}, but its "
+                                 f"like= function says {differs[1]}", location)
+        # A returned input: the operator's output is a new value aliasing it.
         produced = {name for bsym in parts for name in bsym.output_names()}
-        for proxy in got:
-            if proxy.pname not in produced:  # the original returned an input: the operator's output aliases it
-                alias = builder.make_proxy(proxy.meta, proxy.device, proxy.requires_grad)
-                parts.append(BoundSymbol(ALIAS, (proxy,), {}, alias, [], location))
-                result = map_proxies(result, lambda p, old=proxy, new=alias: new if p is old else p)
+        outputs = [p if p.pname in produced else builder.make_proxy(p.meta, p.device, p.requires_grad) for p in got]
+        builder.adopt_results(parts, got, outputs, location)
+        renamed = {id(p): out for p, out in zip(got, outputs)}
+        result = map_proxies(result, lambda p: renamed.get(id(p), p))
         builder.scopes[-1].append(BoundSymbol(sym, tuple(values), kwvalues, result, parts, location,
                                               builder.checkpoint_region))
         builder.source = location
@@ -221,19 +227,14 @@ class Interpreter(TorchFunctionMode):
 
     # --- recording -----------------------------------------------------------------------------------------------
     def _values(self, obj: Any) -> Any:
-        """Current values of the proxies in `obj`; real tensors become captured constants."""
+        """Current values of the proxies in `obj`; real tensors become captured constants; NumPy scalars the Python
+        numbers they hold."""
+        return pytree.tree_map(self._value, obj, _is_value)
+
+    def _value(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.functional.resolve(obj if type(obj) is TensorProxy else self._constant(obj))
-        if isinstance(obj, (tuple, list)):
-            items = [self._values(item) for item in obj]
-            if hasattr(type(obj), "_fields"):
-                return type(obj)(*items)
-            return items if isinstance(obj, list) else tuple(items)
-        if isinstance(obj, dict):
-            return {key: self._values(value) for key, value in obj.items()}
-        if type(obj).__module__ == "numpy" and hasattr(obj, "item"):  # a NumPy scalar: the Python number it holds
-            return obj.item()
-        return obj
+        return obj.item()
 
     def _constant(self, tensor: torch.Tensor) -> TensorProxy:
         proxy = self._constant_ids.get(id(tensor))

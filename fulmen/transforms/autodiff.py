@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core import pytree
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
@@ -131,9 +132,7 @@ def put_grads(xs: Any, grads: Any) -> None:
 
 
 def _flat(obj: Any) -> list[Any]:
-    if isinstance(obj, (tuple, list)):
-        return [leaf for item in obj for leaf in _flat(item)]
-    return [obj]
+    return list(pytree.leaves(obj, pytree.is_leaf))
 
 
 # --- the fallback: torch autograd on the symbol's own callable ------------------------------------------------------
