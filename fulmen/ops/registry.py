@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.overrides import resolve_name
@@ -66,6 +66,26 @@ def symbol_of(target: Symbol | Callable[..., Any], what: str) -> Symbol:
     if binding is None:
         raise ValueError(f"{target} has no fulmen symbol to register {what} for")
     return binding.symbol
+
+
+Rule = TypeVar("Rule", bound=Callable[..., Any])
+
+
+def rule_registrar(table: dict[Symbol, Rule], what: str) -> Callable[[Symbol | Callable[..., Any]],
+                                                                      Callable[[Rule], Rule]]:
+    """`register(target)` for one rule table: a decorator making the decorated function the rule (`what`, e.g.
+    "a grad rule") of `target`, a symbol or a torch callable."""
+
+    def register(target: Symbol | Callable[..., Any]) -> Callable[[Rule], Rule]:
+        sym = symbol_of(target, what)
+
+        def decorator(rule: Rule) -> Rule:
+            table[sym] = rule
+            return rule
+
+        return decorator
+
+    return register
 
 
 def printed_name(fn: Callable[..., Any]) -> str:

@@ -34,8 +34,8 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.ops import impls, lookup
-from fulmen.ops.registry import SYMBOLS, impl_symbol
+from fulmen.ops import impls
+from fulmen.ops.registry import SYMBOLS, impl_symbol, rule_registrar
 from fulmen.transforms.recording import record_call
 
 GradRule = Callable[..., Any]
@@ -44,22 +44,8 @@ GradRule = Callable[..., Any]
 GRAD_RULES: dict[Symbol, GradRule] = {}
 
 
-def register_grad(target: Symbol | Callable[..., Any]) -> Callable[[GradRule], GradRule]:
-    """Registers the decorated function as the grad rule of `target` (a symbol or a torch callable)."""
-    sym = target if isinstance(target, Symbol) else _symbol_of(target)
-
-    def decorator(rule: GradRule) -> GradRule:
-        GRAD_RULES[sym] = rule
-        return rule
-
-    return decorator
-
-
-def _symbol_of(fn: Callable[..., Any]) -> Symbol:
-    binding = lookup(fn)
-    if binding is None:
-        raise ValueError(f"{fn} has no fulmen symbol to register a grad rule for")
-    return binding.symbol
+# @register_grad(target): the decorated function is the grad rule of `target` (a symbol or a torch callable).
+register_grad = rule_registrar(GRAD_RULES, "a grad rule")
 
 
 # --- get_grad / put_grad -------------------------------------------------------------------------------------------

@@ -10,6 +10,21 @@ from fulmen.core.symbol import BoundSymbol, iter_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
 
 
+def run_recorded(run: Callable[[], Any], builder: TraceBuilder, interpreter: Any, source: Any) -> Any:
+    """Runs `run` as a rule runs (torch calls on proxies record symbols, attributed to `source`) and gives its
+    result; the calls it recorded join the current scope unless it declines (returns NotImplemented)."""
+    builder.source = source
+    builder.scopes.append([])
+    try:
+        with interpreter.rule_mode(source):
+            result = run()
+    finally:
+        recorded = builder.scopes.pop()
+    if result is not NotImplemented:
+        builder.scopes[-1].extend(recorded)
+    return result
+
+
 def record_call(fn: Callable[..., Any], bsym: BoundSymbol, builder: TraceBuilder, interpreter: Any, what: str,
                 *, may_return_inputs: bool) -> list[BoundSymbol] | None:
     """Runs `fn(*bsym.args, **bsym.kwargs)` and returns the calls it made, its results named as `bsym`'s outputs.
