@@ -141,3 +141,27 @@ def test_a_tensor_hook_is_refused_at_the_users_line():
 
     with pytest.raises(fulmen.UnsupportedOpError, match=r"(?s)register_hook.*test_replacements.py"):
         fulmen.jit(fn)(torch.randn(3, requires_grad=True))
+
+
+class Doubler(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_a_forward_lookaside_applies_to_modules_the_program_receives():
+    """A jitted function given the module (not a jitted module): nn.Module.__call__ runs the lookaside, also when the
+    module has hooks (torch's slow path); Doubler itself is untouched."""
+    n = next(_names)
+    ex = OperatorExecutor(f"forward{n}")
+    ex.register_lookaside(Doubler.forward, lambda self, x: x * 2 + 0 * torch.sin(x))  # same values, a telltale op
+    original = Doubler.__dict__["forward"]
+    hooked = Doubler()
+    hooked.register_forward_hook(lambda module, args, out: out + 1)
+    for module, offset in ((Doubler(), 0), (hooked, 1)):
+        x = torch.randn(3, 4)
+        jitted = fulmen.jit(lambda m, x: m(x), executors=[ex])
+        torch.testing.assert_close(jitted(module, x), x * 2 + offset)
+        assert "sin" in {bsym.sym.name for bsym in fulmen.last_traces(jitted)[0].bound_symbols}
+    assert Doubler.__dict__["forward"] is original
+    with pytest.raises(TypeError, match="not a method of a module class"):
+        ex.register_lookaside(scaled, lambda x: x)
