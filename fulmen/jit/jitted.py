@@ -312,20 +312,21 @@ class JittedFunction:
                          "Acquisition (fulmen.jit)", builder.namespace)
         traces = self.pipeline.acquire(acquired)
         bases = aliases.bases(real_inputs) if aliases is not None else []
-        dist = DistributedProgram.of(acquired, [*real_inputs, *bases])
+        distributed = DistributedProgram.of(acquired, [*real_inputs, *bases])
         graphs = None
         if self._options.cuda_graphs:
-            graphs = graph_pool_for(traces[-1], dist is not None, getattr(self._fn, "__qualname__", "the program"))
+            graphs = graph_pool_for(traces[-1], distributed is not None,
+                                    getattr(self._fn, "__qualname__", "the program"))
         program = None
         if _needs_grad(traces[-1]):
-            program, forward_traces = self.pipeline.differentiate(traces[-1], dist, graphs)
+            program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs)
             traces.extend(forward_traces)
             if graphs is not None:
                 # the forward and backward without graphs, for a forward whose previous backward has not run yet
                 program.use_graphs(GraphedProgram(graphs), traces[-3], program.backward_traces[-3])
             fn = functools.partial(FulmenFunction.apply, program)
         else:
-            traces.extend(self.pipeline.computation(traces[-1], dist, graphs))
+            traces.extend(self.pipeline.computation(traces[-1], distributed, graphs))
             fn = traces[-1].python_callable()
         if autocast_enabled():
             fn = without_autocast(fn)
