@@ -107,15 +107,7 @@ class FrameTap:
         self.importing = 0  # module bodies running now
 
     def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        local = self._follow(frame, event, arg)
-        region = self.regions.get(frame.f_code)
-        token = None if region is None else region.enter(frame)
-        if token is None:
-            return local
-        tap = _RegionTap(region, token, local).event
-        frame.f_trace = tap
-        frame.f_trace_lines = True  # a line event after an exception: it was caught inside
-        return tap
+        return _around(frame, self.regions, self._follow(frame, event, arg))
 
     def _follow(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
         local = self.previous(frame, event, arg) if self.previous is not None else None
@@ -140,6 +132,39 @@ class FrameTap:
         if local is None:
             frame.f_trace_lines = False
         return tap
+
+
+def _around(frame: types.FrameType, regions: dict[types.CodeType, Region],
+            local: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """The local tracer of a frame just started: the region of its code around `local`, if it has one."""
+    region = regions.get(frame.f_code)
+    token = None if region is None else region.enter(frame)
+    if token is None:
+        return local
+    tap = _RegionTap(region, token, local).event
+    frame.f_trace = tap
+    frame.f_trace_lines = True  # a line event after an exception: it was caught inside
+    return tap
+
+
+class CallTap:
+    """A `sys.settrace` function that only does the regions' work around their calls (no observer), for running
+    torch code on proxies outside an acquisition (the Dynamo backend's probe); chains a tracer already set."""
+
+    def __init__(self, regions: dict[types.CodeType, Region]) -> None:
+        self.regions = regions
+        self.previous: Callable[..., Any] | None = None
+
+    def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        local = self.previous(frame, event, arg) if self.previous is not None else None
+        return _around(frame, self.regions, local)
+
+    def __enter__(self) -> None:
+        self.previous = sys.gettrace()
+        sys.settrace(self.call)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(self.previous)
 
 
 class _RegionTap:

@@ -10,7 +10,8 @@ Nothing of the program is rebound: no module global, class attribute or function
   frame the acquired program starts, however the function was reached (a module global, an import by name, a
   closure, a saved bound method); for a region it calls `enter` as the frame starts and `exit` as it returns, and the
   function's own code runs in between. A replaced function's ops become the parts of one call of its operator; a
-  checkpoint call is set to its reentrant form, which function_apply.py records as a checkpointed region;
+  checkpoint call is set to its reentrant form, which function_apply.py records as a checkpointed region; a
+  `torch.autograd.Function.apply` call hands its `super().apply` to the recording of function_apply.py;
 - a method lookaside (`register_lookaside(LLaMAMLP.forward, ...)`): a method that runs *instead of* the original,
   so it must be found before the call: a module's forward where `nn.Module.__call__` looked it up (a region on
   `_call_impl`, `ForwardLookasideRegion`), and any method the program looks up on the jitted module and its
@@ -36,6 +37,7 @@ import torch.utils.checkpoint
 from fulmen.core.source import frame_location
 from fulmen.core.symbol import Symbol
 from fulmen.jit.frames import Region
+from fulmen.jit.function_apply import APPLY_CODE, FunctionApplyRegion
 from fulmen.ops import lookup
 
 
@@ -161,7 +163,7 @@ class CallTable:
 def call_table(executors: tuple[Any, ...], interpreter: Any) -> CallTable:
     """The table of one acquisition with these executors, recording through `interpreter`."""
     torch_calls: dict[Callable[..., Any], Symbol] = {}
-    regions: dict[types.CodeType, Region] = {_CHECKPOINT_CODE: CheckpointRegion()}
+    regions: dict[types.CodeType, Region] = {_CHECKPOINT_CODE: CheckpointRegion(), APPLY_CODE: FunctionApplyRegion()}
     lookasides: dict[Callable[..., Any], Callable[..., Any]] = {}
     for original, target in replacement_table(executors).items():
         if lookup(original) is not None:

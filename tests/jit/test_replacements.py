@@ -22,7 +22,9 @@ from fulmen.unsloth import executor
 from tests.unsloth.helpers import batch, forward_and_loss, llama
 
 # in a dict, which a rebinding of module globals (what fulmen must not do) would not reach
-AS_IMPORTED = {"apply_rope": litgpt.model.apply_rope, "mlp_forward": LLaMAMLP.__dict__["forward"]}
+AS_IMPORTED = {"apply_rope": litgpt.model.apply_rope, "mlp_forward": LLaMAMLP.__dict__["forward"],
+               "function_apply": torch.autograd.Function.__dict__["apply"],
+               "checkpoint": torch.utils.checkpoint.checkpoint}
 _names = itertools.count()
 
 
@@ -131,6 +133,35 @@ def test_checkpoint_through_a_name_bound_before_is_a_checkpointed_region():
     torch.testing.assert_close(got, (x.grad, w.grad))
     regions = {b.sym.name: b.checkpoint_region for b in fulmen.last_traces(jitted)[0].bound_symbols}
     assert regions["tanh"] and not regions["sum"]
+
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 3 * x**2
+
+
+def test_autograd_functions_and_checkpoint_are_recorded_with_torch_unchanged():
+    seen = []
+
+    def fn(x):
+        seen.append((torch.autograd.Function.__dict__["apply"] is AS_IMPORTED["function_apply"],
+                     torch.utils.checkpoint.checkpoint is AS_IMPORTED["checkpoint"]))
+        return torch.utils.checkpoint.checkpoint(Cube.apply, x, use_reentrant=True).sum()
+
+    x = torch.randn(5, requires_grad=True)
+    jitted = fulmen.jit(fn)
+    jitted(x).backward()
+    torch.testing.assert_close(x.grad, 3 * x.detach() ** 2)
+    assert seen == [(True, True)]
+    bsyms = fulmen.last_traces(jitted)[0].bound_symbols
+    assert any(b.sym.name == "autograd_function" and b.checkpoint_region for b in bsyms)
 
 
 def test_a_tensor_hook_is_refused_at_the_users_line():
