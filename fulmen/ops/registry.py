@@ -135,10 +135,11 @@ def torch_symbol(
     return sym
 
 
-def impl_symbol(fn: Callable[..., Any], tags: Tag = Tag.NONE) -> Symbol:
-    """A symbol executed by one of fulmen's own functional helpers (`fulmen.ops.impls`), bound to no torch callable."""
+def impl_symbol(fn: Callable[..., Any], tags: Tag = Tag.NONE, meta: Callable[..., Any] | None = None) -> Symbol:
+    """A symbol executed by one of fulmen's own functional helpers (`fulmen.ops.impls`), bound to no torch callable
+    (`meta`: its outputs, where running `fn` on meta tensors cannot tell them)."""
     printed = f"impls.{fn.__name__}"
-    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, tags=tags)
+    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, tags=tags, meta=meta)
     SYMBOLS[printed] = sym
     return sym
 

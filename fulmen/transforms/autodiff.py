@@ -127,8 +127,7 @@ def _torch_vjp_meta(builder: TraceBuilder, fn, args, kwargs, wrt, cotangents) ->
     return tuple(builder.make_proxy(torch.empty_like(flat[i].meta), flat[i].device) for i in wrt)
 
 
-torch_vjp = impl_symbol(impls.torch_vjp)
-torch_vjp.meta = _torch_vjp_meta
+torch_vjp = impl_symbol(impls.torch_vjp, meta=_torch_vjp_meta)
 
 
 # Ops whose result depends on storage layout, which traces do not model: their grads would differ from eager's
