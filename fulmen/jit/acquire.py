@@ -177,8 +177,9 @@ class Interpreter(TorchFunctionMode):
     def begin_replacement(self, sym: Symbol, args: tuple, kwargs: dict[str, Any],
                           location: SourceLocation | None) -> tuple:
         """A call of a replaced function starts: the ops recorded until `end_replacement` are its parts."""
+        started = sym, self._values(args), self._values(kwargs), location  # (resolving a view may record its replay)
         self.builder.scopes.append([])
-        return sym, self._values(args), self._values(kwargs), location
+        return started
 
     def end_replacement(self, started: tuple, result: Any, raised: bool = False) -> Any:
         """The replaced call returned `result`: records it as one call of its operator (checked against the
