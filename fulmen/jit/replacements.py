@@ -173,5 +173,8 @@ def call_table(executors: tuple[Any, ...], interpreter: Any) -> CallTable:
         else:
             lookasides[original] = target
     if lookasides:
+        if "forward_call" not in (*_CALL_IMPL_CODE.co_varnames, *_CALL_IMPL_CODE.co_cellvars):
+            raise RuntimeError(f"fulmen's method lookasides do not know this torch's nn.Module.__call__ "
+                               f"(torch {torch.__version__} has no local forward_call in Module._call_impl)")
         regions[_CALL_IMPL_CODE] = ForwardLookasideRegion(lookasides)
     return CallTable(torch_calls, regions, lookasides)
