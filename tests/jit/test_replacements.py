@@ -135,16 +135,22 @@ def test_checkpoint_through_a_name_bound_before_is_a_checkpointed_region():
     assert regions["tanh"] and not regions["sum"]
 
 
-class Cube(torch.autograd.Function):
+class ScaledCube(torch.autograd.Function):
+    """With setup_context and a default argument: torch's Function.apply binds them before its super().apply."""
+
     @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**3
+    def forward(x, scale=2.0):
+        return scale * x**3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.scale = inputs[1]
 
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        return g * 3 * x**2
+        return g * ctx.scale * 3 * x**2, None
 
 
 def test_autograd_functions_and_checkpoint_are_recorded_with_torch_unchanged():
@@ -153,12 +159,12 @@ def test_autograd_functions_and_checkpoint_are_recorded_with_torch_unchanged():
     def fn(x):
         seen.append((torch.autograd.Function.__dict__["apply"] is AS_IMPORTED["function_apply"],
                      torch.utils.checkpoint.checkpoint is AS_IMPORTED["checkpoint"]))
-        return torch.utils.checkpoint.checkpoint(Cube.apply, x, use_reentrant=True).sum()
+        return torch.utils.checkpoint.checkpoint(ScaledCube.apply, x, use_reentrant=True).sum()
 
     x = torch.randn(5, requires_grad=True)
     jitted = fulmen.jit(fn)
     jitted(x).backward()
-    torch.testing.assert_close(x.grad, 3 * x.detach() ** 2)
+    torch.testing.assert_close(x.grad, 6 * x.detach() ** 2)
     assert seen == [(True, True)]
     bsyms = fulmen.last_traces(jitted)[0].bound_symbols
     assert any(b.sym.name == "autograd_function" and b.checkpoint_region for b in bsyms)
