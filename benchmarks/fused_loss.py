@@ -183,16 +183,14 @@ def benchmark(name: str, args: argparse.Namespace, device: torch.device, dtype: 
 
 
 def print_table(results: dict[str, dict]) -> None:
-    print(f"{'row':16}{'ms/iter':>9}{'peak GB':>9}{'tokens/s':>10}{'1st step s':>11}{'loss':>9}"
-          f"{'cap GB':>8}{'max batch':>10}{'tokens/s':>10}")
-    for name, r in results.items():
-        if r["status"] != "ok":
-            print(f"{name:16}{r['status']}: {r['error'][:200]}")
-            continue
+    def row(name: str, r: dict) -> str:
         cap = r.get("under_cap", {})
-        print(f"{name:16}{r['ms_per_iter']:9.1f}{step.fmt(r['peak_gb'], '.2f'):>9}{r['tokens_per_s']:10.0f}"
-              f"{r['first_step_s']:11.1f}{r['final_loss']:9.4f}{step.fmt(cap.get('cap_gb'), '.0f'):>8}"
-              f"{step.fmt(cap.get('micro_batch_size'), 'd'):>10}{step.fmt(cap.get('tokens_per_s'), '.0f'):>10}")
+        return (f"{r['ms_per_iter']:9.1f}{step.fmt(r['peak_gb'], '.2f'):>9}{r['tokens_per_s']:10.0f}"
+                f"{r['first_step_s']:11.1f}{r['final_loss']:9.4f}{step.fmt(cap.get('cap_gb'), '.0f'):>8}"
+                f"{step.fmt(cap.get('micro_batch_size'), 'd'):>10}{step.fmt(cap.get('tokens_per_s'), '.0f'):>10}")
+
+    step.print_rows(f"{'row':16}{'ms/iter':>9}{'peak GB':>9}{'tokens/s':>10}{'1st step s':>11}{'loss':>9}"
+                    f"{'cap GB':>8}{'max batch':>10}{'tokens/s':>10}", results, 16, row)
 
 
 def main(argv: list[str] | None = None) -> dict:

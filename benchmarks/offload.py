@@ -196,16 +196,14 @@ def part2(args: argparse.Namespace, results: dict[str, dict]) -> dict:
 
 
 def print_table(results: dict[str, dict], capped: dict) -> None:
-    print(f"\n{'row':22}{'ms/iter':>9}{'peak GB':>9}{'saved GB':>10}{'offl. GB':>10}{'max |loss-eager|':>18}"
-          f"{'max |loss-fulmen|':>19}")
-    for row, r in results.items():
-        if r["status"] != "ok":
-            print(f"{row:22}{r['status']}: {r['error']}")
-            continue
+    def cells(name: str, r: dict) -> str:
         memory = f"{step.fmt(r['peak_gb'], '.2f'):>9}{step.fmt(r.get('saved_gb'), '.2f'):>10}"
         diffs = f"{r.get('max_abs_loss_diff_vs_eager', 0.0):18.2e}"
         diffs += f"{step.fmt(r.get('max_abs_loss_diff_vs_fulmen'), '.2e'):>19}"
-        print(f"{row:22}{r['ms_per_iter']:9.1f}{memory}{step.fmt(r.get('offloaded_gb'), '.2f'):>10}{diffs}")
+        return f"{r['ms_per_iter']:9.1f}{memory}{step.fmt(r.get('offloaded_gb'), '.2f'):>10}{diffs}"
+
+    step.print_rows(f"\n{'row':22}{'ms/iter':>9}{'peak GB':>9}{'saved GB':>10}{'offl. GB':>10}{'max |loss-eager|':>18}"
+                    f"{'max |loss-fulmen|':>19}", results, 22, cells)
     print("eager losses:", [round(v, 5) for v in results["eager"].get("losses", [])])
     for row, r in capped.items():
         if isinstance(r, dict) and "largest_micro_batch" in r:

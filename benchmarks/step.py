@@ -358,19 +358,21 @@ def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def print_rows(header: str, results: dict[str, dict], width: int, row: Callable[[str, dict], str]) -> None:
+    """A table: `header`, then a line per result, its name in `width` columns, then `row(name, result)` or why it
+    did not run."""
+    print(header)
+    for name, r in results.items():
+        cells = row(name, r) if r["status"] == "ok" else f"{r['status']}: {r.get('error') or r.get('reason')}"
+        print(f"{name:{width}}{cells}")
+
+
 def print_table(results: dict[str, dict], ratios: dict[str, dict]) -> None:
     header = f"{'compiler':25}{'ms/iter':>10}{'x eager':>9}{'peak GB':>9}{'1st step s':>12}{'tokens/s':>11}"
-    print(header + f"{'MFU':>7}{'final loss':>12}  mode")
-    for name, r in results.items():
-        if r["status"] != "ok":
-            print(f"{name:25}{r['status']}: {r.get('error') or r.get('reason')}")
-            continue
-        ratio = ratios.get(name, {}).get("ms_per_iter")
-        print(
-            f"{name:25}{r['ms_per_iter']:10.2f}{fmt(ratio, '.3f'):>9}{fmt(r['peak_gb'], '.2f'):>9}"
-            f"{r['first_step_s']:12.2f}{r['tokens_per_s']:11.0f}{fmt(r['mfu'], '.1%'):>7}{r['final_loss']:12.5f}"
-            f"  {r['mode']}" + (f"  WARNING: {r['warning']}" if "warning" in r else "")
-        )
+    print_rows(header + f"{'MFU':>7}{'final loss':>12}  mode", results, 25, lambda name, r: (
+        f"{r['ms_per_iter']:10.2f}{fmt(ratios.get(name, {}).get('ms_per_iter'), '.3f'):>9}{fmt(r['peak_gb'], '.2f'):>9}"
+        f"{r['first_step_s']:12.2f}{r['tokens_per_s']:11.0f}{fmt(r['mfu'], '.1%'):>7}{r['final_loss']:12.5f}"
+        f"  {r['mode']}" + (f"  WARNING: {r['warning']}" if "warning" in r else "")))
     profiled = {name: r for name, r in results.items() if "gpu_ms_per_step_by_family" in r}
     if profiled:
         families = list(next(iter(profiled.values()))["gpu_ms_per_step_by_family"])

@@ -49,16 +49,17 @@ __device__ float block_reduce(float v, float identity, float* scratch, Op op) {
 }
 
 // ---- attention layout ------------------------------------------------------------------------------------
-// qkv: (B, N, 3, NH, d), the fused projection; q, k, v: (B, NH, N, d). One thread per element of q.
-
-__device__ __forceinline__ long long qkv_offset(long long i, int N, int NH, int d) {
+// Element i of a (B, NH, N, d) tensor of heads, found in a token-major tensor whose rows (b, n) hold `row` heads of
+// d values each: the fused projection qkv (B, N, 3, NH, d) with row = 3 * NH (its q part; k and v follow at
+// NH * d and 2 * NH * d), or the merged heads (B, N, NH, d) with row = NH. One thread per element of the heads.
+__device__ __forceinline__ long long token_major_offset(long long i, int N, int NH, int d, int row) {
     const int e = (int)(i % d);
     long long rest = i / d;
     const int n = (int)(rest % N);
     rest /= N;
     const int h = (int)(rest % NH);
     const long long b = rest / NH;
-    return ((b * N + n) * 3 * NH + h) * (long long)d + e;
+    return ((b * N + n) * row + h) * (long long)d + e;
 }
 
 extern "C" __global__ void llmc_permute_split(float* __restrict__ q, float* __restrict__ k, float* __restrict__ v,
@@ -66,7 +67,7 @@ extern "C" __global__ void llmc_permute_split(float* __restrict__ q, float* __re
     const long long total = (long long)B * NH * N * d;
     const long long part = (long long)NH * d;  // distance between the q, k and v entries of one (b, n)
     GRID_STRIDE_LOOP(i, total) {
-        const long long src = qkv_offset(i, N, NH, d);
+        const long long src = token_major_offset(i, N, NH, d, 3 * NH);
         q[i] = qkv[src];
         k[i] = qkv[src + part];
         v[i] = qkv[src + 2 * part];
@@ -79,7 +80,7 @@ extern "C" __global__ void llmc_permute_split_backward(float* __restrict__ dqkv,
     const long long total = (long long)B * NH * N * d;
     const long long part = (long long)NH * d;
     GRID_STRIDE_LOOP(i, total) {
-        const long long dst = qkv_offset(i, N, NH, d);
+        const long long dst = token_major_offset(i, N, NH, d, 3 * NH);
         dqkv[dst] = dq[i];
         dqkv[dst + part] = dk[i];
         dqkv[dst + 2 * part] = dv[i];
@@ -87,21 +88,12 @@ extern "C" __global__ void llmc_permute_split_backward(float* __restrict__ dqkv,
 }
 
 // heads: (B, NH, N, d); merged: (B, N, NH, d). One thread per element of heads.
-__device__ __forceinline__ long long merged_offset(long long i, int N, int NH, int d) {
-    const int e = (int)(i % d);
-    long long rest = i / d;
-    const int n = (int)(rest % N);
-    rest /= N;
-    const int h = (int)(rest % NH);
-    const long long b = rest / NH;
-    return ((b * N + n) * NH + h) * (long long)d + e;
-}
 
 extern "C" __global__ void llmc_unpermute(float* __restrict__ merged, const float* __restrict__ heads,
                                           int B, int N, int NH, int d) {
     const long long total = (long long)B * NH * N * d;
     GRID_STRIDE_LOOP(i, total) {
-        merged[merged_offset(i, N, NH, d)] = heads[i];
+        merged[token_major_offset(i, N, NH, d, NH)] = heads[i];
     }
 }
 
@@ -109,7 +101,7 @@ extern "C" __global__ void llmc_unpermute_backward(float* __restrict__ dheads, c
                                                    int B, int N, int NH, int d) {
     const long long total = (long long)B * NH * N * d;
     GRID_STRIDE_LOOP(i, total) {
-        dheads[i] = dmerged[merged_offset(i, N, NH, d)];
+        dheads[i] = dmerged[token_major_offset(i, N, NH, d, NH)];
     }
 }
 

@@ -311,24 +311,24 @@ def permute_split_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor)
 
 def unpermute_forward(heads: torch.Tensor) -> torch.Tensor:
     """(B, NH, T, d) -> (B, T, NH, d), the heads side by side again."""
-    heads = _float_input(heads, "unpermute_forward", ndim=4)
-    B, NH, T, d = heads.shape
-    merged = torch.empty((B, T, NH, d), dtype=heads.dtype, device=heads.device)
-    if merged.numel():
-        _launch("llmc_unpermute", heads.device, _elementwise_grid(heads.numel()), (_ELEMENTWISE_BLOCK,),
-                merged, heads, _dim(B, "B"), _dim(T, "T"), _dim(NH, "NH"), _dim(d, "d"))
-    return merged
+    return _swap_heads_and_tokens(heads, "unpermute_forward", "llmc_unpermute", heads_first=True)
 
 
 def unpermute_backward(dmerged: torch.Tensor) -> torch.Tensor:
     """Gradient of the (B, T, NH, d) output -> gradient of the (B, NH, T, d) input."""
-    dmerged = _float_input(dmerged, "unpermute_backward", ndim=4)
-    B, T, NH, d = dmerged.shape
-    dheads = torch.empty((B, NH, T, d), dtype=dmerged.dtype, device=dmerged.device)
-    if dheads.numel():
-        _launch("llmc_unpermute_backward", dmerged.device, _elementwise_grid(dheads.numel()),
-                (_ELEMENTWISE_BLOCK,), dheads, dmerged, _dim(B, "B"), _dim(T, "T"), _dim(NH, "NH"), _dim(d, "d"))
-    return dheads
+    return _swap_heads_and_tokens(dmerged, "unpermute_backward", "llmc_unpermute_backward", heads_first=False)
+
+
+def _swap_heads_and_tokens(x: torch.Tensor, what: str, kernel: str, heads_first: bool) -> torch.Tensor:
+    """(B, A, C, d) -> (B, C, A, d) with `kernel`, where (A, C) is (NH, T) if `heads_first`, else (T, NH)."""
+    x = _float_input(x, what, ndim=4)
+    B, first, second, d = x.shape
+    NH, T = (first, second) if heads_first else (second, first)
+    out = torch.empty((B, second, first, d), dtype=x.dtype, device=x.device)
+    if out.numel():
+        _launch(kernel, x.device, _elementwise_grid(out.numel()), (_ELEMENTWISE_BLOCK,),
+                out, x, _dim(B, "B"), _dim(T, "T"), _dim(NH, "NH"), _dim(d, "d"))
+    return out
 
 
 # ---- softmax and cross-entropy -------------------------------------------------------------------------------

@@ -9,15 +9,16 @@ from __future__ import annotations
 import itertools
 import linecache
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import resolve_name
 
+from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import IMPORTS, BoundSymbol, Symbol
+from fulmen.core.symbol import IMPORTS, BoundSymbol, Symbol, iter_proxies
 from fulmen.core.trace import Trace
 
 # Custom printers: symbol -> (bsym, rendered outputs) -> the statement (without the type comment).
@@ -97,16 +98,8 @@ def _render_outputs(output: Any) -> str:
 
 
 def _type_comment(output: Any) -> str:
-    proxies = [p for p in _flat(output)]
+    proxies = list(iter_proxies(output))
     return "  # " + ", ".join(f'{p.pname}: "{p.type_string()}"' for p in proxies) if proxies else ""
-
-
-def _flat(output: Any):
-    if type(output) is TensorProxy:
-        yield output
-    elif isinstance(output, (tuple, list)):
-        for item in output:
-            yield from _flat(item)
 
 
 def statement(bsym: BoundSymbol) -> str:
@@ -114,7 +107,7 @@ def statement(bsym: BoundSymbol) -> str:
     call = printer(bsym) if printer is not None else render_call(bsym)
     if printer is not None and call.startswith("del "):
         return call
-    has_output = any(True for _ in _flat(bsym.output))
+    has_output = any(True for _ in iter_proxies(bsym.output))
     if not has_output:
         return call
     return f"{_render_outputs(bsym.output)} = {call}{_type_comment(bsym.output)}"
@@ -129,15 +122,8 @@ class PythonSource:
 def _imports(trace: Trace, print_depth: int) -> list[str]:
     roots: set[str] = {"torch"}
 
-    def symbols_in(obj: Any):
-        if isinstance(obj, Symbol):
-            yield obj
-        elif isinstance(obj, (tuple, list)):
-            for item in obj:
-                yield from symbols_in(item)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                yield from symbols_in(item)
+    def symbols_in(obj: Any) -> Iterator[Symbol]:
+        return pytree.leaves(obj, lambda item: isinstance(item, Symbol))
 
     from_executors: dict[str, str] = {}
 

@@ -1,4 +1,11 @@
-"""Flattening program inputs and outputs: tuples, lists, dicts, namedtuples, dataclasses, torch structseqs.
+"""Nested values: one container rule for every walk in fulmen, and flattening of program inputs and outputs.
+
+Which objects are containers is torch's pytree's answer (`torch.utils._pytree`: tuples, lists, dicts, namedtuples,
+torch.return_types structseqs, OrderedDict, ... and whatever a library registered there), plus other tuple and list
+subclasses (torch.Size), walked as plain sequences. `children`, `leaves` and `tree_map` are the walks over it (the
+proxies of a call's arguments and outputs, the symbols passed as data, the real tensors a program captured).
+
+Flattening program inputs and outputs: tuples, lists, dicts, namedtuples, dataclasses, torch structseqs.
 
 A flattened structure is (leaves, spec). Tensors are leaves; every other leaf (ints, strings, dtypes, ...) is
 kept in the spec, so the spec is a hashable cache key that specialises on Python values. Floats are kept by their
@@ -14,10 +21,92 @@ from __future__ import annotations
 import copy
 import dataclasses
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree
+
+
+class _Handlers(dict):
+    """type -> torch's pytree node handler (None: not a container), asked once per type (the walks are hot) and
+    asked again after a library registers a new node type."""
+
+    registered = 0
+
+    def of(self, obj: Any) -> Any:
+        if self.registered != len(_pytree.SUPPORTED_NODES):
+            self.clear()
+            self.registered = len(_pytree.SUPPORTED_NODES)
+        kind = type(obj)
+        try:
+            return self[kind]
+        except KeyError:
+            handler = self[kind] = _pytree.SUPPORTED_NODES.get(_pytree._get_node_type(obj))
+            return handler
+
+
+_HANDLERS = _Handlers()
+
+
+def children(obj: Any) -> Sequence[Any] | None:
+    """The items of `obj` if it is a container (see above), else None."""
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        return obj
+    if kind is dict:
+        return list(obj.values())
+    handler = _HANDLERS.of(obj)
+    if handler is not None:
+        return handler.flatten_fn(obj)[0]
+    return obj if isinstance(obj, (tuple, list)) else None
+
+
+def is_leaf(obj: Any) -> bool:
+    """Not a container."""
+    return type(obj) in _ATOMS or children(obj) is None
+
+
+_ATOMS = frozenset({int, float, bool, str, complex, type(None), torch.dtype, torch.device})  # never containers
+
+
+def leaves(obj: Any, is_leaf: Callable[[Any], bool]) -> Iterator[Any]:
+    """The objects inside `obj` for which `is_leaf` holds, depth first (a leaf is not looked into)."""
+    if is_leaf(obj):
+        yield obj
+        return
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        items: Any = obj
+    elif kind is dict:
+        items = obj.values()
+    elif kind in _ATOMS or (items := children(obj)) is None:
+        return
+    for item in items:
+        yield from leaves(item, is_leaf)
+
+
+def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool]) -> Any:
+    """`obj` with each leaf replaced by `fn(leaf)`, every container rebuilt as its own type."""
+    if is_leaf(obj):
+        return fn(obj)
+    kind = type(obj)
+    if kind in _ATOMS:
+        return obj
+    if kind is tuple:
+        return tuple([tree_map(fn, item, is_leaf) for item in obj])
+    if kind is list:
+        return [tree_map(fn, item, is_leaf) for item in obj]
+    if kind is dict:
+        return {key: tree_map(fn, value, is_leaf) for key, value in obj.items()}
+    handler = _HANDLERS.of(obj)
+    if handler is not None:
+        items, context = handler.flatten_fn(obj)
+        return handler.unflatten_fn([tree_map(fn, item, is_leaf) for item in items], context)
+    if isinstance(obj, (tuple, list)):  # an unregistered subclass (torch.Size): rebuilt as the plain sequence
+        items = [tree_map(fn, item, is_leaf) for item in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
 
 TENSOR = "T"  # marks a tensor leaf's position inside a spec
 OBJECT = "object"  # (OBJECT, id of the template object, attribute names, their specs)

@@ -6,7 +6,7 @@ import linecache
 import os
 import sys
 from dataclasses import dataclass
-from types import TracebackType
+from types import FrameType, TracebackType
 
 import torch
 
@@ -41,7 +41,11 @@ def _is_library(filename: str) -> bool:
 
 def user_location(skip: int = 1) -> SourceLocation | None:
     """The innermost frame outside fulmen and torch, or None."""
-    frame = sys._getframe(skip)
+    return frame_location(sys._getframe(skip))
+
+
+def frame_location(frame: FrameType | None) -> SourceLocation | None:
+    """`frame` or the innermost frame it was called from that is outside fulmen and torch, or None."""
     while frame is not None:
         code = frame.f_code
         if not _is_library(code.co_filename):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
 
@@ -34,6 +36,7 @@ IMPORTS: dict[str, str] = {
     "impls": "from fulmen.ops import impls",
     "fused_loss": "from fulmen.ops import fused_loss",
     "operator": "import operator",
+    "dist": "from fulmen.distributed import prims as dist",  # the collectives (fulmen.distributed.prims)
 }
 
 
@@ -98,30 +101,18 @@ class BoundSymbol:
         return [p.pname for p in iter_proxies(self.output)]
 
 
+def _is_proxy(obj: Any) -> bool:
+    return type(obj) is TensorProxy
+
+
 def iter_proxies(obj: Any) -> Iterator[TensorProxy]:
-    """Proxies inside nested tuples, lists and dicts, in order."""
-    if type(obj) is TensorProxy:
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from iter_proxies(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_proxies(item)
+    """Proxies inside nested containers (fulmen.core.pytree's rule), in order."""
+    return pytree.leaves(obj, _is_proxy)
 
 
 def map_proxies(obj: Any, fn: Callable[[TensorProxy], Any]) -> Any:
     """`obj` with every proxy replaced by `fn(proxy)`, keeping the container types."""
-    if type(obj) is TensorProxy:
-        return fn(obj)
-    if isinstance(obj, tuple):
-        items = [map_proxies(item, fn) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [map_proxies(item, fn) for item in obj]
-    if isinstance(obj, dict):
-        return {key: map_proxies(value, fn) for key, value in obj.items()}
-    return obj
+    return pytree.tree_map(fn, obj, _is_proxy)
 
 
 class Builder:
@@ -131,17 +122,20 @@ class Builder:
         raise NotImplementedError
 
 
-_BUILDERS: list[Builder] = []
+# The builders receiving symbol calls, innermost last: per thread and per task (a ContextVar holding a tuple).
+_BUILDERS: ContextVar[tuple[Builder, ...]] = ContextVar("fulmen_trace_builders", default=())
 
 
 def current_builder() -> Builder | None:
-    return _BUILDERS[-1] if _BUILDERS else None
+    builders = _BUILDERS.get()
+    return builders[-1] if builders else None
 
 
 def push_builder(builder: Builder) -> None:
-    _BUILDERS.append(builder)
+    _BUILDERS.set((*_BUILDERS.get(), builder))
 
 
 def pop_builder(builder: Builder) -> None:
-    assert _BUILDERS and _BUILDERS[-1] is builder, "unbalanced trace builders"
-    _BUILDERS.pop()
+    builders = _BUILDERS.get()
+    assert builders and builders[-1] is builder, "unbalanced trace builders"
+    _BUILDERS.set(builders[:-1])

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import BoundSymbol, Builder, Symbol, Tag, iter_proxies, map_proxies, pop_builder, push_builder
@@ -128,8 +128,12 @@ def _meta_key(obj: Any) -> Any:
     return (type(obj), obj)
 
 
+def _is_tensor(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
+
+
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor)]
+    return list(pytree.leaves(obj, _is_tensor))
 
 
 def _new_tensors_only(meta_out: Any, meta_args: tuple, meta_kwargs: dict[str, Any]) -> bool:
@@ -143,21 +147,16 @@ def _new_tensors_only(meta_out: Any, meta_args: tuple, meta_kwargs: dict[str, An
 
 def _fresh_metas(meta_out: Any) -> Any:
     """New meta tensors laid out as those of `meta_out` (each call gets its own)."""
-    if isinstance(meta_out, torch.Tensor):
-        return torch.empty_strided(meta_out.shape, meta_out.stride(), dtype=meta_out.dtype, device="meta")
-    if isinstance(meta_out, (tuple, list)):
-        items = [_fresh_metas(item) for item in meta_out]
-        if hasattr(type(meta_out), "n_fields"):  # torch.return_types structseqs
-            return type(meta_out)(items)
-        return items if isinstance(meta_out, list) else tuple(items)
-    return meta_out
+    return pytree.tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
+                           meta_out, _is_tensor)
+
+
+# The prim a call's parts use when its result is one of its inputs (fulmen.ops.prims lists it as `prims.alias`).
+ALIAS = Symbol(name="alias", printed="prims.alias", impl=lambda x: x, is_prim=True)
 
 
 class TraceBuilder(Builder):
     """Records bound symbols into nested scopes while the user's program (or a decomposition) runs."""
-
-    # Set by fulmen.ops.prims: the prim a decomposition uses when its result is one of its inputs.
-    alias_symbol: Symbol | None = None
 
     def __init__(self, namespace: Namespace | None = None, decompose: bool = True) -> None:
         self.namespace = namespace or Namespace()
@@ -188,15 +187,11 @@ class TraceBuilder(Builder):
         return TensorProxy(pname, meta, device, requires_grad)
 
     def wrap_outputs(self, meta_out: Any, device: torch.device, requires_grad: bool) -> Any:
-        if isinstance(meta_out, torch.Tensor):
-            meta = meta_out if meta_out.device.type == "meta" else meta_out.to("meta")
+        def wrap(tensor: torch.Tensor) -> TensorProxy:
+            meta = tensor if tensor.device.type == "meta" else tensor.to("meta")
             return self.make_proxy(meta, device, requires_grad and _is_differentiable(meta.dtype))
-        if isinstance(meta_out, (tuple, list)):
-            items = [self.wrap_outputs(item, device, requires_grad) for item in meta_out]
-            if hasattr(type(meta_out), "n_fields"):  # torch.return_types structseqs
-                return type(meta_out)(items)
-            return type(meta_out)(items) if isinstance(meta_out, list) else tuple(items)
-        return meta_out
+
+        return pytree.tree_map(wrap, meta_out, _is_tensor)
 
     def bind(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         with torch._C.DisableTorchFunction():
@@ -243,15 +238,9 @@ class TraceBuilder(Builder):
         if result is NotImplemented:  # no decomposition for these arguments: the symbol stays a leaf
             return []
         results, outputs = list(iter_proxies(result)), list(iter_proxies(output))
-        if len(results) != len(outputs):
-            raise AssertionError(
-                f"decomposition of {sym.name} returned {len(results)} tensors, expected {len(outputs)}"
-            )
-        for res, out in zip(results, outputs):
-            if res.shape != out.shape or res.dtype != out.dtype:
-                raise AssertionError(
-                    f"decomposition of {sym.name} gives {res.type_string()}, torch gives {out.type_string()}"
-                )
+        differs = mismatch(results, outputs)
+        if differs is not None:
+            raise AssertionError(f"decomposition of {sym.name} gives {differs[0]}, torch gives {differs[1]}")
         self.adopt_results(subsymbols, results, outputs, self.source)
         return subsymbols
 
@@ -261,11 +250,24 @@ class TraceBuilder(Builder):
         (an input given back as it is) gets an alias call."""
         produced = {name for bsym in parts for name in bsym.output_names()}
         for res, out in zip(results, outputs):
+            if res is out:
+                continue
             if res.pname in produced:
                 _rename(parts, res.pname, out.pname)
                 res.pname = out.pname
             else:
-                parts.append(BoundSymbol(self.alias_symbol, (res,), {}, out, [], source))
+                parts.append(BoundSymbol(ALIAS, (res,), {}, out, [], source))
+
+
+def mismatch(results: list[TensorProxy], outputs: list[TensorProxy]) -> tuple[str, str] | None:
+    """Where the tensors a function returned differ from those its call must give, in number, shape or dtype:
+    (what it returned, what was due), e.g. ("2 tensors", "1") or ("f32[3]", "f32[4]"); None when they match."""
+    if len(results) != len(outputs):
+        return f"{len(results)} tensors", f"{len(outputs)}"
+    for res, out in zip(results, outputs):
+        if tuple(res.shape) != tuple(out.shape) or res.dtype != out.dtype:
+            return res.type_string(), out.type_string()
+    return None
 
 
 def _rename(bsyms: list[BoundSymbol], old: str, new: str) -> None:

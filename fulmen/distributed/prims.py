@@ -13,14 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fulmen.core.symbol import IMPORTS, Symbol, Tag
+from fulmen.core.symbol import Symbol, Tag
 from fulmen.core.trace import TraceBuilder
-
-IMPORTS["dist"] = "from fulmen.distributed import prims as dist"
 
 GROUPS: dict[str, dist.ProcessGroup] = {}
 
-# torch 2.13 renamed the single-tensor collectives; the GPU machine's torch 2.11 has only the old names.
+# torch 2.13 renamed the single-tensor collectives; earlier versions have only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

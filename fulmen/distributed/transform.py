@@ -27,7 +27,7 @@ import fulmen.torch as ft
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Namespace, Trace, TraceBuilder
-from fulmen.distributed import prims as dist
+from fulmen.distributed import prims as collectives
 from fulmen.distributed.specs import ParamSpec, spec_of
 
 
@@ -156,10 +156,10 @@ class DistributedProgram:
         with TraceBuilder(self.namespace) as builder:
             shards = [self.shard(p) for p in fulls]
             flat = shards[0] if len(shards) == 1 else ft.cat([ft.reshape(s, (-1,)) for s in shards], 0)
-            gathered = dist.all_gather(flat, state.group_name, world)
+            gathered = collectives.all_gather(flat, state.group_name, world)
         bucket.start = builder.bound_symbols
         with TraceBuilder(self.namespace) as builder:
-            done = dist.wait(gathered)
+            done = collectives.wait(gathered)
             results = []
             if len(shards) == 1:
                 padded = [done]
@@ -278,14 +278,14 @@ class DistributedProgram:
                     pieces.append(ft.reshape(grad, (world, numel)))
                 table = pieces[0] if len(pieces) == 1 else ft.cat(pieces, 1)
                 flat = ft.div(ft.reshape(table, (-1,)), world)
-                started = dist.reduce_scatter(flat, state.group_name, world)
+                started = collectives.reduce_scatter(flat, state.group_name, world)
             else:
                 pieces = [ft.reshape(values[i], (-1,)) for i in owners]
                 flat = ft.div(pieces[0] if len(pieces) == 1 else ft.cat(pieces, 0), world)
-                started = dist.all_reduce(flat, state.group_name)
+                started = collectives.all_reduce(flat, state.group_name)
         start = builder.bound_symbols
         with TraceBuilder(self.namespace) as builder:
-            done = dist.wait(started)
+            done = collectives.wait(started)
             offset = 0
             for i, spec in zip(owners, specs):
                 if spec.sharded:

@@ -21,7 +21,8 @@ from fulmen.core.errors import FulmenError
 from fulmen.core.trace import TraceBuilder
 from fulmen.distributed.specs import logical_meta
 from fulmen.jit.acquire import DATA_DEPENDENT, Interpreter
-from fulmen.jit.function_apply import function_apply_recorded
+from fulmen.jit.frames import CallTap
+from fulmen.jit.function_apply import APPLY_CODE, FunctionApplyRegion, function_apply_recorded
 
 CALLS = ("call_function", "call_method", "call_module")
 
@@ -106,7 +107,8 @@ def refused_nodes(module: torch.fx.GraphModule, args: tuple, decompose: bool) ->
     interpreter = Interpreter(builder)
     inputs = [builder.make_proxy(logical_meta(a), a.device, a.requires_grad) if isinstance(a, torch.Tensor) else a
               for a in args]
-    with _global_state_kept(), builder, interpreter, function_apply_recorded(interpreter):
+    with (_global_state_kept(), builder, interpreter, function_apply_recorded(interpreter),
+          CallTap({APPLY_CODE: FunctionApplyRegion()})):
         _Probe(module, builder, reasons).run(*inputs)
     return reasons
 

@@ -16,6 +16,7 @@ A call nobody claims descends to its parts (a composite's decomposition); a leaf
 from __future__ import annotations
 
 import keyword
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +128,9 @@ class OperatorExecutor(Executor):
         if replaces is not None:
             if not callable(replaces):
                 raise TypeError(f"register_operator({name!r}): replaces= must be a function, got {replaces!r}")
+            if lookup(replaces) is None and type(replaces) is not types.FunctionType:
+                raise TypeError(f"register_operator({name!r}): replaces= must be a torch function or a Python "
+                                f"function or method (found by its code when called), got {replaces!r}")
             self._check_unreplaced(replaces)
         shapes = like or meta
         # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
@@ -139,8 +143,10 @@ class OperatorExecutor(Executor):
         return sym
 
     def register_lookaside(self, original: Callable[..., Any], replacement: Callable[..., Any]) -> None:
-        """While this executor is active, acquisition traces `replacement` wherever the program calls `original`
-        (a function or method of the user's program, e.g. `LLaMAMLP.forward`), with the same arguments.
+        """While this executor is active, acquisition traces `replacement` wherever the program calls `original`, a
+        method of a module class of the user's program (e.g. `LLaMAMLP.forward`), with the same arguments: a
+        forward wherever `nn.Module.__call__` runs it, any method where the program looks it up on the jitted
+        module and its submodules (nothing of the class is patched; see fulmen/jit/replacements.py).
 
         For programs whose code has no call boundary around the computation an operator should replace: the
         replacement restates `original` through a function that has one (and that `register_operator(replaces=)`
@@ -152,6 +158,10 @@ class OperatorExecutor(Executor):
             raise ValueError(f"register_lookaside: {original!r} is a torch function; replace it with "
                              "register_operator(replaces=) or give its symbol an implementation instead")
         self._check_unreplaced(original)
+        qualname = getattr(original, "__qualname__", "").split(".")
+        if type(original) is not types.FunctionType or len(qualname) < 2 or qualname[-2] == "<locals>":
+            raise TypeError(f"register_lookaside: {original!r} is not a method of a module class; a function is "
+                            "replaced with register_operator(replaces=)")
         self.lookasides[original] = replacement
 
     def _check_unreplaced(self, original: Callable[..., Any]) -> None:

@@ -25,8 +25,15 @@ def register_executor(executor: Executor) -> Executor:
     return executor
 
 
-# Executors that register themselves when their module is imported, found by name without the user importing it.
-PROVIDERS: dict[str, str] = {"unsloth": "fulmen.unsloth", "liger": "fulmen.liger"}
+# Every executor fulmen ships, by name -> the module that defines (and registers) it: a name is known, and listed
+# in errors, before anything imported its module; the module is imported on first use of the name. "torch" is
+# registered below. Executors of other packages are registered with `fulmen.extend.register_executor`.
+PROVIDERS: dict[str, str] = {
+    "sdpa": "fulmen.executors.sdpa",
+    "torchcompile": "fulmen.executors.torch_compile",
+    "unsloth": "fulmen.unsloth",
+    "liger": "fulmen.liger",
+}
 
 
 def get_executor(name: str) -> Executor:

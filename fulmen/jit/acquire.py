@@ -17,13 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from fulmen.core import pytree
 from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.source import user_location
+from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
-from fulmen.core.trace import TraceBuilder
+from fulmen.core.trace import TraceBuilder, mismatch
 from fulmen.distributed.specs import logical_meta
 from fulmen.jit.functionalize import Functionalizer
+from fulmen.jit.lookasides import is_fabric_backward_check
 from fulmen.ops import lookup, shape
 from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
@@ -69,6 +71,11 @@ DATA_DEPENDENT: frozenset = frozenset(
 )
 
 
+def _is_value(obj: Any) -> bool:
+    """A tensor, or a NumPy scalar (read as the Python number it holds)."""
+    return isinstance(obj, torch.Tensor) or (type(obj).__module__ == "numpy" and hasattr(obj, "item"))
+
+
 def _describe(func: Callable[..., Any]) -> str:
     return resolve_name(func) or getattr(func, "__qualname__", repr(func))
 
@@ -110,6 +117,7 @@ class Interpreter(TorchFunctionMode):
             torch.where: self._where,
             F.batch_norm: self._batch_norm,
             T.storage_offset: self._storage_offset,
+            T.register_hook: self._register_hook,
         }
         for name, dtype in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
                             ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64),
@@ -157,31 +165,56 @@ class Interpreter(TorchFunctionMode):
 
     def record_replacement(self, sym: Symbol, call_original: Callable[[], Any], args: tuple,
                            kwargs: dict[str, Any]) -> Any:
-        """Records a call of a replaced function as `sym`, keeping the original's ops as its parts."""
-        location = user_location()
-        values, kwvalues = self._values(args), self._values(kwargs)
-        builder = self.builder
-        builder.scopes.append([])
+        """Records a call of a replaced torch callable as `sym`, keeping the original's ops as its parts."""
+        started = self.begin_replacement(sym, args, kwargs, user_location())
         try:
             result = call_original()
-        finally:
-            parts = builder.scopes.pop()
-        expected = builder.bind_meta(sym, values, kwvalues) if sym.meta is not None else result
-        got, want = list(iter_proxies(result)), list(iter_proxies(expected))
-        if [(tuple(p.shape), p.dtype) for p in got] != [(tuple(p.shape), p.dtype) for p in want]:
-            raise TraceError(
-                f"operator {sym.name} replaces a function that returned {[p.type_string() for p in got]}, but its "
-                f"like= function says {[p.type_string() for p in want]}", location)
+        except BaseException:
+            self.end_replacement(started, None, raised=True)
+            raise
+        return self.end_replacement(started, result)
+
+    def begin_replacement(self, sym: Symbol, args: tuple, kwargs: dict[str, Any],
+                          location: SourceLocation | None) -> tuple:
+        """A call of a replaced function starts: the ops recorded until `end_replacement` are its parts."""
+        started = sym, self._values(args), self._values(kwargs), location  # (resolving a view may record its replay)
+        self.builder.scopes.append([])
+        return started
+
+    def end_replacement(self, started: tuple, result: Any, raised: bool = False) -> Any:
+        """The replaced call returned `result`: records it as one call of its operator (checked against the
+        operator's like=/meta=). A returned input is also the output of an alias of it, which the result
+        names instead."""
+        sym, values, kwvalues, location = started
+        builder = self.builder
+        parts = builder.scopes.pop()
+        if raised:
+            return None
+        got = list(iter_proxies(result))
+        if sym.meta is not None:
+            differs = mismatch(got, list(iter_proxies(builder.bind_meta(sym, values, kwvalues))))
+            if differs is not None:
+                raise TraceError(f"operator {sym.name} replaces a function that returned {differs[0]}, but its "
+                                 f"like= function says {differs[1]}", location)
+        # A returned input: the operator's output is a new value aliasing it.
         produced = {name for bsym in parts for name in bsym.output_names()}
-        for proxy in got:
-            if proxy.pname not in produced:  # the original returned an input: the operator's output aliases it
-                alias = builder.make_proxy(proxy.meta, proxy.device, proxy.requires_grad)
-                parts.append(BoundSymbol(builder.alias_symbol, (proxy,), {}, alias, [], location))
-                result = map_proxies(result, lambda p, old=proxy, new=alias: new if p is old else p)
+        outputs = [p if p.pname in produced else builder.make_proxy(p.meta, p.device, p.requires_grad) for p in got]
+        builder.adopt_results(parts, got, outputs, location)
+        renamed = {id(p): out for p, out in zip(got, outputs)}
+        result = map_proxies(result, lambda p: renamed.get(id(p), p))
         builder.scopes[-1].append(BoundSymbol(sym, tuple(values), kwvalues, result, parts, location,
                                               builder.checkpoint_region))
         builder.source = location
         return result
+
+    @contextlib.contextmanager
+    def replacing(self, table: dict[Callable[..., Any], Symbol]) -> Iterator[None]:
+        """Calls of these torch callables are recorded as these operators (replacements.py), inside the block."""
+        self.replaced = table
+        try:
+            yield
+        finally:
+            self.replaced = {}
 
     @contextlib.contextmanager
     def rule_mode(self, source: Any) -> Iterator[None]:
@@ -195,19 +228,14 @@ class Interpreter(TorchFunctionMode):
 
     # --- recording -----------------------------------------------------------------------------------------------
     def _values(self, obj: Any) -> Any:
-        """Current values of the proxies in `obj`; real tensors become captured constants."""
+        """Current values of the proxies in `obj`; real tensors become captured constants; NumPy scalars the Python
+        numbers they hold."""
+        return pytree.tree_map(self._value, obj, _is_value)
+
+    def _value(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.functional.resolve(obj if type(obj) is TensorProxy else self._constant(obj))
-        if isinstance(obj, (tuple, list)):
-            items = [self._values(item) for item in obj]
-            if hasattr(type(obj), "_fields"):
-                return type(obj)(*items)
-            return items if isinstance(obj, list) else tuple(items)
-        if isinstance(obj, dict):
-            return {key: self._values(value) for key, value in obj.items()}
-        if type(obj).__module__ == "numpy" and hasattr(obj, "item"):  # a NumPy scalar: the Python number it holds
-            return obj.item()
-        return obj
+        return obj.item()
 
     def _constant(self, tensor: torch.Tensor) -> TensorProxy:
         proxy = self._constant_ids.get(id(tensor))
@@ -308,6 +336,12 @@ class Interpreter(TorchFunctionMode):
                 self.builder.source,
             )
         return self._record(lookup(torch.where).symbol, (condition, *args), kwargs)
+
+    def _register_hook(self, x: torch.Tensor, hook: Callable[..., Any]) -> Any:
+        if not is_fabric_backward_check(hook):
+            raise UnsupportedOpError("fulmen cannot trace Tensor.register_hook (a hook has no place in a trace); "
+                                     "register it on the jitted function's output instead", self.builder.source)
+        return None
 
     def _storage_offset(self, x: torch.Tensor) -> int:
         self.reads_storage_offset = True

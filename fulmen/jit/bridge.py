@@ -34,7 +34,7 @@ class GradProgram:
     finalize: Finalize
     backward_traces: list[Trace]  # for all cotangents present (fulmen.last_backward_traces)
     autocast: bool = False  # acquired under autocast: the backward runs with autocast off, like the forward
-    dist: DistributedProgram | None = None  # collectives of ddp / fsdp parameters
+    distributed: DistributedProgram | None = None  # collectives of ddp / fsdp parameters
     _backward_fns: dict[tuple[tuple[bool, ...], GradSync], Callable[..., tuple]] = field(default_factory=dict)
     graphs: GraphedProgram | None = None  # CUDA graphs: forward_fn and graphed_backward_fn replay them
     plain_forward_fn: Callable[..., tuple] | None = None  # the forward without graphs
@@ -72,23 +72,23 @@ class GradProgram:
         forward replayed CUDA graphs (its saved values are their outputs)."""
         if graphed and present == self.plan.differentiable:
             return self.graphed_backward_fn(saved, cotangents)
-        if self.dist is None:
+        if self.distributed is None:
             return self.backward_fn(present)(saved, cotangents)
-        owners = self.dist.grad_owners
+        owners = self.distributed.grad_owners
         if not sync:
             grads = list(self.backward_fn(present, GradSync.LOCAL)(saved, cotangents))
             for i in owners:
-                spec, grad = self.dist.specs[i], grads[i]
+                spec, grad = self.distributed.specs[i], grads[i]
                 if grad is not None:
                     spec.pending = grad if spec.pending is None else spec.pending + grad
                 grads[i] = None
             return tuple(grads)
-        specs = [self.dist.specs[i] for i in owners]
+        specs = [self.distributed.specs[i] for i in owners]
         if all(spec.pending is None for spec in specs):
             return self.backward_fn(present)(saved, cotangents)
         pending = []
         for i, spec in zip(owners, specs):
-            full = self.dist.inputs[i]
+            full = self.distributed.inputs[i]
             pending.append(spec.pending if spec.pending is not None else
                            torch.zeros(full.shape, dtype=full.dtype, device=full.device))
             spec.pending = None
@@ -113,7 +113,7 @@ class FulmenFunction(torch.autograd.Function):
         results = forward_fn(*inputs)
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program = program
-        ctx.sync = program.dist is None or program.dist.sync  # no_sync() is decided when the forward runs
+        ctx.sync = program.distributed is None or program.distributed.sync  # no_sync() is decided when the forward runs
         if ctx.hooked:
             ctx.save_for_backward(*saved)
         else:

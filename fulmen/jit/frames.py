@@ -20,6 +20,18 @@ import torch
 from fulmen.jit import reads
 
 
+class Region(Protocol):
+    """What the acquisition does around one call of a function (replacements.py): `enter` as its frame starts
+    (gives a token, None to leave this call alone), `exit` with the token and the value it returned (`raised`: an
+    exception left the frame)."""
+
+    def enter(self, frame: types.FrameType) -> Any: ...
+
+    def line(self, token: Any, frame: types.FrameType) -> None: ...  # before each line of the frame runs
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None: ...
+
+
 class Reader(Protocol):
     def read(self, site: reads.Read, frame: types.FrameType) -> None: ...
 
@@ -87,12 +99,17 @@ class FrameTap:
     Imports the program triggers (a lazily imported module, with the import system's finders) are not followed:
     what they run defines state rather than reading it for the trace."""
 
-    def __init__(self, observer: Reader, previous: Callable[..., Any] | None) -> None:
+    def __init__(self, observer: Reader, previous: Callable[..., Any] | None,
+                 regions: dict[types.CodeType, Region]) -> None:
         self.observer = observer
         self.previous = previous
+        self.regions = regions
         self.importing = 0  # module bodies running now
 
     def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        return _around(frame, self.regions, self._follow(frame, event, arg))
+
+    def _follow(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
         local = self.previous(frame, event, arg) if self.previous is not None else None
         code = frame.f_code
         if code.co_name == "<module>" or code.co_filename.startswith("<frozen importlib"):
@@ -115,6 +132,62 @@ class FrameTap:
         if local is None:
             frame.f_trace_lines = False
         return tap
+
+
+def _around(frame: types.FrameType, regions: dict[types.CodeType, Region],
+            local: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """The local tracer of a frame just started: the region of its code around `local`, if it has one."""
+    region = regions.get(frame.f_code)
+    token = None if region is None else region.enter(frame)
+    if token is None:
+        return local
+    tap = _RegionTap(region, token, local).event
+    frame.f_trace = tap
+    frame.f_trace_lines = True  # a line event after an exception: it was caught inside
+    return tap
+
+
+class CallTap:
+    """A `sys.settrace` function that only does the regions' work around their calls (no observer), for running
+    torch code on proxies outside an acquisition (the Dynamo backend's probe); chains a tracer already set."""
+
+    def __init__(self, regions: dict[types.CodeType, Region]) -> None:
+        self.regions = regions
+        self.previous: Callable[..., Any] | None = None
+
+    def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        local = self.previous(frame, event, arg) if self.previous is not None else None
+        return _around(frame, self.regions, local)
+
+    def __enter__(self) -> None:
+        self.previous = sys.gettrace()
+        sys.settrace(self.call)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(self.previous)
+
+
+class _RegionTap:
+    """The local tracer of a frame the acquisition does something around (a `Region`), chaining the frame's own."""
+
+    __slots__ = ("region", "token", "previous", "raised")
+
+    def __init__(self, region: Region, token: Any, previous: Callable[..., Any] | None) -> None:
+        self.region = region
+        self.token = token
+        self.previous = previous
+        self.raised = False
+
+    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        if self.previous is not None:
+            self.previous = self.previous(frame, event, arg)
+        if event == "return":
+            self.region.exit(self.token, arg, self.raised)
+        else:
+            self.raised = event == "exception"
+            if event == "line":
+                self.region.line(self.token, frame)
+        return self.event
 
 
 class _ImportTap:

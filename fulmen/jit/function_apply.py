@@ -2,75 +2,90 @@
 
 torch calls a Function's `forward` from C++ (`_FunctionBase.apply`) with grad mode off and builds the autograd node
 there, so a torch-function mode sees the forward's ops but neither the call nor the backward: the Function's grad
-would be lost without a word. No dispatch hook reaches that call, so while a thread acquires a program,
-`torch.autograd.Function.apply` is routed here for that thread (a ContextVar holds its interpreter); other threads
-and code outside acquisition run torch's own `apply`, and the original is back once the last acquisition ends.
+would be lost without a word. No dispatch hook reaches that call, so the acquisition does it where torch's Python
+`Function.apply` hands over to C++, `super().apply(...)`: as the frame of `Function.apply` starts (a call region of
+the frame tap, replacements.py), its `cls` is set to a subclass of the program's Function whose method resolution
+puts `_Recorded.apply` between `Function` and its C++ base, so that `super().apply` records the call instead.
+Nothing of torch or the program changes: other threads, and calls outside acquisition, run torch's own `apply`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
+import types
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch.autograd.function import Function, _is_setup_context_defined
+from torch.autograd.function import Function, _is_setup_context_defined, _SingleLevelFunction
 
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.symbol import BoundSymbol, iter_proxies
-from fulmen.jit.lookasides import checkpoint_lookaside
+from fulmen.jit.lookasides import checkpoint_region
 from fulmen.transforms.function_grad import AUTOGRAD_FUNCTION, FunctionCall, FunctionContext
 
-_ORIGINAL_APPLY = Function.__dict__["apply"]  # a classmethod
+APPLY_CODE = Function.apply.__func__.__code__
 _RECORDING: ContextVar[Any] = ContextVar("fulmen_function_apply", default=None)
 
 
-def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    interpreter = _RECORDING.get()
-    if interpreter is None:
-        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
-    if cls is torch.utils.checkpoint.CheckpointFunction:  # checkpoint(use_reentrant=True): a checkpointed region
-        function, _, *inputs = args
-        return checkpoint_lookaside(interpreter.builder)(function, *inputs)
-    return record_function(interpreter, cls, args, kwargs)
+class _Recorded(_SingleLevelFunction):
+    """The base the acquisition adds to a Function class (after `Function` in its MRO): where torch's
+    `Function.apply` calls `super().apply(...)`, this records the call."""
+
+    _fulmen_function: type = Function  # the program's Function class, set on each subclass
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        original, interpreter = cls._fulmen_function, _RECORDING.get()
+        if original is torch.utils.checkpoint.CheckpointFunction:  # checkpoint(use_reentrant=True)
+            function, _, *inputs = args
+            with checkpoint_region(interpreter.builder):
+                return function(*inputs)
+        return record_function(interpreter, original, args, kwargs)
 
 
-class _Installed:
-    """`Function.apply` routed to `_apply` while at least one acquisition runs."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-
-    def __enter__(self) -> None:
-        with self._lock:
-            if self._users == 0:
-                Function.apply = classmethod(_apply)
-            self._users += 1
-
-    def __exit__(self, *exc: Any) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                Function.apply = _ORIGINAL_APPLY
+_RECORDED: dict[type, type] = {}  # the program's Function class -> its recording subclass
 
 
-_INSTALLED = _Installed()
+def _recording_class(cls: type) -> type:
+    recorded = _RECORDED.get(cls)
+    if recorded is None:
+        recorded = type(cls)(cls.__name__, (cls, _Recorded), {"_fulmen_function": cls, "__module__": cls.__module__})
+        _RECORDED[cls] = recorded
+    return recorded
+
+
+class FunctionApplyRegion:
+    """The call region of `Function.apply` (see above)."""
+
+    def enter(self, frame: types.FrameType) -> Any:
+        local = frame.f_locals
+        cls = local.get("cls")
+        if (_RECORDING.get() is None or not isinstance(cls, type) or not issubclass(cls, Function)
+                or issubclass(cls, _Recorded)):
+            return None
+        local["cls"] = _recording_class(cls)
+        return self
+
+    def line(self, token: Any, frame: types.FrameType) -> None:
+        pass
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        pass
 
 
 @contextlib.contextmanager
 def function_apply_recorded(interpreter: Any) -> Iterator[None]:
-    """While acquiring with `interpreter` on this thread, Function calls record `autograd_function` regions."""
+    """While acquiring with `interpreter` on this thread, the Function calls that `FunctionApplyRegion` sees
+    record `autograd_function` regions."""
     token = _RECORDING.set(interpreter)
     try:
-        with _INSTALLED:
-            yield
+        yield
     finally:
         _RECORDING.reset(token)
 

@@ -29,11 +29,10 @@ from fulmen.jit.cache import Cache, CacheEntry
 from fulmen.jit.compiling import seen_as_compiling
 from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import compile_check, global_state_key, tensor_key
-from fulmen.jit.lookasides import function_lookasides
 from fulmen.jit.observe import Observer
 from fulmen.jit.overrides import ModuleInput, ShadowTree, build_shadow
 from fulmen.jit.pipeline import Pipeline
-from fulmen.jit.replacements import replacements
+from fulmen.jit.replacements import call_table
 from fulmen.ops import prims
 from fulmen.options import CacheLimitAction, JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
@@ -234,15 +233,15 @@ class JittedFunction:
         proxy_args, proxy_kwargs = pytree.unflatten(spec, visible, originals)
         target: Callable[..., Any] = self._fn
         tree: ShadowTree | None = None
+        calls = call_table(self.executors, interpreter)
         if self._module is not None:
             # A sharded parameter enters with its full shape (fulmen.distributed gathers it before use).
             tree = build_shadow(
                 self._module, lambda t, name: builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=name),
-                observer,
+                observer, calls.lookasides,
             )
             target = tree.root
-        with (builder, interpreter, function_lookasides(builder) as swapped,
-              replacements(self.executors, interpreter) as replaced, observer.watching(swapped + replaced),
+        with (builder, interpreter, interpreter.replacing(calls.torch), observer.watching(calls.regions),
               function_apply_recorded(interpreter), seen_as_compiling() if compiling else contextlib.nullcontext()):
             interpreter.quiet = observer.quiet
             result = target(*proxy_args, **proxy_kwargs)
@@ -313,20 +312,21 @@ class JittedFunction:
                          "Acquisition (fulmen.jit)", builder.namespace)
         traces = self.pipeline.acquire(acquired)
         bases = aliases.bases(real_inputs) if aliases is not None else []
-        dist = DistributedProgram.of(acquired, [*real_inputs, *bases])
+        distributed = DistributedProgram.of(acquired, [*real_inputs, *bases])
         graphs = None
         if self._options.cuda_graphs:
-            graphs = graph_pool_for(traces[-1], dist is not None, getattr(self._fn, "__qualname__", "the program"))
+            graphs = graph_pool_for(traces[-1], distributed is not None,
+                                    getattr(self._fn, "__qualname__", "the program"))
         program = None
         if _needs_grad(traces[-1]):
-            program, forward_traces = self.pipeline.differentiate(traces[-1], dist, graphs)
+            program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs)
             traces.extend(forward_traces)
             if graphs is not None:
                 # the forward and backward without graphs, for a forward whose previous backward has not run yet
                 program.use_graphs(GraphedProgram(graphs), traces[-3], program.backward_traces[-3])
             fn = functools.partial(FulmenFunction.apply, program)
         else:
-            traces.extend(self.pipeline.computation(traces[-1], dist, graphs))
+            traces.extend(self.pipeline.computation(traces[-1], distributed, graphs))
             fn = traces[-1].python_callable()
         if autocast_enabled():
             fn = without_autocast(fn)

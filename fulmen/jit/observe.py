@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fulmen.jit import reads
-from fulmen.jit.frames import FrameTap, Quiet
+from fulmen.jit.frames import FrameTap, Quiet, Region
 from fulmen.jit.guards import Guard
 from fulmen.jit.lookup import (
     IMMUTABLE,
@@ -58,7 +58,6 @@ class Observer:
         self._guards: dict[tuple, Guard] = {}
         self._unset: dict[int, _Unset] = {}  # id(an object's __dict__) -> what must stay unset in it
         self._pinned: list[Any] = []
-        self._swapped: dict[tuple[int, str], Any] = {}  # (id(owner or its namespace), name) -> the original
         self.active = False  # the program is running (module reads by fulmen itself are not the program's)
         # While acquisition records a symbol (its meta, its decomposition: fulmen's and torch's code only), frames
         # need not be followed: the interpreter enters this around that work (the bulk of the Python calls).
@@ -110,9 +109,7 @@ class Observer:
         owner = namespace if owner is None else owner
         self._pinned.append(owner)  # the keys below use ids: the objects stay alive while this observer does
         if name in namespace:
-            value = self._swapped.get((id(owner), name), MISSING)
-            value = namespace[name] if value is MISSING else value
-            self._add(("dict", id(owner), name), what, lambda e: f"{e.bind(namespace)}[{name!r}]", value)
+            self._add(("dict", id(owner), name), what, lambda e: f"{e.bind(namespace)}[{name!r}]", namespace[name])
         else:
             self._add_raw(("dict", id(owner), name), f"{what} (absent)",
                           lambda e: f"{name!r} not in {e.bind(namespace)}")
@@ -227,17 +224,11 @@ class Observer:
                 self.read_attribute(receiver, name)
 
     @contextlib.contextmanager
-    def watching(self, swapped: list[tuple[Any, str, Any]] = ()) -> Iterator[None]:
-        """Observes the frames of user code started inside the block (this thread only). `swapped`: the attributes
-        fulmen itself swaps while acquiring (lookasides, `replaces=`), as (owner, name, original): a later call finds
-        the original there, so that is what their guards expect."""
-        for owner, name, original in swapped:
-            self._swapped[id(owner), name] = original
-            if isinstance(owner, types.ModuleType):
-                self._swapped[id(owner.__dict__), name] = original
-            self._pinned.append(owner)
+    def watching(self, regions: dict[types.CodeType, Region] | None = None) -> Iterator[None]:
+        """Observes the frames of user code started inside the block (this thread only). `regions`: what the
+        acquisition does around calls of some functions (replacements.py), by code object."""
         previous = sys.gettrace()
-        tracer = FrameTap(self, previous)
+        tracer = FrameTap(self, previous, regions or {})
         sys.settrace(tracer.call)
         self.active = True
         if previous is None:  # with a debugger attached, fulmen's internals stay visible to it

@@ -9,6 +9,7 @@ program makes during the forward land on the shadow; buffer rebinds are reported
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,8 @@ class ModuleInput:
 class ShadowTree:
     root: nn.Module
     observer: Observer
+    # method -> the function traced in its place (the active executors' method lookasides, replacements.py)
+    lookasides: dict[Callable[..., Any], Callable[..., Any]] = field(default_factory=dict)
     inputs: list[ModuleInput] = field(default_factory=list)
     proxies: list[TensorProxy] = field(default_factory=list)
     # id(shadow) -> (shadow, original, {container: {name: proxy given}})
@@ -74,12 +77,18 @@ def _shadow_class(cls: type) -> type:
 
 # A module of a shadow class that the program itself creates (`ModuleList.__getitem__` with a slice builds one of
 # `self.__class__`) has no original behind it: what the program reads of it, it made, and needs no guard.
+# A method with a lookaside is answered with the lookaside, bound to the shadow.
 def _recording_getattribute(self: nn.Module, name: str) -> Any:
     value = object.__getattribute__(self, name)
     if name[:2] != "__":
         state = object.__getattribute__(self, "__dict__")
         if "_fulmen_tree" in state:
-            state["_fulmen_tree"].observer.module_read(state["_fulmen_original"], type(self), name, value)
+            tree = state["_fulmen_tree"]
+            tree.observer.module_read(state["_fulmen_original"], type(self), name, value)
+            if tree.lookasides and type(value) is types.MethodType:
+                lookaside = tree.lookasides.get(value.__func__)
+                if lookaside is not None:
+                    return types.MethodType(lookaside, self)
     return value
 
 
@@ -94,9 +103,9 @@ def _recording_getattr(fallback: Callable[[nn.Module, str], Any]) -> Callable[[n
     return __getattr__
 
 
-def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], TensorProxy],
-                 observer: Observer) -> ShadowTree:
-    tree = ShadowTree(root=module, observer=observer)
+def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], TensorProxy], observer: Observer,
+                 lookasides: dict[Callable[..., Any], Callable[..., Any]] | None = None) -> ShadowTree:
+    tree = ShadowTree(root=module, observer=observer, lookasides=lookasides or {})
     by_tensor: dict[int, TensorProxy] = {}  # tied weights share one proxy
     shadows: dict[int, nn.Module] = {}
 

@@ -96,14 +96,14 @@ class Pipeline:
                                        _check_same_interface))
         return traces
 
-    def computation(self, trace: Trace, dist: DistributedProgram | None,
+    def computation(self, trace: Trace, distributed: DistributedProgram | None,
                     graphs: GraphPool | None = None) -> list[Trace]:
         """The stages after ACQUIRED for a program nothing is differentiated in."""
-        traces = [dist.forward(trace, len(trace.output))] if dist is not None else []
+        traces = [distributed.forward(trace, len(trace.output))] if distributed is not None else []
         trace = traces[-1] if traces else trace
         return traces + self.finish(trace, TraceKind.COMPUTATION, graphs, len(trace.output))
 
-    def differentiate(self, trace: Trace, dist: DistributedProgram | None,
+    def differentiate(self, trace: Trace, distributed: DistributedProgram | None,
                       graphs: GraphPool | None = None) -> tuple[GradProgram, list[Trace]]:
         """Stage GRAD and what follows for the forward; the backward's passes run in the returned program. With
         `graphs`, the last two traces of the forward and of the backward capture CUDA graphs and the two before
@@ -120,13 +120,13 @@ class Pipeline:
             _append(traces, forward)
             forwards.append(forward)
             backward = self._transform_backward(transform, GradTraces(forward, backward, n_saved))
-        if dist is not None:
-            traces.append(dist.forward(traces[-1], plan.n_outputs))
+        if distributed is not None:
+            traces.append(distributed.forward(traces[-1], plan.n_outputs))
         traces += self.finish(traces[-1], TraceKind.FORWARD, graphs, plan.n_outputs)
-        finalize = BackwardPasses(self, tuple(forwards), n_saved, dist)
+        finalize = BackwardPasses(self, tuple(forwards), n_saved, distributed)
         program = GradProgram(plan, traces[-1].python_callable(), finalize,
                               finalize(plan.backward(plan.differentiable), GradSync.SYNC, graphs), autocast_enabled(),
-                              dist)
+                              distributed)
         return program, traces
 
     def finish(self, trace: Trace, kind: TraceKind, graphs: GraphPool | None = None,
@@ -190,15 +190,15 @@ class BackwardPasses:
     pipeline: Pipeline
     forwards: tuple[Trace, ...]
     n_saved: int
-    dist: DistributedProgram | None
+    distributed: DistributedProgram | None
 
     def __call__(self, backward: Trace, mode: GradSync, graphs: GraphPool | None = None) -> list[Trace]:
         traces = self.pipeline._clean(backward)
         for transform, forward in zip(self.pipeline.transforms, self.forwards):
             _append(traces, self.pipeline._transform_backward(transform, GradTraces(forward, traces[-1],
                                                                                     self.n_saved)))
-        if self.dist is not None:
-            traces.append(self.dist.backward(traces[-1], mode))
+        if self.distributed is not None:
+            traces.append(self.distributed.backward(traces[-1], mode))
         # the gradients all go to the caller: all cloned out of the graphs' pool
         return traces + self.pipeline.finish(traces[-1], TraceKind.BACKWARD, graphs, len(traces[-1].output))
 

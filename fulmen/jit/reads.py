@@ -24,18 +24,22 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
-class Local:
+class _Named:
+    """A place or read known by one name; the subclasses differ only in what the name names."""
+
     name: str
 
 
-@dataclass(frozen=True, slots=True)
-class Global:
-    name: str
+class Local(_Named):
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Cell:
-    name: str
+class Global(_Named):
+    __slots__ = ()
+
+
+class Cell(_Named):
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +62,14 @@ class Item:
 Source = Local | Global | Cell | Const | Attr | Item
 
 
-@dataclass(frozen=True, slots=True)
-class GlobalRead:
-    name: str
+class GlobalRead(_Named):
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class CellRead:
-    name: str  # a free variable of the code (its cell belongs to the function, and existed before the call)
+class CellRead(_Named):
+    """`name`: a free variable of the code (its cell belongs to the function, and existed before the call)."""
+
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +91,8 @@ class AttrWrite:
     name: str  # a later read of this attribute in the same call reads what the program wrote: no guard
 
 
-@dataclass(frozen=True, slots=True)
-class GlobalWrite:
-    name: str
+class GlobalWrite(_Named):
+    __slots__ = ()
 
 
 Read = GlobalRead | CellRead | AttrRead | GetattrRead | AttrWrite | GlobalWrite

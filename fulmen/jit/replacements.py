@@ -1,25 +1,43 @@
-"""`replaces=`: while an executor is active, calls of a replaced function are acquired as its operator, and calls of
-a function it has a lookaside for (`register_lookaside`) are traced through the lookaside instead.
+"""What the acquisition does in place of a call: one table per acquisition, consulted when the call happens.
 
-A torch callable (`F.layer_norm`) is swapped in the acquisition's own dispatch table. A Python function or method
-of the user's program is swapped where the program finds it while acquisition runs: on its class (a method such
-as `NewGELU.forward`) or in every loaded module namespace that holds it (a module-level helper, also where it
-was imported by name), then restored; other threads calling it meanwhile run the original. Calls that reach the
-function another way (a closure, a saved bound method) are traced as plain code. Where several active executors
-replace one function, the first in priority order does; if its checker declines, the function's own code runs.
+Nothing of the program is rebound: no module global, class attribute or function object changes, so other threads
+(and this one, after acquiring) run the program as written. Three kinds of entries, found three ways:
+
+- a torch callable an executor replaces (`replaces=F.layer_norm`): the interpreter's dispatch table
+  (`Interpreter.replaced`), since its torch-function mode sees every torch call;
+- a Python function or method an executor replaces (`replaces=apply_rope`, `replaces=NewGELU.forward`), and
+  `torch.utils.checkpoint.checkpoint`: a *call region*, keyed by code object. The frame tap (frames.py) sees every
+  frame the acquired program starts, however the function was reached (a module global, an import by name, a
+  closure, a saved bound method); for a region it calls `enter` as the frame starts and `exit` as it returns, and the
+  function's own code runs in between. A replaced function's ops become the parts of one call of its operator; a
+  checkpoint call is set to its reentrant form, which function_apply.py records as a checkpointed region; a
+  `torch.autograd.Function.apply` call hands its `super().apply` to the recording of function_apply.py;
+- a method lookaside (`register_lookaside(LLaMAMLP.forward, ...)`): a method that runs *instead of* the original,
+  so it must be found before the call: a module's forward where `nn.Module.__call__` looked it up (a region on
+  `_call_impl`, `ForwardLookasideRegion`), and any method the program looks up on the jitted module and its
+  submodules where their shadow modules (overrides.py) resolve it. lookasides.py's built-in lookasides live in
+  the shadow classes.
+
+Where several active executors replace one function, the first in priority order does; if its checker declines,
+the function's own code runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
-import threading
-from collections.abc import Callable, Iterator
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.utils.checkpoint
+
+from fulmen.core.source import frame_location
 from fulmen.core.symbol import Symbol
-from fulmen.jit.lookasides import resolve_attribute
+from fulmen.jit.frames import Region
+from fulmen.jit.function_apply import APPLY_CODE, FunctionApplyRegion
 from fulmen.ops import lookup
 
 
@@ -35,64 +53,128 @@ def replacement_table(executors: tuple[Any, ...]) -> dict[Callable[..., Any], Sy
     return table
 
 
-def _sites(originals: list[Callable[..., Any]]) -> dict[int, list[tuple[Any, str]]]:
-    """id(original) -> the (namespace object, attribute) pairs that hold it: its class attribute for a method,
-    and every module global bound to it (one pass over the loaded modules for all of them)."""
-    sites: dict[int, list[tuple[Any, str]]] = {id(original): [] for original in originals}
-    for original in originals:
-        qualname = getattr(original, "__qualname__", "")
-        if "." in qualname and "<locals>" not in qualname:
-            target = resolve_attribute(getattr(original, "__module__", None) or "", qualname)
-            if target is not None and isinstance(target[0], type) and target[0].__dict__.get(target[1]) is original:
-                sites[id(original)].append(target)
-    for loaded in list(sys.modules.values()):
-        namespace = getattr(loaded, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for name, value in list(namespace.items()):
-            if id(value) in sites:  # the originals are alive, so an equal id is the same object
-                sites[id(value)].append((loaded, name))
-    return sites
+def frame_arguments(frame: types.FrameType) -> tuple[tuple, dict[str, Any]]:
+    """The arguments a frame was called with, read off its parameters as it starts (positional ones by position)."""
+    code, local = frame.f_code, frame.f_locals
+    names, count, kwonly = code.co_varnames, code.co_argcount, code.co_kwonlyargcount
+    args = [local[name] for name in names[:count]]
+    kwargs = {name: local[name] for name in names[count:count + kwonly]}
+    rest = count + kwonly
+    if code.co_flags & inspect.CO_VARARGS:
+        args.extend(local[names[rest]])
+        rest += 1
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        kwargs.update(local[names[rest]])
+    return tuple(args), kwargs
 
 
-# Patches are process-wide: one acquisition patches at a time (others wait here), and while it does, a patched
-# function called from any other thread (eager code, say) runs the original.
-_PATCHING = threading.RLock()
+class OperatorRegion:
+    """A call of a replaced function, recorded as one call of `sym` whose parts are the function's own ops."""
+
+    def __init__(self, original: types.FunctionType, sym: Symbol, interpreter: Any) -> None:
+        self.original = original
+        self.sym = sym
+        self.interpreter = interpreter
+
+    def enter(self, frame: types.FrameType) -> Any:
+        if not _frame_of(frame, self.original):
+            return None
+        args, kwargs = frame_arguments(frame)
+        return self.interpreter.begin_replacement(self.sym, args, kwargs, frame_location(frame.f_back))
+
+    def line(self, token: Any, frame: types.FrameType) -> None:
+        pass
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        self.interpreter.end_replacement(token, None if raised else value, raised)
 
 
-def _patched(original: Callable[..., Any], target: Symbol | Callable[..., Any], interpreter: Any,
-             acquiring: int) -> Callable[..., Any]:
-    def replacement(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != acquiring:
-            return original(*args, **kwargs)
-        if isinstance(target, Symbol):
-            return interpreter.record_replacement(target, lambda: original(*args, **kwargs), args, kwargs)
-        return target(*args, **kwargs)
-
-    return functools.update_wrapper(replacement, original)
+def _frame_of(frame: types.FrameType, function: types.FunctionType) -> bool:
+    """Whether `frame` (of `function`'s code) runs `function` itself: closures of one `def` (a decorator's
+    wrapper) share their code and differ in the values of their free variables."""
+    if not function.__closure__:
+        return True
+    local = frame.f_locals
+    return all(local.get(name, cell) is cell.cell_contents
+               for name, cell in zip(frame.f_code.co_freevars, function.__closure__))
 
 
-@contextlib.contextmanager
-def replacements(executors: tuple[Any, ...], interpreter: Any) -> Iterator[list[tuple[Any, str, Any]]]:
-    """Swaps the replaced functions while acquiring; gives the (owner, name, original) it swapped."""
-    functions = []  # the user's functions and methods; torch's callables go to the interpreter's dispatch table
+class CheckpointRegion:
+    """A call of `torch.utils.checkpoint.checkpoint`, however the program reached it. Its non-reentrant form would
+    run torch's saved-tensor machinery (and the program's own saved-tensor hooks) on the proxies; instead, as the
+    call starts, its arguments are set to the reentrant form (as a debugger sets locals: the keyword arguments of
+    the checkpointed function bound into it), whose `CheckpointFunction` the acquisition records as a checkpointed
+    region (function_apply.py). Either form computes the same; in a trace the region is recomputed in the backward.
+    `context_fn` and `determinism_check` concern torch's own recomputation, which the trace does not use."""
+
+    def enter(self, frame: types.FrameType) -> Any:
+        local = frame.f_locals
+        kwargs = dict(local["kwargs"])
+        preserve = kwargs.pop("preserve_rng_state", True)
+        if kwargs:
+            local["function"] = functools.partial(local["function"], **kwargs)
+        local.update(use_reentrant=True, context_fn=torch.utils.checkpoint.noop_context_fn, debug=False,
+                     kwargs={"preserve_rng_state": preserve})
+        return self
+
+    def line(self, token: Any, frame: types.FrameType) -> None:
+        pass
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        pass
+
+
+class ForwardLookasideRegion:
+    """`nn.Module.__call__` of a module whose class's forward has a lookaside. Its `_call_impl` looks the bound
+    forward up into the local `forward_call` and then calls it; between the two (at the next line) the local is
+    rebound to the lookaside bound to the same module, as a debugger sets a local: the module's class is untouched.
+    This serves modules the program reaches any way (an argument of a jitted function included); the shadow
+    modules of a jitted module answer its other methods too (overrides.py)."""
+
+    def __init__(self, lookasides: dict[Callable[..., Any], Callable[..., Any]]) -> None:
+        self.lookasides = lookasides
+
+    def enter(self, frame: types.FrameType) -> Any:
+        forward = getattr(type(frame.f_locals.get("self")), "forward", None)
+        return self if forward in self.lookasides else None
+
+    def line(self, token: Any, frame: types.FrameType) -> None:
+        call = frame.f_locals.get("forward_call")
+        if type(call) is types.MethodType and call.__func__ in self.lookasides:
+            frame.f_locals["forward_call"] = types.MethodType(self.lookasides[call.__func__], call.__self__)
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        pass
+
+
+_CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__
+_CHECKPOINT_CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__  # under torch's dynamo-disable wrapper
+
+
+@dataclass(frozen=True)
+class CallTable:
+    """What one acquisition does in place of calls (see the module docstring)."""
+
+    torch: dict[Callable[..., Any], Symbol]  # replaced torch callables, for the interpreter's dispatch
+    regions: dict[types.CodeType, Region]  # for the frame tap
+    lookasides: dict[Callable[..., Any], Callable[..., Any]]  # method -> the function traced in its place
+
+
+def call_table(executors: tuple[Any, ...], interpreter: Any) -> CallTable:
+    """The table of one acquisition with these executors, recording through `interpreter`."""
+    torch_calls: dict[Callable[..., Any], Symbol] = {}
+    regions: dict[types.CodeType, Region] = {_CHECKPOINT_CODE: CheckpointRegion(), APPLY_CODE: FunctionApplyRegion()}
+    lookasides: dict[Callable[..., Any], Callable[..., Any]] = {}
     for original, target in replacement_table(executors).items():
         if lookup(original) is not None:
-            interpreter.replaced[original] = target
+            torch_calls[original] = target
+        elif isinstance(target, Symbol):
+            regions.setdefault(original.__code__, OperatorRegion(original, target, interpreter))
         else:
-            functions.append((original, target))
-    patches: list[tuple[Any, str, Any]] = []
-    with _PATCHING if functions else contextlib.nullcontext():
-        sites = _sites([original for original, _ in functions]) if functions else {}
-        acquiring = threading.get_ident()
-        for original, target in functions:
-            replacement = _patched(original, target, interpreter, acquiring)
-            for owner, name in sites[id(original)]:
-                patches.append((owner, name, getattr(owner, name)))
-                setattr(owner, name, replacement)
-        try:
-            yield patches
-        finally:
-            for owner, name, value in reversed(patches):
-                setattr(owner, name, value)
-            interpreter.replaced.clear()
+            lookasides[original] = target
+    if lookasides:
+        if "forward_call" not in (*_CALL_IMPL_CODE.co_varnames, *_CALL_IMPL_CODE.co_cellvars):
+            raise RuntimeError(f"fulmen's method lookasides do not know this torch's nn.Module.__call__ "
+                               f"(torch {torch.__version__} has no local forward_call in Module._call_impl)")
+        regions[_CALL_IMPL_CODE] = ForwardLookasideRegion(lookasides)
+    return CallTable(torch_calls, regions, lookasides)

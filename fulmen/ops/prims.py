@@ -14,16 +14,19 @@ from typing import Any
 import torch
 
 from fulmen.core.symbol import Symbol, Tag
-from fulmen.core.trace import TraceBuilder
+from fulmen.core.trace import ALIAS
 
 PRIMS: dict[str, Symbol] = {}
 
 
-def _prim(name: str, impl: Callable[..., Any], tags: Tag = Tag.NONE) -> Symbol:
-    sym = Symbol(name=name, printed=f"prims.{name}", impl=impl, is_prim=True, tags=tags)
-    if name in PRIMS:
-        raise ValueError(f"prim {name} is defined twice")
-    PRIMS[name] = sym
+def _prim(name: str, impl: Callable[..., Any], tags: Tag = Tag.NONE, meta: Callable[..., Any] | None = None) -> Symbol:
+    return _listed(Symbol(name=name, printed=f"prims.{name}", impl=impl, is_prim=True, tags=tags, meta=meta))
+
+
+def _listed(sym: Symbol) -> Symbol:
+    if sym.name in PRIMS:
+        raise ValueError(f"prim {sym.name} is defined twice")
+    PRIMS[sym.name] = sym
     return sym
 
 
@@ -44,11 +47,10 @@ for _name in UNARY + BINARY:
 
 where = _prim("where", torch.where)
 convert_element_type = _prim("convert_element_type", lambda x, dtype: x.to(dtype))
-device_put = _prim("device_put", lambda x, device: x.to(device))
 # Meta tensors cannot be copied to a device: the output is the input's metadata on the new device.
-device_put.meta = lambda builder, x, device: builder.make_proxy(
-    torch.empty_like(x.meta), torch.device(device), x.requires_grad and torch.is_grad_enabled())
-alias = _prim("alias", lambda x: x)
+device_put = _prim("device_put", lambda x, device: x.to(device), meta=lambda builder, x, device: builder.make_proxy(
+    torch.empty_like(x.meta), torch.device(device), x.requires_grad and torch.is_grad_enabled()))
+alias = _listed(ALIAS)  # core's: a trace builder records it where a call returns one of its inputs
 clone = _prim("clone", lambda x: x.clone())
 
 # Reductions over explicit dims.
@@ -109,5 +111,3 @@ uniform = _prim(
 
 # Writes `src` into the input tensor `dst` (the functionalized form of an in-place update of a program input).
 copy_ = _prim("copy_", lambda src, dst: dst.copy_(src), Tag.IMPURE)
-
-TraceBuilder.alias_symbol = alias

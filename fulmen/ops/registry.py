@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.overrides import resolve_name
@@ -68,6 +68,26 @@ def symbol_of(target: Symbol | Callable[..., Any], what: str) -> Symbol:
     return binding.symbol
 
 
+Rule = TypeVar("Rule", bound=Callable[..., Any])
+
+
+def rule_registrar(table: dict[Symbol, Rule], what: str) -> Callable[[Symbol | Callable[..., Any]],
+                                                                      Callable[[Rule], Rule]]:
+    """`register(target)` for one rule table: a decorator making the decorated function the rule (`what`, e.g.
+    "a grad rule") of `target`, a symbol or a torch callable."""
+
+    def register(target: Symbol | Callable[..., Any]) -> Callable[[Rule], Rule]:
+        sym = symbol_of(target, what)
+
+        def decorator(rule: Rule) -> Rule:
+            table[sym] = rule
+            return rule
+
+        return decorator
+
+    return register
+
+
 def printed_name(fn: Callable[..., Any]) -> str:
     name = resolve_name(fn)
     if name is None:
@@ -115,10 +135,11 @@ def torch_symbol(
     return sym
 
 
-def impl_symbol(fn: Callable[..., Any], tags: Tag = Tag.NONE) -> Symbol:
-    """A symbol executed by one of fulmen's own functional helpers (`fulmen.ops.impls`), bound to no torch callable."""
+def impl_symbol(fn: Callable[..., Any], tags: Tag = Tag.NONE, meta: Callable[..., Any] | None = None) -> Symbol:
+    """A symbol executed by one of fulmen's own functional helpers (`fulmen.ops.impls`), bound to no torch callable
+    (`meta`: its outputs, where running `fn` on meta tensors cannot tell them)."""
     printed = f"impls.{fn.__name__}"
-    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, tags=tags)
+    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, tags=tags, meta=meta)
     SYMBOLS[printed] = sym
     return sym
 

@@ -23,17 +23,19 @@ without a rule falls back to torch autograd on its own callable (`impls.torch_vj
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from fulmen.core import pytree
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.ops import impls, lookup
-from fulmen.ops.registry import SYMBOLS, impl_symbol
+from fulmen.ops import impls
+from fulmen.ops.registry import SYMBOLS, impl_symbol, rule_registrar
 from fulmen.transforms.recording import record_call
 
 GradRule = Callable[..., Any]
@@ -42,22 +44,8 @@ GradRule = Callable[..., Any]
 GRAD_RULES: dict[Symbol, GradRule] = {}
 
 
-def register_grad(target: Symbol | Callable[..., Any]) -> Callable[[GradRule], GradRule]:
-    """Registers the decorated function as the grad rule of `target` (a symbol or a torch callable)."""
-    sym = target if isinstance(target, Symbol) else _symbol_of(target)
-
-    def decorator(rule: GradRule) -> GradRule:
-        GRAD_RULES[sym] = rule
-        return rule
-
-    return decorator
-
-
-def _symbol_of(fn: Callable[..., Any]) -> Symbol:
-    binding = lookup(fn)
-    if binding is None:
-        raise ValueError(f"{fn} has no fulmen symbol to register a grad rule for")
-    return binding.symbol
+# @register_grad(target): the decorated function is the grad rule of `target` (a symbol or a torch callable).
+register_grad = rule_registrar(GRAD_RULES, "a grad rule")
 
 
 # --- get_grad / put_grad -------------------------------------------------------------------------------------------
@@ -79,13 +67,15 @@ class _RuleScope:
     inputs: set[str]
 
 
-_ACTIVE: list[_RuleScope] = []
+# The grad rules running now, innermost last (a rule may differentiate a call that has a rule of its own).
+_ACTIVE: ContextVar[tuple[_RuleScope, ...]] = ContextVar("fulmen_grad_rules", default=())
 
 
 def _active(what: str) -> _RuleScope:
-    if not _ACTIVE:
+    active = _ACTIVE.get()
+    if not active:
         raise RuntimeError(f"{what} can only be called inside a grad rule (a grad_transform run by fulmen)")
-    return _ACTIVE[-1]
+    return active[-1]
 
 
 def differentiated_call() -> BoundSymbol:
@@ -128,9 +118,7 @@ def put_grads(xs: Any, grads: Any) -> None:
 
 
 def _flat(obj: Any) -> list[Any]:
-    if isinstance(obj, (tuple, list)):
-        return [leaf for item in obj for leaf in _flat(item)]
-    return [obj]
+    return list(pytree.leaves(obj, pytree.is_leaf))
 
 
 # --- the fallback: torch autograd on the symbol's own callable ------------------------------------------------------
@@ -139,8 +127,7 @@ def _torch_vjp_meta(builder: TraceBuilder, fn, args, kwargs, wrt, cotangents) ->
     return tuple(builder.make_proxy(torch.empty_like(flat[i].meta), flat[i].device) for i in wrt)
 
 
-torch_vjp = impl_symbol(impls.torch_vjp)
-torch_vjp.meta = _torch_vjp_meta
+torch_vjp = impl_symbol(impls.torch_vjp, meta=_torch_vjp_meta)
 
 
 # Ops whose result depends on storage layout, which traces do not model: their grads would differ from eager's
@@ -198,12 +185,12 @@ def _differentiable(p: Any) -> bool:
 
 def _run_rule(rule: GradRule, bsym: BoundSymbol, builder: TraceBuilder, interpreter) -> list[BoundSymbol] | None:
     """Runs `rule` on the arguments of `bsym`; returns what it recorded, with its results named as bsym's outputs."""
-    _ACTIVE.append(_RuleScope(bsym, {p.pname for p in bsym.proxy_args()}))
+    token = _ACTIVE.set((*_ACTIVE.get(), _RuleScope(bsym, {p.pname for p in bsym.proxy_args()})))
     try:
         return record_call(rule, bsym, builder, interpreter, f"the grad rule of {bsym.sym.printed}",
                            may_return_inputs=False)
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.reset(token)
 
 
 def _split(recorded: list[BoundSymbol], targets_from: BoundSymbol) -> tuple[list[BoundSymbol], Chunk]:

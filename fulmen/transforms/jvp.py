@@ -26,8 +26,9 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops import impls, prims
-from fulmen.ops.registry import impl_symbol, symbol_of
+from fulmen.ops.registry import impl_symbol, rule_registrar
 from fulmen.transforms.inline import Emitter
+from fulmen.transforms.recording import run_recorded
 
 Dot = Callable[[Any], TensorProxy | None]
 JvpRule = Callable[[Dot, tuple, dict], tuple[Any, Any]]
@@ -38,15 +39,8 @@ JVP_RULES: dict[Symbol, JvpRule] = {}
 TORCH_JVP = impl_symbol(impls.torch_jvp)
 
 
-def register_jvp(target: Symbol | Callable[..., Any]) -> Callable[[JvpRule], JvpRule]:
-    """Registers the decorated function as the JVP rule of `target` (a symbol or a torch callable)."""
-    sym = symbol_of(target, "a JVP rule")
-
-    def decorator(rule: JvpRule) -> JvpRule:
-        JVP_RULES[sym] = rule
-        return rule
-
-    return decorator
+# @register_jvp(target): the decorated function is the JVP rule of `target` (a symbol or a torch callable).
+register_jvp = rule_registrar(JVP_RULES, "a JVP rule")
 
 
 def differentiable(x: Any) -> bool:
@@ -109,16 +103,9 @@ class JvpTransform:
 
     def _apply(self, bsym: BoundSymbol, run: Callable[[], Any]) -> bool:
         """Runs a rule for `bsym` and maps its outputs and tangents; False when the rule declines."""
-        self.builder.source = bsym.source
-        self.builder.scopes.append([])
-        try:
-            with self.interpreter.rule_mode(bsym.source):
-                result = run()
-        finally:
-            recorded = self.builder.scopes.pop()
+        result = run_recorded(run, self.builder, self.interpreter, bsym.source)
         if result is NotImplemented:
             return False
-        self.builder.scopes[-1].extend(recorded)
         out, out_tangents = result
         sources, outputs = bsym.proxy_outputs(), list(iter_proxies(out))
         flat_tangents = _flat_tangents(out, out_tangents)

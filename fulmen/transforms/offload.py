@@ -33,11 +33,10 @@ from fulmen.transforms.transform import GradTraces, Transform
 if TYPE_CHECKING:  # fulmen.options builds on this layer
     from fulmen.options import OffloadOptions
 
-OFFLOAD = impl_symbol(impls.offload_to_host, tags=Tag.IMPURE)
-OFFLOAD.meta = lambda builder, x: builder.make_proxy(torch.empty_like(x.meta), torch.device("cpu"),
-                                                     name=f"{x.pname}_host")
-RELOAD = impl_symbol(impls.reload_to_device, tags=Tag.IMPURE)
-RELOAD.meta = lambda builder, x, device: builder.make_proxy(torch.empty_like(x.meta), device)
+OFFLOAD = impl_symbol(impls.offload_to_host, tags=Tag.IMPURE, meta=lambda builder, x: builder.make_proxy(
+    torch.empty_like(x.meta), torch.device("cpu"), name=f"{x.pname}_host"))
+RELOAD = impl_symbol(impls.reload_to_device, tags=Tag.IMPURE, meta=lambda builder, x, device: builder.make_proxy(
+    torch.empty_like(x.meta), device))
 WAIT = impl_symbol(impls.wait_for_copy, tags=Tag.IMPURE)
 
 

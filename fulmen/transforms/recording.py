@@ -7,7 +7,22 @@ from typing import Any
 
 from fulmen.core.errors import TraceError
 from fulmen.core.symbol import BoundSymbol, iter_proxies
-from fulmen.core.trace import TraceBuilder
+from fulmen.core.trace import TraceBuilder, mismatch
+
+
+def run_recorded(run: Callable[[], Any], builder: TraceBuilder, interpreter: Any, source: Any) -> Any:
+    """Runs `run` as a rule runs (torch calls on proxies record symbols, attributed to `source`) and gives its
+    result; the calls it recorded join the current scope unless it declines (returns NotImplemented)."""
+    builder.source = source
+    builder.scopes.append([])
+    try:
+        with interpreter.rule_mode(source):
+            result = run()
+    finally:
+        recorded = builder.scopes.pop()
+    if result is not NotImplemented:
+        builder.scopes[-1].extend(recorded)
+    return result
 
 
 def record_call(fn: Callable[..., Any], bsym: BoundSymbol, builder: TraceBuilder, interpreter: Any, what: str,
@@ -33,14 +48,11 @@ def record_call(fn: Callable[..., Any], bsym: BoundSymbol, builder: TraceBuilder
     if result is NotImplemented:
         return None
     results, outputs = list(iter_proxies(result)), bsym.proxy_outputs()
-    if len(results) != len(outputs):
-        raise TraceError(f"{what} returned {len(results)} tensors, {bsym.sym.printed} gives {len(outputs)}",
-                         bsym.source)
+    differs = mismatch(results, outputs)
+    if differs is not None:
+        raise TraceError(f"{what} returned {differs[0]} where {bsym.sym.printed} gives {differs[1]}", bsym.source)
     produced = {name for b in recorded for name in b.output_names()}
-    for res, out in zip(results, outputs):
-        if tuple(res.shape) != tuple(out.shape) or res.dtype != out.dtype:
-            raise TraceError(f"{what} returned {res.type_string()} where {bsym.sym.printed} gives "
-                             f"{out.type_string()}", bsym.source)
+    for res in results:
         if res.pname not in produced and not may_return_inputs:
             raise TraceError(f"{what} must compute its outputs, not return its input {res.pname}", bsym.source)
     builder.adopt_results(recorded, results, outputs, bsym.source)

@@ -27,9 +27,10 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops import impls, prims
-from fulmen.ops.registry import impl_symbol, symbol_of
+from fulmen.ops.registry import impl_symbol, rule_registrar
 from fulmen.transforms.autodiff import STORAGE_OPS
 from fulmen.transforms.inline import Emitter
+from fulmen.transforms.recording import run_recorded
 
 
 class Randomness(enum.Enum):
@@ -73,15 +74,8 @@ BATCH_RULES: dict[Symbol, BatchRule] = {}
 BATCH_LOOP = impl_symbol(impls.batch_loop)
 
 
-def register_batching(target: Symbol | Callable[..., Any]) -> Callable[[BatchRule], BatchRule]:
-    """Registers the decorated function as the batching rule of `target` (a symbol or a torch callable)."""
-    sym = symbol_of(target, "a batching rule")
-
-    def decorator(rule: BatchRule) -> BatchRule:
-        BATCH_RULES[sym] = rule
-        return rule
-
-    return decorator
+# @register_batching(target): the decorated function is the batching rule of `target` (a symbol or a torch callable).
+register_batching = rule_registrar(BATCH_RULES, "a batching rule")
 
 
 class BatchTransform:
@@ -132,16 +126,9 @@ class BatchTransform:
 
     def _apply(self, bsym: BoundSymbol, run: Callable[[], Any]) -> bool:
         """Runs a rule for `bsym` and maps its outputs (all batched); False when the rule declines."""
-        self.builder.source = bsym.source
-        self.builder.scopes.append([])
-        try:
-            with self.interpreter.rule_mode(bsym.source):
-                out = run()
-        finally:
-            recorded = self.builder.scopes.pop()
+        out = run_recorded(run, self.builder, self.interpreter, bsym.source)
         if out is NotImplemented:
             return False
-        self.builder.scopes[-1].extend(recorded)
         sources, outputs = bsym.proxy_outputs(), list(iter_proxies(out))
         if len(outputs) != len(sources):
             raise TraceError(f"the batching rule of {bsym.sym.printed} returned {len(outputs)} tensors, the symbol "

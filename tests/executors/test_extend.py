@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 import threading
@@ -14,7 +15,7 @@ from torch import nn
 
 import fulmen
 from fulmen import TensorProxy, get_grad, put_grad, put_grads
-from fulmen.executors.registry import resolve
+from fulmen.executors.registry import PROVIDERS, resolve
 from fulmen.extend import OperatorExecutor, register_executor
 
 _names = itertools.count()
@@ -35,9 +36,8 @@ def scale_rows(x, w):
     return x * w.unsqueeze(0)
 
 
-# in a tuple: acquisition patches every module global that *is* a replaced function, so a plain alias would be
-# patched (and restored) along with the name it checks
-ORIGINALS = (NewGELU.forward, scale_rows)
+ORIGINAL_FORWARD = NewGELU.forward
+ORIGINAL_SCALE_ROWS = scale_rows
 
 
 def narrowing_helper(x):
@@ -134,12 +134,12 @@ def test_replaced_method_and_helper_are_claimed_in_forward_and_backward():
     assert {f"gelu_bwd{n}", f"scale_bwd{n}"} <= backward
     assert CALLS["gelu"] == 1 and CALLS["gelu_backward"] == 1 and CALLS["scale_backward"] == 1
     assert "tanh" not in forward  # the user's GELU did not run
-    # acquisition restored the user's program
-    assert (NewGELU.__dict__["forward"], globals()["scale_rows"]) == ORIGINALS
+    # acquisition leaves the user's program as it is
+    assert NewGELU.__dict__["forward"] is ORIGINAL_FORWARD and scale_rows is ORIGINAL_SCALE_ROWS
 
 
 def test_replaced_functions_do_not_defeat_the_cache():
-    # acquisition swaps NewGELU.forward and scale_rows; the guards on them expect the user's originals
+    # the guards on NewGELU.forward and scale_rows see the user's originals, during acquisition as after
     ex, _ = _executor()
     model = Net()
     jitted = fulmen.jit(model, executors=[ex])
@@ -285,6 +285,17 @@ def test_wrong_like_and_missing_grad_are_reported_at_the_user_line():
         fulmen.jit(lambda x: op(x) * 2, executors=[ex2])(torch.randn(3, requires_grad=True))
 
 
+def test_every_shipped_executor_is_known_by_its_name():
+    """One table names them all; naming one imports the module that defines it."""
+    assert {"sdpa", "torchcompile", "unsloth", "liger"} <= PROVIDERS.keys()
+    for name, module in PROVIDERS.items():
+        executor = fulmen.get_executor(name)
+        assert executor.name == name and fulmen.get_executor(name) is executor
+        assert any(value is executor for value in vars(importlib.import_module(module)).values())
+    with pytest.raises(ValueError, match=r"registered executors: \[.*'liger'.*'sdpa'.*'torchcompile'.*'unsloth'"):
+        fulmen.get_executor("nope")
+
+
 def test_executor_list_resolution():
     sdpa = fulmen.get_executor("sdpa")
     assert [e.name for e in resolve(["torch", sdpa, "sdpa"])] == ["sdpa", "torch"]
@@ -363,7 +374,7 @@ def test_lookaside_restates_a_method_while_its_executor_is_active():
         ex.register_lookaside(Squasher.forward, None)
 
 
-def test_other_threads_run_the_original_while_a_lookaside_is_patched_in():
+def test_other_threads_run_the_original_while_a_lookaside_is_active():
     n = next(_names)
     ex = OperatorExecutor(f"threads{n}")
     inside, eager_done = threading.Event(), threading.Event()
@@ -379,7 +390,7 @@ def test_other_threads_run_the_original_while_a_lookaside_is_patched_in():
 
     def run_eagerly() -> None:
         assert inside.wait(timeout=60)
-        eager.append(model(x))  # Squasher.forward is patched now, for the acquiring thread only
+        eager.append(model(x))  # the lookaside is traced now, in the acquiring thread only
         eager_done.set()
 
     other = threading.Thread(target=run_eagerly)

@@ -14,7 +14,7 @@ from fulmen.liger import LIGER_SYMBOLS
 from fulmen.liger import executor as liger
 from tests.liger.test_liger import liger_calls
 from tests.models.litgpt_configs import representative_names, shrunk
-from tests.unsloth.helpers import assert_bf16_step_close, forward_and_loss, llama, loss_and_grads
+from tests.unsloth.helpers import check_training_step, forward_and_loss, llama, loss_and_grads
 
 pytestmark = pytest.mark.cuda
 DTYPES = [torch.float32, torch.bfloat16]
@@ -118,16 +118,8 @@ def test_llama_training_step(dtype, executors, fuse):
 
     jitted = fulmen.jit(forward_and_loss, executors=executors,
                         options=fulmen.JitOptions(fuse_linear_cross_entropy=fuse))
-    loss, grads = loss_and_grads(jitted, model, idx, targets)
+    check_training_step(jitted, model, idx, targets, grad_atol=1e-5)
     assert liger_calls(jitted) == LAYERS | (FLCE if fuse else CROSS_ENTROPY)
-    expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
-    if dtype == torch.float32:
-        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
-        for name, grad in expected.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-        return
-    exact_loss, exact = loss_and_grads(forward_and_loss, model.float(), idx, targets)
-    assert_bf16_step_close(loss, grads, expected_loss, expected, exact_loss, exact)
 
 
 @pytest.mark.parametrize("name", representative_names())

@@ -13,6 +13,7 @@ import fulmen
 from tests.cuda_memory import cuda_peak
 from tests.models.gpt2_seed import GPT, tiny_config
 from tests.models.litgpt_configs import shrunk
+from tests.training_steps import assert_backward_matches_eager
 
 pytestmark = pytest.mark.cuda
 
@@ -48,13 +49,7 @@ def test_seed_gpt2_autocast_bf16_on_cuda():
         eager_logits, eager_loss = model(x, y)
     assert (logits.dtype, loss.dtype) == (eager_logits.dtype, eager_loss.dtype)
     torch.testing.assert_close(loss, eager_loss, rtol=1.6e-2, atol=1e-3)
-    loss.backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    eager_loss.backward()
-    for g, p in zip(got, model.parameters()):
-        assert g.dtype == p.grad.dtype
-        torch.testing.assert_close(g, p.grad, rtol=1.6e-2, atol=2e-3)
+    assert_backward_matches_eager(model, loss, eager_loss)
 
 
 def test_litgpt_peak_memory_at_most_eagers_on_cuda():

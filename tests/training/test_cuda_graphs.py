@@ -15,6 +15,7 @@ from examples.llmc.model import GPT as SeedGPT
 from examples.llmc.model import GPTConfig
 from fulmen.transforms.cudagraphs import CUDAGraphRegion
 from tests.models.litgpt_configs import shrunk
+from tests.training_steps import grads_of, train
 
 pytestmark = pytest.mark.cuda
 
@@ -48,19 +49,6 @@ def _batches(vocab: int, steps: int, seq: int = 32):
             for _ in range(steps)]
 
 
-def _train(loss_fn, model, batches):
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses, grads = [], []
-    for idx, targets in batches:
-        loss = loss_fn(model, idx, targets)
-        loss.backward()
-        losses.append(loss.detach().float())
-        grads.append([p.grad.float() for p in model.parameters()])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return losses, grads
-
-
 def _graph_regions(jitted):
     traces = (fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1])
     return [b.sym.impl for t in traces for b in t.bound_symbols if isinstance(b.sym.impl, CUDAGraphRegion)]
@@ -71,8 +59,8 @@ def test_training_replays_match_the_program_without_graphs(case):
     build, loss_fn, vocab = (_litgpt, _loss, 96) if case == "litgpt-bf16" else (_seed_gpt2, _seed_loss, 512)
     batches = _batches(vocab, 6)
     graphed = fulmen.jit(loss_fn, options=GRAPHS)
-    losses, grads = _train(graphed, build(), batches)
-    want_losses, want_grads = _train(fulmen.jit(loss_fn), build(), batches)
+    losses, grads = train(graphed, build(), batches, lr=1e-3)
+    want_losses, want_grads = train(fulmen.jit(loss_fn), build(), batches, lr=1e-3)
     tol = dict(rtol=1e-2, atol=1e-2) if case == "litgpt-bf16" else dict(rtol=1e-4, atol=1e-5)
     for step in range(len(batches)):
         torch.testing.assert_close(losses[step], want_losses[step], **tol, msg=f"loss of step {step}")
@@ -82,7 +70,7 @@ def test_training_replays_match_the_program_without_graphs(case):
     assert len(regions) == 2  # the whole forward and the whole backward
     assert all(region.graph is not None and region.pool.disabled is None for region in regions)
     if case == "seed-gpt2-fp32":  # and eager's losses (fp32 without TF32)
-        eager_losses, _ = _train(_seed_loss, build(), batches)
+        eager_losses, _ = train(_seed_loss, build(), batches, lr=1e-3)
         torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-4, atol=1e-5)
 
 
@@ -95,12 +83,7 @@ def test_a_forward_before_the_previous_backward_stays_correct():
     model.zero_grad(set_to_none=True)
     first = graphed(model, *batches[3])
     second = graphed(model, *batches[4])  # the first's saved values live in the graphs: this one runs without
-    second.backward()
-    grads_second = [p.grad.float() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    first.backward()
-    grads_first = [p.grad.float() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
+    grads_second, grads_first = grads_of(model, second, first)
     plain = fulmen.jit(_loss)
     for batch, loss, grads in ((batches[3], first, grads_first), (batches[4], second, grads_second)):
         want = plain(model, *batch)

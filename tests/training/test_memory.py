@@ -14,6 +14,7 @@ import fulmen
 from fulmen.memory import PeakMemory, SavedTensors
 from tests.models.gpt2_seed import GPT, tiny_config
 from tests.models.litgpt_configs import shrunk
+from tests.training_steps import assert_backward_matches_eager
 
 
 def _litgpt_4_layers() -> LitGPT:
@@ -122,13 +123,7 @@ def test_autocast_bf16_matches_eager_dtypes_and_values():
     assert (logits.dtype, loss.dtype) == (eager_logits.dtype, eager_loss.dtype) == (torch.bfloat16, torch.float32)
     torch.testing.assert_close(logits, eager_logits, rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(loss, eager_loss, rtol=1.6e-2, atol=1e-3)
-    loss.backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    eager_loss.backward()
-    for g, p in zip(got, model.parameters()):
-        assert g.dtype == p.grad.dtype == torch.float32
-        torch.testing.assert_close(g, p.grad, rtol=1.6e-2, atol=2e-3)
+    assert_backward_matches_eager(model, loss, eager_loss, dtype=torch.float32)
     forward = fulmen.last_traces(jitted)[-1].python()
     assert "dtype=torch.bfloat16" in forward  # autocast's conversions are explicit in the trace
     # outside autocast, the same model is a different cache entry in float32

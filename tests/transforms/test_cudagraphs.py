@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fulmen
 from fulmen.transforms import cudagraphs
 from tests.models.litgpt_configs import shrunk
+from tests.training_steps import grads_of, train
 
 
 def _tensors(value):
@@ -110,19 +111,6 @@ def _batch(seed: int):
     return tuple(torch.randint(0, 96, (2, 16), generator=generator) for _ in range(2))
 
 
-def _train(loss_fn, model, batches):
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses, grads = [], []
-    for idx, targets in batches:
-        loss = loss_fn(model, idx, targets)
-        loss.backward()
-        losses.append(loss.detach().clone())
-        grads.append([p.grad.clone() for p in model.parameters()])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return losses, grads
-
-
 def _jit(fn, graphs: bool = True):
     # the torch executor only: the simulator records aten calls, which compiled regions do not make
     return fulmen.jit(fn, executors=["torch"], options=fulmen.JitOptions(cuda_graphs=graphs))
@@ -133,8 +121,8 @@ def test_replays_train_as_without_graphs(simulated_graphs, new_batches):
     same = _batch(1)
     batches = [_batch(step) if new_batches else same for step in range(6)]
     graphed = _jit(_loss)
-    losses, grads = _train(graphed, _model(), batches)
-    want_losses, want_grads = _train(_jit(_loss, graphs=False), _model(), batches)
+    losses, grads = train(graphed, _model(), batches, lr=1e-2)
+    want_losses, want_grads = train(_jit(_loss, graphs=False), _model(), batches, lr=1e-2)
     for step, (loss, want) in enumerate(zip(losses, want_losses)):
         torch.testing.assert_close(loss, want, msg=f"loss of step {step}")
         for got, ref in zip(grads[step], want_grads[step]):
@@ -175,12 +163,7 @@ def test_a_forward_before_the_previous_backward_runs_without_graphs(simulated_gr
     first, second = _batch(10), _batch(11)
     loss_first = graphed(model, *first)  # replays: its saved values are the graphs' outputs
     loss_second = graphed(model, *second)  # must not overwrite them: runs without graphs
-    loss_second.backward()
-    grads_second = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    loss_first.backward()
-    grads_first = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
+    grads_second, grads_first = grads_of(model, loss_second, loss_first)
     for batch, loss, grads in ((first, loss_first, grads_first), (second, loss_second, grads_second)):
         want = _loss(model, *batch)
         want.backward()

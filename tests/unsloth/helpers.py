@@ -84,6 +84,19 @@ def assert_bf16_step_close(loss, grads: dict, expected_loss, expected: dict, exa
         assert ours <= 2 * theirs + 1e-2, f"{name}: relative error {ours:.3g} vs eager's {theirs:.3g}"
 
 
+def check_training_step(jitted, model: GPT, idx: torch.Tensor, targets: torch.Tensor, grad_atol: float) -> None:
+    """A training step of `jitted` against eager's on the same weights: fp32 within rounding; bf16 no further from
+    fp32 maths than eager bf16 is (which turns the model to fp32)."""
+    loss, grads = loss_and_grads(jitted, model, idx, targets)
+    expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
+    if next(model.parameters()).dtype == torch.float32:
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+        assert_grads_close(grads, expected, rtol=1e-4, atol=grad_atol)
+        return
+    exact_loss, exact = loss_and_grads(forward_and_loss, model.float(), idx, targets)
+    assert_bf16_step_close(loss, grads, expected_loss, expected, exact_loss, exact)
+
+
 def expected_calls(config: Config) -> set[str]:
     """The kernels a training step of this LitGPT architecture calls."""
     calls = set(CROSS_ENTROPY)

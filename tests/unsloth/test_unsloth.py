@@ -64,17 +64,23 @@ def test_imports_without_gpu_or_triton():
     assert done.stdout.split() == [f"{torch.log(torch.tensor(3.0)).item()}", "unsloth_apply_rope"]
 
 
-def test_cpu_tensors_are_declined_and_results_match_eager(monkeypatch):
-    monkeypatch.setattr(executor, "_interpreted", lambda: False)  # as without Triton's interpreter
-    model = llama()
-    idx, targets = batch(model)
-    # unfused, so the cross-entropy is a call of its own (by default the lm_head and the loss are one fused op)
+def _unfused_step_matches_eager(model, idx, targets):
+    """A training step through "unsloth", unfused (so the cross-entropy is a call of its own: by default the lm_head
+    and the loss are one fused op), with eager's loss and gradients; gives the jitted step."""
     unfused = fulmen.JitOptions(fuse_linear_cross_entropy=False)
     jitted = fulmen.jit(forward_and_loss, executors=["unsloth", "sdpa", "torch"], options=unfused)
     loss, grads = loss_and_grads(jitted, model, idx, targets)
     expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
     assert_grads_close(grads, expected)
+    return jitted
+
+
+def test_cpu_tensors_are_declined_and_results_match_eager(monkeypatch):
+    monkeypatch.setattr(executor, "_interpreted", lambda: False)  # as without Triton's interpreter
+    model = llama()
+    idx, targets = batch(model)
+    jitted = _unfused_step_matches_eager(model, idx, targets)
     assert unsloth_calls(jitted) == set()
     # While "unsloth" is active, LitGPT's apply_rope and SwiGLU are acquired as its operators, which the checkers
     # then decline: they run as their torch parts.
@@ -342,13 +348,7 @@ def test_the_restated_llama_mlp_forward_is_litgpts():
 def test_llama_traces_call_the_kernels_and_match_eager(interpreted):
     model = llama()
     idx, targets = batch(model, batch_size=3)
-    # unfused, so the cross-entropy is a call of its own (by default the lm_head and the loss are one fused op)
-    unfused = fulmen.JitOptions(fuse_linear_cross_entropy=False)
-    jitted = fulmen.jit(forward_and_loss, executors=["unsloth", "sdpa", "torch"], options=unfused)
-    loss, grads = loss_and_grads(jitted, model, idx, targets)
-    expected_loss, expected = loss_and_grads(forward_and_loss, model, idx, targets)
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
-    assert_grads_close(grads, expected)
+    jitted = _unfused_step_matches_eager(model, idx, targets)
     assert unsloth_calls(jitted) == printed_unsloth_calls(jitted) == UNSLOTH_SYMBOLS
     # SwiGLU is recomputable: the backward reruns it for proj's weight gradient instead of the forward saving it
     backward = {bsym.sym.name for bsym in fulmen.last_backward_traces(jitted)[-1].bound_symbols}
