@@ -24,7 +24,8 @@ def test_readme_holds_the_two_commands_ci_runs():
     main_job, tests = _readme_commands_module().readme_commands((ROOT / "README.md").read_text())
     # torch's CPU build first: a bare `torch` requirement would pull a CUDA build of several GB.
     assert main_job == "pip install torch==2.13.0 && pip install -e . && python -m fulmen.pretrain"
-    assert tests == 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q -n auto --maxprocesses 4 --dist loadfile tests'
+    assert tests == ('pip install torch==2.13.0 && pip install -e ".[test]" && '
+                     'python -m pytest -q -n auto --maxprocesses 4 --dist loadfile tests')
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python3 -m venv" in ci and "readme_commands.py README.md" in ci and "pip check" in ci
 
