@@ -38,6 +38,7 @@ from fulmen.core.source import frame_location
 from fulmen.core.symbol import Symbol
 from fulmen.jit.frames import Region
 from fulmen.jit.function_apply import APPLY_CODE, FunctionApplyRegion
+from fulmen.jit.lookasides import method_lookasides
 from fulmen.ops import lookup
 
 
@@ -125,29 +126,39 @@ class CheckpointRegion:
 
 
 class ForwardLookasideRegion:
-    """`nn.Module.__call__` of a module whose class's forward has a lookaside. Its `_call_impl` looks the bound
-    forward up into the local `forward_call` and then calls it; between the two (at the next line) the local is
-    rebound to the lookaside bound to the same module, as a debugger sets a local: the module's class is untouched.
-    This serves modules the program reaches any way (an argument of a jitted function included); the shadow
-    modules of a jitted module answer its other methods too (overrides.py)."""
+    """`nn.Module.__call__` of a module whose class's forward has a lookaside: an executor's, or a built-in one
+    (lookasides.py). Its `_call_impl` looks the bound forward up into the local `forward_call` and then calls it;
+    between the two (at the next line) the local is rebound to the lookaside bound to the same module, as a
+    debugger sets a local: the module's class is untouched. This serves modules the program reaches any way (an
+    argument of a jitted function included); the shadow modules of a jitted module answer its other methods too
+    (overrides.py)."""
 
     def __init__(self, lookasides: dict[Callable[..., Any], Callable[..., Any]]) -> None:
         self.lookasides = lookasides
 
+    def _lookaside(self, cls: type, forward: Any) -> Callable[..., Any] | None:
+        """What runs in place of `forward`, the class's own forward (not one set on the instance)."""
+        if forward is not getattr(cls, "forward", None):
+            return None
+        return self.lookasides.get(forward) or method_lookasides(cls).get("forward")
+
     def enter(self, frame: types.FrameType) -> Any:
-        forward = getattr(type(frame.f_locals.get("self")), "forward", None)
-        return self if forward in self.lookasides else None
+        cls = type(frame.f_locals.get("self"))
+        return self if self._lookaside(cls, getattr(cls, "forward", None)) is not None else None
 
     def line(self, token: Any, frame: types.FrameType) -> None:
         call = frame.f_locals.get("forward_call")
-        if type(call) is types.MethodType and call.__func__ in self.lookasides:
-            frame.f_locals["forward_call"] = types.MethodType(self.lookasides[call.__func__], call.__self__)
+        if type(call) is types.MethodType:
+            lookaside = self._lookaside(type(call.__self__), call.__func__)
+            if lookaside is not None and lookaside is not call.__func__:
+                frame.f_locals["forward_call"] = types.MethodType(lookaside, call.__self__)
 
     def exit(self, token: Any, value: Any, raised: bool) -> None:
         pass
 
 
 _CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__
+_FORWARD_CALL_LOCAL = "forward_call" in (*_CALL_IMPL_CODE.co_varnames, *_CALL_IMPL_CODE.co_cellvars)
 _CHECKPOINT_CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__  # under torch's dynamo-disable wrapper
 
 
@@ -172,9 +183,9 @@ def call_table(executors: tuple[Any, ...], interpreter: Any) -> CallTable:
             regions.setdefault(original.__code__, OperatorRegion(original, target, interpreter))
         else:
             lookasides[original] = target
-    if lookasides:
-        if "forward_call" not in (*_CALL_IMPL_CODE.co_varnames, *_CALL_IMPL_CODE.co_cellvars):
-            raise RuntimeError(f"fulmen's method lookasides do not know this torch's nn.Module.__call__ "
-                               f"(torch {torch.__version__} has no local forward_call in Module._call_impl)")
+    if _FORWARD_CALL_LOCAL:  # also for the built-in lookasides of modules the program receives
         regions[_CALL_IMPL_CODE] = ForwardLookasideRegion(lookasides)
+    elif lookasides:
+        raise RuntimeError(f"fulmen's method lookasides do not know this torch's nn.Module.__call__ "
+                           f"(torch {torch.__version__} has no local forward_call in Module._call_impl)")
     return CallTable(torch_calls, regions, lookasides)

@@ -202,3 +202,26 @@ def test_a_forward_lookaside_applies_to_modules_the_program_receives():
     assert Doubler.__dict__["forward"] is original
     with pytest.raises(TypeError, match="not a method of a module class"):
         ex.register_lookaside(scaled, lambda x: x)
+
+
+def test_litgpts_mixture_of_experts_trains_when_the_program_receives_the_model():
+    """The built-in lookaside of LitGPT's LLaMAMoE (its routing's torch.where(mask) is data-dependent) serves a model
+    given to a jitted function too: eager's loss and gradients, and LLaMAMoE itself untouched."""
+    config = litgpt.Config.from_name("Mixtral-8x7B-v0.1", n_layer=2, n_embd=64, n_head=4, n_query_groups=2,
+                                     head_size=16, intermediate_size=96, padded_vocab_size=96, vocab_size=96,
+                                     n_expert=4, n_expert_per_token=2)
+    model = litgpt.GPT(config)
+    original = litgpt.model.LLaMAMoE.__dict__["forward"]
+    idx, targets = batch(model, seq_len=9)
+    jitted = fulmen.jit(forward_and_loss)
+    results = []
+    for step in (jitted, forward_and_loss):
+        model.zero_grad(set_to_none=True)
+        loss = step(model, idx, targets)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (loss, grads), (want_loss, want_grads) = results
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert litgpt.model.LLaMAMoE.__dict__["forward"] is original
