@@ -23,16 +23,15 @@ from fulmen.distributed.specs import (
     local_shard,
     spec_of,
 )
+from fulmen.transforms.distribution import DISTRIBUTED_INPUT, ModuleWrapper
 
 
 def _unwrap(model: nn.Module, what: str) -> nn.Module:
-    from fulmen.jit.jitted import JittedModule  # fulmen.jit reads the specs this package attaches
-
-    if isinstance(model, JittedModule):
-        if model._jit.stats.misses:
+    if isinstance(model, ModuleWrapper):  # fulmen.jit's result: it reads the specs this package attaches
+        if model.has_run:
             raise RuntimeError(f"fulmen.distributed.{what} must be applied before the jitted module first runs: "
                                f"apply it to the module, then call fulmen.jit")
-        return model._model
+        return model.wrapped_module
     if not isinstance(model, nn.Module):
         raise TypeError(f"fulmen.distributed.{what} expects an nn.Module, got {type(model).__name__}")
     if getattr(model, "_fulmen_dist", None) is not None:
@@ -70,7 +69,7 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
         for name, param in module.named_parameters():
             if broadcast_from is not None:
                 _broadcast(param.data, state, broadcast_from)
-            param._fulmen_dist = ParamSpec(state, name, None, name)
+            setattr(param, DISTRIBUTED_INPUT, ParamSpec(state, name, None, name))
         if broadcast_from is not None:
             for buffer in module.buffers():
                 _broadcast(buffer, state, broadcast_from)
@@ -149,7 +148,7 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
                 shape = full.shape
                 param.data = local_shard(full, state.rank, state.world)
                 del full
-                param._fulmen_dist = ParamSpec(state, name, shape, keys[name])
+                setattr(param, DISTRIBUTED_INPUT, ParamSpec(state, name, shape, keys[name]))
             for bname, buffer in sub._buffers.items():
                 if buffer is None:
                     continue
@@ -163,9 +162,7 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
 
 def unwrap_module(model: nn.Module) -> nn.Module:
     """The user's module behind a `fulmen.jit` result."""
-    from fulmen.jit.jitted import JittedModule
-
-    return model._model if isinstance(model, JittedModule) else model
+    return model.wrapped_module if isinstance(model, ModuleWrapper) else model
 
 
 def distributed_state(model: nn.Module) -> DistributedState:

@@ -1,20 +1,26 @@
 """How a parameter is distributed: replicated (DDP) or sharded on dim 0 (FSDP), and the shard layout.
 
-`ddp` and `fsdp` attach a `ParamSpec` to each parameter (`param._fulmen_dist`); acquisition reads it to give a
-sharded parameter its full (logical) shape in the trace, and the distributed transforms read it to insert the
-collectives. A sharded parameter of `n` rows holds `rows = ceil(n / world)` rows on every rank: rank `r` has the
-rows `[r * rows, (r + 1) * rows)` of the full tensor, zero-padded past `n` (torch.chunk's split, so DCP's
-`Shard(0)` placement describes the same rows).
+`ddp` and `fsdp` attach a `ParamSpec` to each parameter (`param._fulmen_dist`, fulmen.transforms.distribution's
+`DistributedInput`): acquisition reads it to give a sharded parameter its full (logical) shape in the trace and
+builds the program's `DistributedProgram` through it, whose transforms insert the collectives. A sharded
+parameter of `n` rows holds `rows = ceil(n / world)` rows on every rank: rank `r` has the rows
+`[r * rows, (r + 1) * rows)` of the full tensor, zero-padded past `n` (torch.chunk's split, so DCP's `Shard(0)`
+placement describes the same rows).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from fulmen.core.trace import Trace
+from fulmen.distributed.transform import DistributedProgram
+from fulmen.transforms.distribution import DISTRIBUTED_INPUT
 
 
 class FSDPType(enum.Enum):
@@ -48,6 +54,9 @@ class DistributedState:
     bucket_bytes: int = 0  # DDP: gradients per all_reduce
     max_in_flight: int = 2  # FSDP: all-gathers started ahead of their first use
     sync: bool = True  # False inside no_sync(): the backward skips gradient communication
+    # Gradients accumulated under no_sync (full shape), folded into the next synced reduction; shared by every
+    # program (cache entry, jitted function) that reads these parameters.
+    pending: dict[ParamSpec, torch.Tensor] = field(default_factory=dict)
 
     @property
     def zero3(self) -> bool:
@@ -60,8 +69,10 @@ class ParamSpec:
     name: str  # qualified name in the distributed model
     full_shape: torch.Size | None  # None: replicated
     bucket: str  # FSDP: the collective this parameter travels in
-    # Gradients accumulated under no_sync (full shape), folded into the next synced reduction.
-    pending: torch.Tensor | None = None
+
+    def program(self, trace: Trace, tensors: Sequence[torch.Tensor]) -> DistributedProgram:
+        """The distribution of `trace`'s inputs `tensors` (fulmen.transforms.distribution's DistributedInput)."""
+        return DistributedProgram(trace.inputs, [spec_of(t) for t in tensors], trace.namespace)
 
     @property
     def sharded(self) -> bool:
@@ -93,18 +104,4 @@ def valid_rows(n: int, rank: int, world: int) -> int:
 
 
 def spec_of(tensor: torch.Tensor) -> ParamSpec | None:
-    return getattr(tensor, "_fulmen_dist", None)
-
-
-def logical_meta(tensor: torch.Tensor) -> torch.Tensor:
-    """The meta tensor a trace input stands for: a sharded parameter's full shape, else the tensor's own."""
-    spec = spec_of(tensor)
-    if spec is not None and spec.sharded:
-        return torch.empty(spec.full_shape, dtype=tensor.dtype, device="meta")
-    if tensor.storage_offset() == 0:
-        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-    # a view into a larger storage: the program can read its storage offset
-    storage = torch.empty(tensor.untyped_storage().nbytes() // tensor.element_size(), dtype=tensor.dtype,
-                          device="meta").untyped_storage()
-    return torch.empty(0, dtype=tensor.dtype, device="meta").set_(storage, tensor.storage_offset(), tensor.shape,
-                                                                  tensor.stride())
+    return getattr(tensor, DISTRIBUTED_INPUT, None)

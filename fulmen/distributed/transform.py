@@ -10,16 +10,20 @@ gradient outputs), so changes to autodiff cannot silently move or drop a collect
   are packed per bucket and their reduction (all_reduce for DDP, reduce_scatter for FSDP) starts right after the
   bucket's last gradient is computed; all waits sit at the end, so communication overlaps the rest of the
   backward. Gradients are divided by the world size before the reduction (an average, as torch's DDP computes).
-- under `no_sync` (GradSync.LOCAL) the backward keeps its full local gradients; the bridge holds them back and the
-  next synced backward (GradSync.PENDING) takes them as a `pending` input group and adds them before the reduction.
+- under `no_sync` (GradSync.LOCAL) the backward keeps its full local gradients; `hold_back` keeps them in the
+  parameters' `DistributedState` and the next synced backward (GradSync.PENDING) takes them (`take_pending`) as a
+  `pending` input group and adds them before the reduction.
+
+`DistributedProgram` implements fulmen.transforms.distribution's `DistributionTransform`, the only surface
+fulmen.jit sees.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,13 +32,12 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Namespace, Trace, TraceBuilder
 from fulmen.distributed import prims as collectives
-from fulmen.distributed.specs import ParamSpec, spec_of
+from fulmen.transforms.distribution import GradSync
 
+if TYPE_CHECKING:  # specs.py builds programs of this class
+    from fulmen.distributed.specs import ParamSpec
 
-class GradSync(enum.Enum):
-    SYNC = enum.auto()  # reduce the gradients across ranks
-    LOCAL = enum.auto()  # inside no_sync: no communication, full local gradients
-    PENDING = enum.auto()  # reduce the gradients plus those accumulated under no_sync
+__all__ = ["DistributedProgram", "GradSync"]
 
 
 @dataclass(slots=True)
@@ -80,14 +83,36 @@ class DistributedProgram:
         # The gradient outputs that belong to distributed parameters requiring grad.
         self.grad_owners = [i for i, (p, spec) in enumerate(zip(inputs, specs)) if spec is not None and p.requires_grad]
 
-    @classmethod
-    def of(cls, trace: Trace, tensors: Sequence[torch.Tensor]) -> DistributedProgram | None:
-        specs = [spec_of(t) for t in tensors]
-        return cls(trace.inputs, specs, trace.namespace) if any(s is not None for s in specs) else None
-
     @property
     def sync(self) -> bool:
         return all(state.sync for state in self.states)
+
+    # --- gradients held back under no_sync (kept in each parameter's DistributedState) ---------------------------
+    def hold_back(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """A LOCAL backward's grads, the distributed parameters' gradients added to those held back (not to
+        `.grad`): the next synced backward reduces their sum."""
+        grads = list(grads)
+        for i in self.grad_owners:
+            spec, grad = self.specs[i], grads[i]
+            if grad is not None:
+                held = spec.state.pending.get(spec)
+                spec.state.pending[spec] = grad if held is None else held + grad
+            grads[i] = None
+        return tuple(grads)
+
+    def take_pending(self) -> list[torch.Tensor] | None:
+        """The held-back gradients, one per gradient owner (zeros where none was held), released; None when none
+        of this program's parameters has any."""
+        specs = [self.specs[i] for i in self.grad_owners]
+        if not any(spec in spec.state.pending for spec in specs):
+            return None
+        pending = []
+        for i, spec in zip(self.grad_owners, specs):
+            full = self.inputs[i]
+            held = spec.state.pending.pop(spec, None)
+            pending.append(held if held is not None else
+                           torch.zeros(full.shape, dtype=full.dtype, device=full.device))
+        return pending
 
     def shard(self, full: TensorProxy) -> TensorProxy:
         """The trace input holding `full`'s local shard (one proxy per parameter, shared by forward and backward)."""

@@ -19,10 +19,10 @@ from torch.fx.passes.split_module import split_module
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import TraceBuilder
-from fulmen.distributed.specs import logical_meta
 from fulmen.jit.acquire import DATA_DEPENDENT, Interpreter
 from fulmen.jit.frames import CallTap
 from fulmen.jit.function_apply import APPLY_CODE, FunctionApplyRegion, function_apply_recorded
+from fulmen.transforms.distribution import logical_meta
 
 CALLS = ("call_function", "call_method", "call_module")
 

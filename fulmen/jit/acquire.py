@@ -23,7 +23,6 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
-from fulmen.distributed.specs import logical_meta
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.jit.lookasides import is_fabric_backward_check
 from fulmen.ops import lookup, shape
@@ -31,6 +30,7 @@ from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.autocast import cast_arguments, cast_output
 from fulmen.transforms.autocast import plan as autocast_plan
+from fulmen.transforms.distribution import logical_meta
 
 T = torch.Tensor
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from fulmen.core.trace import Trace
-from fulmen.distributed.transform import DistributedProgram, GradSync
 from fulmen.transforms.autocast import without_autocast
 from fulmen.transforms.cudagraphs import GraphedProgram
+from fulmen.transforms.distribution import DistributionTransform, GradSync
 from fulmen.transforms.forward_backward import GradPlan
 
 Finalize = Callable[[Trace, GradSync], list[Trace]]  # the passes from a backward trace to the one that runs
@@ -34,7 +34,7 @@ class GradProgram:
     finalize: Finalize
     backward_traces: list[Trace]  # for all cotangents present (fulmen.last_backward_traces)
     autocast: bool = False  # acquired under autocast: the backward runs with autocast off, like the forward
-    distributed: DistributedProgram | None = None  # collectives of ddp / fsdp parameters
+    distributed: DistributionTransform | None = None  # collectives of ddp / fsdp parameters
     _backward_fns: dict[tuple[tuple[bool, ...], GradSync], Callable[..., tuple]] = field(default_factory=dict)
     graphs: GraphedProgram | None = None  # CUDA graphs: forward_fn and graphed_backward_fn replay them
     plain_forward_fn: Callable[..., tuple] | None = None  # the forward without graphs
@@ -68,30 +68,17 @@ class GradProgram:
     def run_backward(self, present: tuple[bool, ...], sync: bool, saved: list, cotangents: list,
                      graphed: bool = False) -> tuple:
         """The input grads; gradients of distributed parameters are reduced across ranks when `sync`, else
-        held back (as `ParamSpec.pending`) for the next synced backward to add before reducing. `graphed`: the
+        held back (by the distribution) for the next synced backward to add before reducing. `graphed`: the
         forward replayed CUDA graphs (its saved values are their outputs)."""
         if graphed and present == self.plan.differentiable:
             return self.graphed_backward_fn(saved, cotangents)
         if self.distributed is None:
             return self.backward_fn(present)(saved, cotangents)
-        owners = self.distributed.grad_owners
         if not sync:
-            grads = list(self.backward_fn(present, GradSync.LOCAL)(saved, cotangents))
-            for i in owners:
-                spec, grad = self.distributed.specs[i], grads[i]
-                if grad is not None:
-                    spec.pending = grad if spec.pending is None else spec.pending + grad
-                grads[i] = None
-            return tuple(grads)
-        specs = [self.distributed.specs[i] for i in owners]
-        if all(spec.pending is None for spec in specs):
+            return self.distributed.hold_back(self.backward_fn(present, GradSync.LOCAL)(saved, cotangents))
+        pending = self.distributed.take_pending()
+        if pending is None:
             return self.backward_fn(present)(saved, cotangents)
-        pending = []
-        for i, spec in zip(owners, specs):
-            full = self.distributed.inputs[i]
-            pending.append(spec.pending if spec.pending is not None else
-                           torch.zeros(full.shape, dtype=full.dtype, device=full.device))
-            spec.pending = None
         return self.backward_fn(present, GradSync.PENDING)(saved, cotangents, pending)
 
 

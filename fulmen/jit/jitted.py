@@ -19,8 +19,6 @@ from fulmen.core.errors import CacheLimitError, CacheLimitWarning, DataDependent
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.distributed.specs import logical_meta, spec_of
-from fulmen.distributed.transform import DistributedProgram
 from fulmen.executors.base import Executor
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
@@ -37,6 +35,7 @@ from fulmen.ops import prims
 from fulmen.options import CacheLimitAction, JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
 from fulmen.transforms.cudagraphs import GraphedProgram, graph_pool_for
+from fulmen.transforms.distribution import distributed_input, distributed_program, logical_meta
 
 
 @dataclass(slots=True)
@@ -192,10 +191,10 @@ class JittedFunction:
         message = (f"fulmen.jit({name}) holds JitOptions.cache_limit={self._cache.limit} traces and this call needs "
                    f"another: {reason}")
         latest = self._cache.entries[-1]
-        distributed = any(spec_of(t) is not None for t in (*(s.fetch() for s in latest.module_inputs),
+        distributed = any(distributed_input(t) is not None for t in (*(s.fetch() for s in latest.module_inputs),
                                                           *latest.constants))
         if self._options.cache_limit_action is CacheLimitAction.ERROR or distributed:
-            why = " (a program with fulmen.distributed parameters cannot run eagerly)" if distributed else ""
+            why = " (a program with ddp / fsdp parameters cannot run eagerly)" if distributed else ""
             raise CacheLimitError(f"{message}{why}. Keep it constant, or raise the limit "
                                   "(fulmen.last_cache_miss_reasons lists why each trace did not apply)")
         if not self._warned:
@@ -235,7 +234,7 @@ class JittedFunction:
         tree: ShadowTree | None = None
         calls = call_table(self.executors, interpreter)
         if self._module is not None:
-            # A sharded parameter enters with its full shape (fulmen.distributed gathers it before use).
+            # A sharded parameter enters with its full shape (its distribution gathers it before use).
             tree = build_shadow(
                 self._module, lambda t, name: builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=name),
                 observer, calls.lookasides,
@@ -312,7 +311,7 @@ class JittedFunction:
                          "Acquisition (fulmen.jit)", builder.namespace)
         traces = self.pipeline.acquire(acquired)
         bases = aliases.bases(real_inputs) if aliases is not None else []
-        distributed = DistributedProgram.of(acquired, [*real_inputs, *bases])
+        distributed = distributed_program(acquired, [*real_inputs, *bases])
         graphs = None
         if self._options.cuda_graphs:
             graphs = graph_pool_for(traces[-1], distributed is not None,
@@ -397,6 +396,15 @@ class JittedModule(nn.Module):
         super().__init__()
         self._model = model
         self._jit = JittedFunction(model.forward, options, module=model, executors=executors)
+
+    # fulmen.transforms.distribution's ModuleWrapper: ddp / fsdp distribute the wrapped module
+    @property
+    def wrapped_module(self) -> nn.Module:
+        return self._model
+
+    @property
+    def has_run(self) -> bool:
+        return self._jit.stats.misses > 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._jit(*args, **kwargs)

@@ -26,7 +26,6 @@ from typing import Any
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.core.verify import trace_problems
-from fulmen.distributed.transform import DistributedProgram, GradSync
 from fulmen.executors.base import Executor
 from fulmen.executors.passes import transform_for_execution
 from fulmen.jit.bridge import GradProgram
@@ -34,6 +33,7 @@ from fulmen.options import JitOptions
 from fulmen.transforms.autocast import autocast_enabled
 from fulmen.transforms.common import cse, dce, delete_last_used
 from fulmen.transforms.cudagraphs import GraphPool, capture_regions
+from fulmen.transforms.distribution import DistributionTransform, GradSync
 from fulmen.transforms.forward_backward import plan_grad
 from fulmen.transforms.fused_loss import fuse_linear_cross_entropy
 from fulmen.transforms.offload import OffloadTransform
@@ -96,14 +96,14 @@ class Pipeline:
                                        _check_same_interface))
         return traces
 
-    def computation(self, trace: Trace, distributed: DistributedProgram | None,
+    def computation(self, trace: Trace, distributed: DistributionTransform | None,
                     graphs: GraphPool | None = None) -> list[Trace]:
         """The stages after ACQUIRED for a program nothing is differentiated in."""
         traces = [distributed.forward(trace, len(trace.output))] if distributed is not None else []
         trace = traces[-1] if traces else trace
         return traces + self.finish(trace, TraceKind.COMPUTATION, graphs, len(trace.output))
 
-    def differentiate(self, trace: Trace, distributed: DistributedProgram | None,
+    def differentiate(self, trace: Trace, distributed: DistributionTransform | None,
                       graphs: GraphPool | None = None) -> tuple[GradProgram, list[Trace]]:
         """Stage GRAD and what follows for the forward; the backward's passes run in the returned program. With
         `graphs`, the last two traces of the forward and of the backward capture CUDA graphs and the two before
@@ -190,7 +190,7 @@ class BackwardPasses:
     pipeline: Pipeline
     forwards: tuple[Trace, ...]
     n_saved: int
-    distributed: DistributedProgram | None
+    distributed: DistributionTransform | None
 
     def __call__(self, backward: Trace, mode: GradSync, graphs: GraphPool | None = None) -> list[Trace]:
         traces = self.pipeline._clean(backward)
