@@ -5,7 +5,8 @@ torch.return_types structseqs, OrderedDict, ... and whatever a library registere
 subclasses (torch.Size), walked as plain sequences. `children`, `leaves` and `tree_map` are the walks over it (the
 proxies of a call's arguments and outputs, the symbols passed as data, the real tensors a program captured).
 
-Flattening program inputs and outputs: tuples, lists, dicts, namedtuples, dataclasses, torch structseqs.
+Flattening program inputs and outputs: tuples, lists, dicts (OrderedDict and defaultdict too), namedtuples,
+dataclasses, torch structseqs; another dict subclass holding tensors is refused (kept by identity, they would go stale).
 
 A flattened structure is (leaves, spec). Tensors are leaves; every other leaf (ints, strings, dtypes, ...) is
 kept in the spec, so the spec is a hashable cache key that specialises on Python values. Floats are kept by their
@@ -18,6 +19,7 @@ call returns a fresh object holding its own tensors.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import types
@@ -134,13 +136,20 @@ def flatten(obj: Any, leaves: list[torch.Tensor], objects: dict[int, Any] | None
     kind = type(obj)
     if kind is tuple or kind is list:
         return (kind, tuple(flatten(item, leaves, objects) for item in obj))
-    if kind is dict:
-        return (dict, tuple(obj.keys()), tuple(flatten(value, leaves, objects) for value in obj.values()))
+    if kind is dict or kind is collections.OrderedDict:
+        return (kind, tuple(obj.keys()), tuple(flatten(value, leaves, objects) for value in obj.values()))
+    if kind is collections.defaultdict:
+        return (kind, obj.default_factory, tuple(obj.keys()),
+                tuple(flatten(value, leaves, objects) for value in obj.values()))
     if isinstance(obj, tuple) and (hasattr(kind, "_fields") or hasattr(kind, "n_fields")):
         return (kind, tuple(flatten(item, leaves, objects) for item in obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = tuple(f.name for f in dataclasses.fields(obj))
         return (kind, names, tuple(flatten(getattr(obj, name), leaves, objects) for name in names))
+    if isinstance(obj, dict) and not dataclasses.is_dataclass(obj) and any(map(holds_tensors, obj.values())):
+        # kept by identity, its tensors would be captured as they are now and go stale on the next call
+        raise TypeError(f"fulmen.jit takes tensors inside a dict, OrderedDict or defaultdict, not inside a "
+                        f"{kind.__qualname__}; pass dict(value)")
     if objects is not None and holds_tensors(obj):
         if id(obj) in objects:
             raise TypeError(f"fulmen cannot return a {kind.__qualname__} (an object holding tensors) that appears "
@@ -225,8 +234,12 @@ def _build(spec: Any, leaves, originals) -> Any:
         return made
     if kind is tuple or kind is list:
         return kind(_build(item, leaves, originals) for item in spec[1])
-    if kind is dict:
-        return dict(zip(spec[1], (_build(item, leaves, originals) for item in spec[2])))
+    if kind is dict or kind is collections.OrderedDict:
+        return kind(zip(spec[1], (_build(item, leaves, originals) for item in spec[2])))
+    if kind is collections.defaultdict:
+        made = collections.defaultdict(spec[1])
+        made.update(zip(spec[2], (_build(item, leaves, originals) for item in spec[3])))
+        return made
     if hasattr(kind, "n_fields"):
         return kind([_build(item, leaves, originals) for item in spec[1]])
     if hasattr(kind, "_fields"):
@@ -241,7 +254,7 @@ def identity_objects(obj: Any, found: dict[int, Any]) -> None:
     if isinstance(obj, (tuple, list)):
         for item in obj:
             identity_objects(item, found)
-    elif isinstance(obj, dict):
+    elif type(obj) in (dict, collections.OrderedDict, collections.defaultdict):
         for item in obj.values():
             identity_objects(item, found)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):

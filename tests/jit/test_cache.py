@@ -144,3 +144,29 @@ def test_parameter_dtype_change_retraces():
     jitted.double()
     torch.testing.assert_close(jitted(x.double()), model(x.double()))
     assert _counts(jitted) == (0, 2)
+
+
+def test_ordered_and_default_dicts_are_containers():
+    """Their tensors are inputs (a new value in the same structure hits the cache and is read, never a stale
+    constant), outputs come back as the same types; a dict subclass fulmen cannot rebuild is refused when it holds
+    tensors, and kept as a value when it does not."""
+    from collections import OrderedDict, defaultdict
+
+    double = fulmen.jit(lambda d: d["a"] * 2)
+    for value in (1.0, 3.0):
+        torch.testing.assert_close(double(OrderedDict(a=torch.full((2,), value))), torch.full((2,), 2 * value))
+    assert fulmen.cache_misses(double) == 1 and fulmen.cache_hits(double) == 1
+
+    regroup = fulmen.jit(lambda d: {"o": OrderedDict(x=d["a"] + 1), "dd": d})
+    given = defaultdict(list, a=torch.ones(2))
+    out = regroup(given)
+    assert type(out["o"]) is OrderedDict and type(out["dd"]) is defaultdict and out["dd"].default_factory is list
+    torch.testing.assert_close(out["o"]["x"], torch.full((2,), 2.0))
+    torch.testing.assert_close(out["dd"]["a"], given["a"])
+
+    class Settings(dict):
+        pass
+
+    with pytest.raises(TypeError, match=r"not inside a .*Settings; pass dict"):
+        double(Settings(a=torch.ones(2)))
+    torch.testing.assert_close(fulmen.jit(lambda d, x: x * d["k"])(Settings(k=3), torch.ones(2)), torch.full((2,), 3.0))
