@@ -136,22 +136,19 @@ class ForwardLookasideRegion:
     def __init__(self, lookasides: dict[Callable[..., Any], Callable[..., Any]]) -> None:
         self.lookasides = lookasides
 
-    def _lookaside(self, cls: type, forward: Any) -> Callable[..., Any] | None:
-        """What runs in place of `forward`, the class's own forward (not one set on the instance)."""
-        if forward is not getattr(cls, "forward", None):
-            return None
-        return self.lookasides.get(forward) or method_lookasides(cls).get("forward")
-
     def enter(self, frame: types.FrameType) -> Any:
+        """The (forward, lookaside) pair of this call's module, or None when its class's forward has no lookaside
+        (a shadow module's forward may be the lookaside itself)."""
         cls = type(frame.f_locals.get("self"))
-        return self if self._lookaside(cls, getattr(cls, "forward", None)) is not None else None
+        forward = getattr(cls, "forward", None)
+        lookaside = self.lookasides.get(forward) or method_lookasides(cls).get("forward")
+        return (forward, lookaside) if lookaside is not None and lookaside is not forward else None
 
     def line(self, token: Any, frame: types.FrameType) -> None:
+        forward, lookaside = token
         call = frame.f_locals.get("forward_call")
-        if type(call) is types.MethodType:
-            lookaside = self._lookaside(type(call.__self__), call.__func__)
-            if lookaside is not None and lookaside is not call.__func__:
-                frame.f_locals["forward_call"] = types.MethodType(lookaside, call.__self__)
+        if type(call) is types.MethodType and call.__func__ is forward:  # not a forward set on the instance
+            frame.f_locals["forward_call"] = types.MethodType(lookaside, call.__self__)
 
     def exit(self, token: Any, value: Any, raised: bool) -> None:
         pass
