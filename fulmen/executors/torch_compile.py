@@ -9,11 +9,9 @@ attention kernels and regions must not move communication. Each region becomes o
 Regions are printed with canonical names and compiled once per distinct source: the repeated blocks of a
 transformer give identical regions (same ops, same shapes), which share one compiled function.
 
-A region is compiled on its first call: traced to an aten graph (`make_fx`, on fake copies of the arguments) and
-handed to Inductor (`torch._inductor.compile`); its calls then go straight to Inductor's code. torch.compile would
-re-run Dynamo's guards on every call (about 25 us of host time each, on a transformer step hundreds of calls);
-the trace already fixes the shapes, dtypes and devices of a region's arguments, and the one property it does not
-fix, their strides (Inductor's code indexes with the strides it was compiled for), keys the compiled variants.
+A region is compiled on its first call, without Dynamo (`fulmen.core.inductor.InductorFunction`): the trace
+already fixes the shapes, dtypes and devices of a region's arguments, so only their strides key the compiled
+variants, and calls go straight to Inductor's code instead of re-running torch.compile's guards.
 
 It also claims the chunked linear + cross-entropy symbols (fulmen.ops.fused_loss): they run with `compiled=True`,
 each chunk's elementwise work (log-sum-exp, softmax and its gradient) as one compiled function between the matmuls.
@@ -21,12 +19,11 @@ each chunk's elementwise work (log-sum-exp, softmax and its gradient) as one com
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
+from fulmen.core.inductor import InductorFunction
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, map_proxies
 from fulmen.core.trace import Namespace, Trace
@@ -52,31 +49,6 @@ def _leaves(bsym: BoundSymbol):
         yield from _leaves(sub)
 
 
-class CompiledRegion:
-    """A fusion region's code compiled by Inductor, one variant per layout (strides) of its arguments."""
-
-    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
-        self._fn = fn
-        self._options = options
-        self.variants: dict[tuple[tuple[int, ...], ...], Callable[..., Any]] = {}
-
-    def __call__(self, *args: torch.Tensor) -> Any:
-        compiled = self.variants.get(tuple([arg.stride() for arg in args]))
-        if compiled is None:
-            compiled = self._compile(args)
-        return compiled(*args)
-
-    def _compile(self, args: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
-        # A region runs where nothing records autograd (inside the autograd bridge, or without grad), so it is
-        # traced and compiled as inference on detached arguments.
-        with torch.no_grad():
-            inputs = [arg.detach() for arg in args]
-            graph = make_fx(self._fn, tracing_mode="fake")(*inputs)
-            compiled = torch._inductor.compile(graph, inputs, options=self._options or None)
-        self.variants[tuple(arg.stride() for arg in args)] = compiled
-        return compiled
-
-
 class TorchCompileExecutor(FusionExecutor):
     """Fusion regions compiled by Inductor; `compile_options` are Inductor config options for every region
     (`torch._inductor.list_options()`), e.g. `{"max_autotune": True}`; `recompute_inputs`: see
@@ -92,7 +64,7 @@ class TorchCompileExecutor(FusionExecutor):
             raise ValueError(f"TorchCompileExecutor: {unknown} are not Inductor config options "
                              "(torch._inductor.list_options())")
         self.compile_options = options
-        self._compiled: dict[str, CompiledRegion] = {}
+        self._compiled: dict[str, InductorFunction] = {}
 
     def claims(self, bsym: BoundSymbol) -> Implementation | None:
         if bsym.sym not in _COMPILED_CHUNKS or bsym.kwargs.get("compiled"):
@@ -117,7 +89,7 @@ class TorchCompileExecutor(FusionExecutor):
         source, region = _canonical_region(bsyms, inputs, outputs)
         compiled = self._compiled.get(source)
         if compiled is None:
-            compiled = CompiledRegion(region.python_callable(), self.compile_options)
+            compiled = InductorFunction(region.python_callable(), self.compile_options)
             self._compiled[source] = compiled
         name = f"TorchCompile{index}"
         sym = Symbol(name=name, printed=name, impl=compiled, meta=None, executor=self)

@@ -83,7 +83,7 @@ def test_regions_call_inductors_code_without_dynamo():
     # not code indexed for the first.
     from torch._dynamo.utils import counters
 
-    from fulmen.executors.torch_compile import CompiledRegion
+    from fulmen.core.inductor import InductorFunction
 
     def f(x, w):
         return torch.softmax(torch.tanh(x) * w, -1)
@@ -94,7 +94,7 @@ def test_regions_call_inductors_code_without_dynamo():
     torch.testing.assert_close(jitted(x, w), f(x, w))
     torch.testing.assert_close(jitted(x, w), f(x, w))
     (region,) = _regions(fulmen.last_traces(jitted)[-1])
-    assert isinstance(region.sym.impl, CompiledRegion) and len(region.sym.impl.variants) == 1
+    assert isinstance(region.sym.impl, InductorFunction) and len(region.sym.impl.variants) == 1
     transposed = torch.randn(16, 8).t()
     torch.testing.assert_close(jitted(transposed, w), f(transposed, w))
     (again,) = _regions(fulmen.last_traces(jitted)[-1])

@@ -153,8 +153,8 @@ def test_no_tensor_of_the_logits_size_and_neither_logits_nor_h_saved():
         return _head()(x @ w1, w, t)
 
     args = [torch.randn(*rows, hidden), torch.randn(hidden, hidden), w, t]
-    jitted = check(model_and_loss, args, fulmen.JitOptions())  # chunks chosen from memory: 1024 rows
-    assert "chunks of 1024 rows" in _fusion_note(jitted)
+    jitted = check(model_and_loss, args, fulmen.JitOptions())  # chunks chosen from memory: half the rows
+    assert "chunks of 2048 rows" in _fusion_note(jitted)
     assert _largest(jitted) == 4096 * hidden  # h: the chunks' logits exist inside the fused op only
     inputs = {"x", "w1", "w", "t"}
     assert _saved_activations(jitted, inputs) == [(4, 1024, 8), (512, 8)]  # the grads of h and W, not h or logits
@@ -165,11 +165,14 @@ def test_no_tensor_of_the_logits_size_and_neither_logits_nor_h_saved():
 
 def test_automatic_chunks_are_a_fraction_of_the_logits():
     assert fused_loss.chunk_rows_for(8192, 128256, torch.bfloat16) == 1024  # Llama 3 at 4 x 2048: 8 chunks
-    assert fused_loss.chunk_rows_for(8192, 32000, torch.bfloat16) == 1024  # at least 1024 rows
+    assert fused_loss.chunk_rows_for(8192, 32000, torch.bfloat16) == 4096  # TinyLlama: 2 chunks (half the logits)
     assert fused_loss.chunk_rows_for(500, 32000, torch.float32) == 500  # fewer rows: one chunk
-    assert fused_loss.chunk_rows_for(2**16, 1000, torch.float32) == 2**13  # 1/8 of the logits
+    assert fused_loss.chunk_rows_for(2**16, 1000, torch.float32) == 2**15  # half of the logits
+    assert fused_loss.chunk_rows_for(4096, 10, torch.float32) == 2048  # at least 1024 rows, at most half
     rows = fused_loss.chunk_rows_for(65536, 128256, torch.bfloat16)  # 256 MiB of logits at most
     assert rows % 64 == 0 and rows * 128256 * 2 <= fused_loss.CHUNK_BYTES
+    # balanced: 8300 rows in 9 chunks of 960 (the last 620), not 8 of 1024 and a last one of 108
+    assert fused_loss.chunk_rows_for(8300, 128256, torch.bfloat16) == 960
 
 
 def test_options_are_validated_and_the_flag_turns_the_fusion_off():
@@ -375,9 +378,12 @@ def test_bf16_upcast_keeps_eagers_dtypes():
 
 
 def test_torchcompile_executor_compiles_the_chunk_step():
+    from torch._dynamo.utils import counters
+
     h, w, t = _inputs(vocab=40, rows=(2, 9))
     jitted = fulmen.jit(_head(), executors=["torchcompile"], options=_options(5))
     ours, theirs = _leaves(h, w, t), _leaves(h, w, t)
+    counters.clear()
     loss = jitted(*ours)
     loss.backward()
     expected = _head()(*theirs)
@@ -385,6 +391,10 @@ def test_torchcompile_executor_compiles_the_chunk_step():
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
     torch.testing.assert_close(ours[1].grad, theirs[1].grad, rtol=1e-5, atol=1e-6)
     assert "compiled=True" in fulmen.last_traces(jitted)[-1].python()
+    # compiled without Dynamo (no guards per chunk): one variant per chunk length, 18 rows in chunks of 5 and 3
+    assert counters["stats"]["unique_graphs"] == 0
+    step = fused_loss._compiled_step(-100, 0.0, torch.float32, True)
+    assert sorted(shape[0][0][0] for shape in step.variants) == [3, 5]
 
 
 # ---- CUDA (run on the device machine: pytest -m cuda tests/transforms) -------------------------------------------
