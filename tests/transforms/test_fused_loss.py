@@ -164,15 +164,15 @@ def test_no_tensor_of_the_logits_size_and_neither_logits_nor_h_saved():
 
 
 def test_automatic_chunks_are_a_fraction_of_the_logits():
-    assert fused_loss.chunk_rows_for(8192, 128256, torch.bfloat16) == 1024  # Llama 3 at 4 x 2048: 8 chunks
+    assert fused_loss.chunk_rows_for(8192, 128256, torch.bfloat16) == 2048  # Llama 3 at 4 x 2048: 4 chunks
     assert fused_loss.chunk_rows_for(8192, 32000, torch.bfloat16) == 4096  # TinyLlama: 2 chunks (half the logits)
     assert fused_loss.chunk_rows_for(500, 32000, torch.float32) == 500  # fewer rows: one chunk
     assert fused_loss.chunk_rows_for(2**16, 1000, torch.float32) == 2**15  # half of the logits
     assert fused_loss.chunk_rows_for(4096, 10, torch.float32) == 2048  # at least 1024 rows, at most half
-    rows = fused_loss.chunk_rows_for(65536, 128256, torch.bfloat16)  # 256 MiB of logits at most
+    rows = fused_loss.chunk_rows_for(65536, 128256, torch.bfloat16)  # 512 MiB of logits at most
     assert rows % 64 == 0 and rows * 128256 * 2 <= fused_loss.CHUNK_BYTES
-    # balanced: 8300 rows in 9 chunks of 960 (the last 620), not 8 of 1024 and a last one of 108
-    assert fused_loss.chunk_rows_for(8300, 128256, torch.bfloat16) == 960
+    # balanced: 8300 rows in 5 chunks of 1664 (the last 1644), not 4 of 2048 and a last one of 108
+    assert fused_loss.chunk_rows_for(8300, 128256, torch.bfloat16) == 1664
 
 
 def test_options_are_validated_and_the_flag_turns_the_fusion_off():
@@ -375,6 +375,21 @@ def test_bf16_upcast_keeps_eagers_dtypes():
     for ours_grad, eager_grad in ((ours[0].grad, theirs[0].grad), (ours[1].grad, theirs[1].grad)):
         assert ours_grad.dtype == eager_grad.dtype == torch.bfloat16
         torch.testing.assert_close(ours_grad, eager_grad, rtol=1.6e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.15])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_written_for_inductor_equals_the_in_place_step(label_smoothing, dtype):
+    # The compiled chunk step is a scatter-free form of the eager one: the same values, bit for bit.
+    logits = torch.randn(37, 101, dtype=dtype)
+    target = torch.randint(0, 101, (37,))
+    target[::4] = -100
+    row_scale = torch.rand(37)
+    ours = fused_loss.fusible_chunk_step(logits.clone(), target, row_scale, -100, label_smoothing, torch.float32, True)
+    theirs = fused_loss.chunk_step(logits.clone(), target, row_scale, -100, label_smoothing, torch.float32, True)
+    assert ours[1].dtype == dtype
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert ours[1][::4].abs().sum() == 0 and ours[1][1].abs().sum() > 0  # ignored rows get no gradient
 
 
 def test_torchcompile_executor_compiles_the_chunk_step():
