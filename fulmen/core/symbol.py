@@ -75,6 +75,11 @@ class BoundSymbol:
     checkpoint_region: int = 0
     # The executor that runs this call (set by the transform for execution).
     executor: Any = None
+    # The proxies among args/kwargs and among the output, found on first use: passes ask for them again and again
+    # (region planning, thousands of times per trace), and a call's args and output never change after it is made
+    # (changes make a new call through `from_bsym`, which starts with no cache).
+    _arg_proxies: tuple[TensorProxy, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _output_proxies: tuple[TensorProxy, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def from_bsym(self, **changes) -> BoundSymbol:
         return replace(self, **changes)
@@ -88,17 +93,27 @@ class BoundSymbol:
             subsymbols=[sub.with_args_mapped(fn) for sub in self.subsymbols],
         )
 
+    def _args(self) -> tuple[TensorProxy, ...]:
+        if self._arg_proxies is None:
+            self._arg_proxies = tuple(iter_proxies((self.args, self.kwargs)))
+        return self._arg_proxies
+
+    def _outputs(self) -> tuple[TensorProxy, ...]:
+        if self._output_proxies is None:
+            self._output_proxies = tuple(iter_proxies(self.output))
+        return self._output_proxies
+
     def proxy_args(self) -> list[TensorProxy]:
-        return list(iter_proxies((self.args, self.kwargs)))
+        return list(self._args())
 
     def proxy_outputs(self) -> list[TensorProxy]:
-        return list(iter_proxies(self.output))
+        return list(self._outputs())
 
     def arg_names(self) -> set[str]:
-        return {p.pname for p in iter_proxies((self.args, self.kwargs))}
+        return {p.pname for p in self._args()}
 
     def output_names(self) -> list[str]:
-        return [p.pname for p in iter_proxies(self.output)]
+        return [p.pname for p in self._outputs()]
 
 
 def _is_proxy(obj: Any) -> bool:
