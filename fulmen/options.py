@@ -60,7 +60,10 @@ class JitOptions:
         fuse_linear_cross_entropy: compute a cross-entropy of a linear's output (a language model's head and loss)
             chunk by chunk of rows, so the full logits and their gradient never exist (fulmen.transforms.fused_loss).
         cross_entropy_chunk_rows: rows (tokens) per chunk of the fused loss; None chooses from memory (each chunk's
-            logits at most 1/8 of the full logits and 256 MiB, but at least 1024 rows).
+            logits at most half the full logits and 512 MiB, but at least 1024 rows).
+        grouped_query_attention: call scaled_dot_product_attention with the shared key/value heads
+            (`enable_gqa=True`) where a model repeats them for each query head, when torch runs the grouped call with
+            the same fused kernel (fulmen.transforms.grouped_attention).
         transforms: `fulmen.Transform`s run at the pipeline's stages, in this order (see fulmen.jit.pipeline).
         offload: CPU offloading of the tensors saved for the backward (None: off).
         cuda_graphs: capture the final forward and backward traces in CUDA graphs and replay them
@@ -76,6 +79,7 @@ class JitOptions:
     cse: bool = True
     fuse_linear_cross_entropy: bool = True
     cross_entropy_chunk_rows: int | None = None
+    grouped_query_attention: bool = True
     transforms: tuple[Transform, ...] = field(default=())
     offload: OffloadOptions | None = None
     cuda_graphs: bool = False
@@ -83,7 +87,7 @@ class JitOptions:
     cache_limit_action: CacheLimitAction | str = CacheLimitAction.EAGER
 
     def __post_init__(self) -> None:
-        for name in ("decompose", "cse", "fuse_linear_cross_entropy", "cuda_graphs"):
+        for name in ("decompose", "cse", "fuse_linear_cross_entropy", "grouped_query_attention", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"JitOptions.{name} must be a bool, got {getattr(self, name)!r}")
         rows = self.cross_entropy_chunk_rows

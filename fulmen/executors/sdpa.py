@@ -6,8 +6,11 @@ recomputes attention through torch autograd. With it, the forward calls the fuse
 output and log-sum-exp, and the backward calls the matching fused backward: no attention matrix is ever stored
 or recomputed. The kernel is the one eager would pick for the same inputs: torch's own selector
 (`torch._fused_sdp_choice`, which follows `torch.nn.attention.sdpa_kernel` and prefers cuDNN on Hopper) is asked
-with stand-in tensors of the call's shapes, strides and dtypes. Calls with an attention mask, dropout or
-`enable_gqa`, and calls torch would run with its math kernel, are declined (the torch executor runs them).
+with stand-in tensors of the call's shapes, strides and dtypes. Calls with an attention mask or dropout,
+and calls torch would run with its math kernel, are declined (the torch executor runs them). Grouped-query calls
+(`enable_gqa=True`, fewer key/value heads than query heads) go to the kernels as they are: cuDNN's and flash's
+kernels share the key/value heads themselves (fulmen.transforms.grouped_attention makes such calls from a model's
+repeated heads).
 
 cuDNN and eager's gradients: PyTorch caches one built cuDNN backward graph per thread, keyed by the shapes and
 strides of q, k and v only (aten/src/ATen/native/cudnn/MHA.cpp, `mhagraphbackwardcache`), while the graph also
@@ -32,6 +35,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.executors.base import OperatorExecutor
 from fulmen.executors.registry import register_executor
+from fulmen.ops.sdpa_kernels import eager_choice
 from fulmen.transforms.autodiff import get_grad, put_grads
 
 aten = torch.ops.aten
@@ -117,52 +121,44 @@ _KERNELS = {
 }
 
 
-def _stand_in(proxy: TensorProxy) -> torch.Tensor:
-    tensor = torch.empty_strided(proxy.shape, proxy.stride(), dtype=proxy.dtype, device=proxy.device)
-    return tensor.requires_grad_(proxy.requires_grad)
-
-
-def eager_choice(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale: float | None) -> int:
-    """The `SDPBackend` eager's `F.scaled_dot_product_attention` picks for tensors laid out like these (torch's
-    selector reads shapes, strides, dtypes, devices, requires_grad, the grad mode and the backend switches, and
-    needs real tensors of the device: uninitialised stand-ins, outside the acquisition)."""
-    with torch._C.DisableTorchFunction():
-        return torch._fused_sdp_choice(_stand_in(q), _stand_in(k), _stand_in(v), None, 0.0, is_causal, scale=scale)
-
-
-def _kernels(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale: float | None) -> Kernels | None:
+def _kernels(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale: float | None,
+             enable_gqa: bool) -> Kernels | None:
     """The fused kernels eager would run for these inputs, or None when it would use its math kernel (or pad the
     head dimension, which fulmen does not restate)."""
     head = q.shape[-1]
     if head % (4 if q.dtype == torch.float32 else 8) != 0:
         return None
-    return _KERNELS.get(eager_choice(q, k, v, is_causal, scale))
+    return _KERNELS.get(eager_choice(q, k, v, is_causal, scale, enable_gqa))
 
 
 def checker(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
             scale: float | None = None, enable_gqa: bool = False) -> bool:
     tensors = (q, k, v)
-    if attn_mask is not None or dropout_p != 0.0 or enable_gqa:
+    if attn_mask is not None or dropout_p != 0.0:
         return False
     if not all(type(t) is TensorProxy and t.device.type == "cuda" and t.dim() == 4 for t in tensors):
         return False
     if len({t.dtype for t in tensors}) != 1 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
-    same_heads = q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[-1] == k.shape[-1] == v.shape[-1]
-    if not same_heads or k.shape[-2] != v.shape[-2] or (is_causal and q.shape[-2] != k.shape[-2]):
+    # grouped-query attention: the key/value heads are shared by q.shape[1] // k.shape[1] query heads each
+    grouped = enable_gqa and k.shape[1] == v.shape[1] and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+    heads = q.shape[:2] == k.shape[:2] == v.shape[:2] or (grouped and q.shape[0] == k.shape[0] == v.shape[0])
+    if not heads or q.shape[-1] != k.shape[-1] or q.shape[-1] != v.shape[-1] or k.shape[-2] != v.shape[-2]:
         return False
-    return _kernels(q, k, v, is_causal, scale) is not None
+    if is_causal and q.shape[-2] != k.shape[-2]:
+        return False
+    return _kernels(q, k, v, is_causal, scale, enable_gqa) is not None
 
 
 def execution_transform(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    kernels = _kernels(q, k, v, is_causal, scale)
+    kernels = _kernels(q, k, v, is_causal, scale, enable_gqa)
     if kernels.inference is not None:
         return kernels.inference(q, k, v, is_causal, scale)
     return kernels.forward(q, k, v, is_causal, scale)[0]
 
 
 def grad_transform(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    kernels = _kernels(q, k, v, is_causal, scale)
+    kernels = _kernels(q, k, v, is_causal, scale, enable_gqa)
     out, lse, seed, offset = kernels.forward(q, k, v, is_causal, scale)
     grads = kernels.backward(get_grad(out), q, k, v, out, lse, seed, offset, is_causal, scale)
     put_grads((q, k, v), grads)

@@ -1,7 +1,8 @@
 """fulmen.jit's pipeline as data: the passes of each stage, in order, from the acquired trace to the code that runs.
 
     acquired     dce, cse, dce (cse and the second dce when JitOptions.cse); linear + cross-entropy fused (when
-                 JitOptions.fuse_linear_cross_entropy); then each transform's transform_acquired
+                 JitOptions.fuse_linear_cross_entropy); attention over repeated key/value heads grouped (when
+                 JitOptions.grouped_query_attention); then each transform's transform_acquired
     grad         autodiff splits the program into a forward and a backward (backward: dce, cse, dce); then each
                  transform's transform_forward and transform_backward
     distributed  DDP / FSDP collectives (programs with distributed parameters)
@@ -36,6 +37,7 @@ from fulmen.transforms.cudagraphs import GraphPool, capture_regions
 from fulmen.transforms.distribution import DistributionTransform, GradSync
 from fulmen.transforms.forward_backward import plan_grad
 from fulmen.transforms.fused_loss import fuse_linear_cross_entropy
+from fulmen.transforms.grouped_attention import group_query_attention
 from fulmen.transforms.offload import OffloadTransform
 from fulmen.transforms.transform import GradTraces, Stage, TraceKind, Transform, TransformError
 
@@ -65,6 +67,8 @@ class Pipeline:
         if options.fuse_linear_cross_entropy:
             acquired.append(("fuse linear + cross-entropy",
                              functools.partial(fuse_linear_cross_entropy, chunk_rows=options.cross_entropy_chunk_rows)))
+        if options.grouped_query_attention:
+            acquired.append(("grouped-query attention", group_query_attention))
         self.acquired = tuple(Step(Stage.ACQUIRED, name, run) for name, run in acquired)
         self.backward_cleanup = tuple(Step(Stage.GRAD, name, run) for name, run in cleanup)
         self.execution = (Step(Stage.EXECUTION, "claim and fuse", self._claim),)
