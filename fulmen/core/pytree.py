@@ -6,12 +6,14 @@ their items' keys are:
   transformers registers its ModelOutput dataclasses with torch's pytree too, and their fields are what a program
   names;
 - whatever torch's pytree opens (`torch.utils._pytree`: tuples, lists, dicts, OrderedDict, defaultdict, deque,
-  namedtuples, torch.Size, torch.return_types structseqs, ... and whatever a library registered there), rebuilt as
-  torch rebuilds it; keyed by position in a sequence (namedtuples too), by key in a mapping, else by torch's keys;
+  namedtuples, torch.return_types structseqs, torch.Size, ... and whatever a library registered there), rebuilt as
+  torch rebuilds it (torch.Size as a plain tuple); keyed by position in a sequence (namedtuples too), by key in a
+  mapping, else by torch's keys;
 - another tuple or list subclass: walked as the plain sequence, and rebuilt as one.
 Nothing else is a container (another dict subclass included). Walks that give back the types they were given
-(program inputs and outputs, checkpoints) keep a tuple, list or dict the rule does not rebuild as its own type
-whole (`kept_whole`), and refuse it when it holds tensors: kept whole, its tensors would be captured as they are.
+(program inputs and outputs, checkpoints) keep a tuple, list or dict that the rule does not rebuild as its own type
+whole (`kept_whole`: torch.Size, a library's dict), and refuse it when it holds tensors (kept whole, its tensors would
+be captured as they are).
 
 The walks: `children`, `leaves` and `tree_map` (hot: the proxies of every call's arguments and outputs, the symbols
 passed as data, the real tensors a program captured); `leaves_with_paths` and `tree_map_with_paths`, which carry the
@@ -71,7 +73,9 @@ def _torch_keys(handler: Any, obj: Any, items: list[Any], context: Any) -> Itera
     return [getattr(entry, "key", getattr(entry, "idx", getattr(entry, "name", entry))) for entry in entries]
 
 
-def _make_node(kind: type) -> Node | None:
+def _make_node(kind: type, sample: Any) -> Node | None:
+    """`sample`: an instance, to see whether torch's pytree rebuilds the type as itself (it rebuilds torch.Size as a
+    plain tuple); None: assumed so (only rebuilding a spec asks without an instance)."""
     if dataclasses.is_dataclass(kind):
         names = tuple(field.name for field in dataclasses.fields(kind))
         return Node(lambda obj: ([getattr(obj, name) for name in names], names),
@@ -86,7 +90,8 @@ def _make_node(kind: type) -> Node | None:
             keys = functools.partial(_torch_keys, handler)
         else:
             keys = _positions
-        return Node(handler.flatten_fn, handler.unflatten_fn, keys)
+        same_type = sample is None or type(handler.unflatten_fn(*handler.flatten_fn(sample))) is kind
+        return Node(handler.flatten_fn, handler.unflatten_fn, keys, same_type)
     if issubclass(kind, (tuple, list)):
         plain = tuple if issubclass(kind, tuple) else list
         return Node(lambda obj: (list(obj), None), lambda items, _: plain(items), _positions, same_type=False)
@@ -99,14 +104,15 @@ class _Nodes(dict):
 
     registered = 0
 
-    def of(self, kind: type) -> Node | None:
+    def of(self, obj: Any) -> Node | None:
+        kind = type(obj)
         if self.registered != len(_pytree.SUPPORTED_NODES):
             self.clear()
             self.registered = len(_pytree.SUPPORTED_NODES)
         try:
             return self[kind]
         except KeyError:
-            found = self[kind] = _make_node(kind)
+            found = self[kind] = _make_node(kind, obj)
             return found
 
 
@@ -115,7 +121,7 @@ _NODES = _Nodes()
 
 def node(obj: Any) -> Node | None:
     """The rule's Node for `obj` if it is a container, else None."""
-    return _NODES.of(type(obj))
+    return _NODES.of(obj)
 
 
 def children(obj: Any) -> Sequence[Any] | None:
@@ -125,13 +131,13 @@ def children(obj: Any) -> Sequence[Any] | None:
         return obj
     if kind is dict:
         return list(obj.values())
-    found = _NODES.of(kind)
+    found = _NODES.of(obj)
     return None if found is None else found.flatten(obj)[0]
 
 
 def keyed_children(obj: Any) -> list[tuple[Any, Any]] | None:
     """The (key, item) pairs of `obj` if it is a container, else None."""
-    found = _NODES.of(type(obj))
+    found = _NODES.of(obj)
     if found is None:
         return None
     items, context = found.flatten(obj)
@@ -150,7 +156,7 @@ def kept_whole(obj: Any) -> bool:
     """A tuple, list or dict the rule does not rebuild as its own type (an unregistered subclass)."""
     if not isinstance(obj, (tuple, list, dict)):
         return False
-    found = _NODES.of(type(obj))
+    found = _NODES.of(obj)
     return found is None or not found.same_type
 
 
@@ -207,7 +213,7 @@ def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool])
         return [tree_map(fn, item, is_leaf) for item in obj]
     if kind is dict:
         return {key: tree_map(fn, value, is_leaf) for key, value in obj.items()}
-    found = _NODES.of(kind)
+    found = _NODES.of(obj)
     if found is None:
         return obj
     items, context = found.flatten(obj)
@@ -219,7 +225,7 @@ def tree_map_with_paths(fn: Callable[[Path, Any], Any], obj: Any, is_leaf: Calla
     """`obj` with each leaf replaced by `fn(path, leaf)`."""
     if is_leaf(obj):
         return fn(path, obj)
-    found = _NODES.of(type(obj))
+    found = _NODES.of(obj)
     if found is None:
         return obj
     items, context = found.flatten(obj)
@@ -270,7 +276,7 @@ def flatten(obj: Any, leaves: list[torch.Tensor], kept: dict[int, Any] | None = 
         return (kind, None, tuple(flatten(item, leaves, kept, objects) for item in obj))
     if kind is dict:
         return (kind, tuple(obj), tuple(flatten(value, leaves, kept, objects) for value in obj.values()))
-    found = _NODES.of(kind)
+    found = _NODES.of(obj)
     if found is not None and found.same_type:
         items, context = found.flatten(obj)
         context = _frozen(context)
@@ -366,4 +372,5 @@ def _build(spec: Any, leaves, originals) -> Any:
         return kind(items)
     if kind is dict:
         return dict(zip(spec[1], items))
-    return _NODES.of(kind).unflatten(items, spec[1])
+    found = _NODES.get(kind) or _make_node(kind, None)  # flatten made it, unless a registration cleared the cache
+    return found.unflatten(items, spec[1])
