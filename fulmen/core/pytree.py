@@ -194,9 +194,10 @@ def leaves_with_paths(obj: Any, is_leaf: Callable[[Any], bool], path: Path = ())
         yield from leaves_with_paths(item, is_leaf, (*path, key))
 
 
-def _rebuilt(found: Node, obj: Any, items: list[Any], mapped: list[Any], context: Any) -> Any:
-    if found.fields and all(new is old for new, old in zip(mapped, items)):
-        return obj  # a dataclass (a model's config passed to a call) keeps its identity unless a field changed
+def _rebuilt(found: Node, obj: Any, items: list[Any], mapped: list[Any], context: Any,
+             is_leaf: Callable[[Any], bool]) -> Any:
+    if found.fields and list(map(id, leaves(mapped, is_leaf))) == list(map(id, leaves(items, is_leaf))):
+        return obj  # a dataclass (a model's config passed to a call) keeps its identity unless a leaf in it changed
     return found.unflatten(mapped, context)
 
 
@@ -217,7 +218,7 @@ def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool])
     if found is None:
         return obj
     items, context = found.flatten(obj)
-    return _rebuilt(found, obj, items, [tree_map(fn, item, is_leaf) for item in items], context)
+    return _rebuilt(found, obj, items, [tree_map(fn, item, is_leaf) for item in items], context, is_leaf)
 
 
 def tree_map_with_paths(fn: Callable[[Path, Any], Any], obj: Any, is_leaf: Callable[[Any], bool],
@@ -231,7 +232,7 @@ def tree_map_with_paths(fn: Callable[[Path, Any], Any], obj: Any, is_leaf: Calla
     items, context = found.flatten(obj)
     mapped = [tree_map_with_paths(fn, item, is_leaf, (*path, key))
               for key, item in zip(found.keys(obj, items, context), items)]
-    return _rebuilt(found, obj, items, mapped, context)
+    return _rebuilt(found, obj, items, mapped, context, is_leaf)
 
 
 TENSOR = "T"  # marks a tensor leaf's position inside a spec
