@@ -1,7 +1,7 @@
 """Nested values: fulmen's one container rule, the walks over it, and the flattening of program inputs and outputs.
 
-The rule (`node`, asked once per type) says which objects are containers, how to open and rebuild them and what
-their items' keys are:
+The rule (a `Node` per type, made once by `_make_node`) says which objects are containers, how to open and rebuild
+them and what their items' keys are:
 - a dataclass instance: its fields, keyed by name, rebuilt by calling the class with them. Dataclasses come first:
   transformers registers its ModelOutput dataclasses with torch's pytree too, and their fields are what a program
   names;
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-Path = tuple  # the keys from the root to an item: positions, mapping keys, field names
+KeyPath = tuple  # the keys from the root to an item: positions, mapping keys, field names
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class Node:
     flatten: Callable[[Any], tuple[list[Any], Any]]  # container -> (items, context)
     unflatten: Callable[[list[Any], Any], Any]  # (items, context) -> a new container
     keys: Callable[[Any, list[Any], Any], Iterable[Any]]  # (container, items, context) -> the items' keys
-    same_type: bool = True  # False: an unregistered tuple or list subclass, rebuilt as the plain sequence
+    same_type: bool = True  # False: rebuilt as another type (torch.Size as a tuple, a tuple subclass as a tuple)
     fields: bool = False  # a dataclass
 
 
@@ -119,11 +119,6 @@ class _Nodes(dict):
 _NODES = _Nodes()
 
 
-def node(obj: Any) -> Node | None:
-    """The rule's Node for `obj` if it is a container, else None."""
-    return _NODES.of(obj)
-
-
 def children(obj: Any) -> Sequence[Any] | None:
     """The items of `obj` if it is a container, else None."""
     kind = type(obj)
@@ -153,7 +148,7 @@ _ATOMS = frozenset({int, float, bool, str, complex, type(None), torch.dtype, tor
 
 
 def kept_whole(obj: Any) -> bool:
-    """A tuple, list or dict the rule does not rebuild as its own type (an unregistered subclass)."""
+    """A tuple, list or dict the rule does not rebuild as its own type (torch.Size, an unregistered subclass)."""
     if not isinstance(obj, (tuple, list, dict)):
         return False
     found = _NODES.of(obj)
@@ -185,7 +180,7 @@ def leaves(obj: Any, is_leaf: Callable[[Any], bool]) -> Iterator[Any]:
         yield from leaves(item, is_leaf)
 
 
-def leaves_with_paths(obj: Any, is_leaf: Callable[[Any], bool], path: Path = ()) -> Iterator[tuple[Path, Any]]:
+def leaves_with_paths(obj: Any, is_leaf: Callable[[Any], bool], path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """(path, leaf) for the objects inside `obj` for which `is_leaf` holds, depth first."""
     if is_leaf(obj):
         yield path, obj
@@ -221,8 +216,8 @@ def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool])
     return _rebuilt(found, obj, items, [tree_map(fn, item, is_leaf) for item in items], context, is_leaf)
 
 
-def tree_map_with_paths(fn: Callable[[Path, Any], Any], obj: Any, is_leaf: Callable[[Any], bool],
-                        path: Path = ()) -> Any:
+def tree_map_with_paths(fn: Callable[[KeyPath, Any], Any], obj: Any, is_leaf: Callable[[Any], bool],
+                        path: KeyPath = ()) -> Any:
     """`obj` with each leaf replaced by `fn(path, leaf)`."""
     if is_leaf(obj):
         return fn(path, obj)
@@ -326,7 +321,9 @@ def holds_tensors(obj: Any) -> bool:
 
 def find(obj: Any, predicate: Any, path: str = "", modules: bool = True, _seen: set[int] | None = None) -> str | None:
     """The path (`.layers[0].keys`) to the first object inside `obj` (through containers, object attributes and,
-    with `modules`, module attributes) that satisfies `predicate`."""
+    with `modules`, module attributes) that satisfies `predicate`. Wider than the container rule on purpose: it asks
+    what is reachable at all (any tuple, list or dict, every attribute), e.g. whether a value the rule keeps whole
+    holds a tensor."""
     if predicate(obj):
         return path
     seen = set() if _seen is None else _seen
