@@ -17,7 +17,6 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from fulmen.core import pytree
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import TraceBuilder
 from fulmen.jit.acquire import DATA_DEPENDENT, Interpreter
@@ -82,16 +81,15 @@ class _Probe(torch.fx.Interpreter):
         return super().run_node(node)
 
     def _stand_in(self, value: Any) -> Any:
-        """Proxies (or plain values) shaped like Dynamo's example value of a refused node."""
-        return pytree.tree_map(self._leaf_stand_in, value, pytree.is_leaf)
-
-    def _leaf_stand_in(self, value: Any) -> Any:
+        """A proxy (or plain value) shaped like Dynamo's example value of a refused node."""
         if isinstance(value, torch.Tensor):
             shape = [_concrete(s) for s in value.shape]
             stride = [_concrete(s) for s in value.stride()]
             with torch._C.DisableTorchFunction():
                 meta = torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
             return self.builder.make_proxy(meta, value.device, value.requires_grad)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._stand_in(item) for item in value)
         return _concrete(value)
 
 
