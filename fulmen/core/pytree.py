@@ -1,16 +1,28 @@
-"""Nested values: one container rule for every walk in fulmen, and flattening of program inputs and outputs.
+"""Nested values: fulmen's one container rule, the walks over it, and the flattening of program inputs and outputs.
 
-Which objects are containers is torch's pytree's answer (`torch.utils._pytree`: tuples, lists, dicts, namedtuples,
-torch.return_types structseqs, OrderedDict, ... and whatever a library registered there), plus other tuple and list
-subclasses (torch.Size), walked as plain sequences. `children`, `leaves` and `tree_map` are the walks over it (the
-proxies of a call's arguments and outputs, the symbols passed as data, the real tensors a program captured).
+The rule (a `Node` per type, made once by `_make_node`) says which objects are containers, how to open and rebuild
+them and what their items' keys are:
+- a dataclass instance: its fields, keyed by name, rebuilt by calling the class with them. Dataclasses come first:
+  transformers registers its ModelOutput dataclasses with torch's pytree too, and their fields are what a program
+  names;
+- whatever torch's pytree opens (`torch.utils._pytree`: tuples, lists, dicts, OrderedDict, defaultdict, deque,
+  namedtuples, torch.return_types structseqs, torch.Size, ... and whatever a library registered there), rebuilt as
+  torch rebuilds it (torch.Size as a plain tuple); keyed by position in a sequence (namedtuples too), by key in a
+  mapping, else by torch's keys;
+- another tuple or list subclass: walked as the plain sequence, and rebuilt as one.
+Nothing else is a container (another dict subclass included). Walks that give back the types they were given
+(program inputs and outputs, checkpoints) keep a tuple, list or dict that the rule does not rebuild as its own type
+whole (`kept_whole`: torch.Size, a library's dict), and refuse it when it holds tensors (kept whole, its tensors would
+be captured as they are).
 
-Flattening program inputs and outputs: tuples, lists, dicts (OrderedDict and defaultdict too), namedtuples,
-dataclasses, torch structseqs; another dict subclass holding tensors is refused (kept by identity, they would go stale).
+The walks: `children`, `leaves` and `tree_map` (hot: the proxies of every call's arguments and outputs, the symbols
+passed as data, the real tensors a program captured); `leaves_with_paths` and `tree_map_with_paths`, which carry the
+keys from the root (the names of a program's inputs, a checkpoint's tensors); `flatten` and `unflatten`.
 
 A flattened structure is (leaves, spec). Tensors are leaves; every other leaf (ints, strings, dtypes, ...) is
 kept in the spec, so the spec is a hashable cache key that specialises on Python values. Floats are kept by their
-exact bits (`float.hex`), so `-0.0` and `0.0` are different keys and `nan` is equal to itself.
+exact bits (`float.hex`), so `-0.0` and `0.0` are different keys and `nan` is equal to itself; unhashable values by
+identity.
 
 Outputs may also hold other objects with tensors in their attributes (a KV cache): flattened with `objects`, such an
 object becomes an OBJECT spec, and unflattening copies it with the new tensors in place of the old ones, so every
@@ -19,49 +31,112 @@ call returns a fresh object holding its own tensors.
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
+import functools
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils import _pytree
 
+KeyPath = tuple  # the keys from the root to an item: positions, mapping keys, field names
 
-class _Handlers(dict):
-    """type -> torch's pytree node handler (None: not a container), asked once per type (the walks are hot) and
-    asked again after a library registers a new node type."""
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Node:
+    """How the rule opens and rebuilds the containers of one type."""
+
+    flatten: Callable[[Any], tuple[list[Any], Any]]  # container -> (items, context)
+    unflatten: Callable[[list[Any], Any], Any]  # (items, context) -> a new container
+    keys: Callable[[Any, list[Any], Any], Iterable[Any]]  # (container, items, context) -> the items' keys
+    same_type: bool = True  # False: rebuilt as another type (torch.Size as a tuple, a tuple subclass as a tuple)
+    fields: bool = False  # a dataclass
+
+
+def _positions(obj: Any, items: list[Any], context: Any) -> Iterable[int]:
+    return range(len(items))
+
+
+def _mapping_keys(obj: Any, items: list[Any], context: Any) -> Iterable[Any]:
+    return obj.keys()
+
+
+def _field_names(obj: Any, items: list[Any], names: tuple[str, ...]) -> Iterable[str]:
+    return names
+
+
+def _torch_keys(handler: Any, obj: Any, items: list[Any], context: Any) -> Iterable[Any]:
+    """Torch's key entries (`MappingKey`, `SequenceKey`, `GetAttrKey`) as the plain keys they hold."""
+    entries = (entry for entry, _ in handler.flatten_with_keys_fn(obj)[0])
+    return [getattr(entry, "key", getattr(entry, "idx", getattr(entry, "name", entry))) for entry in entries]
+
+
+def _make_node(kind: type, sample: Any) -> Node | None:
+    """`sample`: an instance, to see whether torch's pytree rebuilds the type as itself (it rebuilds torch.Size as a
+    plain tuple); None: assumed so (only rebuilding a spec asks without an instance)."""
+    if dataclasses.is_dataclass(kind):
+        names = tuple(field.name for field in dataclasses.fields(kind))
+        return Node(lambda obj: ([getattr(obj, name) for name in names], names),
+                    lambda items, names: kind(**dict(zip(names, items))), _field_names, fields=True)
+    handler = _pytree.SUPPORTED_NODES.get(_pytree.namedtuple if _pytree.is_namedtuple_class(kind) else kind)
+    if handler is not None:
+        if issubclass(kind, (tuple, list)):
+            keys: Callable[[Any, list[Any], Any], Iterable[Any]] = _positions
+        elif issubclass(kind, dict):
+            keys = _mapping_keys
+        elif handler.flatten_with_keys_fn is not None:
+            keys = functools.partial(_torch_keys, handler)
+        else:
+            keys = _positions
+        same_type = sample is None or type(handler.unflatten_fn(*handler.flatten_fn(sample))) is kind
+        return Node(handler.flatten_fn, handler.unflatten_fn, keys, same_type)
+    if issubclass(kind, (tuple, list)):
+        plain = tuple if issubclass(kind, tuple) else list
+        return Node(lambda obj: (list(obj), None), lambda items, _: plain(items), _positions, same_type=False)
+    return None
+
+
+class _Nodes(dict):
+    """type -> its Node (None: not a container), made once per type (the walks are hot) and made again after a
+    library registers a new node type with torch's pytree."""
 
     registered = 0
 
-    def of(self, obj: Any) -> Any:
+    def of(self, obj: Any) -> Node | None:
+        kind = type(obj)
         if self.registered != len(_pytree.SUPPORTED_NODES):
             self.clear()
             self.registered = len(_pytree.SUPPORTED_NODES)
-        kind = type(obj)
         try:
             return self[kind]
         except KeyError:
-            handler = self[kind] = _pytree.SUPPORTED_NODES.get(_pytree._get_node_type(obj))
-            return handler
+            found = self[kind] = _make_node(kind, obj)
+            return found
 
 
-_HANDLERS = _Handlers()
+_NODES = _Nodes()
 
 
 def children(obj: Any) -> Sequence[Any] | None:
-    """The items of `obj` if it is a container (see above), else None."""
+    """The items of `obj` if it is a container, else None."""
     kind = type(obj)
     if kind is tuple or kind is list:
         return obj
     if kind is dict:
         return list(obj.values())
-    handler = _HANDLERS.of(obj)
-    if handler is not None:
-        return handler.flatten_fn(obj)[0]
-    return obj if isinstance(obj, (tuple, list)) else None
+    found = _NODES.of(obj)
+    return None if found is None else found.flatten(obj)[0]
+
+
+def keyed_children(obj: Any) -> list[tuple[Any, Any]] | None:
+    """The (key, item) pairs of `obj` if it is a container, else None."""
+    found = _NODES.of(obj)
+    if found is None:
+        return None
+    items, context = found.flatten(obj)
+    return list(zip(found.keys(obj, items, context), items))
 
 
 def is_leaf(obj: Any) -> bool:
@@ -70,6 +145,23 @@ def is_leaf(obj: Any) -> bool:
 
 
 _ATOMS = frozenset({int, float, bool, str, complex, type(None), torch.dtype, torch.device})  # never containers
+
+
+def kept_whole(obj: Any) -> bool:
+    """A tuple, list or dict the rule does not rebuild as its own type (torch.Size, an unregistered subclass)."""
+    if not isinstance(obj, (tuple, list, dict)):
+        return False
+    found = _NODES.of(obj)
+    return found is None or not found.same_type
+
+
+def refuse_tensors_kept_whole(obj: Any, who: str) -> None:
+    """Raises when `obj` is kept whole (see above) and holds tensors."""
+    if kept_whole(obj) and holds_tensors(obj):
+        plain = next(kind for kind in (dict, list, tuple) if isinstance(obj, kind))
+        raise TypeError(f"{who} takes tensors inside dicts (OrderedDict, defaultdict), lists, tuples (namedtuples), "
+                        f"dataclasses and the types registered with torch's pytree, not inside a "
+                        f"{type(obj).__qualname__}; pass {plain.__name__}(value)")
 
 
 def leaves(obj: Any, is_leaf: Callable[[Any], bool]) -> Iterator[Any]:
@@ -88,8 +180,24 @@ def leaves(obj: Any, is_leaf: Callable[[Any], bool]) -> Iterator[Any]:
         yield from leaves(item, is_leaf)
 
 
+def leaves_with_paths(obj: Any, is_leaf: Callable[[Any], bool], path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
+    """(path, leaf) for the objects inside `obj` for which `is_leaf` holds, depth first."""
+    if is_leaf(obj):
+        yield path, obj
+        return
+    for key, item in keyed_children(obj) or ():
+        yield from leaves_with_paths(item, is_leaf, (*path, key))
+
+
+def _rebuilt(found: Node, obj: Any, items: list[Any], mapped: list[Any], context: Any,
+             is_leaf: Callable[[Any], bool]) -> Any:
+    if found.fields and list(map(id, leaves(mapped, is_leaf))) == list(map(id, leaves(items, is_leaf))):
+        return obj  # a dataclass (a model's config passed to a call) keeps its identity unless a leaf in it changed
+    return found.unflatten(mapped, context)
+
+
 def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool]) -> Any:
-    """`obj` with each leaf replaced by `fn(leaf)`, every container rebuilt as its own type."""
+    """`obj` with each leaf replaced by `fn(leaf)`, every container rebuilt as the rule rebuilds it."""
     if is_leaf(obj):
         return fn(obj)
     kind = type(obj)
@@ -101,63 +209,86 @@ def tree_map(fn: Callable[[Any], Any], obj: Any, is_leaf: Callable[[Any], bool])
         return [tree_map(fn, item, is_leaf) for item in obj]
     if kind is dict:
         return {key: tree_map(fn, value, is_leaf) for key, value in obj.items()}
-    handler = _HANDLERS.of(obj)
-    if handler is not None:
-        items, context = handler.flatten_fn(obj)
-        return handler.unflatten_fn([tree_map(fn, item, is_leaf) for item in items], context)
-    if isinstance(obj, (tuple, list)):  # an unregistered subclass (torch.Size): rebuilt as the plain sequence
-        items = [tree_map(fn, item, is_leaf) for item in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+    found = _NODES.of(obj)
+    if found is None:
+        return obj
+    items, context = found.flatten(obj)
+    return _rebuilt(found, obj, items, [tree_map(fn, item, is_leaf) for item in items], context, is_leaf)
+
+
+def tree_map_with_paths(fn: Callable[[KeyPath, Any], Any], obj: Any, is_leaf: Callable[[Any], bool],
+                        path: KeyPath = ()) -> Any:
+    """`obj` with each leaf replaced by `fn(path, leaf)`."""
+    if is_leaf(obj):
+        return fn(path, obj)
+    found = _NODES.of(obj)
+    if found is None:
+        return obj
+    items, context = found.flatten(obj)
+    mapped = [tree_map_with_paths(fn, item, is_leaf, (*path, key))
+              for key, item in zip(found.keys(obj, items, context), items)]
+    return _rebuilt(found, obj, items, mapped, context, is_leaf)
+
 
 TENSOR = "T"  # marks a tensor leaf's position inside a spec
 OBJECT = "object"  # (OBJECT, id of the template object, attribute names, their specs)
 
 
-def _const(obj: Any) -> Any:
+def _const(obj: Any, kept: dict[int, Any] | None) -> Any:
     kind = type(obj)
     if kind is float:
         return ("f", obj.hex())
     if kind is complex:
         return ("c", obj.real.hex(), obj.imag.hex())
+    if _hashable(obj):
+        return ("v", kind, obj)
+    if kept is not None:  # unhashable: specialised on the object's identity
+        kept[id(obj)] = obj
+    return ("id", id(obj), kind.__qualname__)
+
+
+def _frozen(context: Any) -> Any:
+    """A container's context as part of a hashable spec: torch's pytree gives a mapping's keys as a list."""
+    return tuple(_frozen(part) for part in context) if type(context) is list else context
+
+
+def _hashable(obj: Any) -> bool:
     try:
         hash(obj)
     except TypeError:
-        return ("id", id(obj), type(obj).__qualname__)  # unhashable: specialised on the object's identity
-    return ("v", type(obj), obj)
+        return False
+    return True
 
 
-def flatten(obj: Any, leaves: list[torch.Tensor], objects: dict[int, Any] | None = None) -> Any:
-    """Appends the tensors in `obj` to `leaves`; returns the spec. With `objects`, other objects holding tensors in
-    their attributes are flattened too (and kept there by id, as templates)."""
+def flatten(obj: Any, leaves: list[torch.Tensor], kept: dict[int, Any] | None = None, objects: bool = False) -> Any:
+    """Appends the tensors in `obj` to `leaves`; returns the spec. `kept` receives, by id, the objects the spec
+    refers to by identity (unhashable values; with `objects`, other objects holding tensors in their attributes,
+    flattened too and kept as templates)."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return TENSOR
     kind = type(obj)
     if kind is tuple or kind is list:
-        return (kind, tuple(flatten(item, leaves, objects) for item in obj))
-    if kind is dict or kind is collections.OrderedDict:
-        return (kind, tuple(obj.keys()), tuple(flatten(value, leaves, objects) for value in obj.values()))
-    if kind is collections.defaultdict:
-        return (kind, obj.default_factory, tuple(obj.keys()),
-                tuple(flatten(value, leaves, objects) for value in obj.values()))
-    if isinstance(obj, tuple) and (hasattr(kind, "_fields") or hasattr(kind, "n_fields")):
-        return (kind, tuple(flatten(item, leaves, objects) for item in obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = tuple(f.name for f in dataclasses.fields(obj))
-        return (kind, names, tuple(flatten(getattr(obj, name), leaves, objects) for name in names))
-    if isinstance(obj, dict) and not dataclasses.is_dataclass(obj) and any(map(holds_tensors, obj.values())):
-        # kept by identity, its tensors would be captured as they are now and go stale on the next call
-        raise TypeError(f"fulmen.jit takes tensors inside a dict, OrderedDict or defaultdict, not inside a "
-                        f"{kind.__qualname__}; pass dict(value)")
-    if objects is not None and holds_tensors(obj):
-        if id(obj) in objects:
+        return (kind, None, tuple(flatten(item, leaves, kept, objects) for item in obj))
+    if kind is dict:
+        return (kind, tuple(obj), tuple(flatten(value, leaves, kept, objects) for value in obj.values()))
+    found = _NODES.of(obj)
+    if found is not None and found.same_type:
+        items, context = found.flatten(obj)
+        context = _frozen(context)
+        if _hashable(context):
+            return (kind, context, tuple(flatten(item, leaves, kept, objects) for item in items))
+    # kept by identity, its tensors would be captured as they are now and go stale on the next call
+    refuse_tensors_kept_whole(obj, "fulmen.jit")
+    if objects and holds_tensors(obj):
+        assert kept is not None, "objects are kept as templates"
+        if id(obj) in kept:
             raise TypeError(f"fulmen cannot return a {kind.__qualname__} (an object holding tensors) that appears "
                             "twice in the outputs or refers to itself")
         names = tuple(name for name, value in attributes(obj) if holds_tensors(value))
-        objects[id(obj)] = obj
-        return (OBJECT, id(obj), names, tuple(flatten(getattr(obj, name), leaves, objects) for name in names))
-    return _const(obj)
+        kept[id(obj)] = obj
+        return (OBJECT, id(obj), names, tuple(flatten(getattr(obj, name), leaves, kept, objects) for name in names))
+    return _const(obj, kept)
 
 
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, torch.nn.Module,
@@ -190,7 +321,9 @@ def holds_tensors(obj: Any) -> bool:
 
 def find(obj: Any, predicate: Any, path: str = "", modules: bool = True, _seen: set[int] | None = None) -> str | None:
     """The path (`.layers[0].keys`) to the first object inside `obj` (through containers, object attributes and,
-    with `modules`, module attributes) that satisfies `predicate`."""
+    with `modules`, module attributes) that satisfies `predicate`. Wider than the container rule on purpose: it asks
+    what is reachable at all (any tuple, list or dict, every attribute), e.g. whether a value the rule keeps whole
+    holds a tensor."""
     if predicate(obj):
         return path
     seen = set() if _seen is None else _seen
@@ -232,36 +365,10 @@ def _build(spec: Any, leaves, originals) -> Any:
         for name, child in zip(spec[2], spec[3]):
             object.__setattr__(made, name, _build(child, leaves, originals))
         return made
+    items = [_build(item, leaves, originals) for item in spec[2]]
     if kind is tuple or kind is list:
-        return kind(_build(item, leaves, originals) for item in spec[1])
-    if kind is dict or kind is collections.OrderedDict:
-        return kind(zip(spec[1], (_build(item, leaves, originals) for item in spec[2])))
-    if kind is collections.defaultdict:
-        made = collections.defaultdict(spec[1])
-        made.update(zip(spec[2], (_build(item, leaves, originals) for item in spec[3])))
-        return made
-    if hasattr(kind, "n_fields"):
-        return kind([_build(item, leaves, originals) for item in spec[1]])
-    if hasattr(kind, "_fields"):
-        return kind(*(_build(item, leaves, originals) for item in spec[1]))
-    return kind(**dict(zip(spec[1], (_build(item, leaves, originals) for item in spec[2]))))
-
-
-def identity_objects(obj: Any, found: dict[int, Any]) -> None:
-    """Collects the unhashable non-tensor leaves of `obj` by id (specs refer to them by identity)."""
-    if isinstance(obj, torch.Tensor):
-        return
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            identity_objects(item, found)
-    elif type(obj) in (dict, collections.OrderedDict, collections.defaultdict):
-        for item in obj.values():
-            identity_objects(item, found)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            identity_objects(getattr(obj, f.name), found)
-    else:
-        try:
-            hash(obj)
-        except TypeError:
-            found[id(obj)] = obj
+        return kind(items)
+    if kind is dict:
+        return dict(zip(spec[1], items))
+    found = _NODES.get(kind) or _make_node(kind, None)  # flatten made it, unless a registration cleared the cache
+    return found.unflatten(items, spec[1])

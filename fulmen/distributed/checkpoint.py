@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
+from fulmen.core import pytree
 from fulmen.distributed import manifest
 from fulmen.distributed.manifest import CheckpointError as CheckpointError  # re-exported
 from fulmen.distributed.manifest import verify as verify  # re-exported
@@ -240,39 +241,21 @@ def missing_checkpoint(path: str | os.PathLike) -> FileNotFoundError:
     return FileNotFoundError(f"no checkpoint at {path}")
 
 
-def _flatten(tree: Any, path: tuple = ()) -> tuple[Any, dict[tuple, torch.Tensor]]:
-    """`tree` with its tensors taken out (None in their place) and the tensors by their path of keys."""
-    if isinstance(tree, torch.Tensor):
-        return None, {path: tree}
-    if isinstance(tree, dict):
-        skeleton, tensors = {}, {}
-        for key, value in tree.items():
-            skeleton[key], found = _flatten(value, (*path, key))
-            tensors.update(found)
-        return skeleton, tensors
-    if isinstance(tree, list | tuple):
-        parts = [_flatten(value, (*path, index)) for index, value in enumerate(tree)]
-        tensors = {k: v for _, found in parts for k, v in found.items()}
-        return _rebuild(tree, [skeleton for skeleton, _ in parts]), tensors
-    return tree, {}
+def _stored_whole(obj: Any) -> bool:
+    """A tensor, or a tuple, list or dict pytree keeps whole (an unregistered subclass): not looked into."""
+    return isinstance(obj, torch.Tensor) or pytree.kept_whole(obj)
 
 
-def _rebuild(sequence: list | tuple, items: list) -> list | tuple:
-    if isinstance(sequence, tuple) and hasattr(sequence, "_fields"):  # a namedtuple
-        return type(sequence)(*items)
-    return type(sequence)(items)
-
-
-def _insert(tree: Any, path: tuple, value: Any) -> Any:
-    if not path:
-        return value
-    head, rest = path[0], path[1:]
-    if isinstance(tree, tuple):
-        items = list(tree)
-        items[head] = _insert(items[head], rest, value)
-        return _rebuild(tree, items)
-    tree[head] = _insert(tree[head], rest, value)
-    return tree
+def _flatten(tree: Any) -> tuple[Any, dict[tuple, torch.Tensor]]:
+    """`tree` with its tensors taken out (None in their place) and the tensors by their path of keys (see
+    fulmen.core.pytree: positions, mapping keys, dataclass fields)."""
+    tensors: dict[tuple, torch.Tensor] = {}
+    for path, leaf in pytree.leaves_with_paths(tree, _stored_whole):
+        if isinstance(leaf, torch.Tensor):
+            tensors[path] = leaf
+        else:
+            pytree.refuse_tensors_kept_whole(leaf, "a sharded checkpoint")
+    return pytree.tree_map(lambda leaf: None if isinstance(leaf, torch.Tensor) else leaf, tree, _stored_whole), tensors
 
 
 def _storage_key(path: tuple) -> str:
@@ -384,10 +367,9 @@ def read_sharded(path: str | os.PathLike, owners: dict[tuple, Any], group: dist.
             target = torch.empty(tuple(info.size), dtype=info.properties.dtype)
         targets[key], places[key] = target, place
     dcp.load(targets, checkpoint_id=path, process_group=group, no_dist=group is None)
-    checkpoint = meta["skeleton"]
-    for key, place in places.items():
-        checkpoint = _insert(checkpoint, place, targets[key])
-    return checkpoint
+    loaded = {place: targets[key] for key, place in places.items()}
+    return pytree.tree_map_with_paths(lambda place, leaf: loaded.get(place, leaf), meta["skeleton"],
+                                      lambda obj: pytree.is_leaf(obj) or pytree.kept_whole(obj))
 
 
 # --- a model alone ------------------------------------------------------------------------------------------------

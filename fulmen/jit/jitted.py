@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import warnings
@@ -45,30 +44,19 @@ class CacheStats:
     eager_calls: int = 0  # misses past JitOptions.cache_limit, run uncompiled
 
 
-def _leaf_names(obj: Any, prefix: str, out: list[str]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(prefix)
-    elif isinstance(obj, (tuple, list)):
-        for i, item in enumerate(obj):
-            _leaf_names(item, f"{prefix}_{i}", out)
-    elif isinstance(obj, dict):
-        for key, item in obj.items():
-            _leaf_names(item, f"{prefix}_{key}", out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # asks the class: no __getattr__ of obj runs
-        for key in obj.__dataclass_fields__:
-            _leaf_names(getattr(obj, key), f"{prefix}_{key}", out)
-
-
 def _arg_hints(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> list[str]:
     try:
         bound = inspect.signature(fn).bind(*args, **kwargs)
         pairs = list(bound.arguments.items())
     except (TypeError, ValueError):
         pairs = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
-    names: list[str] = []
-    for name, value in pairs:
-        _leaf_names(value, name, names)
-    return names
+    # prefix_0, prefix_key, prefix_field: the keys from the argument to each tensor, the order `flatten` takes them in
+    return [name + "".join(f"_{key}" for key in path)
+            for name, value in pairs for path, _ in pytree.leaves_with_paths(value, _is_tensor)]
+
+
+def _is_tensor(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
 
 
 def _needs_grad(trace: Trace) -> bool:
@@ -227,8 +215,7 @@ class JittedFunction:
                    for t, hint in zip(tensors, names)]
         visible, storage = self._shared_storage(builder, interpreter, proxies, aliases, real_inputs, names)
         originals: dict[int, Any] = {}
-        pytree.identity_objects((args, kwargs), originals)
-        spec = pytree.flatten((args, kwargs), [])
+        spec = pytree.flatten((args, kwargs), [], originals)
         proxy_args, proxy_kwargs = pytree.unflatten(spec, visible, originals)
         target: Callable[..., Any] = self._fn
         tree: ShadowTree | None = None
@@ -360,10 +347,9 @@ class JittedFunction:
         leaves: list[torch.Tensor] = []
         out_objects: dict[int, Any] = {}
         try:
-            out_spec = pytree.flatten(result, leaves, out_objects)
+            out_spec = pytree.flatten(result, leaves, out_objects, objects=True)
         except TypeError as error:
             raise TraceError(str(error), None) from None
-        pytree.identity_objects(result, out_objects)
         input_index = {id(p): i for i, p in enumerate(proxies)}
         values, returns_input = [], []
         for leaf in leaves:

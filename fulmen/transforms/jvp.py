@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fulmen.core import pytree
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
@@ -138,14 +139,12 @@ class JvpTransform:
 
 def _flat_tangents(out: Any, tangents: Any) -> list[TensorProxy | None]:
     """The tangents in the order of `out`'s proxies (`tangents` has `out`'s structure, None for zero tangents)."""
-    if type(out) is TensorProxy:
-        return [tangents if type(tangents) is TensorProxy else None]
-    if isinstance(out, (tuple, list)):
-        items = tangents if isinstance(tangents, (tuple, list)) else [None] * len(out)
-        return [t for o, item in zip(out, items) for t in _flat_tangents(o, item)]
-    if isinstance(out, dict):
-        return [t for key, o in out.items() for t in _flat_tangents(o, (tangents or {}).get(key))]
-    return []
+    by_path = dict(pytree.leaves_with_paths(tangents, _is_proxy))
+    return [by_path.get(path) for path, _ in pytree.leaves_with_paths(out, _is_proxy)]
+
+
+def _is_proxy(obj: Any) -> bool:
+    return type(obj) is TensorProxy
 
 
 def _draws_random(bsym: BoundSymbol) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fulmen.core import pytree
 from fulmen.ops import lookup, prims
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.jvp import JVP_RULES, Dot, add_tangents, register_jvp, zeros_like
@@ -69,8 +70,11 @@ def _where(dot: Dot, args: tuple, kwargs: dict):
 
 # --- linear ops: the op applied to the tangents (zeros for the operands without one) -----------------------------
 def _operand_tangent(dot: Dot, x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return type(x)(_operand_tangent(dot, item) for item in x)
+    """`x` with its tensors replaced by their tangents and its numbers by zeros."""
+    return pytree.tree_map(lambda leaf: _leaf_tangent(dot, leaf), x, pytree.is_leaf)
+
+
+def _leaf_tangent(dot: Dot, x: Any) -> Any:
     if _tensor(x):
         t = dot(x)
         return t if t is not None else zeros_like(x)

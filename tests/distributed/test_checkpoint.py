@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from fulmen.distributed import checkpoint, manifest
 from fulmen.distributed.specs import local_shard
@@ -101,6 +103,44 @@ def test_either_kind_replaces_the_other_and_nested_state_round_trips(tmp_path):
     assert isinstance(loaded["extra"][1], tuple) and torch.equal(loaded["extra"][1][0], torch.zeros(1))
     checkpoint.write_full(state, path)  # and a file where a directory was
     assert path.is_file() and torch.load(path, weights_only=False)["step"] == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.manifest.json"]
+
+
+@dataclasses.dataclass
+class Progress:
+    step: int
+    best: torch.Tensor
+
+
+class Settings(dict):
+    pass
+
+
+def test_sharded_checkpoint_paths_and_types_follow_the_container_rule(tmp_path):
+    """Tensors are stored under their keys from the root (fulmen.core.pytree: positions, mapping keys, dataclass
+    fields); what comes back has the types saved; a dict subclass holding tensors is refused before anything is
+    written (kept whole, its tensors would be pickled rather than stored)."""
+    t = [torch.full((2,), float(i)) for i in range(5)]
+    state = {"model": collections.OrderedDict(w=t[0], b=t[1]), "progress": Progress(3, t[2]), "extra": [Point(t[3], 3)],
+             "shape": torch.Size([2, 3]), "counts": collections.defaultdict(int, a=t[4]), "note": Settings(k=1)}
+    path = tmp_path / "ckpt"
+    checkpoint.write_sharded(state, path)
+    places = [("model", "w"), ("model", "b"), ("progress", "best"), ("extra", 0, 0), ("counts", "a")]
+    assert torch.load(path / checkpoint.META_FILE, weights_only=False)["tensors"] == places
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert sorted(stored) == sorted(["model/w", "model/b", "progress/best", "extra/0/0", "counts/a"])
+    loaded = checkpoint.read_sharded(path, {}, weights_only=False)
+    for key, value in state.items():
+        assert type(loaded[key]) is type(value), key
+    assert loaded["progress"].step == 3 and loaded["extra"][0].y == 3 and loaded["counts"].default_factory is int
+    assert loaded["shape"] == (2, 3) and loaded["note"] == {"k": 1}
+    got = [loaded["model"]["w"], loaded["model"]["b"], loaded["progress"].best, loaded["extra"][0].x,
+           loaded["counts"]["a"]]
+    for want, value in zip(t, got, strict=True):
+        assert torch.equal(value, want)
+
+    with pytest.raises(TypeError, match=r"not inside a .*Settings; pass dict\(value\)"):
+        checkpoint.write_sharded({"note": Settings(k=torch.ones(1))}, tmp_path / "other")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.manifest.json"]
 
 
