@@ -50,7 +50,10 @@ def test_nccl_bf16_training_matches_eager(suite, setup):
     print(f"{setup.name}: losses {got['losses']} vs eager {want['losses']}; param diffs (worst element, norm) "
           f"{diffs[0]:.2e}, {diffs[1]:.2e}; eager reordered {floor[0]:.2e}, {floor[1]:.2e}")
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-2, atol=0)
-    assert diffs[0] <= 3 * floor[0] and diffs[1] <= 3 * floor[1]
+    # The norm of all differences is the measure; the worst single element gets more room: fulmen's fused loss sums
+    # the head's gradient in float32 (eager rounds it in bf16), and AdamW makes a one-ulp difference of a small
+    # gradient a full step, so on H200s the worst element ran 1.2x to 3.1x eager's reordering, the norm 1.7x to 2.1x.
+    assert diffs[0] <= 4 * floor[0] and diffs[1] <= 3 * floor[1]
     if setup.clip:
         torch.testing.assert_close(got["norms"], want["norms"], rtol=2e-2, atol=0)
     counts = got["traces"]["backward"]
