@@ -57,11 +57,11 @@ def chunk_rows_for(rows: int, vocab: int, dtype: torch.dtype) -> int:
     chunk = max(budget, MIN_ROWS)
     if chunk >= rows:
         return rows
-    if chunk >= ROW_MULTIPLE:
-        chunk -= chunk % ROW_MULTIPLE
+    multiple = ROW_MULTIPLE if chunk >= ROW_MULTIPLE else 1
+    chunk -= chunk % multiple
     count = -(-rows // chunk)
     even = -(-rows // count)  # the same number of chunks, balanced: never more rows than `chunk`
-    return -(-even // ROW_MULTIPLE) * ROW_MULTIPLE if chunk >= ROW_MULTIPLE else even
+    return -(-even // multiple) * multiple
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -126,13 +126,9 @@ def fusible_chunk_step(logits: torch.Tensor, target: torch.Tensor, row_scale: to
 def _compiled_step(ignore_index: int, label_smoothing: float, dtype: torch.dtype,
                    want_grad: bool) -> InductorFunction:
     # Compiled without Dynamo, once per chunk layout (chunks have one or two lengths): no guards run per chunk.
-    return InductorFunction(functools.partial(_tensor_step, ignore_index=ignore_index,
+    return InductorFunction(functools.partial(fusible_chunk_step, ignore_index=ignore_index,
                                               label_smoothing=label_smoothing, dtype=dtype, want_grad=want_grad),
                             key=layouts)
-
-
-def _tensor_step(logits, target, row_scale, *, ignore_index, label_smoothing, dtype, want_grad):
-    return fusible_chunk_step(logits, target, row_scale, ignore_index, label_smoothing, dtype, want_grad)
 
 
 def _step(compiled: bool) -> Callable[..., Any]:

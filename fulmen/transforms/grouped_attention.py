@@ -121,7 +121,5 @@ def group_query_attention(trace: Trace, kernel_of: KernelCheck = same_fused_kern
             notes.append(note)
     if not notes:
         return trace
-    if not replaced:
-        return trace.from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
     result = trace.from_trace("", bound_symbols=[replaced.get(id(b), b) for b in trace.bound_symbols])
-    return dce(result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
+    return (dce(result) if replaced else result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
