@@ -27,7 +27,9 @@ for every compiler: `torch.optim.AdamW(fused=True)` on CUDA, `foreach=True` on C
 `torch.optim.Adam` with its defaults, as the seed-002 notebook).
 
 Measured per compiler: the wall time of the first step (compilation included), then `--warmup` untimed steps, then
-`--iters` steps each timed with a device synchronize on either side (median reported); the peak allocated CUDA
+`--iters` steps each timed with a device synchronize on either side (median reported; with `--rounds N` every
+compiler runs N times, the order reversed every other round, and the median is over all its timed steps); the
+peak allocated CUDA
 memory over the compiler's whole run (model, optimizer state and steps); tokens/s = micro_batch_size * seq_len /
 median; the loss of the last step; on CUDA, the GPU time per step of each kernel family (matmul, attention,
 triton, adam, other) from torch.profiler over `--profile_steps` further steps, and the largest kernels.
@@ -74,7 +76,8 @@ from examples.llmc import model as llmc_model  # noqa: E402
 from fulmen.pretrain.flops import peak_flops  # noqa: E402 - the same table pretraining reports MFU with
 
 DEFAULT_COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen+unsloth", "thunder")
-COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs", "fulmen-unfused-loss")
+COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs", "fulmen-unfused-loss",
+             "fulmen-repeated-heads")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LLMC_GPT2 = "llmc-gpt2"  # the seed-002 notebook's GPT-2 (examples/llmc/model.py), not a LitGPT config
 PRESETS = {"seed-002": {"model_name": LLMC_GPT2, "micro_batch_size": 4, "seq_len": 64, "dtype": "fp32",
@@ -149,6 +152,9 @@ def compile_fn(name: str, executors: list[str] | None) -> Callable[[Any], Callab
     if name == "fulmen-unfused-loss":  # what the fused linear + cross-entropy pass changes
         return lambda fn: fulmen.jit(fn, executors=executors,
                                      options=fulmen.JitOptions(fuse_linear_cross_entropy=False))
+    if name == "fulmen-repeated-heads":  # what grouped-query attention (fulmen.transforms.grouped_attention) changes
+        return lambda fn: fulmen.jit(fn, executors=executors,
+                                     options=fulmen.JitOptions(grouped_query_attention=False))
     if name == "fulmen+unsloth":  # fulmen.unsloth's Triton kernels first, then the same executors
         names = executors or [executor.name for executor in fulmen.get_default_executors()]
         return lambda fn: fulmen.jit(fn, executors=["unsloth", *names])
@@ -470,7 +476,38 @@ def parse_common(parser: argparse.ArgumentParser, argv: list[str] | None,
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return parse_common(make_parser(__doc__, COMPILERS, "benchmarks/step.json", DEFAULT_COMPILERS), argv, COMPILERS)
+    parser = make_parser(__doc__, COMPILERS, "benchmarks/step.json", DEFAULT_COMPILERS)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every compiler this many times, in the given order then reversed, alternately")
+    args = parse_common(parser, argv, COMPILERS)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One compiler's result over its rounds: the median over every timed step of every round, the highest peak,
+    the mean GPU time per kernel family; the first step and the largest kernels of the first round (later rounds
+    find compilers' caches warm); each round's own figures under `rounds`."""
+    failed = [r for r in runs if r["status"] != "ok"]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    first = runs[0]
+    iter_ms = [ms for r in runs for ms in r["iter_ms"]]
+    median = statistics.median(iter_ms)
+    merged = {**first, "iter_ms": iter_ms, "ms_per_iter": median, "ms_per_iter_min": min(iter_ms),
+              "ms_per_iter_mean": statistics.fmean(iter_ms),
+              "tokens_per_s": first["tokens_per_s"] * first["ms_per_iter"] / median,
+              "mfu": first["mfu"] * first["ms_per_iter"] / median if first["mfu"] is not None else None,
+              "peak_gb": max(r["peak_gb"] for r in runs) if first["peak_gb"] is not None else None,
+              "rounds": [{key: r.get(key) for key in ("position", "ms_per_iter", "peak_gb", "first_step_s",
+                                                      "gpu_ms_per_step", "gpu_ms_per_step_by_family")} for r in runs]}
+    if "gpu_ms_per_step_by_family" in first:
+        merged["gpu_ms_per_step_by_family"] = {
+            family: statistics.fmean(r["gpu_ms_per_step_by_family"][family] for r in runs)
+            for family in first["gpu_ms_per_step_by_family"]}
+        merged["gpu_ms_per_step"] = statistics.fmean(r["gpu_ms_per_step"] for r in runs)
+    return merged
 
 
 def set_tf32(enabled: bool) -> None:
@@ -493,16 +530,21 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as error:  # noqa: BLE001 - Thunder is optional and often fails to import
             thunder_error = f"import thunder failed: {type(error).__name__}: {error}"
 
-    results: dict[str, dict] = {}
-    for name in args.compilers:
-        if name == "thunder" and thunder_error is not None:
-            results[name] = {"status": "skipped", "reason": thunder_error}
-            print(f"{name}: skipped ({thunder_error})", flush=True)
-            continue
-        print(f"{name}: running", flush=True)
-        results[name] = benchmark(name, args, device, dtype)
-        r = results[name]
-        print(f"{name}: {r['status']}" + (f" ({r['error']})" if "error" in r else ""), flush=True)
+    # Later rows run on a warmer GPU (on an H200, a row's matmuls take about 1% longer per position), so with
+    # `--rounds` each row also runs at the other end of the order.
+    runs: dict[str, list[dict]] = {name: [] for name in args.compilers}
+    for round_ in range(args.rounds):
+        order = args.compilers if round_ % 2 == 0 else args.compilers[::-1]
+        for position, name in enumerate(order):
+            if name == "thunder" and thunder_error is not None:
+                runs[name].append({"status": "skipped", "reason": thunder_error})
+                print(f"{name}: skipped ({thunder_error})", flush=True)
+                continue
+            print(f"{name}: running", flush=True)
+            r = benchmark(name, args, device, dtype) | {"position": position}
+            runs[name].append(r)
+            print(f"{name}: {r['status']}" + (f" ({r['error']})" if "error" in r else ""), flush=True)
+    results = {name: merge_rounds(rs) for name, rs in runs.items()}
 
     ratios = ratios_to(results, "eager")
     print_table(results, ratios)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 from pathlib import Path
 
 STEP = Path(__file__).resolve().parents[2] / "benchmarks" / "step.py"
@@ -39,6 +40,21 @@ def test_step_benchmark_smoke(tmp_path):
     assert set(ratios) == set(results) and ratios["eager"]["ms_per_iter"] == 1.0
     for name, ratio in ratios.items():  # each row's time over the baseline's
         assert ratio["ms_per_iter"] == results[name]["ms_per_iter"] / results["eager"]["ms_per_iter"] > 0
+
+
+def test_rounds_reverse_the_order_and_pool_the_timed_steps(tmp_path):
+    out = tmp_path / "step.json"
+    argv = "--device cpu --dtype fp32 --model_name pythia-14m --n_layer 1 --seq_len 16 --micro_batch_size 1"
+    argv += f" --iters 2 --warmup 0 --compilers eager,fulmen --rounds 3 --out {out}"
+    _load_step().main(argv.split())
+    results = json.loads(out.read_text())["results"]
+    assert [r["position"] for r in results["eager"]["rounds"]] == [0, 1, 0]
+    assert [r["position"] for r in results["fulmen"]["rounds"]] == [1, 0, 1]
+    for result in results.values():
+        assert len(result["iter_ms"]) == 6
+        assert result["ms_per_iter"] == statistics.median(result["iter_ms"])
+        assert result["first_step_s"] == result["rounds"][0]["first_step_s"]
+    assert math.isclose(results["fulmen"]["final_loss"], results["eager"]["final_loss"], rel_tol=1e-4)
 
 
 def test_seed_002_preset_and_kernel_families():

@@ -4,7 +4,7 @@
   give eager's loss and grads (float64) while their final traces call sdpa with `enable_gqa=True` and repeat no head.
 - Declines, with the reason in the provenance: on CPU (torch's math kernel), heads repeated along another dim, only
   one of key and value repeated, a mask; a model with as many key/value heads as query heads is left alone silently;
-  the pass runs only with `JitOptions(grouped_query_attention=True)`.
+  the pass runs by default and not with `JitOptions(grouped_query_attention=False)`.
 - CUDA: the grouped call runs eager's kernel (cuDNN on Hopper) and equals eager's own grouped call bit for bit;
   a LitGPT GQA model's loss and grads stay eager's (bf16 tolerance).
 """
@@ -20,7 +20,7 @@ import fulmen
 from fulmen.transforms.grouped_attention import PROVENANCE, group_query_attention
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
-GROUPED = fulmen.JitOptions(grouped_query_attention=True)
+REPEATED = fulmen.JitOptions(grouped_query_attention=False)
 
 
 class ForcedGrouping(fulmen.Transform):
@@ -81,16 +81,16 @@ def test_grouped_calls_give_eagers_loss_and_grads(n_query_groups):
 
 def test_declined_on_cpu_with_the_reason_and_left_alone_without_repeats():
     x = torch.randint(0, 100, (2, 16))
-    jitted = fulmen.jit(_loss, options=GROUPED)
+    jitted = fulmen.jit(_loss)
     jitted(_model(2), x)
     assert "torch would not run the grouped call with the kernel of the repeated one" in _grouping_note(jitted)
     assert all(not c.kwargs.get("enable_gqa") for t in fulmen.last_traces(jitted) for c in _calls(t, SDPA))
-    mha = fulmen.jit(_loss, options=GROUPED)
+    mha = fulmen.jit(_loss)
     mha(_model(8), x)  # as many key/value heads as query heads: nothing repeated, nothing to say
     assert _grouping_note(mha) is None
-    off = fulmen.jit(_loss)
+    off = fulmen.jit(_loss, options=REPEATED)
     off(_model(2), x)
-    assert _grouping_note(off) is None  # off by default: the pass does not run
+    assert _grouping_note(off) is None  # the pass does not run
 
 
 @pytest.mark.parametrize(("shapes", "repeat", "reason"), [
@@ -107,7 +107,7 @@ def test_other_repeats_are_declined_with_their_reason(shapes, repeat, reason):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     q, k, v = (torch.randn(shape, dtype=torch.float64) for shape in shapes)
-    jitted = fulmen.jit(attention, options=GROUPED)  # these reasons come before the kernel check
+    jitted = fulmen.jit(attention)  # these reasons come before the kernel check
     torch.testing.assert_close(jitted(q, k, v), attention(q, k, v))
     assert reason in _grouping_note(jitted)
     assert all(not c.kwargs.get("enable_gqa") for c in _calls(fulmen.last_traces(jitted)[-1], SDPA))
@@ -119,7 +119,7 @@ def test_a_mask_is_declined():
 
     q, k, v = torch.randn(1, 4, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
     mask = torch.rand(8, 8) > 0.3
-    jitted = fulmen.jit(attention, options=GROUPED)
+    jitted = fulmen.jit(attention)
     torch.testing.assert_close(jitted(q, k, v, mask), attention(q, k, v, mask))
     assert "attention mask or dropout" in _grouping_note(jitted)
 
@@ -142,7 +142,7 @@ def test_cuda_grouped_call_is_eagers_grouped_call_bit_for_bit():
         out.backward(cotangent)
         return out.detach(), q.grad, k.grad, v.grad
 
-    jitted = fulmen.jit(repeated, options=GROUPED)
+    jitted = fulmen.jit(repeated)
     ours = run(jitted)
     grouped = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     eager = run(repeated)
@@ -159,7 +159,7 @@ def test_cuda_grouped_call_is_eagers_grouped_call_bit_for_bit():
 def test_cuda_litgpt_gqa_model_keeps_eagers_loss_and_grads():
     model = _model(2, torch.bfloat16, "cuda")
     x = torch.randint(0, 100, (4, 32), device="cuda")
-    grouped, repeated = fulmen.jit(_loss, options=GROUPED), fulmen.jit(_loss)
+    grouped, repeated = fulmen.jit(_loss), fulmen.jit(_loss, options=REPEATED)
     results = []
     for fn in (grouped, repeated, _loss):
         loss = fn(model, x)
