@@ -52,6 +52,9 @@ class Symbol:
     tags: Tag = Tag.NONE
     # The operator executor that registered this symbol (fulmen.extend); None for fulmen's own symbols.
     executor: Any = None
+    # Bytes the implementation allocates and frees again within one call (a kernel's workspace), a function of the
+    # call's arguments; None: none beyond its outputs. Memory planning counts them at the call.
+    scratch: Callable[..., int] | None = None
 
     def __call__(self, *args, **kwargs):
         builder = current_builder()

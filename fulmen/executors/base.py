@@ -103,6 +103,7 @@ class OperatorExecutor(Executor):
         fn: Callable[..., Any],
         replaces: Callable[..., Any] | None = None,
         recomputable: bool = False,
+        scratch: Callable[..., int] | None = None,
     ) -> Symbol:
         """A new symbol run by this executor with `fn`; its outputs are described by `like` (or `meta`), a function
         of the symbol's arguments returning `TensorProxy(like=x, shape=..., dtype=...)` templates (without either,
@@ -111,6 +112,10 @@ class OperatorExecutor(Executor):
         `recomputable=True` says the operator is cheap next to its outputs' bytes (an elementwise kernel): where the
         backward needs its outputs, fulmen may rerun it there instead of saving them, as it does for torch's
         elementwise ops.
+
+        `scratch`, a function of the operator's arguments, gives the bytes `fn` allocates and frees again within one
+        call (a kernel's workspace): planning that moves values across the call counts them there, so it does not
+        raise the peak.
 
         With `replaces=`, calls to that function (a torch function, a function of the user's program or a method
         such as `NewGELU.forward`) are acquired as this symbol while this executor is in the executor list; the
@@ -135,7 +140,7 @@ class OperatorExecutor(Executor):
         shapes = like or meta
         # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
         sym = Symbol(name=name, printed=name, impl=fn, meta=_template_meta(name, shapes) if shapes else None,
-                     tags=Tag.RECOMPUTABLE if recomputable else Tag.NONE, executor=self)
+                     tags=Tag.RECOMPUTABLE if recomputable else Tag.NONE, executor=self, scratch=scratch)
         _OPERATOR_NAMES[name] = sym
         self.operators[name] = sym
         if replaces is not None:

@@ -13,9 +13,10 @@ its saved statistics, the sum of the two MLP input gradients read by the norm's 
 can recompute it from those values in registers, as Inductor does inside one graph; the producer stops writing it
 (a region, or a lone call, left with no output disappears).
 
-Peak memory never rises: the trace's live bytes are tracked per position (every value that allocates, from its
-producer to its last reader; the inputs too when the trace frees them as it goes, as a backward does with its saved
-values). Dropping a value frees its bytes over its lifetime; the values its recomputation reads live on to the last
+Peak memory never rises: the trace's live bytes are tracked per position (every value that allocates, from its producer
+to its last reader; the inputs too when the trace frees them as it goes, as a backward does with its saved values), plus
+the workspace of a call that declares one (`Symbol.scratch`: fused attention's backward accumulates the query gradient
+in fp32). Dropping a value frees its bytes over its lifetime; the values its recomputation reads live on to the last
 region reading it. A value is dropped only when, at every position in between, the new live bytes stay at most the
 trace's peak. Only cheap calls are recomputed (`remat.recomputable`: elementwise, shape and conversion ops, never
 reductions or random draws), from values materialised before the reading region.
@@ -183,9 +184,10 @@ def _plan(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple, in
         delta[start] += size
         delta[min(end, len(bsyms) - 1) + 1] -= size
     running = 0
-    for position in range(len(bsyms)):
+    for position, bsym in enumerate(bsyms):
         running += delta[position]
-        plan.live.append(running)
+        scratch = bsym.sym.scratch(*bsym.args, **bsym.kwargs) if bsym.sym.scratch is not None else 0
+        plan.live.append(running + scratch)
     return plan
 
 

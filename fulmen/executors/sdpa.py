@@ -97,12 +97,20 @@ def efficient_backward(g, q, k, v, out, lse, seed, offset, is_causal: bool, scal
     return gq, gk, gv
 
 
+def query_gradient_accumulator(g, q, *args, **kwargs) -> int:
+    """The backward kernels' workspace: the query gradient accumulated in fp32 (flash's `dq_accum`, cuDNN's buffer
+    that `convert_dq_to_16bits` rounds), allocated and freed inside the call."""
+    return 4 * q.numel()
+
+
 sdpa = register_executor(OperatorExecutor("sdpa"))
 sdpa_flash_forward = sdpa.register_operator("sdpa_flash_forward", fn=flash_forward)
-sdpa_flash_backward = sdpa.register_operator("sdpa_flash_backward", fn=flash_backward)
+sdpa_flash_backward = sdpa.register_operator("sdpa_flash_backward", fn=flash_backward,
+                                             scratch=query_gradient_accumulator)
 sdpa_cudnn_forward = sdpa.register_operator("sdpa_cudnn_forward", fn=cudnn_forward)
 sdpa_cudnn_inference = sdpa.register_operator("sdpa_cudnn_inference", fn=cudnn_inference)
-sdpa_cudnn_backward = sdpa.register_operator("sdpa_cudnn_backward", fn=cudnn_backward)
+sdpa_cudnn_backward = sdpa.register_operator("sdpa_cudnn_backward", fn=cudnn_backward,
+                                             scratch=query_gradient_accumulator)
 sdpa_efficient_forward = sdpa.register_operator("sdpa_efficient_forward", fn=efficient_forward)
 sdpa_efficient_backward = sdpa.register_operator("sdpa_efficient_backward", fn=efficient_backward)
 

@@ -3,6 +3,8 @@ when peak memory does not rise; results stay eager's. Region code runs on CPU th
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from litgpt import GPT
 
 import fulmen
 from fulmen.core.symbol import iter_proxies
+from fulmen.executors.base import OperatorExecutor
 from fulmen.executors.torch_compile import TorchCompileExecutor, torchcompile
 from fulmen.extend import register_executor
 from fulmen.transforms.remat import nbytes
@@ -120,3 +123,25 @@ def test_a_lone_sum_moves_into_its_reader_only_under_the_peak(width, recomputed)
     plain = fulmen.jit(f, executors=[no_recompute])
     plain(x, w, u, p)
     assert _peak_bytes(trace) <= _peak_bytes(fulmen.last_traces(plain)[-1])
+
+
+
+def test_a_calls_declared_workspace_counts_at_the_call():
+    # The "peak_elsewhere" program above, with m from an operator declaring a 1 MiB workspace (`scratch=`): the peak
+    # is now at m, so keeping l1 and l2 alive across it would raise the peak, and the sum stays a call of its own.
+    ex = OperatorExecutor("workspace_matmul")
+    matmul = ex.register_operator("matmul_with_workspace", fn=torch.matmul, scratch=lambda x, p: 2 ** 20)
+
+    def f(x, w, u, p, mm):
+        l1, l2 = x @ w, x @ u
+        v = l1 + l2
+        m = mm(x, p)
+        return torch.tanh(m).sum() + (v * 2).sin().sum()
+
+    x, w, u, p = torch.randn(64, 32), torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 8)
+    for mm, recomputed in ((matmul, False), (torch.matmul, True)):
+        jitted = fulmen.jit(functools.partial(f, mm=mm), executors=[ex, "torchcompile"])
+        torch.testing.assert_close(jitted(x, w, u, p), f(x, w, u, p, torch.matmul))
+        trace = fulmen.last_traces(jitted)[-1]
+        assert ("matmul_with_workspace" in {b.sym.name for b in trace.bound_symbols}) == (not recomputed)
+        assert (not [b for b in trace.bound_symbols if b.sym.name == "add"]) == recomputed
