@@ -270,16 +270,28 @@ def _rows_backward_meta(builder, g, h, weight, bias, target, *, wants, **spec):
     return _grad_proxies(builder, wants, h, weight, bias)
 
 
-def _symbol(fn: Callable[..., Any], meta: Callable[..., Any]) -> Symbol:
+def _chunk_scratch(*args, chunk_rows: int, wants: tuple[bool, bool, bool] = (False, False, False), **spec) -> int:
+    """What `_run` allocates and frees within a call: one chunk's logits and their gradient, and the fp32
+    accumulators of the weight and bias gradients (when those are not fp32 already)."""
+    h, weight, bias = args[-4:-1]
+    rows = min(chunk_rows, h.numel() // h.shape[-1])
+    scratch = 2 * rows * weight.shape[0] * weight.element_size()
+    for tensor, wanted in zip((weight, bias), wants[1:]):
+        if wanted and tensor.dtype != compute_dtype(tensor.dtype):
+            scratch += tensor.numel() * torch.finfo(compute_dtype(tensor.dtype)).bits // 8
+    return scratch
+
+
+def _symbol(fn: Callable[..., Any], meta: Callable[..., Any], chunked: bool = True) -> Symbol:
     printed = f"fused_loss.{fn.__name__}"
-    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, meta=meta)
+    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, meta=meta, scratch=_chunk_scratch if chunked else None)
     SYMBOLS[printed] = sym
     return sym
 
 
 LINEAR_CROSS_ENTROPY = _symbol(linear_cross_entropy, _loss_meta)
 LINEAR_CROSS_ENTROPY_FORWARD = _symbol(linear_cross_entropy_forward, _forward_meta)
-LINEAR_CROSS_ENTROPY_BACKWARD = _symbol(linear_cross_entropy_backward, _backward_meta)
+LINEAR_CROSS_ENTROPY_BACKWARD = _symbol(linear_cross_entropy_backward, _backward_meta, chunked=False)
 LINEAR_CROSS_ENTROPY_ROWS_BACKWARD = _symbol(linear_cross_entropy_rows_backward, _rows_backward_meta)
 #: The symbols that loop over chunks (they accept `compiled=`).
 CHUNKED = (LINEAR_CROSS_ENTROPY, LINEAR_CROSS_ENTROPY_FORWARD, LINEAR_CROSS_ENTROPY_ROWS_BACKWARD)

@@ -460,3 +460,17 @@ def test_cuda_bf16_peak_drops_by_more_than_the_logits_and_values_stay_eagers():
     torch.testing.assert_close(fused_loss_value, loss, rtol=1e-4, atol=0)  # same bf16 logits, fp32 maths both
     torch.testing.assert_close(fused_h.float(), grad_h.float(), rtol=2 ** -7, atol=1e-6)
     torch.testing.assert_close(fused_w.float(), grad_w.float(), rtol=2 ** -6, atol=1e-5)
+
+
+def test_the_chunk_buffers_are_declared_as_the_calls_workspace():
+    # Memory planning counts them at the call (Symbol.scratch): a chunk's logits and their gradient, plus the fp32
+    # weight-gradient accumulator of bf16 weights.
+    h = torch.randn(4, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(100, 32, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 100, (64,))
+    jitted = fulmen.jit(lambda h, w, t: F.cross_entropy(F.linear(h, w).reshape(-1, 100), t),
+                        options=fulmen.JitOptions(cross_entropy_chunk_rows=16))
+    jitted(h, w, t)
+    (call,) = [b for b in fulmen.last_traces(jitted)[-1].bound_symbols if b.sym.scratch is not None]
+    assert call.sym is fused_loss.LINEAR_CROSS_ENTROPY_FORWARD
+    assert call.sym.scratch(*call.args, **call.kwargs) == 2 * 16 * 100 * 2 + 100 * 32 * 4
