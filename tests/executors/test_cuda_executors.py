@@ -164,8 +164,8 @@ def test_cudnn_gradients_equal_eagers_cudnn(first, groups):
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped-heads", "repeated-heads"])
 def test_recomputing_region_inputs_does_not_raise_peak_memory(grouped):
     # Run alone, the recomputing plan peaks 1.5 MiB lower (grouped heads) or equal (repeated heads); after this file's
-    # other tests, 0.5 MiB higher in both, with the same traces: something outside the planner's model (which counts
-    # the kernels' declared workspaces, `Symbol.scratch`) depends on what ran before. Open: allowed up to 1 MiB here.
+    # other tests, 0.5 MiB higher in both. What differs lies outside the planner's model (which counts the kernels'
+    # declared workspaces, `Symbol.scratch`) and depends on what ran before. Open: up to 1 MiB allowed here.
     model, config = _model(n_layer=4, n_embd=512, n_head=8, head_size=64, intermediate_size=1536,
                            padded_vocab_size=8192, vocab_size=8192, block_size=512)
     idx, targets = (torch.randint(0, 8192, (4, 512), device="cuda") for _ in range(2))
