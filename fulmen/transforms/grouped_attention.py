@@ -1,11 +1,11 @@
 """Grouped-query attention without the repeated heads: `sdpa(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1))`
 becomes `sdpa(q, k, v, enable_gqa=True)`.
 
-Models written for attention kernels without grouped-query support (LitGPT among them) repeat each key and value
-head for the r query heads sharing it before calling `scaled_dot_product_attention`. The copies cost a kernel in the
-forward, memory or a recomputation for the backward, and in the backward a reduction summing the r repeated heads'
-gradients: on an H200, TinyLlama's step spends 2.9 ms of 110 on them, and grouped its GPU time is 1.7 to 3.9 ms
-lower (the `fulmen-repeated-heads` row of benchmarks/step.py). On by default; off with
+Models written for attention kernels without grouped-query support (LitGPT among them) repeat each key and value head
+for the r query heads sharing it before calling `scaled_dot_product_attention`. The copies cost a kernel in the forward,
+memory or a recomputation for the backward, and in the backward a reduction summing the r repeated heads' gradients: on
+an H200, TinyLlama's step spends 2.9 ms of 110 on them; grouped, its GPU time was 0.9 to 3.9 ms lower over four runs,
+its wall time 1.7 ms over two rounds (the `fulmen-repeated-heads` row of benchmarks/step.py). On by default; off with
 `JitOptions(grouped_query_attention=False)`. torch's cuDNN and flash kernels take the shared heads as they are,
 `enable_gqa=True` meaning exactly that repeat_interleave (torch's documentation and its math kernel).
 
