@@ -278,7 +278,7 @@ def _chunk_scratch(*args, chunk_rows: int, wants: tuple[bool, bool, bool] = (Fal
     scratch = 2 * rows * weight.shape[0] * weight.element_size()
     for tensor, wanted in zip((weight, bias), wants[1:]):
         if wanted and tensor.dtype != compute_dtype(tensor.dtype):
-            scratch += tensor.numel() * torch.finfo(compute_dtype(tensor.dtype)).bits // 8
+            scratch += tensor.numel() * compute_dtype(tensor.dtype).itemsize
     return scratch
 
 
