@@ -1,0 +1,105 @@
+"""`InductorFunction`: Inductor's compiled graph called without AOTAutograd's wrappers where they would do nothing,
+against eager on the same inputs, and the wrapped call kept where they would not."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from fulmen.core.inductor import InductorFunction, Variant
+
+
+def _variant(compiled: InductorFunction) -> Variant:
+    (variant,) = compiled.variants.values()
+    return variant
+
+
+def _enters_aot_wrappers(call: Callable[[], object]) -> bool:
+    """Whether `call` runs any Python function of AOTAutograd's runtime (its wrappers around Inductor's graph)."""
+    seen: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            seen.append(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return any("_aot_autograd" in name for name in seen)
+
+
+def region(x, w, b):
+    y = torch.tanh(x) * w + b
+    return y.softmax(-1), y.sum(0), x.t()
+
+
+def test_a_functional_graph_calls_inductors_graph_directly():
+    compiled = InductorFunction(region)
+    x, w, b = torch.randn(8, 16), torch.randn(16), torch.randn(8, 1)
+    first = compiled(x, w, b)
+    variant = _variant(compiled)
+    assert variant.direct is not None and variant.why_wrapped is None
+    again = compiled(x, w, b)
+    expected = region(x, w, b)
+    assert isinstance(again, tuple) and len(again) == 3
+    for got in (first, again):
+        for value, want in zip(got, expected, strict=True):
+            torch.testing.assert_close(value, want)
+            assert value.stride() == want.stride()
+    # the output that is a view of an input is one still, as in eager
+    assert again[2].data_ptr() == x.data_ptr()
+    assert not _enters_aot_wrappers(lambda: compiled(x, w, b))
+
+
+def test_a_single_output_comes_back_as_a_tensor():
+    compiled = InductorFunction(lambda x: torch.relu(x) * 2)
+    x = torch.randn(5, 3)
+    out = compiled(x)
+    assert isinstance(out, torch.Tensor) and _variant(compiled).direct is not None
+    torch.testing.assert_close(out, torch.relu(x) * 2)
+
+
+def _mutates(x, y):
+    x.add_(y)
+    return x * 2
+
+
+@pytest.mark.parametrize(("fn", "why"), [
+    (_mutates, "mutates"),
+    (lambda x, y: (x + y, None), "not tensors"),
+])
+def test_graphs_the_wrappers_are_needed_for_keep_them(fn, why):
+    compiled = InductorFunction(fn)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    x_eager = x.clone()
+    got = compiled(x, y)
+    expected = fn(x_eager, y)
+    variant = _variant(compiled)
+    assert variant.direct is None and why in variant.why_wrapped
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(x, x_eager)  # the input mutation happened once, as in eager
+    assert _enters_aot_wrappers(lambda: compiled(x.clone(), y))  # the probe above sees the wrappers
+
+
+def test_layouts_key_a_variant_each_all_called_directly():
+    compiled = InductorFunction(lambda x: (x.exp() + 1,))
+    contiguous, transposed = torch.randn(6, 4), torch.randn(4, 6).t()
+    for x in (contiguous, transposed, contiguous):
+        torch.testing.assert_close(compiled(x)[0], x.exp() + 1)
+    assert len(compiled.variants) == 2
+    assert all(variant.direct is not None for variant in compiled.variants.values())
+
+
+def test_a_direct_call_under_grad_mode_returns_what_the_wrapped_call_returns():
+    """Inductor's code writes matmuls through `out=`, which autograd refuses while an input requires grad."""
+    compiled = InductorFunction(lambda x, w: (x @ w + 1,))
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    (out,) = compiled(x, w)
+    assert _variant(compiled).direct is not None
+    assert not out.requires_grad
+    torch.testing.assert_close(out, (x @ w + 1).detach())
