@@ -98,15 +98,18 @@ bind(F.log_softmax, TorchBinding(_log_softmax, normalize=_functional_softmax_arg
 
 
 def _normalize(x, normalized_shape, eps, *, center: bool):
+    """`x` normalised over its last `len(normalized_shape)` dims, with its mean (None unless `center`) and
+    reciprocal standard deviation, both shaped as `x` with those dims kept as size 1."""
     dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
     kept = keepdim_shape(x.shape, dims)
     count = math.prod(x.shape[d] for d in dims)
+    mean = None
     if center:
-        mean = prims.div(prims.sum(x, dims), count)
-        x = prims.sub(x, expand_to(prims.reshape(mean, kept), x.shape))
+        mean = prims.reshape(prims.div(prims.sum(x, dims), count), kept)
+        x = prims.sub(x, expand_to(mean, x.shape))
     meansq = prims.div(prims.sum(prims.mul(x, x), dims), count)
-    rstd = prims.rsqrt(prims.add(meansq, eps))
-    return prims.mul(x, expand_to(prims.reshape(rstd, kept), x.shape))
+    rstd = prims.reshape(prims.rsqrt(prims.add(meansq, eps)), kept)
+    return prims.mul(x, expand_to(rstd, x.shape)), mean, rstd
 
 
 def _affine(out, weight, bias):
@@ -117,22 +120,31 @@ def _affine(out, weight, bias):
     return out
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def layer_norm_decomposition(x, normalized_shape, weight=None, bias=None, eps=1e-5) -> Any:
-    dtype = x.dtype
-    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    out = _affine(_normalize(convert(x, compute), normalized_shape, eps, center=True), weight, bias)
-    return convert(out, dtype)
+    return native_layer_norm_decomposition(x, normalized_shape, weight, bias, eps)[0]
+
+
+def native_layer_norm_decomposition(x, normalized_shape, weight, bias, eps) -> Any:
+    """The layer norm with the statistics its backward reads, in the compute dtype (what torch's meta kernel
+    gives; the CPU kernel rounds them to a half-precision input's dtype): the norm's grad rule keeps this call in
+    the forward, and a decomposition lets fusion executors put it in one kernel with what is around it."""
+    normed, mean, rstd = _normalize(convert(x, _compute_dtype(x.dtype)), normalized_shape, eps, center=True)
+    return convert(_affine(normed, weight, bias), x.dtype), mean, rstd
 
 
 def rms_norm_decomposition(x, normalized_shape, weight=None, eps=None) -> Any:
-    dtype = x.dtype
-    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    compute = _compute_dtype(x.dtype)
     eps = torch.finfo(compute).eps if eps is None else eps
-    out = _affine(_normalize(convert(x, compute), normalized_shape, eps, center=False), weight, None)
-    return convert(out, dtype)
+    normed, _, _ = _normalize(convert(x, compute), normalized_shape, eps, center=False)
+    return convert(_affine(normed, weight, None), x.dtype)
 
 
 torch_symbol(F.layer_norm, decomposition=layer_norm_decomposition)
+native_layer_norm = torch_symbol(torch.native_layer_norm, decomposition=native_layer_norm_decomposition)
 torch_symbol(F.rms_norm, decomposition=rms_norm_decomposition)
 torch_symbol(F.group_norm)
 torch_symbol(F.batch_norm)

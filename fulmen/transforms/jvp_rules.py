@@ -203,6 +203,28 @@ def _logsumexp(dot: Dot, args: tuple, kwargs: dict):
 
 
 
+@register_jvp(torch.native_layer_norm)
+def _native_layer_norm(dot: Dot, args: tuple, kwargs: dict):
+    """The normalised output's tangent; the mean and rstd outputs get none, as eager's forward-mode AD gives them
+    (they are not differentiable outputs there)."""
+    x, normalized_shape, weight, bias, eps = args
+    y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    compute = rstd.dtype
+    xhat = (x.to(compute) - mean) * rstd
+    tangents = []
+    if dot(x) is not None:
+        t = dot(x).to(compute)
+        tx = rstd * (t - t.mean(dims, keepdim=True) - xhat * (t * xhat).mean(dims, keepdim=True))
+        tangents.append(tx * weight.to(compute) if weight is not None else tx)
+    if weight is not None and dot(weight) is not None:
+        tangents.append(xhat * dot(weight).to(compute))
+    if bias is not None and dot(bias) is not None:
+        tangents.append(dot(bias).to(compute))
+    tangent = add_tangents(*tangents)
+    return (y, mean, rstd), (None if tangent is None else _as_tangent(tangent, y), None, None)
+
+
 # --- torch-level leaves: activations and losses by their derivative, composites by their parts --------------------
 SELU_SCALE, SELU_ALPHA = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
 

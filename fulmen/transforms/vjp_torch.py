@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from fulmen.core.symbol import Tag
 from fulmen.ops import shape
+from fulmen.ops.nn import native_layer_norm
 from fulmen.ops.registry import SYMBOLS, torch_symbol
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp
 from fulmen.transforms.vjp_prims import matmul_rule, zeros_shaped
 
-native_layer_norm = torch_symbol(torch.native_layer_norm)
 native_dropout = torch_symbol(torch.native_dropout, tags=Tag.RANDOM)
 
 
@@ -125,6 +125,12 @@ def _param_grad(grad, batch, param):
 
 @register_grad(F.layer_norm)
 def layer_norm_grad(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return native_layer_norm_grad(x, normalized_shape, weight, bias, eps)[0]
+
+
+@register_grad(torch.native_layer_norm)
+def native_layer_norm_grad(x, normalized_shape, weight, bias, eps):
+    """Grads through the normalised output only: eager gives the mean and rstd outputs no grad."""
     dims = _norm_dims(x, normalized_shape)
     y, mean, rstd = native_layer_norm(x, normalized_shape, weight, bias, eps)
     g = get_grad(y)
@@ -135,7 +141,7 @@ def layer_norm_grad(x, normalized_shape, weight=None, bias=None, eps=1e-5):
         put_grad(weight, _param_grad(g * xhat, batch, weight))
     if _wants(bias):
         put_grad(bias, _param_grad(g, batch, bias))
-    return y
+    return y, mean, rstd
 
 
 @register_grad(F.rms_norm)

@@ -101,3 +101,46 @@ def test_regions_call_inductors_code_without_dynamo():
     assert fulmen.cache_misses(jitted) == 2 and again.sym.impl is region.sym.impl
     assert len(region.sym.impl.variants) == 2
     assert counters["stats"]["unique_graphs"] == 0 and counters["stats"]["calls_captured"] == 0  # no Dynamo
+
+
+def test_a_residual_add_and_the_layer_norm_after_it_are_one_region():
+    """`native_layer_norm` (the layer norm's grad rule keeps it in the forward) decomposes, so the residual add and
+    the norm after it fuse as Inductor fuses them; its grads still come through the normalised output only."""
+    norm = torch.nn.LayerNorm(8)
+    x, h = torch.randn(2, 4, 8, requires_grad=True), torch.randn(2, 4, 8, requires_grad=True)
+
+    def f(x, h):
+        return (norm(x + h) * torch.arange(8.0)).sum()
+
+    jitted = fulmen.jit(f, executors=["torchcompile"])
+    loss = jitted(x, h)
+    loss.backward()
+    got = [t.grad.clone() for t in (x, h, norm.weight, norm.bias)]
+    for t in (x, h, norm.weight, norm.bias):
+        t.grad = None
+    expected = f(x, h)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for value, t in zip(got, (x, h, norm.weight, norm.bias), strict=True):
+        torch.testing.assert_close(value, t.grad)
+    forward = fulmen.last_traces(jitted)[-1]
+    (region,) = _regions(forward)
+    assert {"add", "native_layer_norm"} <= {sub.sym.name for sub in region.subsymbols}
+
+
+def test_native_layer_norm_called_directly_matches_eager():
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, dtype=torch.float64, requires_grad=True)
+
+    def f(x, weight):
+        return torch.native_layer_norm(x, (5,), weight, None, 1e-5)
+
+    expected = f(x, weight)
+    want = torch.autograd.grad((expected[0] * expected[0]).sum(), (x, weight))
+    for executors in (["torch"], ["torchcompile"]):
+        got = fulmen.jit(f, executors=executors)(x, weight)
+        for value, reference in zip(got, expected, strict=True):
+            torch.testing.assert_close(value, reference)
+        grads = torch.autograd.grad((got[0] * got[0]).sum(), (x, weight))
+        for value, reference in zip(grads, want, strict=True):
+            torch.testing.assert_close(value, reference)
