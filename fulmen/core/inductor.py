@@ -11,7 +11,8 @@ on fake copies of the arguments) and hands it to Inductor on the first call with
 
 Calls skip AOTAutograd's runtime wrappers too, where those would do nothing: `torch._inductor.compile` wraps
 Inductor's code in wrappers that apply input mutations, rebuild aliased outputs as views, deduplicate arguments and
-set grad modes, which cost about as much host time per call as the kernel launches of a small region. A variant
+set grad modes (1.5 of a region call's 14 us on an H200 machine's host, `benchmarks/overhead.py`; more where
+outputs alias inputs, whose views the wrappers rebuild). A variant
 whose graph mutates nothing, and whose Inductor graph takes and returns exactly the graph's tensors, calls
 Inductor's compiled graph itself (`Variant.direct`); any other keeps the wrapped callable.
 """

@@ -202,12 +202,13 @@ def _logsumexp(dot: Dot, args: tuple, kwargs: dict):
     return y, (dot(x) * torch.exp(x - kept)).sum(dim, keepdim=keepdim)
 
 
-
 @register_jvp(torch.native_layer_norm)
 def _native_layer_norm(dot: Dot, args: tuple, kwargs: dict):
     """The normalised output's tangent; the mean and rstd outputs get none, as eager's forward-mode AD gives them
     (they are not differentiable outputs there)."""
-    x, normalized_shape, weight, bias, eps = args
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    bound = dict(zip(names, args)) | kwargs
+    x, normalized_shape, weight, bias, eps = (bound[name] for name in names)
     y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
     dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
     compute = rstd.dtype
