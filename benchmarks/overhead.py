@@ -29,6 +29,9 @@ def add(a, b):
     return a + b
 
 
+REGION = "a fusion region's call, (tanh(x) * w + b).softmax(-1) and .sum(0) on 8x16 CPU tensors"
+
+
 def region(x, w, b):
     y = torch.tanh(x) * w + b
     return y.softmax(-1), y.sum(0)
@@ -89,7 +92,7 @@ def main() -> None:
         print(f"Lightning Thunder unavailable: {type(error).__name__}: {error}")
     results = measure(candidates, a, b)
     eager = results["eager"]
-    print("a fusion region's call, (tanh(x) * w + b).softmax(-1) and .sum(0) on 8x16 tensors:")
+    print(f"{REGION}:")
     regions = measure(region_calls(), *region_inputs())
     report = {
         "benchmark": "host overhead of a cache hit, a + b on 4-element CPU tensors",
@@ -98,7 +101,7 @@ def main() -> None:
         "us_per_call": results,
         "added_us_over_eager": {k: v - eager for k, v in results.items()},
         "region_call": {
-            "benchmark": "a fusion region's call, (tanh(x) * w + b).softmax(-1) and .sum(0) on 8x16 CPU tensors",
+            "benchmark": REGION,
             "us_per_call": regions,
             "added_us_over_eager": {k: v - regions["eager"] for k, v in regions.items()},
         },

@@ -35,6 +35,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops.registry import SYMBOLS
+from fulmen.ops.utils import compute_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
 # Automatic chunks: each chunk's logits take at most this fraction of the full logits' bytes (so they never all
@@ -62,10 +63,6 @@ def chunk_rows_for(rows: int, vocab: int, dtype: torch.dtype) -> int:
     count = -(-rows // chunk)
     even = -(-rows // count)  # the same number of chunks, balanced: never more rows than `chunk`
     return -(-even // multiple) * multiple
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 # --- one chunk ------------------------------------------------------------------------------------------------------

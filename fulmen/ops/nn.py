@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, method, torch_symbol
-from fulmen.ops.utils import canonical_dim, convert, expand_to, keepdim_shape, to_float
+from fulmen.ops.utils import canonical_dim, compute_dtype, convert, expand_to, keepdim_shape, to_float
 
 
 def _matmul_decomposition(a, b) -> Any:
@@ -120,10 +120,6 @@ def _affine(out, weight, bias):
     return out
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def layer_norm_decomposition(x, normalized_shape, weight=None, bias=None, eps=1e-5) -> Any:
     return native_layer_norm_decomposition(x, normalized_shape, weight, bias, eps)[0]
 
@@ -132,12 +128,12 @@ def native_layer_norm_decomposition(x, normalized_shape, weight, bias, eps) -> A
     """The layer norm with the statistics its backward reads, in the compute dtype (what torch's meta kernel
     gives; the CPU kernel rounds them to a half-precision input's dtype): the norm's grad rule keeps this call in
     the forward, and a decomposition lets fusion executors put it in one kernel with what is around it."""
-    normed, mean, rstd = _normalize(convert(x, _compute_dtype(x.dtype)), normalized_shape, eps, center=True)
+    normed, mean, rstd = _normalize(convert(x, compute_dtype(x.dtype)), normalized_shape, eps, center=True)
     return convert(_affine(normed, weight, bias), x.dtype), mean, rstd
 
 
 def rms_norm_decomposition(x, normalized_shape, weight=None, eps=None) -> Any:
-    compute = _compute_dtype(x.dtype)
+    compute = compute_dtype(x.dtype)
     eps = torch.finfo(compute).eps if eps is None else eps
     normed, _, _ = _normalize(convert(x, compute), normalized_shape, eps, center=False)
     return convert(_affine(normed, weight, None), x.dtype)

@@ -35,6 +35,11 @@ def to_float(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype.is_floating_point or dtype.is_complex else torch.get_default_dtype()
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype half-precision math is done in (float32); any other dtype computes in itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def convert(x: Any, dtype: torch.dtype) -> Any:
     if is_tensor(x):
         return x if x.dtype == dtype else prims.convert_element_type(x, dtype)

@@ -15,6 +15,7 @@ from fulmen.core.symbol import Tag
 from fulmen.ops import shape
 from fulmen.ops.nn import native_layer_norm
 from fulmen.ops.registry import SYMBOLS, torch_symbol
+from fulmen.ops.utils import compute_dtype
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp
 from fulmen.transforms.vjp_prims import matmul_rule, zeros_shaped
 
@@ -75,7 +76,7 @@ def cross_entropy_grad(logits, target, weight=None, size_average=None, ignore_in
     if (logits.dim() != 2 or target.dtype.is_floating_point or weight is not None or size_average is not None
             or reduce is not None or label_smoothing != 0.0):
         return NotImplemented
-    compute = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
+    compute = compute_dtype(logits.dtype)
     x = logits.to(compute)
     valid = target != ignore_index
     safe = torch.where(valid, target, 0)
@@ -134,7 +135,7 @@ def native_layer_norm_grad(x, normalized_shape, weight, bias, eps):
     dims = _norm_dims(x, normalized_shape)
     y, mean, rstd = native_layer_norm(x, normalized_shape, weight, bias, eps)
     g = get_grad(y)
-    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    compute = compute_dtype(x.dtype)
     gx, xhat, g, batch = _norm_backward(x, g, weight, rstd.to(compute), mean.to(compute), dims)
     put_grad(x, gx.to(x.dtype))
     if _wants(weight):
@@ -147,7 +148,7 @@ def native_layer_norm_grad(x, normalized_shape, weight, bias, eps):
 @register_grad(F.rms_norm)
 def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
     dims = _norm_dims(x, normalized_shape)
-    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    compute = compute_dtype(x.dtype)
     eps = torch.finfo(compute).eps if eps is None else eps
     y = F.rms_norm(x, normalized_shape, weight, eps)
     xc = x.to(compute)
