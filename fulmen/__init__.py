@@ -32,7 +32,8 @@ from fulmen.executors.registry import get_default_executors, get_executor
 from fulmen.executors.registry import resolve as resolve_executors
 from fulmen.jit.batching import vmap
 from fulmen.jit.functional import FunctionalTransform, grad, jvp, vjp
-from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule, core
+from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule
+from fulmen.jit.jitted import core as _jitted_core  # not `core`, which would hide the subpackage fulmen.core
 from fulmen.jit.rewrite import rewrite
 from fulmen.options import CacheLimitAction, JitOptions, OffloadOptions
 from fulmen.transforms.autodiff import get_grad, put_grad, put_grads, register_grad
@@ -86,7 +87,7 @@ def last_traces(fn: JittedFunction | JittedModule | dynamo.FulmenBackend) -> lis
     `fulmen.dynamo` backend: the trace each piece fulmen compiled ran last."""
     if isinstance(fn, dynamo.FulmenBackend):
         return fn.last_traces()
-    entry = core(fn).last_entry
+    entry = _jitted_core(fn).last_entry
     if entry is None:
         raise RuntimeError("last_traces: the jitted callable has not been called yet")
     return list(entry.traces)
@@ -97,22 +98,22 @@ def last_backward_traces(fn: JittedFunction | JittedModule | dynamo.FulmenBacken
     `fulmen.dynamo` backend: the backward trace each piece fulmen compiled built last."""
     if isinstance(fn, dynamo.FulmenBackend):
         return fn.last_backward_traces()
-    entry = core(fn).last_entry
+    entry = _jitted_core(fn).last_entry
     if entry is None:
         raise RuntimeError("last_backward_traces: the jitted callable has not been called yet")
     return list(entry.backward_traces)
 
 
 def cache_hits(fn: JittedFunction | JittedModule) -> int:
-    return core(fn).stats.hits
+    return _jitted_core(fn).stats.hits
 
 
 def cache_misses(fn: JittedFunction | JittedModule) -> int:
-    return core(fn).stats.misses
+    return _jitted_core(fn).stats.misses
 
 
 def last_cache_miss_reasons(fn: JittedFunction | JittedModule) -> list[str]:
     """Why the last call that missed the cache could not reuse each cached trace: one line per trace, naming the
     first thing that differed (a tensor's shape or strides, a global, an attribute, which inputs share memory...).
     Empty before the first retrace."""
-    return list(core(fn).last_miss_reasons)
+    return list(_jitted_core(fn).last_miss_reasons)

@@ -94,3 +94,11 @@ def test_dce_and_cse_apply():
     final = fulmen.last_traces(jitted)[-1].python()
     assert "exp" not in final
     assert final.count("torch.sin(") == 1
+
+
+def test_the_ir_modules_import_by_their_dotted_names():
+    import types
+
+    import fulmen.core.codegen as codegen
+
+    assert isinstance(fulmen.core, types.ModuleType) and fulmen.core.codegen is codegen

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fulmen
+from fulmen.jit.jitted import core as jitted_core
 
 OPTIONS = fulmen.JitOptions(cache_limit=64)  # the fuzz checks every retrace, not the limit
 
@@ -120,7 +121,7 @@ def _run(family: Family, tally: Tally) -> None:
     base = Change("base")
     _call(family, base, tally, "base")
     _call(family, base, tally, "base again")
-    core = fulmen.core(family.jit or family.jitted)
+    core = jitted_core(family.jit or family.jitted)
     if core.stats.misses != 1:
         tally.mismatches.append(f"{family.name}: an identical call retraced ({core.last_miss_reasons})")
     for change in family.changes:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fulmen
+from fulmen.jit.jitted import core as jitted_core
 
 
 def _misses(fn) -> int:
@@ -372,7 +373,7 @@ def test_cache_limit_warns_then_runs_eagerly():
         for n in range(1, 51):
             x = torch.randn(n)
             torch.testing.assert_close(fn(x), x * 2)
-    core = fulmen.core(fn)
+    core = jitted_core(fn)
     assert len(core._cache.entries) == 8 and core.stats.eager_calls == 42
     limit_warnings = [w for w in caught if issubclass(w.category, fulmen.CacheLimitWarning)]
     assert len(limit_warnings) == 1

@@ -9,6 +9,7 @@ import torch
 
 import fulmen
 from fulmen.jit import reads
+from fulmen.jit.jitted import core as jitted_core
 
 SCALE = 2.0
 
@@ -93,4 +94,4 @@ def test_a_tracer_already_set_keeps_its_events():
     finally:
         sys.settrace(None)
     assert "call" in seen and "line" in seen and "return" in seen
-    assert any("global SCALE" in g.what for g in fulmen.core(fn).last_entry.guards)
+    assert any("global SCALE" in g.what for g in jitted_core(fn).last_entry.guards)
