@@ -38,6 +38,7 @@ _SHAPE_PRIMS = frozenset(prims.PRIMS[name] for name in (
 FUSIBLE_PRIMS = CHEAP_PRIMS | frozenset(prims.PRIMS[name] for name in (
     "sum", "amax", "amin", "prod", "var", "cumsum", "argmax", "argmin", "take", "take_along_axis", "slice_scatter",
     "select_scatter"))
+_RESHAPE = prims.PRIMS["reshape"]
 # Leaves without a prim decomposition that Inductor still fuses well.
 FUSIBLE_LEAVES = frozenset(SYMBOLS[name] for name in ("torch.logsumexp", "torch.arange", "impls.setitem"))
 
@@ -47,6 +48,14 @@ def _leaves(bsym: BoundSymbol):
         yield bsym
     for sub in bsym.subsymbols:
         yield from _leaves(sub)
+
+
+def _computes(leaf: BoundSymbol) -> bool:
+    """Whether a leaf is a kernel of its own in eager: every prim but views, and a reshape whose input's layout
+    allows no view (it copies)."""
+    if leaf.sym is _RESHAPE:
+        return not leaf.output.meta._is_view()
+    return leaf.sym not in _SHAPE_PRIMS
 
 
 class TorchCompileExecutor(FusionExecutor):
@@ -81,7 +90,7 @@ class TorchCompileExecutor(FusionExecutor):
 
     def worth_fusing(self, bsyms: list[BoundSymbol]) -> bool:
         # Worth a compiled call when it saves a kernel launch: two or more ops that compute (views are free).
-        computing = sum(1 for bsym in bsyms for leaf in _leaves(bsym) if leaf.sym not in _SHAPE_PRIMS)
+        computing = sum(1 for bsym in bsyms for leaf in _leaves(bsym) if _computes(leaf))
         return computing > 1
 
     def fuse(self, bsyms: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy],

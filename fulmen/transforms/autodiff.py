@@ -289,6 +289,10 @@ def _draws_random(bsym: BoundSymbol) -> bool:
 
 
 # --- backward assembly ---------------------------------------------------------------------------------------------
+def _same_layout(a: TensorProxy, b: TensorProxy) -> bool:
+    return a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+
+
 def substitute(bsym: BoundSymbol, mapping: dict[str, TensorProxy]) -> BoundSymbol:
     """`bsym` (and its subsymbols) reading `mapping[name]` wherever it read `name`."""
     return bsym.with_args_mapped(lambda p: mapping.get(p.pname, p)) if mapping else bsym
@@ -333,7 +337,21 @@ class BackwardAssembler:
                 if x.requires_grad:
                     self.accumulate(x, grad, b)
             else:
-                emitted.append(substitute(b, mapping))
+                self._replay(b, mapping, emitted)
+
+    def _replay(self, b: BoundSymbol, mapping: dict[str, TensorProxy], emitted: list[BoundSymbol]) -> None:
+        """Emits `b` reading the cotangents that arrived. The rule ran on placeholders laid out as the forward
+        values; a cotangent laid out otherwise changes the strides of what `b` gives (a permute of it, and whether a
+        reshape after that copies), so `b` is bound again and its outputs take their real layouts: region planning
+        and memory planning read them."""
+        if all(_same_layout(p, mapping.get(p.pname, p)) for p in b.proxy_args()):
+            emitted.append(substitute(b, mapping))
+            return
+        self.builder.source = b.source
+        new = substitute(b, mapping)
+        result = b.sym(*new.args, **new.kwargs)
+        for old, fresh in zip(b.proxy_outputs(), iter_proxies(result), strict=True):
+            mapping[old.pname] = fresh
 
     def accumulate(self, x: TensorProxy, grad: TensorProxy, where: BoundSymbol | None = None) -> None:
         earlier = self.cot.get(x.pname)

@@ -148,3 +148,27 @@ def test_native_layer_norm_called_directly_matches_eager():
         grads = torch.autograd.grad(loss(*got), (x, weight))
         for value, reference in zip(grads, want, strict=True):
             torch.testing.assert_close(value, reference)
+
+
+def test_reshapes_that_copy_count_as_kernels():
+    """The backward of a fused qkv projection split into heads assembles the heads' grads: each arrives from a matmul
+    laid out (B, H, T, D), is transposed back and reshaped (a copy), and the three are concatenated. Four kernels in
+    eager, so one region here, writing the concatenated grad once."""
+    B, T, H, D = 2, 8, 2, 4
+    x = torch.randn(B, T, H * D, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(H * D, 3 * H * D, dtype=torch.float64, requires_grad=True)
+
+    def f(x, w):
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (x @ w).split(H * D, dim=2))
+        return ((q @ k.mT).softmax(-1) @ v).sum()
+
+    jitted = fulmen.jit(f, executors=["torchcompile"])
+    jitted(x, w).backward()
+    got = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    f(x, w).backward()
+    torch.testing.assert_close(got, [x.grad, w.grad])
+    backward = fulmen.last_backward_traces(jitted)[-1]
+    (assembly,) = [r for r in _regions(backward) if any(sub.sym.name == "cat" for sub in r.subsymbols)]
+    assert sum(sub.sym.name == "reshape" for sub in assembly.subsymbols) == 3
+    assert (B, T, 3 * H * D) in [tuple(out.shape) for out in assembly.output]

@@ -9,9 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
+from fulmen.core import pytree
+from fulmen.core.symbol import map_proxies
 from fulmen.distributed.transform import GradSync
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.autodiff import GRAD_RULES, get_grad, put_grad
+from fulmen.transforms.common import DEL
 
 
 def _mlp(x, w1, b1, w2):
@@ -205,3 +208,40 @@ def test_custom_grad_rule_with_get_grad_and_put_grad():
 def test_get_grad_outside_a_rule_is_an_error():
     with pytest.raises(RuntimeError, match="inside a grad rule"):
         get_grad(torch.randn(2))
+
+
+def _run_checking_layouts(trace, *groups) -> list[str]:
+    """Runs `trace` call by call on real tensors; the calls whose outputs are laid out otherwise than the trace
+    records them."""
+    env = {p.pname: t for p, t in zip(trace.inputs, [t for group in groups for t in group], strict=True)}
+    wrong = []
+    for bsym in trace.bound_symbols:
+        if bsym.sym is DEL:
+            continue
+        args, kwargs = map_proxies((bsym.args, bsym.kwargs), lambda p: env[p.pname])
+        result = bsym.sym.impl(*args, **kwargs)
+        is_tensor = lambda obj: isinstance(obj, torch.Tensor)  # noqa: E731
+        for proxy, value in zip(pytree.leaves(bsym.output, is_tensor), pytree.leaves(result, is_tensor), strict=True):
+            env[proxy.pname] = value
+            if value.stride() != proxy.stride():
+                wrong.append(f"{bsym.sym.printed} -> {proxy.pname}: {proxy.stride()} recorded, {value.stride()} ran")
+    return wrong
+
+
+def test_backward_trace_records_the_layouts_that_run():
+    # The permute's grad rule ran on a placeholder laid out as the permuted (strided) forward value, but the matmul's
+    # grad arrives contiguous: permuted back, it is strided, and the reshape after the second permute copies.
+    def fn(x, w):
+        y = x.permute(0, 2, 1, 3) @ w
+        return y.permute(0, 2, 1, 3).reshape(2, 6, 20).sin().sum()
+
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 6, 4, 5, requires_grad=True), torch.randn(5, 5, requires_grad=True)
+    jitted = fulmen.jit(fn, executors=["torch"])
+    jitted(x, w).backward()
+    forward, backward = fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1]
+    assert [name for name, _ in backward.input_groups] == ["saved", "cotangents"]
+    with torch.no_grad():
+        results = forward.python_callable()(x, w)
+    saved = results[jitted.last_entry.program.n_outputs:]
+    assert _run_checking_layouts(backward, saved, [torch.ones(())]) == []
