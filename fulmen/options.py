@@ -65,6 +65,11 @@ class JitOptions:
             (`enable_gqa=True`) where a model repeats them for each query head, when torch runs the grouped call with
             the same fused kernel (fulmen.transforms.grouped_attention): no head copies in the forward, no head sums
             in the backward. Values equal eager's up to the order in which the key and value gradients are summed.
+        activation_memory_budget: the bytes the forward saves for the backward, as a share of what it saves by
+            default (0 to 1, torch.compile's option of the same name). Below 1, the backward also recomputes matmuls
+            and reductions (a linear's output from its input), the fewest flops first, until the saved bytes fit:
+            less memory for more compute. Values are unchanged; where even recomputing all of them cannot reach the
+            share, as few bytes as that leaves are saved.
         transforms: `fulmen.Transform`s run at the pipeline's stages, in this order (see fulmen.jit.pipeline).
         offload: CPU offloading of the tensors saved for the backward (None: off).
         cuda_graphs: capture the final forward and backward traces in CUDA graphs and replay them
@@ -81,6 +86,7 @@ class JitOptions:
     fuse_linear_cross_entropy: bool = True
     cross_entropy_chunk_rows: int | None = None
     grouped_query_attention: bool = True
+    activation_memory_budget: float = 1.0
     transforms: tuple[Transform, ...] = field(default=())
     offload: OffloadOptions | None = None
     cuda_graphs: bool = False
@@ -94,6 +100,9 @@ class JitOptions:
         rows = self.cross_entropy_chunk_rows
         if rows is not None and (type(rows) is not int or rows < 1):
             raise ValueError(f"JitOptions.cross_entropy_chunk_rows must be a positive int or None, got {rows!r}")
+        budget = self.activation_memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= 1:
+            raise ValueError(f"JitOptions.activation_memory_budget must be a number in [0, 1], got {budget!r}")
         if not isinstance(self.transforms, tuple | list):
             raise TypeError(f"JitOptions.transforms must be a list of fulmen.Transform, got {self.transforms!r}")
         for transform in self.transforms:

@@ -53,6 +53,7 @@ def setup(
     executors: list[str] | None = None,
     offload: float | None = None,
     cuda_graphs: bool = False,
+    activation_memory_budget: float = 1.0,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
@@ -84,6 +85,8 @@ def setup(
         cuda_graphs: fulmen replays the step's forward and backward as CUDA graphs (`JitOptions.cuda_graphs`),
             for small models and batches whose steps are launch-bound; a program it cannot capture (CPU, ddp, fsdp)
             runs without, with a warning.
+        activation_memory_budget: the bytes fulmen's forward saves for the backward, as a share of its default
+            (`JitOptions.activation_memory_budget`); below 1 the backward recomputes matmuls to fit.
         strategy: "auto" (one device: none; several: ddp), "ddp" or "fsdp" (fulmen's Fabric strategies).
         fsdp: the FSDP strategy's options.
         logger_name: "csv" or "tensorboard".

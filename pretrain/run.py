@@ -52,7 +52,8 @@ def compile_loss(settings: Settings) -> Any:
     if settings.compiler == "fulmen":
         offload = None if settings.offload is None else fulmen.OffloadOptions(fraction=settings.offload)
         return fulmen.jit(forward_and_loss, executors=settings.executors,
-                          options=fulmen.JitOptions(offload=offload, cuda_graphs=settings.cuda_graphs))
+                          options=fulmen.JitOptions(offload=offload, cuda_graphs=settings.cuda_graphs,
+                                                    activation_memory_budget=settings.activation_memory_budget))
     if settings.compiler == "torch":
         return torch.compile(forward_and_loss)
     return forward_and_loss

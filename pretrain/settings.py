@@ -65,6 +65,7 @@ class Settings:
     executors: list[str] | None
     offload: float | None
     cuda_graphs: bool
+    activation_memory_budget: float
     strategy: str
     fsdp: FSDPArgs
     logger_name: str
@@ -264,6 +265,11 @@ def check(settings: Settings) -> Plan:
         fulmen.resolve_executors(settings.executors)  # unknown names fail here
     if settings.cuda_graphs and settings.compiler != "fulmen":
         raise ValueError(f"cuda_graphs is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
+    if settings.activation_memory_budget != 1.0:
+        if settings.compiler != "fulmen":
+            raise ValueError("activation_memory_budget is fulmen's and needs compiler: fulmen, got compiler: "
+                             f"{settings.compiler}")
+        fulmen.JitOptions(activation_memory_budget=settings.activation_memory_budget)  # outside [0, 1] fails here
     if settings.offload is not None:
         if settings.compiler != "fulmen":
             raise ValueError(f"offload is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")

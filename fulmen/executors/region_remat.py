@@ -29,16 +29,11 @@ from dataclasses import dataclass, field
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.transforms.regions import last_uses, region_io
-from fulmen.transforms.remat import held_bytes, nbytes, recomputable
+from fulmen.transforms.remat import allocated_bytes, held_bytes, recomputable
 
 # A region being planned: its subsymbols are its calls, args its inputs, output its outputs.
 REGION = Symbol(name="region", printed="region", impl=None)
 MAX_RECOMPUTED = 32  # calls recomputed per value and reader, at most
-
-
-def allocated_bytes(proxy: TensorProxy) -> int:
-    """What computing `proxy` allocates: nothing for a view."""
-    return 0 if proxy.meta._is_view() else nbytes(proxy)
 
 
 @dataclass

@@ -60,6 +60,7 @@ class Pipeline:
                  interpreter_factory: Callable[[TraceBuilder], Any]) -> None:
         self.executors = executors
         self.interpreter_factory = interpreter_factory
+        self.memory_budget = options.activation_memory_budget
         builtin = (OffloadTransform(options.offload),) if options.offload is not None else ()
         self.transforms: tuple[Transform, ...] = (*options.transforms, *builtin)
         cleanup = (("dead code", dce), ("cse", cse), ("dead code", dce))
@@ -112,7 +113,7 @@ class Pipeline:
         """Stage GRAD and what follows for the forward; the backward's passes run in the returned program. With
         `graphs`, the last two traces of the forward and of the backward capture CUDA graphs and the two before
         them are the same program without graphs."""
-        plan = plan_grad(trace, self.interpreter_factory, self.executors)
+        plan = plan_grad(trace, self.interpreter_factory, self.executors, self.memory_budget)
         n_saved = len(plan.saved)
         forward = plan.forward
         backward = self._clean(plan.backward(plan.differentiable))[-1]

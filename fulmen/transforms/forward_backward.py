@@ -9,6 +9,7 @@ did not differentiate get no cotangent, and their chunks are skipped rather than
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,8 @@ from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.transforms.autodiff import BackwardAssembler, Chunk, GradTransform
 from fulmen.transforms.common import dce
-from fulmen.transforms.remat import choose_saved
+from fulmen.transforms.regions import last_uses
+from fulmen.transforms.remat import allocated_bytes, choose_saved, nbytes
 
 
 @dataclass
@@ -100,6 +102,24 @@ def _with_recomputation(bsyms: list[BoundSymbol], outputs: tuple, available: set
     return result
 
 
+def live_peak(bsyms: list[BoundSymbol], output: tuple, inputs: list[TensorProxy]) -> int:
+    """The most bytes alive while `bsyms` run: `inputs` (freed after their last reader) and what the calls allocate
+    (freed after their last reader, or kept when `output` holds them)."""
+    last_use = last_uses(bsyms, output)
+    freed: dict[int, int] = defaultdict(int)
+    for proxy in inputs:
+        freed[last_use.get(proxy.pname, -1)] += nbytes(proxy)
+    live = peak = sum(nbytes(p) for p in inputs) - freed.pop(-1, 0)
+    for position, bsym in enumerate(bsyms):
+        for out in bsym.proxy_outputs():
+            size = allocated_bytes(out)
+            live += size
+            freed[last_use.get(out.pname, position)] += size
+        peak = max(peak, live)
+        live -= freed.pop(position, 0)
+    return peak
+
+
 def _external_reads(bsyms: list[BoundSymbol], outputs: tuple, given: set[str]) -> set[str]:
     """Names `bsyms` read before producing them, other than `given`."""
     produced, reads = set(given), set()
@@ -111,8 +131,9 @@ def _external_reads(bsyms: list[BoundSymbol], outputs: tuple, given: set[str]) -
 
 
 def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any],
-              executors: tuple[Any, ...] = ()) -> GradPlan:
-    """Differentiates `trace` with respect to its inputs that require grad, and splits it."""
+              executors: tuple[Any, ...] = (), memory_budget: float = 1.0) -> GradPlan:
+    """Differentiates `trace` with respect to its inputs that require grad, and splits it; `memory_budget`: see
+    `fulmen.transforms.remat.choose_saved`."""
     joint = GradTransform(trace, interpreter_factory, executors).joint()
     input_names = {p.pname for p in trace.inputs}
     differentiable = tuple(
@@ -126,7 +147,17 @@ def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any],
     computed = dce(trace.from_trace("", bound_symbols=joint.forward))
     forward_needs = {name for b in computed.bound_symbols for name in b.output_names()}
     outputs = {p.pname for p in trace.output if type(p) is TensorProxy}
-    saved_names = choose_saved(joint.forward, trace.inputs, outputs, needed, forward_needs)
+    proxies = {p.pname: p for p in trace.inputs} | {p.pname: p for b in joint.forward for p in b.proxy_outputs()}
+
+    def peak(saved_names: set[str]) -> int:
+        """The step's estimated peak bytes (beyond the program's inputs) when the forward saves `saved_names`."""
+        saved = [proxies[name] for name in saved_names if name not in input_names]
+        forward = dce(trace.from_trace("", bound_symbols=joint.forward, output=(*trace.output, *saved)))
+        recomputing = _with_recomputation(bsyms, grads, saved_names | {p.pname for p in cotangents}, producers)
+        return max(live_peak(forward.bound_symbols, forward.output, []),
+                   live_peak(recomputing, grads, saved))
+
+    saved_names = choose_saved(joint.forward, trace.inputs, outputs, needed, forward_needs, memory_budget, peak)
     order = list(trace.inputs) + [o for b in joint.forward for o in b.proxy_outputs()]
     saved, seen = [], set()
     for proxy in order:

@@ -10,9 +10,18 @@ the sink. Program inputs cost nothing to save: the caller holds them anyway.
 
 Ops inside `torch.utils.checkpoint.checkpoint` are recomputable whatever they are and their outputs cannot
 be saved, so the cut falls on the checkpointed region's inputs, as eager's checkpointing does.
+
+An activation memory budget (`JitOptions.activation_memory_budget`, torch.compile's knob of the same name) below 1
+also lets the backward recompute matmuls and reductions, the cheapest first (fewest flops per byte of output): the
+fewest of them, found by bisection over that order, whose recomputation brings the saved bytes within the budget's
+share of what the cut saves without them. Each is then an ordinary recomputable call to the cut, which still
+minimises bytes; where saving an allowed call's output costs what saving its input would, the output is saved.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import networkx as nx
 
@@ -42,6 +51,11 @@ def nbytes(proxy: TensorProxy) -> int:
     return proxy.numel() * proxy.element_size()
 
 
+def allocated_bytes(proxy: TensorProxy) -> int:
+    """What computing `proxy` allocates: nothing for a view."""
+    return 0 if proxy.meta._is_view() else nbytes(proxy)
+
+
 def held_bytes(proxy: TensorProxy) -> int:
     """What saving `proxy` keeps alive: a view holds its whole base."""
     base = proxy.meta._base if proxy.meta._is_view() else None
@@ -51,48 +65,126 @@ def held_bytes(proxy: TensorProxy) -> int:
 # Saving a value the forward computes only for the backward also costs forward work: at equal bytes, prefer
 # saving what the forward computes anyway.
 BACKWARD_ONLY_PENALTY = 1.1
+# Flops a GPU does in the time it moves one byte (an H200: 989 dense bf16 TFLOP/s over 4.8 TB/s): a reduction's
+# recomputation is priced as this many flops per byte it reads.
+FLOPS_PER_BYTE = 200
+_MATMUL = prims.PRIMS["matmul"]
+_REDUCTION_PRIMS = frozenset(prims.PRIMS[name] for name in ("sum", "prod", "amax", "amin", "var"))
+
+
+def _leaves(bsym: BoundSymbol) -> list[BoundSymbol]:
+    return [bsym] if not bsym.subsymbols else [leaf for sub in bsym.subsymbols for leaf in _leaves(sub)]
+
+
+def recompute_flops(bsym: BoundSymbol) -> int | None:
+    """What recomputing `bsym` costs, in flops (a reduction's bytes priced at FLOPS_PER_BYTE), when it is a matmul
+    or reduction the budget may recompute; None for any other call (and for what `recomputable` allows anyway)."""
+    if recomputable(bsym) or bsym.sym.tags & (Tag.RANDOM | Tag.IMPURE) or not bsym.proxy_outputs():
+        return None
+    flops = 0
+    for leaf in _leaves(bsym):
+        if leaf.sym is _MATMUL:
+            a, out = leaf.args[0], leaf.output
+            flops += 2 * out.numel() * a.shape[-1]
+        elif leaf.sym in _REDUCTION_PRIMS:
+            flops += FLOPS_PER_BYTE * nbytes(leaf.args[0])
+        elif not leaf.sym.is_prim or leaf.sym not in CHEAP_PRIMS:
+            return None
+    return flops
 
 
 _SOURCE, _SINK = "source", "sink"
 
 
+@dataclass
+class _Cut:
+    """The minimum cut of one forward, for a given set of matmuls and reductions the backward may recompute."""
+
+    forward: list[BoundSymbol]
+    inputs: list[TensorProxy]
+    outputs: set[str]
+    needed: set[str]
+    forward_needs: set[str]
+
+    def saved(self, allowed: frozenset[int] = frozenset()) -> set[str]:
+        """The values to save; `allowed`: positions in `forward` of calls recomputable beyond the cheap ones."""
+        graph = nx.DiGraph()
+        # A checkpointed value read outside its region (by later ops, another region or the outputs) is what eager's
+        # checkpointing keeps too; only the values internal to a region are never saved.
+        region_of = {name: b.checkpoint_region for b in self.forward for name in b.output_names()}
+        escaping = set(self.outputs)
+        for bsym in self.forward:
+            escaping.update(n for n in bsym.arg_names() if region_of.get(n, 0) not in (0, bsym.checkpoint_region))
+        for proxy in self.inputs:
+            graph.add_edge(_SOURCE, ("in", proxy.pname))
+            graph.add_edge(("in", proxy.pname), ("out", proxy.pname), capacity=0)
+        for position, bsym in enumerate(self.forward):
+            expensive = position in allowed
+            cheap = expensive or recomputable(bsym)
+            for out in bsym.proxy_outputs():
+                node = ("in", out.pname)
+                if bsym.checkpoint_region and cheap and out.pname not in escaping:
+                    graph.add_edge(node, ("out", out.pname))  # no capacity: never saved
+                else:
+                    cost = held_bytes(out) * (1 if out.pname in self.forward_needs else BACKWARD_ONLY_PENALTY)
+                    # one less for an allowed call's output: of two cuts saving as many bytes, the one that does
+                    # not recompute it
+                    graph.add_edge(node, ("out", out.pname), capacity=int(cost) + (0 if expensive else 1))
+                if cheap:
+                    for arg in bsym.proxy_args():
+                        graph.add_edge(("out", arg.pname), node)
+                else:
+                    graph.add_edge(_SOURCE, node)
+        for name in self.needed:
+            graph.add_edge(("out", name), _SINK)
+        if _SINK not in graph:
+            return set()
+        _, (reachable, _) = nx.minimum_cut(graph, _SOURCE, _SINK)
+        return {
+            name
+            for (kind, name) in (n for n in reachable if isinstance(n, tuple))
+            if kind == "in" and ("out", name) not in reachable
+        }
+
+    def held(self, names: set[str]) -> int:
+        proxies = {p.pname: p for b in self.forward for p in b.proxy_outputs()}
+        return sum(held_bytes(proxies[name]) for name in names if name in proxies)
+
+
 def choose_saved(forward: list[BoundSymbol], inputs: list[TensorProxy], outputs: set[str], needed: set[str],
-                 forward_needs: set[str]) -> set[str]:
+                 forward_needs: set[str], memory_budget: float = 1.0,
+                 peak: Callable[[set[str]], int] | None = None) -> set[str]:
     """The names of the forward values to save so that every name in `needed` is available to the backward.
 
-    `forward_needs` are the values the forward computes for its own outputs anyway.
+    `forward_needs` are the values the forward computes for its own outputs anyway. `memory_budget` below 1: the
+    saved bytes (program inputs aside) at most this share of what is saved at 1, where recomputing matmuls and
+    reductions can get there, at the fewest flops (else as few bytes as recomputing all of them leaves). `peak`
+    estimates the step's peak bytes for a choice of saved values: a choice that would raise it above the default
+    choice's is not taken (a value recomputed early for one reader stays alive until its last, so recomputing
+    everything can keep more alive than saving), and fewer calls are recomputed instead.
     """
-    graph = nx.DiGraph()
-    # A checkpointed value read outside its region (by later ops, another region or the outputs) is what eager's
-    # checkpointing keeps too; only the values internal to a region are never saved.
-    region_of = {name: b.checkpoint_region for b in forward for name in b.output_names()}
-    escaping = set(outputs)
-    for bsym in forward:
-        escaping.update(n for n in bsym.arg_names() if region_of.get(n, 0) not in (0, bsym.checkpoint_region))
-    for proxy in inputs:
-        graph.add_edge(_SOURCE, ("in", proxy.pname))
-        graph.add_edge(("in", proxy.pname), ("out", proxy.pname), capacity=0)
-    for bsym in forward:
-        cheap = recomputable(bsym)
-        for out in bsym.proxy_outputs():
-            node = ("in", out.pname)
-            if bsym.checkpoint_region and cheap and out.pname not in escaping:
-                graph.add_edge(node, ("out", out.pname))  # no capacity: never saved
+    cut = _Cut(forward, inputs, outputs, needed, forward_needs)
+    saved = cut.saved()
+    if memory_budget >= 1 or not saved:
+        return saved
+    limit = memory_budget * cut.held(saved)
+    costs = [(flops / max(1, sum(nbytes(o) for o in b.proxy_outputs())), position)
+             for position, b in enumerate(forward) if (flops := recompute_flops(b)) is not None]
+    order = [position for _, position in sorted(costs)]
+    # Allowing more calls never saves more bytes (the cut only gains choices): bisect for the shortest prefix.
+    low, high = 0, len(order)
+    best = cut.saved(frozenset(order))
+    if cut.held(best) <= limit:
+        while low < high:
+            middle = (low + high) // 2
+            candidate = cut.saved(frozenset(order[:middle]))
+            if cut.held(candidate) <= limit:
+                high, best = middle, candidate
             else:
-                cost = held_bytes(out) * (1 if out.pname in forward_needs else BACKWARD_ONLY_PENALTY)
-                graph.add_edge(node, ("out", out.pname), capacity=int(cost) + 1)
-            if cheap:
-                for arg in bsym.proxy_args():
-                    graph.add_edge(("out", arg.pname), node)
-            else:
-                graph.add_edge(_SOURCE, node)
-    for name in needed:
-        graph.add_edge(("out", name), _SINK)
-    if _SINK not in graph:
-        return set()
-    _, (reachable, _) = nx.minimum_cut(graph, _SOURCE, _SINK)
-    return {
-        name
-        for (kind, name) in (n for n in reachable if isinstance(n, tuple))
-        if kind == "in" and ("out", name) not in reachable
-    }
+                low = middle + 1
+    if peak is not None:
+        ceiling = peak(saved)
+        while high and peak(best) > ceiling:
+            high //= 2
+            best = cut.saved(frozenset(order[:high]))
+    return best

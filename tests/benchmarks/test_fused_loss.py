@@ -19,14 +19,14 @@ def test_fused_loss_benchmark_smoke(tmp_path):
     spec.loader.exec_module(module)
     out = tmp_path / "fused_loss.json"
     argv = "--device cpu --dtype fp32 --model_name pythia-14m --n_layer 1 --seq_len 32 --micro_batch_size 2"
-    argv += f" --iters 2 --warmup 1 --cap_gb 0 --compilers eager,fulmen,fulmen-unfused --out {out}"
+    argv += f" --iters 2 --warmup 1 --cap_gb 0 --compilers eager,fulmen,fulmen-unfused,fulmen-budget-0.5 --out {out}"
     try:
         module.main(argv.split())
     finally:
         if not on_path:  # the script puts benchmarks/ on the path to import step.py
             sys.path.remove(str(SCRIPT.parent))
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"eager", "fulmen", "fulmen-unfused"}
+    assert set(results) == {"eager", "fulmen", "fulmen-unfused", "fulmen-budget-0.5"}
     for name, result in results.items():
         assert result["status"] == "ok", (name, result)
         assert math.isclose(result["final_loss"], results["eager"]["final_loss"], rel_tol=1e-4), name

@@ -83,6 +83,8 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     (["--executors", "[sdpa, nvfuser]"], "unknown executor 'nvfuser'"),
     (["--compiler", "torch", "--offload", "0.5"], "offload is fulmen's and needs compiler: fulmen"),
     (["--offload", "1.5"], r"OffloadOptions.fraction must be a number in \(0, 1\]"),
+    (["--compiler", "torch", "--activation_memory_budget", "0.5"], "activation_memory_budget is fulmen's"),
+    (["--activation_memory_budget", "1.5"], r"activation_memory_budget must be a number in \[0, 1\]"),
     (["--resume", "true"], "resume: True, but .* holds no complete step-\\*/lit_model.pth"),
     (["--train.max_seq_length", "4096"], "exceeds the model's block_size"),
     (["--train.max_steps", "0"], "train.max_steps must be a positive integer or null, got 0"),

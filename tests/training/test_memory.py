@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -141,3 +142,39 @@ def test_autocast_region_inside_the_program():
     (total, y), (expected_total, expected_y) = fulmen.jit(f)(x, w), f(x, w)
     assert y.dtype == expected_y.dtype == torch.bfloat16
     torch.testing.assert_close(total, expected_total)
+
+
+def test_activation_memory_budget_trades_saved_bytes_for_recomputed_matmuls():
+    """Below 1, the backward recomputes linears (the cheapest per byte first) until the saved activations fit the
+    budget; grads stay eager's, and the peak falls. At 0, recomputing every linear would keep more alive than
+    saving (the residual stream recomputed for the last layer's backward, then kept for the others'): fewer are."""
+    model = _litgpt_4_layers()
+    vocab = model.config.padded_vocab_size
+    idx, targets = torch.randint(0, vocab, (4, 32)), torch.randint(0, vocab, (4, 32))
+
+    def loss_fn(net):
+        return F.cross_entropy(net(idx).flatten(0, 1), targets.flatten())
+
+    loss_fn(model).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    saved, peaks, recomputed = {}, {}, {}
+    for budget in (1.0, 0.5, 0.0):
+        model.zero_grad(set_to_none=True)
+        jitted = fulmen.jit(loss_fn, options=fulmen.JitOptions(activation_memory_budget=budget))
+        record, peaks[budget] = _measure(lambda jitted=jitted: jitted(model), [*model.parameters(),
+                                                                               *model.buffers(), idx, targets])
+        saved[budget] = record.activation_bytes
+        for got, expected in zip([p.grad for p in model.parameters()], want, strict=True):
+            torch.testing.assert_close(got, 2 * expected)  # the warm-up's grads and the measured step's
+        backward = fulmen.last_backward_traces(jitted)[-1].python()
+        recomputed[budget] = backward.count("torch.nn.functional.linear(")
+    print(f"\nsaved {saved}, peak {peaks}, linears in the backward {recomputed}")
+    assert saved[0.5] <= 0.5 * saved[1.0] and saved[0.0] < saved[0.5]
+    assert recomputed[1.0] < recomputed[0.5] < recomputed[0.0]
+    assert peaks[0.5] < peaks[1.0] and peaks[0.0] < peaks[1.0]
+
+
+def test_activation_memory_budget_is_a_share():
+    for budget in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="activation_memory_budget must be a number in"):
+            fulmen.JitOptions(activation_memory_budget=budget)
