@@ -68,8 +68,9 @@ class JitOptions:
         activation_memory_budget: the bytes the forward saves for the backward, as a share of what it saves by
             default (0 to 1, torch.compile's option of the same name). Below 1, the backward also recomputes matmuls
             and reductions (a linear's output from its input), the fewest flops first, until the saved bytes fit:
-            less memory for more compute. Values are unchanged; where even recomputing all of them cannot reach the
-            share, as few bytes as that leaves are saved.
+            less memory for more compute. Values are unchanged. Where even recomputing all of them cannot reach the
+            share, as few bytes as that leaves are saved; fewer are recomputed where the step's estimated peak would
+            otherwise rise above the default's.
         transforms: `fulmen.Transform`s run at the pipeline's stages, in this order (see fulmen.jit.pipeline).
         offload: CPU offloading of the tensors saved for the backward (None: off).
         cuda_graphs: capture the final forward and backward traces in CUDA graphs and replay them

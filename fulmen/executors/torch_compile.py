@@ -31,7 +31,7 @@ from fulmen.executors.base import FusionExecutor, Implementation
 from fulmen.executors.registry import register_executor
 from fulmen.ops import fused_loss, prims
 from fulmen.ops.registry import SYMBOLS
-from fulmen.transforms.remat import CHEAP_PRIMS
+from fulmen.transforms.remat import CHEAP_PRIMS, leaf_calls
 
 _SHAPE_PRIMS = frozenset(prims.PRIMS[name] for name in (
     "alias", "reshape", "permute", "expand", "squeeze", "unsqueeze", "slice", "select"))
@@ -41,13 +41,6 @@ FUSIBLE_PRIMS = CHEAP_PRIMS | frozenset(prims.PRIMS[name] for name in (
 _RESHAPE = prims.PRIMS["reshape"]
 # Leaves without a prim decomposition that Inductor still fuses well.
 FUSIBLE_LEAVES = frozenset(SYMBOLS[name] for name in ("torch.logsumexp", "torch.arange", "impls.setitem"))
-
-
-def _leaves(bsym: BoundSymbol):
-    if not bsym.subsymbols:
-        yield bsym
-    for sub in bsym.subsymbols:
-        yield from _leaves(sub)
 
 
 def _computes(leaf: BoundSymbol) -> bool:
@@ -86,11 +79,11 @@ class TorchCompileExecutor(FusionExecutor):
             return False
         if any(p.device.type not in ("cuda", "cpu") for p in bsym.proxy_args() + bsym.proxy_outputs()):
             return False
-        return all(leaf.sym in FUSIBLE_PRIMS or leaf.sym in FUSIBLE_LEAVES for leaf in _leaves(bsym))
+        return all(leaf.sym in FUSIBLE_PRIMS or leaf.sym in FUSIBLE_LEAVES for leaf in leaf_calls(bsym))
 
     def worth_fusing(self, bsyms: list[BoundSymbol]) -> bool:
         # Worth a compiled call when it saves a kernel launch: two or more ops that compute (views are free).
-        computing = sum(1 for bsym in bsyms for leaf in _leaves(bsym) if _computes(leaf))
+        computing = sum(1 for bsym in bsyms for leaf in leaf_calls(bsym) if _computes(leaf))
         return computing > 1
 
     def fuse(self, bsyms: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy],

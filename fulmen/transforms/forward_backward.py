@@ -102,7 +102,7 @@ def _with_recomputation(bsyms: list[BoundSymbol], outputs: tuple, available: set
     return result
 
 
-def live_peak(bsyms: list[BoundSymbol], output: tuple, inputs: list[TensorProxy]) -> int:
+def _live_peak(bsyms: list[BoundSymbol], output: tuple, inputs: list[TensorProxy]) -> int:
     """The most bytes alive while `bsyms` run: `inputs` (freed after their last reader) and what the calls allocate
     (freed after their last reader, or kept when `output` holds them)."""
     last_use = last_uses(bsyms, output)
@@ -154,8 +154,8 @@ def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any],
         saved = [proxies[name] for name in saved_names if name not in input_names]
         forward = dce(trace.from_trace("", bound_symbols=joint.forward, output=(*trace.output, *saved)))
         recomputing = _with_recomputation(bsyms, grads, saved_names | {p.pname for p in cotangents}, producers)
-        return max(live_peak(forward.bound_symbols, forward.output, []),
-                   live_peak(recomputing, grads, saved))
+        return max(_live_peak(forward.bound_symbols, forward.output, []),
+                   _live_peak(recomputing, grads, saved))
 
     saved_names = choose_saved(joint.forward, trace.inputs, outputs, needed, forward_needs, memory_budget, peak)
     order = list(trace.inputs) + [o for b in joint.forward for o in b.proxy_outputs()]

@@ -20,8 +20,8 @@ minimises bytes; where saving an allowed call's output costs what saving its inp
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import networkx as nx
 
@@ -72,8 +72,12 @@ _MATMUL = prims.PRIMS["matmul"]
 _REDUCTION_PRIMS = frozenset(prims.PRIMS[name] for name in ("sum", "prod", "amax", "amin", "var"))
 
 
-def _leaves(bsym: BoundSymbol) -> list[BoundSymbol]:
-    return [bsym] if not bsym.subsymbols else [leaf for sub in bsym.subsymbols for leaf in _leaves(sub)]
+def leaf_calls(bsym: BoundSymbol) -> Iterator[BoundSymbol]:
+    """The calls without subsymbols that `bsym` decomposes into (itself when it has none)."""
+    if not bsym.subsymbols:
+        yield bsym
+    for sub in bsym.subsymbols:
+        yield from leaf_calls(sub)
 
 
 def recompute_flops(bsym: BoundSymbol) -> int | None:
@@ -82,7 +86,7 @@ def recompute_flops(bsym: BoundSymbol) -> int | None:
     if recomputable(bsym) or bsym.sym.tags & (Tag.RANDOM | Tag.IMPURE) or not bsym.proxy_outputs():
         return None
     flops = 0
-    for leaf in _leaves(bsym):
+    for leaf in leaf_calls(bsym):
         if leaf.sym is _MATMUL:
             a, out = leaf.args[0], leaf.output
             flops += 2 * out.numel() * a.shape[-1]
@@ -105,6 +109,10 @@ class _Cut:
     outputs: set[str]
     needed: set[str]
     forward_needs: set[str]
+    proxies: dict[str, TensorProxy] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.proxies = {p.pname: p for b in self.forward for p in b.proxy_outputs()}
 
     def saved(self, allowed: frozenset[int] = frozenset()) -> set[str]:
         """The values to save; `allowed`: positions in `forward` of calls recomputable beyond the cheap ones."""
@@ -147,8 +155,8 @@ class _Cut:
         }
 
     def held(self, names: set[str]) -> int:
-        proxies = {p.pname: p for b in self.forward for p in b.proxy_outputs()}
-        return sum(held_bytes(proxies[name]) for name in names if name in proxies)
+        """The bytes saving `names` keeps alive (program inputs cost nothing)."""
+        return sum(held_bytes(self.proxies[name]) for name in names if name in self.proxies)
 
 
 def choose_saved(forward: list[BoundSymbol], inputs: list[TensorProxy], outputs: set[str], needed: set[str],
