@@ -344,11 +344,11 @@ class BackwardAssembler:
         values; a cotangent laid out otherwise changes the strides of what `b` gives (a permute of it, and whether a
         reshape after that copies), so `b` is bound again and its outputs take their real layouts: region planning
         and memory planning read them."""
+        new = substitute(b, mapping)
         if all(_same_layout(p, mapping.get(p.pname, p)) for p in b.proxy_args()):
-            emitted.append(substitute(b, mapping))
+            emitted.append(new)
             return
         self.builder.source = b.source
-        new = substitute(b, mapping)
         result = b.sym(*new.args, **new.kwargs)
         for old, fresh in zip(b.proxy_outputs(), iter_proxies(result), strict=True):
             mapping[old.pname] = fresh

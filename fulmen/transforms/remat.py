@@ -110,19 +110,21 @@ class _Cut:
     needed: set[str]
     forward_needs: set[str]
     proxies: dict[str, TensorProxy] = field(init=False)
+    escaping: set[str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.proxies = {p.pname: p for b in self.forward for p in b.proxy_outputs()}
+        # A checkpointed value read outside its region (by later ops, another region or the outputs) is what eager's
+        # checkpointing keeps too; only the values internal to a region are never saved.
+        region_of = {name: b.checkpoint_region for b in self.forward for name in b.output_names()}
+        self.escaping = set(self.outputs)
+        for bsym in self.forward:
+            self.escaping.update(n for n in bsym.arg_names()
+                                 if region_of.get(n, 0) not in (0, bsym.checkpoint_region))
 
     def saved(self, allowed: frozenset[int] = frozenset()) -> set[str]:
         """The values to save; `allowed`: positions in `forward` of calls recomputable beyond the cheap ones."""
         graph = nx.DiGraph()
-        # A checkpointed value read outside its region (by later ops, another region or the outputs) is what eager's
-        # checkpointing keeps too; only the values internal to a region are never saved.
-        region_of = {name: b.checkpoint_region for b in self.forward for name in b.output_names()}
-        escaping = set(self.outputs)
-        for bsym in self.forward:
-            escaping.update(n for n in bsym.arg_names() if region_of.get(n, 0) not in (0, bsym.checkpoint_region))
         for proxy in self.inputs:
             graph.add_edge(_SOURCE, ("in", proxy.pname))
             graph.add_edge(("in", proxy.pname), ("out", proxy.pname), capacity=0)
@@ -131,7 +133,7 @@ class _Cut:
             cheap = expensive or recomputable(bsym)
             for out in bsym.proxy_outputs():
                 node = ("in", out.pname)
-                if bsym.checkpoint_region and cheap and out.pname not in escaping:
+                if bsym.checkpoint_region and cheap and out.pname not in self.escaping:
                     graph.add_edge(node, ("out", out.pname))  # no capacity: never saved
                 else:
                     cost = held_bytes(out) * (1 if out.pname in self.forward_needs else BACKWARD_ONLY_PENALTY)
