@@ -7,7 +7,10 @@
 `fulmen+unsloth` is fulmen with the "unsloth" executor (fulmen.unsloth's Triton kernels for cross-entropy, SwiGLU
 and RoPE) ahead of the same executors as the `fulmen` row (`--executors`, or fulmen's defaults). `fulmen+cudagraphs`
 is fulmen with `JitOptions(cuda_graphs=True)`, `torch.compile+cudagraphs` torch.compile's "reduce-overhead" mode
-(neither is in the default list).
+(neither is in the default list). `fulmen+matmul-regions` lets the matmuls join the torchcompile executor's regions
+(`TorchCompileExecutor(fuse_matmuls=True)`), `fulmen+matmul-autotune` also autotunes them (Inductor's
+`max_autotune_gemm`: its Triton matmul templates, with neighbouring elementwise work fused in, where they beat
+cuBLAS), and `torch.compile+max-autotune` is torch.compile's "max-autotune-no-cudagraphs" mode for comparison.
 
 `--preset seed-002` is the seed-002 notebook's regime: llm.c's GPT-2 124M as examples/llmc/model.py writes it
 (`--model_name llmc-gpt2`, its own loss in the forward), B=4, T=64, fp32 with TF32 off, `torch.optim.Adam`:
@@ -73,11 +76,15 @@ if str(REPO) not in sys.path:  # fulmen may be pip-installed; examples/ is impor
     sys.path.insert(0, str(REPO))
 import fulmen  # noqa: E402
 from examples.llmc import model as llmc_model  # noqa: E402
+from fulmen.executors.torch_compile import TorchCompileExecutor  # noqa: E402
 from fulmen.pretrain.flops import peak_flops  # noqa: E402 - the same table pretraining reports MFU with
 
 DEFAULT_COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen+unsloth", "thunder")
 COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs", "fulmen-unfused-loss",
-             "fulmen-repeated-heads")
+             "fulmen-repeated-heads", "fulmen+matmul-regions", "fulmen+matmul-autotune", "torch.compile+max-autotune")
+# Inductor with the matmuls in its regions: cuBLAS still (default options), or its autotuned Triton matmul templates
+# with the neighbouring elementwise work fused in where they win (max_autotune_gemm).
+MATMUL_REGION_OPTIONS = {"fulmen+matmul-regions": {}, "fulmen+matmul-autotune": {"max_autotune_gemm": True}}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LLMC_GPT2 = "llmc-gpt2"  # the seed-002 notebook's GPT-2 (examples/llmc/model.py), not a LitGPT config
 PRESETS = {"seed-002": {"model_name": LLMC_GPT2, "micro_batch_size": 4, "seq_len": 64, "dtype": "fp32",
@@ -145,6 +152,12 @@ def compile_fn(name: str, executors: list[str] | None) -> Callable[[Any], Callab
         return torch.compile
     if name == "torch.compile+cudagraphs":
         return lambda fn: torch.compile(fn, mode="reduce-overhead")
+    if name == "torch.compile+max-autotune":
+        return lambda fn: torch.compile(fn, mode="max-autotune-no-cudagraphs")
+    if name in MATMUL_REGION_OPTIONS:  # the same executors, matmuls fused into torchcompile's regions
+        fusing = TorchCompileExecutor(f"torchcompile[{name}]", MATMUL_REGION_OPTIONS[name], fuse_matmuls=True)
+        names = executors or [executor.name for executor in fulmen.get_default_executors()]
+        return lambda fn: fulmen.jit(fn, executors=[fusing if e == "torchcompile" else e for e in names])
     if name == "fulmen":
         return lambda fn: fulmen.jit(fn, executors=executors)
     if name == "fulmen+cudagraphs":
@@ -193,6 +206,7 @@ def sync(device: torch.device) -> None:
 # Kernel families of a step's GPU time, by kernel name: the first family with a matching fragment wins.
 KERNEL_FAMILIES = (
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("matmul", ("triton_tem_",)),  # Inductor's Triton matmul templates, with any epilogue fused into them
     ("triton", ("triton",)),
     ("adam", ("adam", "multi_tensor_apply")),  # fused AdamW, and the foreach kernels of torch.optim.Adam
     ("matmul", ("gemm", "cutlass", "cublas", "nvjet", "xmma", "wgmma", "matmul", "splitk")),
@@ -426,7 +440,9 @@ def version(package: str) -> str | None:
 def write_report(report: dict, path: str | Path) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    partial = out.with_name(out.name + ".partial")  # a kill mid-write leaves the last whole report in place
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.replace(out)
     print(f"wrote {out}")
 
 
@@ -530,6 +546,27 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as error:  # noqa: BLE001 - Thunder is optional and often fails to import
             thunder_error = f"import thunder failed: {type(error).__name__}: {error}"
 
+    def report() -> dict:  # written after every row, so a run cut short keeps the rows it finished
+        results = {name: merge_rounds(rs) for name, rs in runs.items() if rs}
+        return {
+            "benchmark": f"training step of {args.model_name}: forward, cross-entropy, backward, {args.optimizer} step",
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "fulmen": version("fulmen"),
+            "fulmen_git": git_revision(),
+            "thunder": thunder_version,
+            "litgpt": version("litgpt"),
+            "args": vars(args),
+            "tokens_per_step": args.micro_batch_size * args.seq_len,
+            "peak_flops": peak_flops(device, dtype),
+            "results": results,
+            "ratios_vs_eager": ratios_to(results, "eager"),
+            "ratios_vs_torch_compile": ratios_to(results, "torch.compile"),
+        }
+
     # Later rows run on a warmer GPU (on an H200, a row's matmuls take about 1% longer per position), so with
     # `--rounds` each row also runs at the other end of the order.
     runs: dict[str, list[dict]] = {name: [] for name in args.compilers}
@@ -544,30 +581,11 @@ def main(argv: list[str] | None = None) -> dict:
             r = benchmark(name, args, device, dtype) | {"position": position}
             runs[name].append(r)
             print(f"{name}: {r['status']}" + (f" ({r['error']})" if "error" in r else ""), flush=True)
-    results = {name: merge_rounds(rs) for name, rs in runs.items()}
-
-    ratios = ratios_to(results, "eager")
-    print_table(results, ratios)
-    report = {
-        "benchmark": f"training step of {args.model_name}: forward, cross-entropy, backward, {args.optimizer} step",
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "fulmen": version("fulmen"),
-        "fulmen_git": git_revision(),
-        "thunder": thunder_version,
-        "litgpt": version("litgpt"),
-        "args": vars(args),
-        "tokens_per_step": args.micro_batch_size * args.seq_len,
-        "peak_flops": peak_flops(device, dtype),
-        "results": results,
-        "ratios_vs_eager": ratios,
-        "ratios_vs_torch_compile": ratios_to(results, "torch.compile"),
-    }
-    write_report(report, args.out)
-    return report
+            write_report(report(), args.out)
+    final = report()
+    print_table(final["results"], final["ratios_vs_eager"])
+    write_report(final, args.out)
+    return final
 
 
 if __name__ == "__main__":

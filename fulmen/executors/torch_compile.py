@@ -3,8 +3,11 @@
 A region is a run of consecutive calls built only from elementwise, shape, conversion and reduction prims (so
 norms, activations, RoPE, softmax, the cross-entropy parts, and their grads); matmuls, attention, random draws,
 collectives, in-place writes and custom kernels end a region, since Inductor does not beat cuBLAS or fused
-attention kernels and regions must not move communication. Each region becomes one callable printed as
-`TorchCompileN(...)`, and its parts print under it at depth 1.
+attention kernels and regions must not move communication. `fuse_matmuls=True` lets matmuls join regions too, so
+Inductor sees their neighbours: with its default options it still calls cuBLAS for them, and with
+`compile_options={"max_autotune_gemm": True}` it may choose its Triton matmul templates with the neighbouring
+elementwise work fused in as a prologue or epilogue (at the cost of autotuning each matmul shape on the first step).
+Each region becomes one callable printed as `TorchCompileN(...)`, and its parts print under it at depth 1.
 
 Regions are printed with canonical names and compiled once per distinct source: the repeated blocks of a
 transformer give identical regions (same ops, same shapes), which share one compiled function.
@@ -39,6 +42,7 @@ FUSIBLE_PRIMS = CHEAP_PRIMS | frozenset(prims.PRIMS[name] for name in (
     "sum", "amax", "amin", "prod", "var", "cumsum", "argmax", "argmin", "take", "take_along_axis", "slice_scatter",
     "select_scatter"))
 _RESHAPE = prims.PRIMS["reshape"]
+_MATMUL = prims.PRIMS["matmul"]
 # Leaves without a prim decomposition that Inductor still fuses well.
 FUSIBLE_LEAVES = frozenset(SYMBOLS[name] for name in ("torch.logsumexp", "torch.arange", "impls.setitem"))
 
@@ -54,12 +58,13 @@ def _computes(leaf: BoundSymbol) -> bool:
 class TorchCompileExecutor(FusionExecutor):
     """Fusion regions compiled by Inductor; `compile_options` are Inductor config options for every region
     (`torch._inductor.list_options()`), e.g. `{"max_autotune": True}`; `recompute_inputs`: see
-    `FusionExecutor.recomputes_inputs`."""
+    `FusionExecutor.recomputes_inputs`; `fuse_matmuls`: matmuls join regions (see the module's docs)."""
 
     def __init__(self, name: str = "torchcompile", compile_options: dict[str, Any] | None = None,
-                 recompute_inputs: bool = True) -> None:
+                 recompute_inputs: bool = True, fuse_matmuls: bool = False) -> None:
         super().__init__(name)
         self.recomputes_inputs = recompute_inputs
+        self.fusible_leaves = FUSIBLE_PRIMS | FUSIBLE_LEAVES | ({_MATMUL} if fuse_matmuls else set())
         options = dict(compile_options or {})
         unknown = sorted(set(options) - set(torch._inductor.list_options()))
         if unknown:
@@ -79,7 +84,7 @@ class TorchCompileExecutor(FusionExecutor):
             return False
         if any(p.device.type not in ("cuda", "cpu") for p in bsym.proxy_args() + bsym.proxy_outputs()):
             return False
-        return all(leaf.sym in FUSIBLE_PRIMS or leaf.sym in FUSIBLE_LEAVES for leaf in leaf_calls(bsym))
+        return all(leaf.sym in self.fusible_leaves for leaf in leaf_calls(bsym))
 
     def worth_fusing(self, bsyms: list[BoundSymbol]) -> bool:
         # Worth a compiled call when it saves a kernel launch: two or more ops that compute (views are free).

@@ -172,3 +172,34 @@ def test_reshapes_that_copy_count_as_kernels():
     (assembly,) = [r for r in _regions(backward) if any(sub.sym.name == "cat" for sub in r.subsymbols)]
     assert sum(sub.sym.name == "reshape" for sub in assembly.subsymbols) == 3
     assert (B, T, 3 * H * D) in [tuple(out.shape) for out in assembly.output]
+
+
+def test_matmuls_join_regions_when_asked():
+    """`fuse_matmuls=True` hands Inductor the matmuls with their neighbours (the linear layers, and on CPU the
+    attention's own matmuls); values and grads stay eager's. The default executor keeps them out."""
+    from fulmen.executors.torch_compile import TorchCompileExecutor
+    from fulmen.transforms.remat import leaf_calls
+
+    config = shrunk("Llama-3.2-1B")
+    config.n_layer = 2
+    model = GPT(config).double()
+    idx, targets = (torch.randint(0, config.padded_vocab_size, (2, 16)) for _ in range(2))
+    expected = _loss(model, idx, targets)
+    expected.backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    with_matmuls = TorchCompileExecutor("torchcompile_with_matmuls", fuse_matmuls=True)
+    jitted = fulmen.jit(_loss, executors=[with_matmuls])
+    loss = jitted(model, idx, targets)
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], msg=name)
+    for trace in (fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1]):
+        regions = [bsym for bsym in trace.bound_symbols if bsym.sym.executor is with_matmuls]
+        fused = sum(leaf.sym.name == "matmul" for region in regions for leaf in leaf_calls(region))
+        alone = sum(leaf.sym.name == "matmul" for bsym in trace.bound_symbols if bsym.sym.executor is not with_matmuls
+                    for leaf in leaf_calls(bsym))
+        # every linear of both layers (7 each) is in a region, forward and backward
+        assert fused >= 7 * config.n_layer and alone == 0, (fused, alone)
