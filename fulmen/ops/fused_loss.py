@@ -86,8 +86,9 @@ def chunk_step(logits: torch.Tensor, target: torch.Tensor, row_scale: torch.Tens
     """Per-row losses of one chunk (compute dtype) and, when `want_grad`, the gradient of `sum(losses * row_scale)`
     with respect to `logits`, in the logits' dtype. Ignored rows have loss 0 and gradient 0.
 
-    Owns `logits` (the chunk's own matmul output): it is overwritten when it already has the compute dtype, and the
-    gradient is built in place in the compute-dtype copy."""
+    Owns `logits` (the chunk's own matmul output): the gradient is built in a compute-dtype copy (the logits
+    themselves when they have the compute dtype) and returned in the logits' buffer, so a chunk never holds a
+    gradient beside its logits."""
     x = logits.to(dtype).to(compute_dtype(dtype))
     losses, valid, safe, lse = _losses(x, target, ignore_index, label_smoothing)
     if not want_grad:
@@ -97,15 +98,22 @@ def chunk_step(logits: torch.Tensor, target: torch.Tensor, row_scale: torch.Tens
         grad.sub_(label_smoothing / x.shape[1])
     grad.scatter_add_(1, safe, torch.full_like(lse, label_smoothing - 1).unsqueeze(1))
     grad.mul_(torch.where(valid, row_scale, 0.0).unsqueeze(1))
-    return losses, grad.to(dtype).to(logits.dtype)
+    return losses, _into(logits, grad, dtype)
+
+
+def _into(logits: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`grad.to(dtype).to(logits.dtype)` written over `logits` (the same rounding: copy_ rounds as .to does)."""
+    if grad is not logits:
+        logits.copy_(grad if dtype in (grad.dtype, logits.dtype) else grad.to(dtype))
+    return logits
 
 
 def fusible_chunk_step(logits: torch.Tensor, target: torch.Tensor, row_scale: torch.Tensor, ignore_index: int,
                        label_smoothing: float, dtype: torch.dtype, want_grad: bool) -> tuple[torch.Tensor, Any]:
     """`chunk_step` written for Inductor: the gradient as one expression of the logits (the target's column found by
-    comparison, not written by a scatter), so it is one pass that reads the logits and writes their gradient. A
-    scatter into the gradient makes Inductor write it in float32 and read it again. The same operations in the same
-    order as `chunk_step`, so the same values."""
+    comparison, not written by a scatter), so it is one pass that reads the logits and writes their gradient over
+    them (Inductor's kernel stores into the logits' buffer). A scatter into the gradient makes Inductor write it in
+    float32 and read it again. The same operations in the same order as `chunk_step`, so the same values."""
     x = logits.to(dtype).to(compute_dtype(dtype))
     losses, valid, safe, lse = _losses(x, target, ignore_index, label_smoothing)
     if not want_grad:
@@ -116,14 +124,20 @@ def fusible_chunk_step(logits: torch.Tensor, target: torch.Tensor, row_scale: to
     is_target = torch.arange(x.shape[1], device=x.device) == safe
     grad = torch.where(is_target, grad + (label_smoothing - 1), grad)
     grad = grad * torch.where(valid, row_scale, 0.0).unsqueeze(1)
-    return losses, grad.to(dtype).to(logits.dtype)
+    logits.copy_(grad.to(dtype))
+    return losses, logits
+
+
+def _chunk_losses(logits: torch.Tensor, target: torch.Tensor, row_scale: torch.Tensor, **spec: Any) -> torch.Tensor:
+    """`fusible_chunk_step`'s losses alone: its gradient, when wanted, is left in `logits`."""
+    return fusible_chunk_step(logits, target, row_scale, **spec)[0]
 
 
 @functools.cache
 def _compiled_step(ignore_index: int, label_smoothing: float, dtype: torch.dtype,
                    want_grad: bool) -> InductorFunction:
     # Compiled without Dynamo, once per chunk layout (chunks have one or two lengths): no guards run per chunk.
-    return InductorFunction(functools.partial(fusible_chunk_step, ignore_index=ignore_index,
+    return InductorFunction(functools.partial(_chunk_losses, ignore_index=ignore_index,
                                               label_smoothing=label_smoothing, dtype=dtype, want_grad=want_grad),
                             key=layouts)
 
@@ -131,7 +145,12 @@ def _compiled_step(ignore_index: int, label_smoothing: float, dtype: torch.dtype
 def _step(compiled: bool) -> Callable[..., Any]:
     if not compiled:
         return chunk_step
-    return lambda logits, target, row_scale, *spec: _compiled_step(*spec)(logits, target, row_scale)
+
+    def step(logits: torch.Tensor, target: torch.Tensor, row_scale: torch.Tensor, *spec: Any) -> tuple[Any, Any]:
+        want_grad = spec[-1]
+        return _compiled_step(*spec)(logits, target, row_scale), logits if want_grad else None
+
+    return step
 
 
 # --- the loop over chunks -------------------------------------------------------------------------------------------
@@ -268,11 +287,14 @@ def _rows_backward_meta(builder, g, h, weight, bias, target, *, wants, **spec):
 
 
 def _chunk_scratch(*args, chunk_rows: int, wants: tuple[bool, bool, bool] = (False, False, False), **spec) -> int:
-    """What `_run` allocates and frees within a call: one chunk's logits and their gradient, and the fp32
-    accumulators of the weight and bias gradients (when those are not fp32 already)."""
+    """What `_run` allocates and frees within a call: one chunk's logits (which then hold their gradient), their
+    compute-dtype copy where the uncompiled step makes one, and the fp32 accumulators of the weight and bias
+    gradients (when those are not fp32 already)."""
     h, weight, bias = args[-4:-1]
     rows = min(chunk_rows, h.numel() // h.shape[-1])
-    scratch = 2 * rows * weight.shape[0] * weight.element_size()
+    scratch = rows * weight.shape[0] * weight.element_size()
+    if not spec.get("compiled") and weight.dtype != compute_dtype(weight.dtype):
+        scratch += rows * weight.shape[0] * compute_dtype(weight.dtype).itemsize
     for tensor, wanted in zip((weight, bias), wants[1:]):
         if wanted and tensor.dtype != compute_dtype(tensor.dtype):
             scratch += tensor.numel() * compute_dtype(tensor.dtype).itemsize

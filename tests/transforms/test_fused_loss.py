@@ -389,6 +389,13 @@ def test_the_step_written_for_inductor_equals_the_in_place_step(label_smoothing,
     theirs = fused_loss.chunk_step(logits.clone(), target, row_scale, -100, label_smoothing, torch.float32, True)
     assert ours[1].dtype == dtype
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    # both return the gradient in the logits' own buffer: a chunk never holds the two at once
+    given = logits.clone()
+    assert fused_loss.chunk_step(given, target, row_scale, -100, label_smoothing, torch.float32, True)[1] is given
+    given = logits.clone()
+    assert fused_loss.fusible_chunk_step(given, target, row_scale, -100, label_smoothing, torch.float32,
+                                         True)[1] is given
+    assert torch.equal(given, theirs[1])
     assert ours[1][::4].abs().sum() == 0 and ours[1][1].abs().sum() > 0  # ignored rows get no gradient
 
 
@@ -428,7 +435,7 @@ def test_cuda_fp32_equals_eager(executors, reduction):
     assert ("compiled=True" in fulmen.last_traces(jitted)[-1].python()) == ("torchcompile" in executors)
 
 
-def _cuda_step(fuse: bool, rows=8192, vocab=128256, hidden=1024):
+def _cuda_step(fuse: bool, rows=8192, vocab=128256, hidden=1024, executors=None):
     torch.manual_seed(0)
     h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(vocab, hidden, device="cuda") / 32).to(torch.bfloat16).requires_grad_()
@@ -437,7 +444,7 @@ def _cuda_step(fuse: bool, rows=8192, vocab=128256, hidden=1024):
     def loss(h, w, t):  # LitGPT's way: bf16 logits upcast for the loss
         return F.cross_entropy(F.linear(h, w).float(), t)
 
-    jitted = fulmen.jit(loss, options=_options(fuse=fuse))
+    jitted = fulmen.jit(loss, options=_options(fuse=fuse), executors=executors)
     jitted(h, w, t).backward()  # compile outside the measurement
     h.grad = w.grad = None
     torch.cuda.synchronize()
@@ -463,9 +470,24 @@ def test_cuda_bf16_peak_drops_by_more_than_the_logits_and_values_stay_eagers():
     torch.testing.assert_close(fused_w.float(), grad_w.float(), rtol=2 ** -6, atol=1e-5)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("executors", [None, ["torch"]], ids=["compiled", "torch"])
+def test_cuda_chunk_gradients_overwrite_their_logits(executors):
+    """A chunk's gradient is written over its logits (by Inductor's kernel, or by copy_ after the uncompiled step's
+    fp32 work), so the fused call's transients are one chunk of logits (plus the uncompiled step's fp32 copy) and
+    the fp32 weight-gradient accumulator; the bf16 weight gradient follows the accumulator."""
+    rows, vocab, hidden = 8192, 128256, 1024
+    chunk = fused_loss.chunk_rows_for(rows, vocab, torch.bfloat16) * vocab
+    transients = chunk * (2 if executors is None else 2 + 4) + vocab * hidden * 4 + (vocab + rows) * hidden * 2
+    _, _, _, peak = _cuda_step(True, rows, vocab, hidden, executors)
+    print(f"\npeak above the inputs {peak / 2**20:.0f} MiB, bound {transients / 2**20:.0f} MiB")
+    # a gradient beside the logits would add a chunk's bf16 bytes (512 MiB here) to this bound
+    assert peak <= transients + 32 * 2**20
+
+
 def test_the_chunk_buffers_are_declared_as_the_calls_workspace():
-    # Memory planning counts them at the call (Symbol.scratch): a chunk's logits and their gradient, plus the fp32
-    # weight-gradient accumulator of bf16 weights.
+    # Memory planning counts them at the call (Symbol.scratch): a chunk's logits (which then hold their gradient),
+    # the uncompiled step's fp32 copy of them, and the fp32 weight-gradient accumulator of bf16 weights.
     h = torch.randn(4, 16, 32, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(100, 32, dtype=torch.bfloat16, requires_grad=True)
     t = torch.randint(0, 100, (64,))
@@ -474,4 +496,5 @@ def test_the_chunk_buffers_are_declared_as_the_calls_workspace():
     jitted(h, w, t)
     (call,) = [b for b in fulmen.last_traces(jitted)[-1].bound_symbols if b.sym.scratch is not None]
     assert call.sym is fused_loss.LINEAR_CROSS_ENTROPY_FORWARD
-    assert call.sym.scratch(*call.args, **call.kwargs) == 2 * 16 * 100 * 2 + 100 * 32 * 4
+    assert call.sym.scratch(*call.args, **call.kwargs) == 16 * 100 * (2 + 4) + 100 * 32 * 4
+    assert call.sym.scratch(*call.args, **call.kwargs | {"compiled": True}) == 16 * 100 * 2 + 100 * 32 * 4
