@@ -287,14 +287,16 @@ def _rows_backward_meta(builder, g, h, weight, bias, target, *, wants, **spec):
 
 
 def _chunk_scratch(*args, chunk_rows: int, wants: tuple[bool, bool, bool] = (False, False, False), **spec) -> int:
-    """What `_run` allocates and frees within a call: one chunk's logits (which then hold their gradient), their
-    compute-dtype copy where the uncompiled step makes one, and the fp32 accumulators of the weight and bias
-    gradients (when those are not fp32 already)."""
+    """What `_run` allocates and frees within a call: one chunk's logits (which then hold their gradient); for the
+    uncompiled step also their compute-dtype copy (unless they have that dtype) and torch.logsumexp's temporary of
+    the same size; and the fp32 accumulators of the weight and bias gradients (when those are not fp32 already)."""
     h, weight, bias = args[-4:-1]
     rows = min(chunk_rows, h.numel() // h.shape[-1])
-    scratch = rows * weight.shape[0] * weight.element_size()
-    if not spec.get("compiled") and weight.dtype != compute_dtype(weight.dtype):
-        scratch += rows * weight.shape[0] * compute_dtype(weight.dtype).itemsize
+    per_logit = weight.element_size()
+    if not spec.get("compiled"):
+        compute = compute_dtype(spec.get("dtype", weight.dtype))
+        per_logit += compute.itemsize * (1 if weight.dtype == compute else 2)
+    scratch = rows * weight.shape[0] * per_logit
     for tensor, wanted in zip((weight, bias), wants[1:]):
         if wanted and tensor.dtype != compute_dtype(tensor.dtype):
             scratch += tensor.numel() * compute_dtype(tensor.dtype).itemsize

@@ -474,11 +474,12 @@ def test_cuda_bf16_peak_drops_by_more_than_the_logits_and_values_stay_eagers():
 @pytest.mark.parametrize("executors", [None, ["torch"]], ids=["compiled", "torch"])
 def test_cuda_chunk_gradients_overwrite_their_logits(executors):
     """A chunk's gradient is written over its logits (by Inductor's kernel, or by copy_ after the uncompiled step's
-    fp32 work), so the fused call's transients are one chunk of logits (plus the uncompiled step's fp32 copy) and
-    the fp32 weight-gradient accumulator; the bf16 weight gradient follows the accumulator."""
+    fp32 work), so the fused call's transients are one chunk of logits (plus, uncompiled, their fp32 copy and
+    torch.logsumexp's fp32 temporary) and the fp32 weight-gradient accumulator; the bf16 weight gradient follows
+    the accumulator."""
     rows, vocab, hidden = 8192, 128256, 1024
     chunk = fused_loss.chunk_rows_for(rows, vocab, torch.bfloat16) * vocab
-    transients = chunk * (2 if executors is None else 2 + 4) + vocab * hidden * 4 + (vocab + rows) * hidden * 2
+    transients = chunk * (2 if executors is None else 2 + 4 + 4) + vocab * hidden * 4 + (vocab + rows) * hidden * 2
     _, _, _, peak = _cuda_step(True, rows, vocab, hidden, executors)
     print(f"\npeak above the inputs {peak / 2**20:.0f} MiB, bound {transients / 2**20:.0f} MiB")
     # a gradient beside the logits would add a chunk's bf16 bytes (512 MiB here) to this bound
@@ -487,7 +488,8 @@ def test_cuda_chunk_gradients_overwrite_their_logits(executors):
 
 def test_the_chunk_buffers_are_declared_as_the_calls_workspace():
     # Memory planning counts them at the call (Symbol.scratch): a chunk's logits (which then hold their gradient),
-    # the uncompiled step's fp32 copy of them, and the fp32 weight-gradient accumulator of bf16 weights.
+    # the uncompiled step's fp32 copy of them and torch.logsumexp's fp32 temporary, and the fp32 weight-gradient
+    # accumulator of bf16 weights.
     h = torch.randn(4, 16, 32, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(100, 32, dtype=torch.bfloat16, requires_grad=True)
     t = torch.randint(0, 100, (64,))
@@ -496,5 +498,5 @@ def test_the_chunk_buffers_are_declared_as_the_calls_workspace():
     jitted(h, w, t)
     (call,) = [b for b in fulmen.last_traces(jitted)[-1].bound_symbols if b.sym.scratch is not None]
     assert call.sym is fused_loss.LINEAR_CROSS_ENTROPY_FORWARD
-    assert call.sym.scratch(*call.args, **call.kwargs) == 16 * 100 * (2 + 4) + 100 * 32 * 4
+    assert call.sym.scratch(*call.args, **call.kwargs) == 16 * 100 * (2 + 4 + 4) + 100 * 32 * 4
     assert call.sym.scratch(*call.args, **call.kwargs | {"compiled": True}) == 16 * 100 * 2 + 100 * 32 * 4
