@@ -40,9 +40,10 @@ from fulmen.ops.utils import compute_dtype
 REDUCTIONS = ("mean", "sum", "none")
 # Automatic chunks: each chunk's logits take at most this fraction of the full logits' bytes (so they never all
 # exist at once), and at most CHUNK_BYTES (a chunk's transients are its logits, which then hold their gradient, more
-# in float32 when uncompiled), but at least MIN_ROWS rows: fewer rows leave a GPU's matmuls short of work. Every chunk also reads
-# and writes the weight's float32 gradient accumulator once (for Llama 3's 128,256 x 2048 head, 2 GB of traffic):
-# on an H200, TinyLlama's 8192 x 32000 logits in 8 chunks made the step 4 ms slower than unfused; in 2 it is as fast.
+# in float32 when uncompiled), but at least MIN_ROWS rows: fewer rows leave a GPU's matmuls short of work. Every
+# chunk also reads and writes the weight's float32 gradient accumulator once (for Llama 3's 128,256 x 2048 head, 2 GB
+# of traffic): on an H200, TinyLlama's 8192 x 32000 logits in 8 chunks made the step 4 ms slower than unfused; in 2 it
+# is as fast.
 CHUNK_FRACTION = 2
 CHUNK_BYTES = 512 * 2**20
 MIN_ROWS = 1024
@@ -124,8 +125,7 @@ def fusible_chunk_step(logits: torch.Tensor, target: torch.Tensor, row_scale: to
     is_target = torch.arange(x.shape[1], device=x.device) == safe
     grad = torch.where(is_target, grad + (label_smoothing - 1), grad)
     grad = grad * torch.where(valid, row_scale, 0.0).unsqueeze(1)
-    logits.copy_(grad.to(dtype))
-    return losses, logits
+    return losses, _into(logits, grad, dtype)
 
 
 def _chunk_losses(logits: torch.Tensor, target: torch.Tensor, row_scale: torch.Tensor, **spec: Any) -> torch.Tensor:
