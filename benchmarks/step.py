@@ -576,15 +576,14 @@ def main(argv: list[str] | None = None) -> dict:
             if name == "thunder" and thunder_error is not None:
                 runs[name].append({"status": "skipped", "reason": thunder_error})
                 print(f"{name}: skipped ({thunder_error})", flush=True)
-                continue
-            print(f"{name}: running", flush=True)
-            r = benchmark(name, args, device, dtype) | {"position": position}
-            runs[name].append(r)
-            print(f"{name}: {r['status']}" + (f" ({r['error']})" if "error" in r else ""), flush=True)
+            else:
+                print(f"{name}: running", flush=True)
+                r = benchmark(name, args, device, dtype) | {"position": position}
+                runs[name].append(r)
+                print(f"{name}: {r['status']}" + (f" ({r['error']})" if "error" in r else ""), flush=True)
             write_report(report(), args.out)
     final = report()
     print_table(final["results"], final["ratios_vs_eager"])
-    write_report(final, args.out)
     return final
 
 

@@ -12,9 +12,10 @@ from torch.overrides import TorchFunctionMode
 
 import fulmen
 from fulmen.executors.sdpa import sdpa
-from fulmen.executors.torch_compile import torchcompile
+from fulmen.executors.torch_compile import TorchCompileExecutor, torchcompile
 from tests.cuda_memory import cuda_peak
 from tests.executors.test_region_remat import no_recompute
+from tests.executors.test_torchcompile import matmuls_in_and_out_of_regions
 from tests.models.litgpt_configs import shrunk
 
 pytestmark = pytest.mark.cuda
@@ -187,9 +188,6 @@ def test_recomputing_region_inputs_does_not_raise_peak_memory(grouped):
 def test_matmul_regions_match_eager():
     """Matmuls inside Inductor's regions (`fuse_matmuls=True`, cuBLAS): fp32 values and grads equal eager's (TF32
     off, as in eager)."""
-    from fulmen.executors.torch_compile import TorchCompileExecutor
-    from fulmen.transforms.remat import leaf_calls
-
     model, config = _model(head_size=64, n_embd=256, n_head=4, block_size=128, n_layer=2)
     model = model.float()
     idx, targets = (torch.randint(0, config.padded_vocab_size, (2, 64), device="cuda") for _ in range(2))
@@ -203,11 +201,7 @@ def test_matmul_regions_match_eager():
     # a layer's five linears (qkv, proj, fc_1, fc_2, mlp proj) are in regions, in the forward and, twice each (the
     # input's and the weight's gradients), in the backward; attention stays with the sdpa executor
     for trace, per_layer in ((fulmen.last_traces(jitted)[-1], 5), (fulmen.last_backward_traces(jitted)[-1], 10)):
-        fused = sum(leaf.sym.name == "matmul" for bsym in trace.bound_symbols if bsym.sym.executor is with_matmuls
-                    for leaf in leaf_calls(bsym))
-        alone = sum(leaf.sym.name == "matmul" for bsym in trace.bound_symbols if bsym.sym.executor is not with_matmuls
-                    for leaf in leaf_calls(bsym))
-        assert (fused, alone) == (per_layer * config.n_layer, 0)
+        assert matmuls_in_and_out_of_regions(trace, with_matmuls) == (per_layer * config.n_layer, 0)
 
 
 def test_autotuned_matmul_templates_with_fused_neighbours_match_eager():
@@ -215,8 +209,6 @@ def test_autotuned_matmul_templates_with_fused_neighbours_match_eager():
     so templates with the SwiGLU product and the residual add fused into them are what runs. Forward only, on a
     SwiGLU block: autotuning its two matmul shapes takes about a minute on an H200, and a backward has three times
     the layouts."""
-    from fulmen.executors.torch_compile import TorchCompileExecutor
-
     torch.manual_seed(0)
     x = torch.randn(256, 128, device="cuda")
     w1, w2, w3 = (torch.randn(n, k, device="cuda") / k**0.5 for n, k in ((256, 128), (256, 128), (128, 256)))

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from litgpt import GPT
 
 import fulmen
-from fulmen.executors.torch_compile import torchcompile
+from fulmen.executors.torch_compile import TorchCompileExecutor, torchcompile
+from fulmen.transforms.remat import leaf_calls
 from tests.models.litgpt_configs import shrunk
 
 
@@ -174,12 +175,18 @@ def test_reshapes_that_copy_count_as_kernels():
     assert (B, T, 3 * H * D) in [tuple(out.shape) for out in assembly.output]
 
 
+def matmuls_in_and_out_of_regions(trace, executor) -> tuple[int, int]:
+    """How many matmuls `trace` runs inside `executor`'s regions, and how many outside them."""
+    counts = [0, 0]
+    for bsym in trace.bound_symbols:
+        counts[bsym.sym.executor is not executor] += sum(leaf.sym.name == "matmul" for leaf in leaf_calls(bsym))
+    return counts[0], counts[1]
+
+
 def test_matmuls_join_regions_when_asked():
     """`fuse_matmuls=True` hands Inductor the matmuls with their neighbours (the linear layers, and on CPU the
-    attention's own matmuls); values and grads stay eager's. The default executor keeps them out."""
-    from fulmen.executors.torch_compile import TorchCompileExecutor
-    from fulmen.transforms.remat import leaf_calls
-
+    attention's own matmuls); values and grads stay eager's. (The default executor keeps them out:
+    test_litgpt_forward_and_backward_match_eager.)"""
     config = shrunk("Llama-3.2-1B")
     config.n_layer = 2
     model = GPT(config).double()
@@ -197,9 +204,6 @@ def test_matmuls_join_regions_when_asked():
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], msg=name)
     for trace in (fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1]):
-        regions = [bsym for bsym in trace.bound_symbols if bsym.sym.executor is with_matmuls]
-        fused = sum(leaf.sym.name == "matmul" for region in regions for leaf in leaf_calls(region))
-        alone = sum(leaf.sym.name == "matmul" for bsym in trace.bound_symbols if bsym.sym.executor is not with_matmuls
-                    for leaf in leaf_calls(bsym))
-        # every linear of both layers (7 each) is in a region, forward and backward
+        fused, alone = matmuls_in_and_out_of_regions(trace, with_matmuls)
+        # every linear and attention matmul of both layers (7 each) is in a region, forward and backward
         assert fused >= 7 * config.n_layer and alone == 0, (fused, alone)
