@@ -13,6 +13,8 @@ Rows (the same `forward_and_loss` as benchmarks/step.py: the model's logits and 
   SwiGLU).
 - fulmen-budget-0.5, -0.3, -0: fulmen with JitOptions(activation_memory_budget=...): the backward recomputes matmuls
   so the forward saves that share of its default bytes (less memory for more compute).
+- fulmen-offload-0.2, -0.4, -0.6: fulmen with JitOptions(offload=OffloadOptions(fraction=...)): that share of the
+  saved bytes waits in pinned host memory, copied on a side stream (less memory for host-link bandwidth).
 
 Per row: ms/iter (median of --iters timed steps after --warmup), peak allocated memory over the row's run, tokens/s,
 the first step's seconds, the loss. Then, under a memory cap of --cap_gb (torch.cuda.set_per_process_memory_fraction),
@@ -48,7 +50,9 @@ import step  # noqa: E402 - benchmarks/step.py: model, batch, timing and report 
 import fulmen  # noqa: E402
 
 BUDGET_ROWS = {"fulmen-budget-0.5": 0.5, "fulmen-budget-0.3": 0.3, "fulmen-budget-0": 0.0}
-COMPILERS = ("eager", "torch.compile", "eager+liger", "fulmen", "fulmen-unfused", "fulmen+liger", *BUDGET_ROWS)
+OFFLOAD_ROWS = {"fulmen-offload-0.2": 0.2, "fulmen-offload-0.4": 0.4, "fulmen-offload-0.6": 0.6}
+COMPILERS = ("eager", "torch.compile", "eager+liger", "fulmen", "fulmen-unfused", "fulmen+liger", *BUDGET_ROWS,
+             *OFFLOAD_ROWS)
 DEFAULT = "eager,torch.compile,eager+liger,fulmen,fulmen+liger"
 
 
@@ -78,8 +82,9 @@ def make_loss_fn(name: str, model: torch.nn.Module, executors: list[str] | None)
         names = executors or [executor.name for executor in fulmen.get_default_executors()]
         if name == "fulmen+liger":
             names = ["liger", *names]
+        offload = fulmen.OffloadOptions(fraction=OFFLOAD_ROWS[name]) if name in OFFLOAD_ROWS else None
         options = fulmen.JitOptions(fuse_linear_cross_entropy=name != "fulmen-unfused",
-                                    activation_memory_budget=BUDGET_ROWS.get(name, 1.0))
+                                    activation_memory_budget=BUDGET_ROWS.get(name, 1.0), offload=offload)
         compiled = fulmen.jit(step.forward_and_loss, executors=names, options=options)
     return (lambda x, y: compiled(model, x, y)), compiled
 

@@ -237,8 +237,10 @@ def linear_cross_entropy_forward(h, weight, bias, target, *, ignore_index: int, 
 
 
 def linear_cross_entropy_backward(g: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """The forward's gradients scaled by the loss's cotangent."""
-    return tuple(grad * g for grad in grads)
+    """The forward's gradients scaled by the loss's cotangent: one foreach launch, which for a cotangent of the
+    gradients' dtype runs vectorised (`grad * g` by a 0-dim CUDA tensor takes TensorIterator's broadcasting path, at
+    about two thirds of its speed on a 0.5 GB weight gradient); the same products either way."""
+    return tuple(torch._foreach_mul(list(grads), g))
 
 
 def linear_cross_entropy_rows_backward(g: torch.Tensor, h, weight, bias, target, *, ignore_index: int,

@@ -49,6 +49,15 @@ def batch_norm_update(x: torch.Tensor, running_mean: torch.Tensor, running_var: 
     return out, mean, var
 
 
+def embedding_backward(g: torch.Tensor, index: torch.Tensor, num_weights: int, padding_idx: int,
+                       scale_grad_by_freq: bool) -> torch.Tensor:
+    """The weight gradient of `F.embedding(index, weight, padding_idx, scale_grad_by_freq=...)` (padding_idx -1:
+    none) for its output's cotangent `g`, by the kernel eager's backward runs: on CUDA it sums each row's
+    contributions in float32 in a fixed order and rounds once, where an index_add in bfloat16 rounds at every atomic
+    addition, in no fixed order."""
+    return torch.ops.aten.embedding_dense_backward(g, index, num_weights, padding_idx, scale_grad_by_freq)
+
+
 def view_scatter(
     base: torch.Tensor, value: torch.Tensor, view_fn: Callable[..., Any], args: tuple, kwargs: dict, index: int | None
 ) -> torch.Tensor:

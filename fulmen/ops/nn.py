@@ -195,7 +195,9 @@ torch_symbol(F.scaled_dot_product_attention, decomposition=sdpa_decomposition)
 
 def embedding_decomposition(index, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                             sparse=False) -> Any:
-    if max_norm is not None:
+    # sparse=True asks for a sparse gradient, which take's would not give (scale_grad_by_freq only changes the
+    # gradient too, and the grad rule, which always applies to it, computes that with eager's kernel)
+    if max_norm is not None or sparse:
         return NotImplemented
     flat = prims.reshape(index, (index.numel(),))
     rows = prims.take(weight, flat, 0)
@@ -203,6 +205,27 @@ def embedding_decomposition(index, weight, padding_idx=None, max_norm=None, norm
 
 
 torch_symbol(F.embedding, decomposition=embedding_decomposition)
+
+
+def embedding_backward_decomposition(g, index, num_weights: int, padding_idx: int, scale_grad_by_freq: bool) -> Any:
+    """`impls.embedding_backward` as a scatter-add in float32 for half-precision cotangents (the kernel's sum)."""
+    n, width = index.numel(), g.shape[-1]
+    acc = compute_dtype(g.dtype)
+    rows = convert(prims.reshape(g, (n, width)), acc)
+    flat = prims.reshape(index, (n,))
+    if scale_grad_by_freq:  # each row's contributions divided by how often its index occurs
+        ones = prims.full((n,), 1.0, dtype=acc, device=g.device)
+        counts = prims.scatter_add(prims.full((num_weights,), 0.0, dtype=acc, device=g.device), 0, flat, ones)
+        rows = prims.div(rows, expand_to(prims.reshape(prims.take(counts, flat, 0), (n, 1)), (n, width)))
+    spread = prims.expand(prims.reshape(flat, (n, 1)), (n, width))
+    if padding_idx >= 0:
+        zero = expand_to(prims.full((), 0.0, dtype=acc, device=g.device), (n, width))
+        rows = prims.where(prims.ne(spread, padding_idx), rows, zero)
+    zeros = prims.full((num_weights, width), 0.0, dtype=acc, device=g.device)
+    return convert(prims.scatter_add(zeros, 0, spread, rows), g.dtype)
+
+
+embedding_backward = impl_symbol(impls.embedding_backward, decomposition=embedding_backward_decomposition)
 torch_symbol(F.one_hot)
 torch_symbol(F.pad, decomposition=lambda x, pad, mode="constant", value=None: prims.pad(x, tuple(pad), value or 0.0)
              if mode == "constant" else NotImplemented, aliases=(torch._C._nn.pad,))  # what F.pad calls (Dynamo graphs)

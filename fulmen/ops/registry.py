@@ -135,11 +135,13 @@ def torch_symbol(
     return sym
 
 
-def impl_symbol(fn: Callable[..., Any], tags: Tag = Tag.NONE, meta: Callable[..., Any] | None = None) -> Symbol:
+def impl_symbol(fn: Callable[..., Any], tags: Tag = Tag.NONE, meta: Callable[..., Any] | None = None,
+                decomposition: Callable[..., Any] | None = None) -> Symbol:
     """A symbol executed by one of fulmen's own functional helpers (`fulmen.ops.impls`), bound to no torch callable
-    (`meta`: its outputs, where running `fn` on meta tensors cannot tell them)."""
+    (`meta`: its outputs, where running `fn` on meta tensors cannot tell them; `decomposition`: the prims that
+    transforms without a rule for it, such as vmap and jvp, see)."""
     printed = f"impls.{fn.__name__}"
-    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, tags=tags, meta=meta)
+    sym = Symbol(name=fn.__name__, printed=printed, impl=fn, tags=tags, meta=meta, decomposition=decomposition)
     SYMBOLS[printed] = sym
     return sym
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from fulmen.core.symbol import Tag
 from fulmen.ops import shape
-from fulmen.ops.nn import native_layer_norm
+from fulmen.ops.nn import embedding_backward, native_layer_norm
 from fulmen.ops.registry import SYMBOLS, torch_symbol
 from fulmen.ops.utils import compute_dtype
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp
@@ -164,14 +164,11 @@ def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
 @register_grad(F.embedding)
 def embedding_grad(index, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                    sparse=False):
-    if max_norm is not None or scale_grad_by_freq or sparse or weight.dim() != 2:
+    if max_norm is not None or sparse or weight.dim() != 2:
         return NotImplemented
-    y = F.embedding(index, weight, padding_idx)
-    g = get_grad(y).reshape(-1, weight.shape[1])
-    flat = index.reshape(-1)
-    if padding_idx is not None:
-        g = torch.where((flat == padding_idx % weight.shape[0]).unsqueeze(1), 0.0, g)
-    put_grad(weight, zeros_shaped(weight).index_add(0, flat, g))
+    y = F.embedding(index, weight, padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+    padding = -1 if padding_idx is None else padding_idx % weight.shape[0]
+    put_grad(weight, embedding_backward(get_grad(y), index, weight.shape[0], padding, scale_grad_by_freq))
     return y
 
 

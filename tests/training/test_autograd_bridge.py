@@ -180,6 +180,33 @@ def test_backward_trace_frees_saved_tensors_as_it_goes():
         assert last_use == deleted_at[name] - 1 or lines[last_use + 1].strip().startswith(("del ", "#")), name
 
 
+@pytest.mark.parametrize(("padding_idx", "scale_grad_by_freq", "sparse"),
+                         [(None, False, False), (3, False, False), (-2, True, False), (None, True, False),
+                          (3, False, True)])
+def test_embedding_weight_gradient_is_eagers_bit_for_bit(padding_idx, scale_grad_by_freq, sparse):
+    """bfloat16 rows, each looked up hundreds of times: the gradient is summed by eager's own kernel, not by an
+    index_add that rounds to bfloat16 at every addition (which differs from eager by whole units here), and
+    scale_grad_by_freq divides by each index's count as eager does (it once went unseen); sparse=True gives eager's
+    sparse gradient."""
+    torch.manual_seed(0)
+    weight = torch.randn(50, 64, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.randint(0, 5, (8, 500))
+    g = torch.randn(8, 500, 64, dtype=torch.bfloat16)
+
+    def lookup(weight, index):
+        return F.embedding(index, weight, padding_idx, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+
+    jitted = fulmen.jit(lookup)
+    (ours,) = torch.autograd.grad(jitted(weight, index), weight, g)
+    (eager,) = torch.autograd.grad(lookup(weight, index), weight, g)
+    assert ours.layout == eager.layout
+    assert torch.equal(ours.to_dense(), eager.to_dense())
+    if padding_idx is not None:
+        assert not ours.to_dense()[padding_idx].any()
+    kernel = "impls.embedding_backward(" in str(fulmen.last_backward_traces(jitted)[-1])
+    assert kernel != sparse  # a sparse gradient comes from torch autograd itself
+
+
 def test_custom_grad_rule_with_get_grad_and_put_grad():
     """A rule in the style of the seed's grad_transform replaces silu's backward; grads still equal eager's."""
     calls = []

@@ -67,6 +67,26 @@ def test_hessian_vector_products_equal_torch_funcs():
         close(got_hvp[name], want_hvp[name])
 
 
+@pytest.mark.parametrize(("padding_idx", "scale_grad_by_freq"), [(None, False), (2, False), (2, True)])
+def test_per_sample_and_hessian_vector_products_through_an_embedding(padding_idx, scale_grad_by_freq):
+    """The embedding's weight gradient is one kernel call in the backward (eager's); vmap and jvp see its
+    decomposition, a scatter-add, and agree with torch.func's."""
+    torch.manual_seed(0)
+    weight = torch.randn(7, 3, dtype=D)
+    index = torch.tensor([[2, 5, 2, 0], [1, 2, 2, 6], [3, 3, 3, 3]])
+
+    def loss(weight, index):
+        return F.embedding(index, weight, padding_idx, scale_grad_by_freq=scale_grad_by_freq).tanh().pow(2).sum()
+
+    per_sample = fulmen.vmap(fulmen.grad(loss), in_dims=(None, 0))
+    close(per_sample(weight, index), tf.vmap(tf.grad(loss), in_dims=(None, 0))(weight, index))
+    assert "impls.batch_loop" not in str(fulmen.last_traces(per_sample)[-1])  # batched by rules, not a loop
+    tangent = torch.randn_like(weight)
+    for got, want in zip(fulmen.jvp(lambda w: fulmen.grad(loss)(w, index), (weight,), (tangent,)),
+                         tf.jvp(lambda w: tf.grad(loss)(w, index), (weight,), (tangent,))):
+        close(got, want)
+
+
 def test_second_derivative_by_grad_of_grad():
     x = torch.randn(5, dtype=D)
     second = fulmen.grad(lambda x: fulmen.grad(lambda x: (x.sin() * x).sum())(x).sum())

@@ -435,6 +435,16 @@ def test_cuda_fp32_equals_eager(executors, reduction):
     assert ("compiled=True" in fulmen.last_traces(jitted)[-1].python()) == ("torchcompile" in executors)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("cotangent_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_backward_scales_gradients_as_a_product_by_the_cotangent_does(cotangent_dtype):
+    grads = (torch.randn(128256, 256, device="cuda", dtype=torch.bfloat16),
+             torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16))
+    g = torch.tensor(0.3712, device="cuda", dtype=cotangent_dtype)
+    scaled = fused_loss.linear_cross_entropy_backward(g, grads)
+    assert all(torch.equal(ours, grad * g) for ours, grad in zip(scaled, grads, strict=True))
+
+
 def _cuda_step(fuse: bool, rows=8192, vocab=128256, hidden=1024, executors=None):
     torch.manual_seed(0)
     h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
