@@ -195,8 +195,8 @@ torch_symbol(F.scaled_dot_product_attention, decomposition=sdpa_decomposition)
 
 def embedding_decomposition(index, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                             sparse=False) -> Any:
-    # sparse=True asks for a sparse gradient, which take's would not give (scale_grad_by_freq only changes the
-    # gradient too, and the grad rule, which always applies to it, computes that with eager's kernel)
+    # take's gradient is dense and unscaled: sparse=True is left to torch autograd, and scale_grad_by_freq is always
+    # differentiated by F.embedding's grad rule (eager's kernel), never through this decomposition
     if max_norm is not None or sparse:
         return NotImplemented
     flat = prims.reshape(index, (index.numel(),))
