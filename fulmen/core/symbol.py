@@ -55,6 +55,9 @@ class Symbol:
     # Bytes the implementation allocates and frees again within one call (a kernel's workspace), a function of the
     # call's arguments; None: none beyond its outputs. Memory planning counts them at the call.
     scratch: Callable[..., int] | None = None
+    # Per output (in pytree order), whether it can require grad, as eager's autograd marks them (native_layer_norm's
+    # mean and rstd cannot); None: every floating output can.
+    differentiable_outputs: tuple[bool, ...] | None = None
 
     def __call__(self, *args, **kwargs):
         builder = current_builder()

@@ -6,6 +6,7 @@ returns a new trace stamped with its provenance; `Trace.python()` prints it as v
 
 from __future__ import annotations
 
+import itertools
 import keyword
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -186,10 +187,14 @@ class TraceBuilder(Builder):
         pname = self.namespace.create(name) if name is not None else self.namespace.fresh()
         return TensorProxy(pname, meta, device, requires_grad)
 
-    def wrap_outputs(self, meta_out: Any, device: torch.device, requires_grad: bool) -> Any:
+    def wrap_outputs(self, meta_out: Any, device: torch.device, requires_grad: bool,
+                     differentiable: tuple[bool, ...] | None = None) -> Any:
+        position = itertools.count()
+
         def wrap(tensor: torch.Tensor) -> TensorProxy:
             meta = tensor if tensor.device.type == "meta" else tensor.to("meta")
-            return self.make_proxy(meta, device, requires_grad and _is_differentiable(meta.dtype))
+            marked = differentiable is None or differentiable[next(position)]
+            return self.make_proxy(meta, device, requires_grad and marked and _is_differentiable(meta.dtype))
 
         return pytree.tree_map(wrap, meta_out, _is_tensor)
 
@@ -202,7 +207,7 @@ class TraceBuilder(Builder):
                 meta_out = self._meta_outputs(sym, args, kwargs)
                 requires_grad = (torch.is_grad_enabled() and not sym.tags & Tag.NO_GRAD
                                  and any(p.requires_grad for p in iter_proxies((args, kwargs))))
-                output = self.wrap_outputs(meta_out, device, requires_grad)
+                output = self.wrap_outputs(meta_out, device, requires_grad, sym.differentiable_outputs)
             subsymbols: list[BoundSymbol] = []
             if sym.decomposition is not None and self.decompose:
                 subsymbols = self._decompose(sym, args, kwargs, output)

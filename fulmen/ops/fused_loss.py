@@ -24,6 +24,7 @@ function instead of a series of torch ops (the "torchcompile" executor chooses i
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,7 @@ def _losses(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoo
     valid = target != ignore_index
     safe = torch.where(valid, target, 0).long().unsqueeze(1)
     lse = torch.logsumexp(x, 1)
+    lse = torch.where(lse == math.inf, math.nan, lse)  # eager's log-softmax: a row holding +inf is NaN throughout
     picked = x.gather(1, safe).squeeze(1)
     if label_smoothing:
         # torch's smoothing: (1 - e) * nll + e * mean over classes of -log_softmax

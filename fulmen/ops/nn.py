@@ -140,7 +140,8 @@ def rms_norm_decomposition(x, normalized_shape, weight=None, eps=None) -> Any:
 
 
 torch_symbol(F.layer_norm, decomposition=layer_norm_decomposition)
-native_layer_norm = torch_symbol(torch.native_layer_norm, decomposition=native_layer_norm_decomposition)
+native_layer_norm = torch_symbol(torch.native_layer_norm, decomposition=native_layer_norm_decomposition,
+                                 differentiable_outputs=(True, False, False))
 torch_symbol(F.rms_norm, decomposition=rms_norm_decomposition)
 torch_symbol(F.group_norm)
 torch_symbol(F.batch_norm)

@@ -79,17 +79,24 @@ torch_symbol(torch.max, decomposition=_max_min_decomposition(prims.amax, prims.m
 torch_symbol(torch.min, decomposition=_max_min_decomposition(prims.amin, prims.minimum), aliases=(method("min"),))
 
 
-def var_decomposition(x, dim=None, unbiased=None, keepdim: bool = False, *, correction=None) -> Any:
+@_numpy_names
+def var_arguments(x, dim=None, unbiased=None, keepdim: bool = False, *, correction=None
+                  ) -> tuple[tuple[int, ...], Any, bool]:
+    """The reduced dims, the correction and keepdim of a call of torch.var or torch.std, in any of its spellings."""
     if isinstance(dim, bool):  # var(x, unbiased)
         dim, unbiased = None, dim
     if correction is None:
         correction = 0 if unbiased is False else 1
-    dims = canonical_dims(dim, x.dim())
+    return canonical_dims(dim, x.dim()), correction, keepdim
+
+
+def var_decomposition(x, *args, **kwargs) -> Any:
+    dims, correction, keepdim = var_arguments(x, *args, **kwargs)
     return _finish(prims.var(x, dims, correction), x, dims, keepdim)
 
 
-torch_symbol(torch.var, decomposition=_numpy_names(var_decomposition), aliases=(method("var"),))
-torch_symbol(torch.std, decomposition=_numpy_names(lambda *a, **k: prims.sqrt(var_decomposition(*a, **k))),
+torch_symbol(torch.var, decomposition=var_decomposition, aliases=(method("var"),))
+torch_symbol(torch.std, decomposition=lambda *a, **k: prims.sqrt(var_decomposition(*a, **k)),
              aliases=(method("std"),))
 torch_symbol(torch.var_mean)
 torch_symbol(torch.std_mean)

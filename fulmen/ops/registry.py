@@ -114,6 +114,7 @@ def torch_symbol(
     tags: Tag = Tag.NONE,
     name: str | None = None,
     printed: str | None = None,
+    differentiable_outputs: tuple[bool, ...] | None = None,
 ) -> Symbol:
     """Registers `fn` (and its aliases) as one torch-level symbol executed by `fn` itself (`printed`: how traces call
     it, for callables torch.overrides cannot name)."""
@@ -125,6 +126,7 @@ def torch_symbol(
         decomposition=decomposition,
         meta=meta,
         tags=tags,
+        differentiable_outputs=differentiable_outputs,
     )
     SYMBOLS[printed] = sym
     bind(fn, TorchBinding(sym))

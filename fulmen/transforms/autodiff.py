@@ -145,12 +145,18 @@ def _fallback_rule(bsym: BoundSymbol) -> GradRule:
         raise TraceError(f"fulmen cannot differentiate {bsym.sym.printed}: it addresses storage, which traces do not "
                          "model", bsym.source)
 
+    return eager_grad_rule(bsym.sym)
+
+
+def eager_grad_rule(sym: Symbol) -> GradRule:
+    """The grad rule that runs eager's own backward of `sym` (torch autograd on its callable, in the backward)."""
+
     def rule(*args: Any, **kwargs: Any) -> Any:
-        out = bsym.sym(*args, **kwargs)
+        out = sym(*args, **kwargs)
         flat = list(iter_proxies((args, kwargs)))
         wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
         outs = [o for o in iter_proxies(out) if o.dtype.is_floating_point or o.dtype.is_complex]
-        grads = torch_vjp(bsym.sym, args, kwargs, wrt, tuple(get_grad(o) for o in outs))
+        grads = torch_vjp(sym, args, kwargs, wrt, tuple(get_grad(o) for o in outs))
         for i, grad in zip(wrt, grads):
             put_grad(flat[i], grad)
         return out

@@ -46,13 +46,13 @@ UNARY_VJPS: dict[str, Callable[[T, T, T], T]] = {
     "cosh": lambda x, y, g: g * torch.sinh(x),
     "tanh": lambda x, y, g: g * (1 - y * y),
     "asinh": lambda x, y, g: g * torch.rsqrt(x * x + 1),
-    "acosh": lambda x, y, g: g * torch.rsqrt((x - 1) * (x + 1)),
+    "acosh": lambda x, y, g: g * torch.rsqrt(x * x - 1),  # eager's form: +inf, not -inf, at x = -1
     "atanh": lambda x, y, g: g / (1 - x * x),
     "erf": lambda x, y, g: g * (2 / math.sqrt(math.pi)) * torch.exp(-x * x),
     "erfc": lambda x, y, g: g * (-2 / math.sqrt(math.pi)) * torch.exp(-x * x),
     "erfinv": lambda x, y, g: g * (math.sqrt(math.pi) / 2) * torch.exp(y * y),
     "sigmoid": lambda x, y, g: g * y * (1 - y),
-    "reciprocal": lambda x, y, g: -g * y * y,
+    "reciprocal": lambda x, y, g: -g * (y * y),  # eager squares first: 0 * inf is NaN where 1/x overflows
     "lgamma": lambda x, y, g: g * torch.digamma(x),
     "frac": lambda x, y, g: g,
     # Piecewise constant: eager's backward gives zeros, and so does ours (not "no grad").
@@ -83,37 +83,46 @@ BINARY_VJPS: dict[str, Callable[[Any, Any, T, T], tuple[Any, Any]]] = {
     "sub": lambda a, b, y, g: (g, -g),
     "mul": lambda a, b, y, g: (g * b, g * a),
     "div": lambda a, b, y, g: (g / b, -g * y / b),
-    "remainder": lambda a, b, y, g: (g, -g * torch.floor(a / b)),
-    "fmod": lambda a, b, y, g: (g, -g * torch.trunc(a / b)),
-    "atan2": lambda a, b, y, g: (g * b / (a * a + b * b), -g * a / (a * a + b * b)),
+    # eager's rounded quotients: floor(a / b) differs from them where a / b overflows or b is infinite
+    "remainder": lambda a, b, y, g: (g, -g * torch.div(a, b, rounding_mode="floor")),
+    "fmod": lambda a, b, y, g: (g, -g * torch.div(a, b, rounding_mode="trunc")),
+    "atan2": lambda a, b, y, g: _atan2_grads(a, b, g),
     "hypot": lambda a, b, y, g: (g * a / y, g * b / y),
-    "maximum": lambda a, b, y, g: _select_grads(a, b, g, torch.gt),
-    "minimum": lambda a, b, y, g: _select_grads(a, b, g, torch.lt),
+    "maximum": lambda a, b, y, g: _select_grads(a, b, g, torch.lt),
+    "minimum": lambda a, b, y, g: _select_grads(a, b, g, torch.gt),
     "pow": lambda a, b, y, g: _pow_grads(a, b, y, g),
 }
 
 
-def _select_grads(a, b, g, wins):
-    """max/min: the winner gets the cotangent, ties split it evenly (as eager does)."""
-    half = g / 2
-    tie = a == b
-    return (torch.where(tie, half, torch.where(wins(a, b), g, 0.0)),
-            torch.where(tie, half, torch.where(wins(b, a), g, 0.0)))
+def _select_grads(a, b, g, loses):
+    """max/min as eager: ties split the cotangent evenly, and an operand gets it unless it `loses`, so both get all
+    of it where either is NaN."""
+    shared = torch.where(a == b, g / 2, g)
+    return torch.where(loses(a, b), 0.0, shared), torch.where(loses(b, a), 0.0, shared)
+
+
+def _atan2_grads(a, b, g):
+    """As eager: no grad at the origin, where the formula reads 0/0."""
+    norm = a * a + b * b
+    origin = norm == 0
+    return torch.where(origin, 0.0, g * b / norm), torch.where(origin, 0.0, -g * a / norm)
 
 
 def _pow_grads(a, b, y, g):
+    """eager's pow backward, its products grouped as eager groups them (g * (b * a^(b-1)), not (g * b) * ...): they
+    differ where one product overflows and the other underflows."""
     grad_a = grad_b = None
     if _is_proxy(a):
-        grad_a = torch.where(b == 0, 0.0, g * b * torch.pow(a, b - 1)) if _is_proxy(b) else (
-            zeros_shaped(a) if b == 0 else g * b * torch.pow(a, b - 1))
+        grad_a = torch.where(b == 0, 0.0, g * (b * torch.pow(a, b - 1))) if _is_proxy(b) else (
+            zeros_shaped(a) if b == 0 else g * (b * torch.pow(a, b - 1)))
     if _is_proxy(b):
         # d(a^b)/db = a^b log(a), which eager defines as 0 where a == 0 and b >= 0.
         if _is_proxy(a):
-            grad_b = torch.where((a == 0) & (b >= 0), 0.0, g * y * torch.log(a))
+            grad_b = g * torch.where((a == 0) & (b >= 0), 0.0, y * torch.log(a))
         elif a == 0:
-            grad_b = torch.where(b >= 0, 0.0, g * y * -math.inf)
+            grad_b = g * torch.where(b >= 0, 0.0, y * -math.inf)
         else:
-            grad_b = g * y * (math.log(a) if a > 0 else math.nan)
+            grad_b = g * (y * (math.log(a) if a > 0 else math.nan))
     return grad_a, grad_b
 
 
@@ -210,10 +219,12 @@ register_grad(prims.amin)(_extremum(prims.amin))
 
 @register_grad(prims.var)
 def _var(x, dims, correction):
-    y = prims.var(x, dims, correction)
     n = math.prod(x.shape[d] for d in dims)
+    if n <= correction:
+        return NotImplemented  # no degrees of freedom: eager's own backward gives its infinities and NaNs
+    y = prims.var(x, dims, correction)
     centered = x - _keepdim(x.mean(dims), x, dims)
-    put_grad(x, _keepdim(get_grad(y), x, dims) * centered * (2.0 / max(n - correction, 0)))
+    put_grad(x, (2.0 / (n - correction)) * _keepdim(get_grad(y), x, dims) * centered)  # eager's order
     return y
 
 

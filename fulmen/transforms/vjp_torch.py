@@ -80,7 +80,9 @@ def cross_entropy_grad(logits, target, weight=None, size_average=None, ignore_in
     x = logits.to(compute)
     valid = target != ignore_index
     safe = torch.where(valid, target, 0)
+    # torch.logsumexp of a row holding +inf is +inf; eager's log-softmax makes that row NaN, loss and grads alike
     lse = torch.logsumexp(x, 1)
+    lse = torch.where(lse == math.inf, math.nan, lse)
     picked = torch.gather(x, 1, safe.unsqueeze(1)).squeeze(1)
     losses = torch.where(valid, lse - picked, 0.0)
     if reduction == "none":

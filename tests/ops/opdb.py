@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -270,3 +271,77 @@ def run_vmap_case(case: Case) -> str:
     mapped = fulmen.vmap(program, in_dims=tuple(in_dims))
     _assert_same(mapped(*batched), expected, values=case.opinfo.name not in UNINITIALIZED)
     return "loop" if "impls.batch_loop" in str(fulmen.last_traces(mapped)[-1]) else "rules"
+
+
+# --- eager autograd as the oracle: fulmen's gradients equal eager's, at edge values too ------------------------------
+# Values each floating input is drawn from, beyond the sample's own: ties, zeros and clamp bounds ("kinks"), and
+# the values where formulas read 0/0, inf - inf or 0 * inf ("nonfinite"). Finite differences cannot see these
+# (nor backward-only flags such as scale_grad_by_freq): eager's backward decides what the gradient is there.
+EDGE_VALUES: dict[str, tuple[float, ...] | None] = {
+    "sampled": None,
+    "kinks": (-2.0, -1.0, 0.0, 1.0, 2.0),
+    "nonfinite": (0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 1e-300, -3.0),
+}
+
+
+def grad_cases() -> Iterator[Case]:
+    differentiable = [o for o in supported_opinfos()
+                      if o.supports_autograd and torch.float64 in o.supported_dtypes("cpu")]
+    return _samples(differentiable, torch.float64, True, 10_000)
+
+
+class NoEagerAnswer(Exception):
+    """Eager itself raises on the sample (values outside the op's domain): nothing to compare."""
+
+
+def _with_values(case: Case, values: tuple[float, ...] | None):
+    structure = (case.sample.input, case.sample.args, case.sample.kwargs)
+    if values is None:
+        return structure
+    pool = torch.tensor(values, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(case.index)
+
+    def drawn(t):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.is_sparse:
+            return t
+        picked = pool[torch.randint(0, len(pool), t.shape, generator=generator)].to(t.dtype)
+        return picked.requires_grad_(t.requires_grad)
+
+    return torch.utils._pytree.tree_map(drawn, structure)
+
+
+def run_grad_case(case: Case, values: tuple[float, ...] | None) -> None:
+    """fulmen's outputs, which of them require grad, and the grads of every floating input equal eager's
+    (bit-close in float64, NaN where eager's is NaN; a missing grad counts as zeros)."""
+    op = case.opinfo.op
+    structure = _with_values(case, values)
+    wrt = [t for t in _tensors(structure) if t.requires_grad and t.dtype.is_floating_point]
+    if not wrt:
+        raise NotDifferentiable
+
+    def program(inp, args, kwargs):
+        return op(inp, *args, **kwargs)
+
+    try:
+        expected = _tensors(program(*structure))
+        eager_outs = [o for o in expected if o.requires_grad]
+        if not eager_outs:
+            raise NotDifferentiable
+        generator = torch.Generator().manual_seed(case.index)
+        v = [torch.randn(o.shape, dtype=o.dtype, generator=generator) for o in eager_outs]
+        want = torch.autograd.grad(eager_outs, wrt, v, allow_unused=True)
+    except (RuntimeError, ValueError) as error:
+        raise NoEagerAnswer(str(error)) from error
+    actual = _tensors(fulmen.jit(program)(*structure))
+    assert [o.requires_grad for o in actual] == [o.requires_grad for o in expected], "outputs requiring grad differ"
+    for got, ref in zip(actual, expected):
+        torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-7, equal_nan=True, check_stride=False)
+    got_grads = torch.autograd.grad([o for o in actual if o.requires_grad], wrt, v, allow_unused=True)
+    for i, (got, ref) in enumerate(zip(got_grads, want)):
+        # No grad (None) and a grad of zeros are the same gradient here; eager itself gives either, op by op
+        # (vector_norm of order 0: None; floor: zeros). test_edge_gradients checks the rules that must give zeros.
+        got, ref = (torch.zeros_like(wrt[i]) if t is None else t for t in (got, ref))
+        assert got.layout == ref.layout, f"grad of input {i}: {got.layout} where eager gives {ref.layout}"
+        got, ref = (got.to_dense(), ref.to_dense()) if ref.is_sparse else (got, ref)
+        torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-7, equal_nan=True,
+                                   msg=lambda m, i=i: f"grad of input {i}: {m}")

@@ -1,0 +1,100 @@
+"""Grad rules that keep eager's gradients at the edges, where differentiating a decomposition would not.
+
+A decomposition computes the op's values, but its chain rule can disagree with eager's backward at edge values:
+a zero deviation (std: sqrt's infinite slope times a zero), a NaN against a clamp bound, a zero divisor under a
+rounding division, a NaN maximum. Each rule here states eager's formula for the op, or runs eager's own backward
+where eager has none worth restating (it raises, or its degenerate cases are its own).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fulmen.ops.reductions import var_arguments
+from fulmen.ops.registry import symbol_of
+from fulmen.transforms.autodiff import eager_grad_rule, get_grad, put_grad, register_grad
+from fulmen.transforms.vjp_prims import _sum_to, zeros_shaped
+
+
+def _wants(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+def _put(x: torch.Tensor, grad: torch.Tensor) -> None:
+    """`grad`, of the broadcast result, summed to `x`'s shape and cast to its dtype, as `x`'s grad."""
+    put_grad(x, _sum_to(grad, tuple(x.shape)).to(x.dtype))
+
+
+@register_grad(torch.clamp)
+def clamp_grad(x, min=None, max=None):
+    """aten's clamp backward: `x` gets the cotangent where it lies within the bounds (NaN does not); a tensor bound
+    gets it where it binds, the lower one only while it is below the upper one."""
+    y = torch.clamp(x, min, max)
+    g = get_grad(y)
+    if _wants(x):
+        within = (x >= min) & (x <= max) if min is not None and max is not None else (
+            x >= min if min is not None else x <= max)
+        _put(x, torch.where(within, g, 0.0))
+    if _wants(min):
+        binds = (x < min) & (min < max) if max is not None else x < min
+        _put(min, torch.where(binds, g, 0.0))
+    if _wants(max):
+        binds = (x > max) | (max < min) if min is not None else x > max
+        _put(max, torch.where(binds, g, 0.0))
+    return y
+
+
+@register_grad(torch.div)
+def div_grad(a, b, *, rounding_mode=None):
+    """A rounded quotient is piecewise constant: eager gives zeros, where floor(a / b)'s chain rule would give
+    NaN at a zero divisor."""
+    if rounding_mode is None:
+        return NotImplemented
+    y = torch.div(a, b, rounding_mode=rounding_mode)
+    get_grad(y)  # read, so the backward reaches this rule and gives zeros (not None) as eager does
+    for x in (a, b):
+        if _wants(x):
+            put_grad(x, zeros_shaped(x))
+    return y
+
+
+# Eager has no derivative for floor_divide: its backward raises, and so does ours, when a grad reaches it.
+register_grad(torch.floor_divide)(eager_grad_rule(symbol_of(torch.floor_divide, "a grad rule")))
+
+_eager_std = eager_grad_rule(symbol_of(torch.std, "a grad rule"))
+
+
+@register_grad(torch.std)
+def std_grad(x, *args, **kwargs):
+    """aten's std backward: no grad where the deviation is zero."""
+    dims, correction, keepdim = var_arguments(x, *args, **kwargs)
+    n = math.prod(x.shape[d] for d in dims)
+    if n <= correction:
+        return _eager_std(x, *args, **kwargs)  # no degrees of freedom: eager's own infinities and NaNs
+    y = torch.std(x, *args, **kwargs)
+    g, std = get_grad(y), y
+    if not keepdim:
+        kept = [1 if d in dims else s for d, s in enumerate(x.shape)]
+        g, std = g.reshape(kept), std.reshape(kept)
+    scale = torch.where(std == 0, 0.0, g / (2 * std))
+    put_grad(x, (2.0 / (n - correction)) * scale * (x - x.mean(dims, keepdim=True)))
+    return y
+
+
+def _extremum_grad(fn):
+    def rule(x, *args, **kwargs):
+        """The full reduction, as eager: ties share the cotangent evenly, and a NaN result gives it to the NaNs."""
+        if args or kwargs:
+            return NotImplemented
+        y = fn(x)
+        hit = (x == y) | (torch.isnan(x) & torch.isnan(y))
+        put_grad(x, torch.where(hit, get_grad(y) / hit.sum(), 0.0).to(x.dtype))
+        return y
+
+    return rule
+
+
+register_grad(torch.max)(_extremum_grad(torch.max))
+register_grad(torch.min)(_extremum_grad(torch.min))

@@ -1,0 +1,36 @@
+"""Eager autograd as the oracle: fulmen's gradients equal eager's on PyTorch's OpInfo samples (float64), with the
+samples' own values and with values at the edges (ties, zeros, bounds, infinities, NaN), where a chain rule through
+a decomposition can disagree with eager's backward."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from tests.ops.opdb import EDGE_VALUES, NoEagerAnswer, NotDifferentiable, grad_cases, run_grad_case, vjp_xfail_reason
+
+CASES = list(grad_cases())
+
+
+@pytest.mark.parametrize("values", list(EDGE_VALUES))
+def test_grads_equal_eagers(values, summary):
+    compared, no_oracle, failures = 0, 0, []
+    for case in CASES:
+        if vjp_xfail_reason(case):  # refused with a clear error (test_op_db_vjp checks the refusals)
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run_grad_case(case, EDGE_VALUES[values])
+            compared += 1
+        except NotDifferentiable:
+            continue
+        except NoEagerAnswer:
+            no_oracle += 1
+        except Exception as error:  # noqa: BLE001 - every sample is reported, not only the first
+            failures.append(f"{case.id}: {type(error).__name__}: {str(error).splitlines()[0][:300]}")
+    summary(f"op_db grads vs eager autograd ({values} values): {compared} samples equal, {len(failures)} differ, "
+            f"{no_oracle} without an eager answer")
+    assert not failures, "\n".join(failures[:30])
+    assert compared >= 2000, compared  # the oracle ran: every supported differentiable OpInfo's samples
