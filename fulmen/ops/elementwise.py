@@ -194,10 +194,12 @@ def div_decomposition(a: Any, b: Any, *, rounding_mode: str | None = None) -> An
         a, b, _ = _binary_operands(a, b, "INT_TO_FLOAT")
         return prims.div(a, b)
     a, b, dtype = _binary_operands(a, b, "DEFAULT")
-    if not dtype.is_floating_point:
-        return NotImplemented  # integer division semantics stay with torch
-    quotient = prims.div(a, b)
-    return prims.trunc(quotient) if rounding_mode == "trunc" else prims.floor(quotient)
+    if not dtype.is_floating_point or rounding_mode == "floor":
+        # Integer division, and floor division, stay with torch: eager floors Python's way (through fmod), which
+        # floor(a / b) is not where a / b rounds up to an integer (0.9 // 0.1 is 8, floor(0.9 / 0.1) is 9) or b is
+        # infinite (1 // -inf is -1).
+        return NotImplemented
+    return prims.trunc(prims.div(a, b))
 
 
 torch_symbol(
@@ -268,12 +270,11 @@ torch_symbol(torch.masked_fill, decomposition=masked_fill_decomposition, aliases
 def clamp_decomposition(x: Any, min: Any = None, max: Any = None) -> Any:
     dtype = result_dtype(x, min, max)
     x = convert(x, dtype)
+    # maximum and minimum propagate NaN from the input and from tensor bounds, as torch.clamp does
     if min is not None:
-        lower = expand_to(convert(min, dtype), x.shape)
-        x = prims.where(prims.lt(x, lower), lower, x)  # NaN stays NaN, as with torch.clamp
+        x = prims.maximum(x, expand_to(convert(min, dtype), x.shape))
     if max is not None:
-        upper = expand_to(convert(max, dtype), x.shape)
-        x = prims.where(prims.gt(x, upper), upper, x)
+        x = prims.minimum(x, expand_to(convert(max, dtype), x.shape))
     return x
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from litgpt import GPT
@@ -207,3 +209,23 @@ def test_matmuls_join_regions_when_asked():
         fused, alone = matmuls_in_and_out_of_regions(trace, with_matmuls)
         # every linear and attention matmul of both layers (7 each) is in a region, forward and backward
         assert fused >= 7 * config.n_layer and alone == 0, (fused, alone)
+
+
+def test_floor_division_and_remainder_in_a_region_round_as_eager():
+    """Eager floors Python's way (0.9 // 0.1 is 8, 1 // -inf is -1); floor(a / b), which a region compiled from a
+    decomposition computed, gives 9 and -0."""
+    a = torch.tensor([0.9, 1.0, -1.0, 5.0, 7.5, -7.5, 1e30], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([0.1, -math.inf, math.inf, 0.0, 2.5, 0.1, 3.0], dtype=torch.float64, requires_grad=True)
+
+    def f(a, b):
+        return torch.tanh(a) + torch.div(a, b, rounding_mode="floor") * 2 + torch.remainder(a, b) * b
+
+    jitted = fulmen.jit(f, executors=["torchcompile"])
+    got, want = jitted(a, b), f(a, b)
+    assert _regions(fulmen.last_traces(jitted)[-1])
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    grads = torch.autograd.grad(got.nansum(), (a, b))
+    torch.testing.assert_close(grads, torch.autograd.grad(want.nansum(), (a, b)), rtol=1e-12, atol=0, equal_nan=True)
+    with torch.no_grad():  # the operator, which eager cannot differentiate
+        quotient = fulmen.jit(lambda a, b: torch.tanh(a) + a // b, executors=["torchcompile"])(a, b)
+        torch.testing.assert_close(quotient, torch.tanh(a) + a // b, rtol=0, atol=0, equal_nan=True)
