@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -268,13 +269,16 @@ torch_symbol(torch.masked_fill, decomposition=masked_fill_decomposition, aliases
 
 
 def clamp_decomposition(x: Any, min: Any = None, max: Any = None) -> Any:
+    if any(isinstance(b, float) and math.isnan(b) for b in (min, max)):
+        return NotImplemented  # a NaN bound makes every element NaN: torch's kernel says so
     dtype = result_dtype(x, min, max)
     x = convert(x, dtype)
-    # maximum and minimum propagate NaN from the input and from tensor bounds, as torch.clamp does
-    if min is not None:
-        x = prims.maximum(x, expand_to(convert(min, dtype), x.shape))
-    if max is not None:
-        x = prims.minimum(x, expand_to(convert(max, dtype), x.shape))
+    for bound, outside, extremum in ((min, prims.lt, prims.maximum), (max, prims.gt, prims.minimum)):
+        if bound is None:
+            continue
+        bound = expand_to(convert(bound, dtype), x.shape)
+        # a tensor bound's NaN propagates, as in torch.clamp: maximum/minimum propagate it, a comparison would not
+        x = extremum(x, bound) if is_tensor(bound) else prims.where(outside(x, bound), bound, x)
     return x
 
 

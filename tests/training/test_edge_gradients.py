@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
+from tests.ops.opdb import DECOMPOSED
 
 
 def _grads(fn, *inputs):
@@ -86,3 +87,22 @@ def test_fused_loss_row_with_an_infinite_logit_is_nan_as_in_eager(target):
     assert "linear_cross_entropy" in str(fulmen.last_traces(program)[-1])  # the fused, chunked loss ran
     torch.testing.assert_close(got, loss(h, w), equal_nan=True)
     assert got[0].isnan()
+
+
+@pytest.mark.parametrize("bounds", [
+    (0, 3), (None, 2.5), (-1.0, None), (math.nan, None),
+    (torch.tensor([0.0, math.nan, 0.0, 6.0]), torch.tensor([3.0, 3.0, -1.0, 2.0])),
+], ids=["ints", "max-only", "min-only", "nan-bound", "tensor-bounds"])
+def test_clamp_values_and_grads_are_eagers_as_decomposed(bounds):
+    """clamp's values as fusion executors compute them (its decomposition, prim by prim) and its grads: a NaN input
+    gets no grad, a NaN tensor bound propagates, a lower bound above the upper one gives the upper one."""
+    x = torch.tensor([1.0, -2.0, math.nan, 5.0], requires_grad=True)
+    lower, upper = bounds
+
+    def f(x):
+        return x.clamp(lower, upper) * torch.arange(1.0, 5.0)
+
+    want = f(x)
+    got = fulmen.jit(f, executors=[DECOMPOSED])(x)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(got.nansum(), x), torch.autograd.grad(want.nansum(), x))
