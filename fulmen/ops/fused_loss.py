@@ -24,7 +24,6 @@ function instead of a series of torch ops (the "torchcompile" executor chooses i
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops.registry import SYMBOLS
-from fulmen.ops.utils import compute_dtype
+from fulmen.ops.utils import compute_dtype, softmax_logsumexp
 
 REDUCTIONS = ("mean", "sum", "none")
 # Automatic chunks: each chunk's logits take at most this fraction of the full logits' bytes (so they never all
@@ -73,8 +72,7 @@ def _losses(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoo
     indices, and each row's log-sum-exp."""
     valid = target != ignore_index
     safe = torch.where(valid, target, 0).long().unsqueeze(1)
-    lse = torch.logsumexp(x, 1)
-    lse = torch.where(lse == math.inf, math.nan, lse)  # eager's log-softmax: a row holding +inf is NaN throughout
+    lse = softmax_logsumexp(x, 1)
     picked = x.gather(1, safe).squeeze(1)
     if label_smoothing:
         # torch's smoothing: (1 - e) * nll + e * mean over classes of -log_softmax

@@ -6,6 +6,7 @@ Decompositions run inside the trace builder with torch functions disabled, so th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,13 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.ops import prims
+
+
+def softmax_logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.logsumexp over `dim` as eager's log-softmax normalises: NaN, not +inf, for a row holding +inf (eager's
+    log-softmax, loss and grads are NaN throughout that row)."""
+    lse = torch.logsumexp(x, dim)
+    return torch.where(lse == math.inf, math.nan, lse)
 
 
 def is_tensor(x: Any) -> bool:

@@ -111,6 +111,11 @@ def put_grad(x: Any, grad: Any) -> None:
     PUT_GRAD(x, grad)
 
 
+def wants_grad(x: Any) -> bool:
+    """Whether a grad rule should put a grad for `x`: a tensor argument that requires grad."""
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
 def put_grads(xs: Any, grads: Any) -> None:
     """`put_grad` over matching structures of inputs and grads."""
     for x, grad in zip(_flat(xs), _flat(grads)):

@@ -21,7 +21,6 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 
 from fulmen.core.proxies import TensorProxy
@@ -29,7 +28,7 @@ from fulmen.core.symbol import BoundSymbol, iter_proxies
 from fulmen.core.trace import Trace
 from fulmen.ops import fused_loss
 from fulmen.ops.registry import SYMBOLS
-from fulmen.transforms.autodiff import get_grad, put_grads, register_grad
+from fulmen.transforms.autodiff import get_grad, put_grads, register_grad, wants_grad
 from fulmen.transforms.common import dce
 
 PROVENANCE = "Fused linear + cross-entropy"
@@ -51,13 +50,10 @@ _CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 
 
 # --- the grad rule --------------------------------------------------------------------------------------------------
-def _wants(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.requires_grad
-
 
 @register_grad(fused_loss.LINEAR_CROSS_ENTROPY)
 def linear_cross_entropy_grad(h, weight, bias, target, **spec):
-    wants = (_wants(h), _wants(weight), _wants(bias))
+    wants = (wants_grad(h), wants_grad(weight), wants_grad(bias))
     if spec["reduction"] == "none":  # a cotangent per row: the backward recomputes the logits
         loss = fused_loss.LINEAR_CROSS_ENTROPY(h, weight, bias, target, **spec)
         grads = fused_loss.LINEAR_CROSS_ENTROPY_ROWS_BACKWARD(get_grad(loss), h, weight, bias, target, **spec,

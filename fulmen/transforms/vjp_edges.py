@@ -14,12 +14,8 @@ import torch
 
 from fulmen.ops.reductions import var_arguments
 from fulmen.ops.registry import symbol_of
-from fulmen.transforms.autodiff import eager_grad_rule, get_grad, put_grad, register_grad
-from fulmen.transforms.vjp_prims import _sum_to, zeros_shaped
-
-
-def _wants(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.requires_grad
+from fulmen.transforms.autodiff import eager_grad_rule, get_grad, put_grad, register_grad, wants_grad
+from fulmen.transforms.vjp_prims import _keepdim, _sum_to, var_backward, zeros_shaped
 
 
 def _put(x: torch.Tensor, grad: torch.Tensor) -> None:
@@ -33,14 +29,14 @@ def clamp_grad(x, min=None, max=None):
     gets it where it binds, the lower one only while it is below the upper one."""
     y = torch.clamp(x, min, max)
     g = get_grad(y)
-    if _wants(x):
+    if wants_grad(x):
         within = (x >= min) & (x <= max) if min is not None and max is not None else (
             x >= min if min is not None else x <= max)
         _put(x, torch.where(within, g, 0.0))
-    if _wants(min):
+    if wants_grad(min):
         binds = (x < min) & (min < max) if max is not None else x < min
         _put(min, torch.where(binds, g, 0.0))
-    if _wants(max):
+    if wants_grad(max):
         binds = (x > max) | (max < min) if min is not None else x > max
         _put(max, torch.where(binds, g, 0.0))
     return y
@@ -55,7 +51,7 @@ def div_grad(a, b, *, rounding_mode=None):
     y = torch.div(a, b, rounding_mode=rounding_mode)
     get_grad(y)  # read, so the backward reaches this rule and gives zeros (not None) as eager does
     for x in (a, b):
-        if _wants(x):
+        if wants_grad(x):
             put_grad(x, zeros_shaped(x))
     return y
 
@@ -69,17 +65,13 @@ _eager_std = eager_grad_rule(symbol_of(torch.std, "a grad rule"))
 @register_grad(torch.std)
 def std_grad(x, *args, **kwargs):
     """aten's std backward: no grad where the deviation is zero."""
-    dims, correction, keepdim = var_arguments(x, *args, **kwargs)
-    n = math.prod(x.shape[d] for d in dims)
-    if n <= correction:
+    dims, correction, _ = var_arguments(x, *args, **kwargs)
+    if math.prod(x.shape[d] for d in dims) <= correction:
         return _eager_std(x, *args, **kwargs)  # no degrees of freedom: eager's own infinities and NaNs
     y = torch.std(x, *args, **kwargs)
-    g, std = get_grad(y), y
-    if not keepdim:
-        kept = [1 if d in dims else s for d, s in enumerate(x.shape)]
-        g, std = g.reshape(kept), std.reshape(kept)
-    scale = torch.where(std == 0, 0.0, g / (2 * std))
-    put_grad(x, (2.0 / (n - correction)) * scale * (x - x.mean(dims, keepdim=True)))
+    std = _keepdim(y, x, dims)
+    scale = torch.where(std == 0, 0.0, _keepdim(get_grad(y), x, dims) / (2 * std))
+    put_grad(x, var_backward(x, dims, correction, scale))
     return y
 
 

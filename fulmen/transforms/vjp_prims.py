@@ -217,14 +217,18 @@ register_grad(prims.amax)(_extremum(prims.amax))
 register_grad(prims.amin)(_extremum(prims.amin))
 
 
+def var_backward(x: T, dims, correction, g: T) -> T:
+    """aten's var backward for `g`, the cotangent with the reduced `dims` kept (the products in eager's order)."""
+    n = math.prod(x.shape[d] for d in dims)
+    return (2.0 / (n - correction)) * g * (x - x.mean(dims, keepdim=True))
+
+
 @register_grad(prims.var)
 def _var(x, dims, correction):
-    n = math.prod(x.shape[d] for d in dims)
-    if n <= correction:
+    if math.prod(x.shape[d] for d in dims) <= correction:
         return NotImplemented  # no degrees of freedom: eager's own backward gives its infinities and NaNs
     y = prims.var(x, dims, correction)
-    centered = x - _keepdim(x.mean(dims), x, dims)
-    put_grad(x, (2.0 / (n - correction)) * _keepdim(get_grad(y), x, dims) * centered)  # eager's order
+    put_grad(x, var_backward(x, dims, correction, _keepdim(get_grad(y), x, dims)))
     return y
 
 

@@ -15,15 +15,12 @@ from fulmen.core.symbol import Tag
 from fulmen.ops import shape
 from fulmen.ops.nn import embedding_backward, native_layer_norm
 from fulmen.ops.registry import SYMBOLS, torch_symbol
-from fulmen.ops.utils import compute_dtype
-from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp
+from fulmen.ops.utils import compute_dtype, softmax_logsumexp
+from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp, wants_grad
 from fulmen.transforms.vjp_prims import matmul_rule, zeros_shaped
 
 native_dropout = torch_symbol(torch.native_dropout, tags=Tag.RANDOM)
 
-
-def _wants(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.requires_grad
 
 
 @register_grad(F.linear)
@@ -32,13 +29,13 @@ def linear_grad(x, weight, bias=None):
         return NotImplemented
     y = F.linear(x, weight, bias)
     g = get_grad(y)
-    if _wants(x):
+    if wants_grad(x):
         put_grad(x, torch.matmul(g, weight))
-    if _wants(weight) or _wants(bias):
+    if wants_grad(weight) or wants_grad(bias):
         g2 = g.reshape(-1, g.shape[-1])
-        if _wants(weight):
+        if wants_grad(weight):
             put_grad(weight, torch.matmul(g2.t(), x.reshape(-1, x.shape[-1])))
-        if _wants(bias):
+        if wants_grad(bias):
             put_grad(bias, g2.sum(0))
     return y
 
@@ -80,9 +77,7 @@ def cross_entropy_grad(logits, target, weight=None, size_average=None, ignore_in
     x = logits.to(compute)
     valid = target != ignore_index
     safe = torch.where(valid, target, 0)
-    # torch.logsumexp of a row holding +inf is +inf; eager's log-softmax makes that row NaN, loss and grads alike
-    lse = torch.logsumexp(x, 1)
-    lse = torch.where(lse == math.inf, math.nan, lse)
+    lse = softmax_logsumexp(x, 1)
     picked = torch.gather(x, 1, safe.unsqueeze(1)).squeeze(1)
     losses = torch.where(valid, lse - picked, 0.0)
     if reduction == "none":
@@ -140,9 +135,9 @@ def native_layer_norm_grad(x, normalized_shape, weight, bias, eps):
     compute = compute_dtype(x.dtype)
     gx, xhat, g, batch = _norm_backward(x, g, weight, rstd.to(compute), mean.to(compute), dims)
     put_grad(x, gx.to(x.dtype))
-    if _wants(weight):
+    if wants_grad(weight):
         put_grad(weight, _param_grad(g * xhat, batch, weight))
-    if _wants(bias):
+    if wants_grad(bias):
         put_grad(bias, _param_grad(g, batch, bias))
     return y, mean, rstd
 
@@ -158,7 +153,7 @@ def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
     g = get_grad(y)
     gx, xhat, g, batch = _norm_backward(x, g, weight, rstd, None, dims)
     put_grad(x, gx.to(x.dtype))
-    if _wants(weight):
+    if wants_grad(weight):
         put_grad(weight, _param_grad(g * xhat, batch, weight))
     return y
 
@@ -209,7 +204,7 @@ def sdpa_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     # Attention is recomputed in the backward (as flash attention does), so only q, k, v (and a mask) are saved.
     # A float mask is added to the scores, so it has a grad too (T5 passes its learned position bias as the mask).
     inputs = (q, k, v, attn_mask)
-    wrt = tuple(i for i, t in enumerate(inputs) if _wants(t))
+    wrt = tuple(i for i, t in enumerate(inputs) if wants_grad(t))
     grads = torch_vjp(SYMBOLS["torch.nn.functional.scaled_dot_product_attention"], inputs, kwargs, wrt,
                       (get_grad(y),))
     for i, grad in zip(wrt, grads):
@@ -225,7 +220,7 @@ def cat_grad(tensors, dim=0):
     joined = [t for t in tensors if t.dim() == y.dim()]
     pieces = torch.split(get_grad(y), [t.shape[dim] for t in joined], dim)
     for t, piece in zip(joined, pieces):
-        if _wants(t):
+        if wants_grad(t):
             put_grad(t, piece)
     return y
 

@@ -319,8 +319,6 @@ def run_vmap_case(case: Case) -> str:
     return "loop" if "impls.batch_loop" in str(fulmen.last_traces(mapped)[-1]) else "rules"
 
 
-
-
 # --- eager autograd as the oracle: fulmen's gradients equal eager's, at edge values too ------------------------------
 # Values each floating input is drawn from, beyond the sample's own: ties, zeros and clamp bounds ("kinks"), and
 # the values where formulas read 0/0, inf - inf or 0 * inf ("nonfinite"). Finite differences cannot see these
@@ -330,8 +328,6 @@ EDGE_VALUES: dict[str, tuple[float, ...] | None] = {
     "kinks": (-2.0, -1.0, 0.0, 1.0, 2.0),
     "nonfinite": (0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 1e-300, -3.0),
 }
-
-
 GRAD_SAMPLES_PER_OP = 8
 
 
