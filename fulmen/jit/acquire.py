@@ -262,6 +262,11 @@ class Interpreter(TorchFunctionMode):
         try:
             # Grad rules state their dtypes; autocast applies to the user's program only.
             autocast = autocast_plan(sym, values, kwvalues) if not self._pinned else None
+            if autocast is not None and autocast.unstated:
+                raise UnsupportedOpError(
+                    f"{sym.printed} under torch.autocast: {autocast.unstated}, which the trace cannot state as a "
+                    "conversion of its inputs; convert the inputs yourself or call it outside autocast",
+                    self.builder.source)
             if autocast is not None:
                 values, kwvalues = cast_arguments(autocast, values, kwvalues)
             with self.quiet:  # a symbol's meta and decomposition are fulmen's and torch's code, never the program's

@@ -9,13 +9,16 @@ it).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fulmen.core.proxies import TensorProxy
@@ -34,33 +37,76 @@ def active_device_type(values: Any) -> str | None:
     return None
 
 
-class _CastRecorder(TorchDispatchMode):
-    """Sees the conversions autocast makes (they dispatch below it) and records them per input tensor."""
+aten = torch.ops.aten
+# Ops that only move or copy elements and whose backward only moves them back (no sums, unlike expand's): autocast
+# converting their result is the same as converting the input they read, in front of the op, forward and backward.
+_MOVES = frozenset({
+    aten.view, aten._unsafe_view, aten._reshape_alias, aten.reshape, aten.permute, aten.transpose, aten.t,
+    aten.unsqueeze, aten.squeeze, aten.select, aten.slice, aten.narrow, aten.diagonal, aten.clone, aten.alias,
+    aten.detach, aten.split, aten.split_with_sizes, aten.unbind, aten.chunk, aten.contiguous,
+})
+# Ops that read a tensor's metadata only.
+_METADATA = frozenset({aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.new_empty,
+                       aten.new_zeros, aten.new_ones, aten.new_full})
+
+
+# What an op computes: each computing call, with the dtypes it reads and gives.
+Computed = list[tuple[Any, tuple[torch.dtype, ...], tuple[torch.dtype, ...]]]
+
+
+def _dtypes(tree: Any) -> tuple[torch.dtype, ...]:
+    return tuple(t.dtype for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+class _Recorder(TorchDispatchMode):
+    """Records, while an op runs on fake tensors, the conversions of its inputs (following each input through
+    ops that only move its elements: einsum or an unbatched conv1d convert the views they make of their inputs),
+    and what the op computes: each computing call with the dtypes it reads and gives."""
 
     def __init__(self, inputs: list[torch.Tensor]) -> None:
         super().__init__()
-        self.position = {id(t): i for i, t in enumerate(inputs)}
+        self.origin = {id(t): i for i, t in enumerate(inputs)}
+        self.alive = list(inputs)  # keeps the ids in `origin` from being reused
         self.casts: dict[int, torch.dtype] = {}
+        self.conflict: str | None = None
+        self.computed: Computed = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.position and "dtype" in kwargs:
-            self.casts[self.position[id(args[0])]] = kwargs["dtype"]
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        position = self.origin.get(id(source)) if source is not None else None
+        dtype = kwargs.get("dtype")
+        if packet is aten._to_copy and position is not None and dtype not in (None, source.dtype):
+            if self.casts.setdefault(position, dtype) != dtype:
+                self.conflict = f"one input is converted to both {self.casts[position]} and {dtype}"
+        elif packet in _MOVES:
+            if position is not None:
+                self.origin.update((id(t), position) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+                self.alive.append(out)
+        elif packet not in _METADATA and _dtypes(out):  # not a query (its device, its size)
+            self.computed.append((packet, _dtypes((args, kwargs)), _dtypes(out)))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
 class AutocastPlan:
     casts: dict[int, torch.dtype]  # tensor argument (by position among the proxies) -> the dtype it is cast to
-    # The output dtype under autocast, where autocast converts inside a composite (cross_entropy's nll_loss)
-    # rather than its arguments.
-    output: torch.dtype | None
+    # The dtype autocast gives the output, where the op converts its result only under autocast (rms_norm).
+    output: torch.dtype | None = None
+    # Why autocast's conversions cannot be stated as conversions of the op's inputs (None: they can).
+    unstated: str | None = None
 
 
-_NOTHING = AutocastPlan({}, None)
+_NOTHING = AutocastPlan({})
 
 
 def _probe(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
+    """Runs the op on fake tensors under autocast, then with autocast off, its inputs as they are and then with
+    the conversions autocast made of them: the first that computes the same calls on the same dtypes is the plan
+    (a conversion the op makes of its result only under autocast is stated after it). Conversions the op makes
+    itself (sdpa's math upcast) happen in every run; autocast's are the difference."""
     fakes: list[torch.Tensor] = []
 
     with torch._C.DisableTorchFunction(), FakeTensorMode(allow_non_fake_inputs=True):
@@ -69,15 +115,56 @@ def _probe(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
             return fakes[-1]
 
         fake_args, fake_kwargs = map_proxies(args, fake), map_proxies(kwargs, fake)
-        recorder = _CastRecorder(fakes)
+
+        def run(casts: dict[int, torch.dtype] | None) -> tuple[_Recorder, tuple[torch.dtype, ...]]:
+            converted = {id(t): t.to(casts[i]) for i, t in enumerate(fakes) if i in (casts or {})}
+            call_args, call_kwargs = pytree.tree_map(lambda x: converted.get(id(x), x), (fake_args, fake_kwargs))
+            recorder = _Recorder(fakes)
+            with contextlib.nullcontext() if casts is None else _autocast_off(), recorder:
+                out = sym.impl(*call_args, **call_kwargs)
+            return recorder, _dtypes(out)
+
         try:
-            with recorder:
-                out = sym.impl(*fake_args, **fake_kwargs)
+            under, gives = run(None)
         except Exception:  # noqa: BLE001 - an op the probe cannot run is left as it is
             return _NOTHING
-    first = out[0] if isinstance(out, (tuple, list)) and out else out
-    output = first.dtype if isinstance(first, torch.Tensor) and first.dtype.is_floating_point else None
-    return AutocastPlan(recorder.casts, output)
+        if under.conflict:
+            return AutocastPlan({}, unstated=under.conflict)
+        differs = ""
+        for casts in ({}, under.casts) if under.casts else ({},):
+            try:
+                with _quiet_fake_tensors():
+                    stated, plain_gives = run(casts)
+            except Exception as error:  # noqa: BLE001 - these conversions alone do not even run
+                differs = f" (with only its inputs converted it raises {type(error).__name__})"
+                continue
+            if under.computed == stated.computed and gives == plain_gives:
+                return AutocastPlan(casts)
+            if under.computed == [*stated.computed, (aten._to_copy, plain_gives, gives)] and len(gives) == 1:
+                return AutocastPlan(casts, output=gives[0])
+            differs = _first_difference(under.computed, stated.computed)
+    return AutocastPlan({}, unstated="autocast converts inside it" + differs)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """Fake tensors log an error for a meta kernel that raises; here that is an answer, not a failure."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _first_difference(under: Computed, stated: Computed) -> str:
+    differs = next((u for u, s in itertools.zip_longest(under, stated) if u != s), None)
+    return f" ({differs[0]} reads {_named(differs[1])}, gives {_named(differs[2])})" if differs else ""
+
+
+def _named(dtypes: tuple[torch.dtype, ...]) -> str:
+    return "(" + ", ".join(str(d).removeprefix("torch.") for d in dtypes) + ")"
 
 
 def _signature(sym: Symbol, args: tuple, kwargs: dict[str, Any], device_type: str) -> Any:
@@ -119,9 +206,9 @@ def cast_arguments(autocast: AutocastPlan, args: tuple, kwargs: dict[str, Any]) 
 
 
 def cast_output(autocast: AutocastPlan, output: Any) -> Any:
-    """The op's output converted to the dtype autocast gives it, where the arguments' conversions did not."""
+    """The op's output converted to the dtype autocast gives it, where the op converts it only under autocast."""
     if autocast.output is None or type(output) is not TensorProxy or output.dtype == autocast.output:
-        return output  # several outputs are left as the op gives them
+        return output
     return SYMBOLS["torch.Tensor.to"](output, dtype=autocast.output)
 
 
@@ -129,11 +216,18 @@ def autocast_enabled() -> bool:
     return any(torch.is_autocast_enabled(device) for device in DEVICE_TYPES)
 
 
+def _autocast_off() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for device in DEVICE_TYPES:
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
 def without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` run with autocast off: a trace acquired under autocast already holds its conversions."""
 
     def run(*args: Any) -> Any:
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        with _autocast_off():
             return fn(*args)
 
     return run

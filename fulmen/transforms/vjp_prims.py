@@ -387,10 +387,68 @@ def _sum_to(grad: T, shape: tuple[int, ...]) -> T:
     return (grad.sum(dims, keepdim=True) if dims else grad).reshape(shape)
 
 
-def matmul_grads(a: T, b: T, g: T) -> tuple[T | None, T | None]:
-    """Grads of `a @ b` for operands of two or more dims (batch dims broadcast)."""
-    grad_a = _sum_to(torch.matmul(g, b.mT), tuple(a.shape)) if a.requires_grad else None
-    grad_b = _sum_to(torch.matmul(a.mT, g), tuple(b.shape)) if b.requires_grad else None
+def _column_major(m: T) -> bool:
+    return m.stride(0) == 1 and m.stride(1) == m.shape[0]
+
+
+def _mm_grads(a: T, b: T, g: T, want_a: bool, want_b: bool) -> tuple[T | None, T | None]:
+    """Grads of the 2-D product `a @ b` as eager's mm backward computes them: a column-major operand gets its
+    grad computed transposed (aten's mm_mat1_backward / mm_mat2_backward), which can round differently."""
+    grad_a = grad_b = None
+    if want_a:
+        grad_a = torch.matmul(b, g.mT).mT if _column_major(a) else torch.matmul(g, b.mT)
+    if want_b:
+        grad_b = torch.matmul(g.mT, a).mT if _column_major(b) else torch.matmul(a.mT, g)
+    return grad_a, grad_b
+
+
+def _folds(a: T, b: T, want_a: bool, want_b: bool) -> bool:
+    """Whether eager's matmul folds the batch dims of its larger operand into matrix rows (aten's should_fold):
+    one mm instead of a batched one, so the smaller operand's grad is one product accumulated over every row
+    (in float32 for low-precision inputs) rather than per-batch products rounded and then summed."""
+    big, small, small_wanted = (a, b, want_b) if a.dim() >= b.dim() else (b, a, want_a)
+    if big.dim() < 3 or small.dim() > 2:
+        return False
+    if small_wanted:
+        return True
+    if a.dim() == 2:
+        return False
+    if big.numel() == 0:
+        return True
+    # the larger operand (b transposed when it is b) must fold to rows without a copy
+    shape, strides = list(big.shape), list(big.stride())
+    if big is b:
+        shape[-2:], strides[-2:] = shape[:-3:-1], strides[:-3:-1]
+    return all(strides[i] == strides[i + 1] * shape[i + 1] for i in range(len(shape) - 2))
+
+
+def _rows(t: T) -> T:
+    """`t` as a matrix of its last dim's rows (the number of rows explicit: -1 is ambiguous for no elements)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def matmul_grads(a: T, b: T, g: T, want_a: bool, want_b: bool) -> tuple[T | None, T | None]:
+    """Grads of `a @ b` for operands of two or more dims (batch dims broadcast), computed as eager's backward
+    computes them: through the folded mm where eager folds, else batched products summed over broadcast dims."""
+    if a.dim() == 2 and b.dim() == 2:
+        return _mm_grads(a, b, g, want_a, want_b)
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] != b.shape[0]:
+        # eager drops a batch dim of 1 that is broadcast, from an operand requiring grad, and folds instead
+        if a.shape[0] == 1 and want_a:
+            grad_a, grad_b = matmul_grads(a.squeeze(0), b, g, want_a, want_b)
+            return grad_a.unsqueeze(0), grad_b
+        if b.shape[0] == 1 and want_b:
+            grad_a, grad_b = matmul_grads(a, b.squeeze(0), g, want_a, want_b)
+            return grad_a, grad_b.unsqueeze(0)
+    if _folds(a, b, want_a, want_b) and a.dim() >= 3:  # (..., m, k) @ (k, n): rows (N*m, k) @ (k, n)
+        grad_a, grad_b = _mm_grads(_rows(a), b, _rows(g), want_a, want_b)
+        return (None if grad_a is None else grad_a.reshape(a.shape)), grad_b
+    if _folds(a, b, want_a, want_b):  # (m, k) @ (..., k, n) is computed transposed: rows (N*n, k) @ (k, m)
+        bt = b.mT
+        grad_bt, grad_at = _mm_grads(_rows(bt), a.mT, _rows(g.mT), want_b, want_a)
+        return (None if grad_at is None else grad_at.mT), (None if grad_bt is None else grad_bt.reshape(bt.shape).mT)
+    grad_a = _sum_to(torch.matmul(g, b.mT), tuple(a.shape)) if want_a else None
+    grad_b = _sum_to(torch.matmul(a.mT, g), tuple(b.shape)) if want_b else None
     return grad_a, grad_b
 
 
@@ -401,7 +459,7 @@ def matmul_rule(matmul):
         if a.dim() < 2 or b.dim() < 2:
             return NotImplemented  # vector operands: differentiated through the torch autograd fallback
         y = matmul(a, b)
-        grad_a, grad_b = matmul_grads(a, b, get_grad(y))
+        grad_a, grad_b = matmul_grads(a, b, get_grad(y), a.requires_grad, b.requires_grad)
         if grad_a is not None:
             put_grad(a, grad_a)
         if grad_b is not None:

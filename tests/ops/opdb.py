@@ -393,3 +393,71 @@ def run_grad_case(case: Case, values: str) -> None:
         got, ref = (got.to_dense(), ref.to_dense()) if ref.is_sparse else (got, ref)
         torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-7, equal_nan=True,
                                    msg=lambda m, i=i: f"grad of input {i}: {m}")
+
+
+# --- eager autocast as the oracle: the conversions autocast makes, stated in the trace -----------------------------
+AUTOCAST_SAMPLES_PER_OP = 8
+
+
+def autocast_cases(dtype: torch.dtype) -> Iterator[Case]:
+    chosen = [o for o in supported_opinfos() if dtype in o.supported_dtypes("cpu")]
+    return _samples(chosen, dtype, True, AUTOCAST_SAMPLES_PER_OP)
+
+
+# Where eager's forward takes another path when its input requires grad (fulmen's forward runs as eager's does
+# without grad), by OpInfo name.
+AUTOCAST_FORWARD_DIFFERS: dict[str, str] = {
+    "norm.nuc": "eager's svdvals computes the singular vectors too when its input requires grad: another LAPACK path, "
+                "1 ulp apart",
+}
+
+# Samples whose eager float32 grads are rounding noise, by sample id.
+AUTOCAST_EAGER_GRAD_INEXACT: dict[str, str] = {
+    "nn.functional.layer_norm-2": "a layer norm over one element has zero grads; eager's fused kernel cancels to "
+                                  "1e-4 in float32, fulmen gives 0",
+}
+
+
+def run_autocast_case(case: Case, autocast_dtype: torch.dtype = torch.bfloat16) -> None:
+    """Under CPU autocast, fulmen's outputs have eager's dtypes and bits, and the grads of every floating input
+    equal eager's (a float32 input's to float32 precision; a low-precision input's to its own: fulmen's backward
+    formulas round where eager's fused backward kernels do not)."""
+    op, sample = case.opinfo.op, case.sample
+    structure = (sample.input, sample.args, sample.kwargs)
+
+    def program(inp, args, kwargs):
+        return op(inp, *args, **kwargs)
+
+    try:
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            expected = _tensors(program(*structure))
+    except (RuntimeError, ValueError) as error:
+        raise NoEagerAnswer(str(error)) from error
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        actual = _tensors(fulmen.jit(program)(*structure))
+    assert [t.dtype for t in actual] == [t.dtype for t in expected], "output dtypes differ"
+    if case.opinfo.name not in UNINITIALIZED:
+        exact = {} if case.op_name in AUTOCAST_FORWARD_DIFFERS else {"rtol": 0, "atol": 0}
+        for got, ref in zip(actual, expected):
+            torch.testing.assert_close(got, ref, equal_nan=True, check_stride=False, **exact)
+    wrt = [t for t in _tensors(structure) if t.requires_grad and t.dtype.is_floating_point]
+    outs = [i for i, o in enumerate(expected) if o.requires_grad]
+    if not wrt or not outs or case.id in AUTOCAST_EAGER_GRAD_INEXACT:
+        return
+    generator = torch.Generator().manual_seed(case.index)
+    v = [torch.randn(expected[i].shape, generator=generator).to(expected[i].dtype) for i in outs]
+    try:
+        want = torch.autograd.grad([expected[i] for i in outs], wrt, v, allow_unused=True)
+    except RuntimeError:
+        return  # eager cannot differentiate the sample
+    got_grads = torch.autograd.grad([actual[i] for i in outs], wrt, v, allow_unused=True)
+    for i, (got, ref) in enumerate(zip(got_grads, want)):
+        got, ref = (torch.zeros_like(wrt[i]) if t is None else t for t in (got, ref))
+        assert got.dtype == ref.dtype, f"grad of input {i}: {got.dtype} where eager gives {ref.dtype}"
+        if ref.dtype in (torch.bfloat16, torch.float16):
+            # a few roundings of the grad's own scale apart: fulmen's formulas round each step
+            scale = ref.double().nan_to_num(0, 0, 0).abs().amax().item() if ref.numel() else 0.0
+            tolerance = {"rtol": 0, "atol": 8 * torch.finfo(ref.dtype).eps * scale}
+        else:
+            tolerance = {"rtol": 1e-5, "atol": 1e-5}
+        torch.testing.assert_close(got, ref, equal_nan=True, **tolerance, msg=lambda m, i=i: f"grad of input {i}: {m}")

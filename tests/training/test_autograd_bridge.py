@@ -207,6 +207,36 @@ def test_embedding_weight_gradient_is_eagers_bit_for_bit(padding_idx, scale_grad
     assert kernel != sparse  # a sparse gradient comes from torch autograd itself
 
 
+def _laid_out(shape: tuple[int, ...], layout: str) -> torch.Tensor:
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    if layout == "transposed":  # stored column by column (a weight used as W.t())
+        x = x.mT.contiguous().mT
+    elif layout == "batch-strided" and x.dim() >= 3:  # batch dims that do not fold into rows without a copy
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    return x
+
+
+@pytest.mark.parametrize(("a_shape", "b_shape"), [((4, 64, 32), (32, 16)), ((2, 3, 64, 32), (32, 16)),
+                                                  ((64, 32), (4, 32, 16)), ((4, 64, 32), (1, 32, 16)),
+                                                  ((1, 64, 32), (4, 32, 16)), ((4, 64, 32), (4, 32, 16))])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "batch-strided"])
+@pytest.mark.parametrize("wants", ["both", "a", "b"])
+def test_matmul_grads_are_eagers_bit_for_bit(a_shape, b_shape, layout, wants):
+    """Eager's matmul folds a batched operand's rows into one mm when the other is a matrix that requires grad
+    (and drops a broadcast batch of 1), so that matrix's grad is one product accumulated in float32 over every row.
+    Summing per-batch bfloat16 products instead rounds each: off by whole units. The grads follow eager's folds and
+    its mm backward, which computes a column-major operand's grad transposed."""
+    torch.manual_seed(0)
+    a = _laid_out(a_shape, layout).requires_grad_(wants in ("both", "a"))
+    b = _laid_out(b_shape, layout).requires_grad_(wants in ("both", "b"))
+    wrt = [t for t in (a, b) if t.requires_grad]
+    expected = torch.matmul(a, b)
+    g = torch.randn(expected.shape, dtype=torch.bfloat16)
+    ours = torch.autograd.grad(fulmen.jit(torch.matmul)(a, b), wrt, g)
+    eager = torch.autograd.grad(expected, wrt, g)
+    assert all(torch.equal(x, y) for x, y in zip(ours, eager))
+
+
 def test_custom_grad_rule_with_get_grad_and_put_grad():
     """A rule in the style of the seed's grad_transform replaces silu's backward; grads still equal eager's."""
     calls = []

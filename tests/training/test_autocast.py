@@ -1,0 +1,84 @@
+"""Autocast's conversions stated in the trace, equal to eager's bit for bit, or refused where they cannot be stated.
+(op_db's samples under autocast: tests/ops/test_op_db_autocast.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+from fulmen.core.errors import UnsupportedOpError
+
+
+def _under_autocast(fn, *args, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
+    with torch.autocast(device, dtype=dtype):
+        return fn(*args)
+
+
+@pytest.mark.parametrize("equation", ["bij,bjk->bik", "ij,jk->ik", "ii,ij->j"])
+def test_einsum_converts_what_eager_converts(equation):
+    """On CPU, autocast converts inside einsum: the views and the diagonal it makes of its operands, at the bmm it
+    calls. Those are conversions of the operands, so the trace states them in front of einsum: eager's bits, forward
+    and backward. (Before, einsum ran in float32 and only its result was converted.)"""
+    torch.manual_seed(0)
+    a = torch.randn(2, 8, 8, requires_grad=True) if equation[0] == "b" else torch.randn(8, 8, requires_grad=True)
+    b = torch.randn(2, 8, 5, requires_grad=True) if equation[0] == "b" else torch.randn(8, 5, requires_grad=True)
+
+    def f(a, b):
+        return torch.einsum(equation, a, b)
+
+    jitted = fulmen.jit(f)
+    ours, eager = _under_autocast(jitted, a, b), _under_autocast(f, a, b)
+    assert ours.dtype == eager.dtype == torch.bfloat16
+    assert torch.equal(ours, eager)
+    g = torch.randn_like(eager)
+    assert all(torch.equal(x, y) for x, y in zip(torch.autograd.grad(ours, (a, b), g),
+                                                  torch.autograd.grad(eager, (a, b), g)))
+    assert str(fulmen.last_traces(jitted)[0]).count("dtype=torch.bfloat16") == 2  # both operands, in front
+
+
+def test_conversion_of_a_value_computed_inside_an_op_is_refused():
+    """'ij,jk->k' sums i out of the first operand in float32, then autocast converts that sum for the bmm: no
+    conversion of an input gives those bits, so fulmen refuses, naming the op and the line, rather than guess."""
+    a, b = torch.randn(8, 8), torch.randn(8, 5)
+
+    def f(a, b):
+        return torch.einsum("ij,jk->k", a, b)
+
+    with pytest.raises(UnsupportedOpError, match=r"einsum under torch.autocast: autocast converts inside it") as info:
+        _under_autocast(fulmen.jit(f), a, b)
+    assert 'torch.einsum("ij,jk->k", a, b)' in str(info.value)
+
+
+def test_an_op_converting_its_result_only_under_autocast():
+    """rms_norm's composite (what the probe's fake tensors run) computes a bfloat16 input in float32 and converts
+    the result back only under autocast: that conversion cannot be stated in front of the op, and is not refused;
+    it is stated after it."""
+    x, w = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
+
+    def f(x, w):
+        return F.rms_norm(x, (16,), w)
+
+    jitted = fulmen.jit(f)
+    ours, eager = _under_autocast(jitted, x, w), _under_autocast(f, x, w)
+    assert ours.dtype == eager.dtype == torch.bfloat16
+    assert torch.equal(ours, eager)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_unbatched_conv1d_with_string_padding(device):
+    """conv1d with padding="same" on an unbatched input converts the view it makes of the input (on CUDA the
+    trace once converted only the weight, and the kernel raised on mixed dtypes)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 9, device=device)
+    w, b = torch.randn(2, 4, 3, device=device, requires_grad=True), torch.randn(2, device=device, requires_grad=True)
+
+    def f(x, w, b):
+        return F.conv1d(x, w, b, padding="same")
+
+    for dtype in (torch.bfloat16, torch.float16):
+        ours = _under_autocast(fulmen.jit(f), x, w, b, device=device, dtype=dtype)
+        eager = _under_autocast(f, x, w, b, device=device, dtype=dtype)
+        assert ours.dtype == eager.dtype == dtype
+        assert torch.equal(ours, eager)
