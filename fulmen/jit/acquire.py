@@ -28,6 +28,7 @@ from fulmen.jit.lookasides import is_fabric_backward_check
 from fulmen.ops import lookup, shape
 from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
+from fulmen.transforms.autocast import PARTS as AUTOCAST_PARTS
 from fulmen.transforms.autocast import cast_arguments, cast_output
 from fulmen.transforms.autocast import plan as autocast_plan
 from fulmen.transforms.distribution import logical_meta
@@ -263,6 +264,10 @@ class Interpreter(TorchFunctionMode):
             # Grad rules state their dtypes; autocast applies to the user's program only.
             autocast = autocast_plan(sym, values, kwvalues) if not self._pinned else None
             if autocast is not None and autocast.unstated:
+                parts = AUTOCAST_PARTS.get(sym.printed)
+                output = NotImplemented if parts is None else parts(self._record, *values, **kwvalues)
+                if output is not NotImplemented:
+                    return output
                 raise UnsupportedOpError(
                     f"{sym.printed} under torch.autocast: {autocast.unstated}, which the trace cannot state as a "
                     "conversion of its inputs; convert the inputs yourself or call it outside autocast",

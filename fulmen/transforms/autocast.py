@@ -95,6 +95,8 @@ class AutocastPlan:
     casts: dict[int, torch.dtype]  # tensor argument (by position among the proxies) -> the dtype it is cast to
     # The dtype autocast gives the output, where the op converts its result only under autocast (rms_norm).
     output: torch.dtype | None = None
+    # The dtype argument autocast gives the op (a reduction on CUDA, accumulated and returned in float32).
+    dtype: torch.dtype | None = None
     # Why autocast's conversions cannot be stated as conversions of the op's inputs (None: they can).
     unstated: str | None = None
 
@@ -103,10 +105,11 @@ _NOTHING = AutocastPlan({})
 
 
 def _probe(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
-    """Runs the op on fake tensors under autocast, then with autocast off, its inputs as they are and then with
-    the conversions autocast made of them: the first that computes the same calls on the same dtypes is the plan
-    (a conversion the op makes of its result only under autocast is stated after it). Conversions the op makes
-    itself (sdpa's math upcast) happen in every run; autocast's are the difference."""
+    """Runs the op on fake tensors under autocast, then with autocast off: its inputs as they are, then with the
+    conversions autocast made of them, then with the dtype argument autocast gives reductions on CUDA. The first
+    that computes the same calls on the same dtypes is the plan (a conversion the op makes of its result only
+    under autocast is stated after it). Conversions the op makes itself (sdpa's math upcast) happen in every run;
+    autocast's are the difference. None matching: the plan says why (`unstated`), and fulmen refuses the op."""
     fakes: list[torch.Tensor] = []
 
     with torch._C.DisableTorchFunction(), FakeTensorMode(allow_non_fake_inputs=True):
@@ -116,12 +119,13 @@ def _probe(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
 
         fake_args, fake_kwargs = map_proxies(args, fake), map_proxies(kwargs, fake)
 
-        def run(casts: dict[int, torch.dtype] | None) -> tuple[_Recorder, tuple[torch.dtype, ...]]:
+        def run(casts: dict[int, torch.dtype] | None, dtype: torch.dtype | None = None,
+                ) -> tuple[_Recorder, tuple[torch.dtype, ...]]:
             converted = {id(t): t.to(casts[i]) for i, t in enumerate(fakes) if i in (casts or {})}
             call_args, call_kwargs = pytree.tree_map(lambda x: converted.get(id(x), x), (fake_args, fake_kwargs))
             recorder = _Recorder(fakes)
             with contextlib.nullcontext() if casts is None else _autocast_off(), recorder:
-                out = sym.impl(*call_args, **call_kwargs)
+                out = sym.impl(*call_args, **(call_kwargs if dtype is None else {**call_kwargs, "dtype": dtype}))
             return recorder, _dtypes(out)
 
         try:
@@ -131,18 +135,26 @@ def _probe(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
         if under.conflict:
             return AutocastPlan({}, unstated=under.conflict)
         differs = ""
-        for casts in ({}, under.casts) if under.casts else ({},):
+        # autocast's conversions of the inputs; or the dtype argument it gives a reduction (sum, cumsum, softmax on
+        # CUDA: accumulated and returned in float32)
+        dtype_argument = gives[0] if len(gives) == 1 and fake_kwargs.get("dtype") is None else None
+        options: list[tuple[dict[int, torch.dtype], torch.dtype | None]] = [({}, None)]
+        if under.casts:
+            options.append((under.casts, None))
+        if dtype_argument is not None:
+            options.append(({}, dtype_argument))
+        for casts, dtype in options:
             try:
                 with _quiet_fake_tensors():
-                    stated, plain_gives = run(casts)
+                    stated, plain_gives = run(casts, dtype)
             except Exception as error:  # noqa: BLE001 - these conversions alone do not even run
-                differs = f" (with only its inputs converted it raises {type(error).__name__})"
+                differs = differs or f" (with only its inputs converted it raises {type(error).__name__})"
                 continue
             if under.computed == stated.computed and gives == plain_gives:
-                return AutocastPlan(casts)
+                return AutocastPlan(casts, dtype=dtype)
             if under.computed == [*stated.computed, (aten._to_copy, plain_gives, gives)] and len(gives) == 1:
                 return AutocastPlan(casts, output=gives[0])
-            differs = _first_difference(under.computed, stated.computed)
+            differs = differs or _first_difference(under.computed, stated.computed)
     return AutocastPlan({}, unstated="autocast converts inside it" + differs)
 
 
@@ -165,6 +177,27 @@ def _first_difference(under: Computed, stated: Computed) -> str:
 
 def _named(dtypes: tuple[torch.dtype, ...]) -> str:
     return "(" + ", ".join(str(d).removeprefix("torch.") for d in dtypes) + ")"
+
+
+# Composites whose conversions under autocast fall between their parts, traced as those parts (each planned on its
+# own), as aten's composite computes them: keyed by the symbol's printed name; a part function returns
+# NotImplemented for arguments it does not split. `call(symbol, args, kwargs)` records one part.
+Call = Callable[[Symbol, tuple, dict[str, Any]], Any]
+
+
+def _cross_entropy_parts(call: Call, input: Any, target: Any, weight: Any = None, size_average: Any = None,
+                         ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                         label_smoothing: float = 0.0) -> Any:
+    """Class indices, no smoothing: aten's log_softmax in the input's dtype, then nll_loss (which autocast runs in
+    float32 on CUDA: its input, computed inside cross_entropy, is converted there)."""
+    if label_smoothing or size_average is not None or reduce is not None or target.dtype.is_floating_point:
+        return NotImplemented
+    logp = call(SYMBOLS["torch.log_softmax"], (input, 0 if input.dim() == 1 else 1), {"dtype": input.dtype})
+    return call(SYMBOLS["torch.nn.functional.nll_loss"], (logp, target),
+                {"weight": weight, "ignore_index": ignore_index, "reduction": reduction})
+
+
+PARTS: dict[str, Callable[..., Any]] = {"torch.nn.functional.cross_entropy": _cross_entropy_parts}
 
 
 def _signature(sym: Symbol, args: tuple, kwargs: dict[str, Any], device_type: str) -> Any:
@@ -192,7 +225,9 @@ def plan(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
 
 
 def cast_arguments(autocast: AutocastPlan, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """`args` and `kwargs` with autocast's conversions recorded in front of the op."""
+    """`args` and `kwargs` with autocast's conversions recorded in front of the op (and its dtype argument)."""
+    if autocast.dtype is not None:
+        kwargs = {**kwargs, "dtype": autocast.dtype}
     if not autocast.casts:
         return args, kwargs
     to = SYMBOLS["torch.Tensor.to"]

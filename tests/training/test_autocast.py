@@ -82,3 +82,50 @@ def test_unbatched_conv1d_with_string_padding(device):
         eager = _under_autocast(f, x, w, b, device=device, dtype=dtype)
         assert ours.dtype == eager.dtype == dtype
         assert torch.equal(ours, eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reduction", ["sum", "cumsum", "softmax", "norm"])
+def test_cuda_autocast_gives_reductions_a_float32_dtype(reduction):
+    """On CUDA, autocast runs sum, cumsum, softmax and the norms of half-precision tensors with dtype=float32 (the
+    kernel accumulates and returns float32) rather than converting their input: the trace states that argument,
+    so the result is eager's, not a half-precision result converted afterwards (off by 2**-9 relative: fused
+    regions reduce in their own order, so equal to float32 precision, not bit for bit)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    calls = {"sum": lambda x: x.sum(), "cumsum": lambda x: x.cumsum(1), "softmax": lambda x: x.softmax(1),
+             "norm": lambda x: torch.linalg.vector_norm(x, dim=1)}
+    f = calls[reduction]
+    jitted = fulmen.jit(f)
+    ours, eager = _under_autocast(jitted, x, device="cuda"), _under_autocast(f, x, device="cuda")
+    assert ours.dtype == eager.dtype == torch.float32
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+    assert "dtype=torch.float32" in str(fulmen.last_traces(jitted)[0])
+    g = torch.randn_like(eager)
+    torch.testing.assert_close(torch.autograd.grad(ours, x, g)[0], torch.autograd.grad(eager, x, g)[0])
+
+
+@pytest.mark.cuda
+def test_cuda_autocast_cross_entropy_of_half_precision_logits():
+    """The common autocast loss: logits from a linear are bfloat16, and on CUDA autocast runs cross_entropy's
+    nll_loss in float32, converting the log-probabilities computed inside it. No conversion of the logits states
+    that, so the trace holds cross_entropy's parts as aten computes them: log_softmax in bfloat16, converted, then
+    nll_loss in float32."""
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, device="cuda", requires_grad=True)
+    w = torch.randn(1000, 32, device="cuda", requires_grad=True)
+    target = torch.randint(0, 1000, (64,), device="cuda")
+    target[::7] = -100
+
+    def loss(h, w, target):
+        return F.cross_entropy(F.linear(h, w), target)
+
+    jitted = fulmen.jit(loss)
+    ours, eager = (_under_autocast(f, h, w, target, device="cuda") for f in (jitted, loss))
+    assert ours.dtype == eager.dtype == torch.float32
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+    forward = str(fulmen.last_traces(jitted)[0])
+    assert "torch.log_softmax(" in forward and "nll_loss(" in forward
+    assert "torch.nn.functional.cross_entropy(" not in forward
+    for got, want in zip(torch.autograd.grad(ours, (h, w)), torch.autograd.grad(eager, (h, w))):
+        torch.testing.assert_close(got, want)
