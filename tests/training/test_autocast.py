@@ -127,5 +127,7 @@ def test_cuda_autocast_cross_entropy_of_half_precision_logits():
     forward = str(fulmen.last_traces(jitted)[0])
     assert "torch.log_softmax(" in forward and "nll_loss(" in forward
     assert "torch.nn.functional.cross_entropy(" not in forward
+    # the grads pass through bfloat16 logits: equal to their precision, a unit or two apart (eager's log_softmax
+    # backward is one kernel rounding once, fulmen's its formula)
     for got, want in zip(torch.autograd.grad(ours, (h, w)), torch.autograd.grad(eager, (h, w))):
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
