@@ -1,12 +1,12 @@
 """Autocast during acquisition: the conversions `torch.autocast` would make become explicit ops in the trace.
 
 Which ops autocast runs in lower precision, which in float32 and which it promotes is decided by torch itself:
-each op is run once per dtype signature on fake tensors of the real device type under autocast, and the
-conversions autocast makes of its inputs (they dispatch below it) are recorded. The same conversions are put in
-front of the op in the trace, so the trace states every one and runs the same with autocast off (as fulmen runs
-it).
+each op is run once per signature on fake tensors of the real device type under autocast, and again with autocast
+off and the conversions it saw made of the inputs (or the float32 dtype argument it gives reductions on CUDA) put
+in front. Where both runs compute the same calls on the same dtypes, those conversions are what the trace states,
+so it runs the same with autocast off (as fulmen runs it). Where autocast converts a value computed inside an op,
+the op is traced as its parts when aten's composite is known (`PARTS`), else refused.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -203,7 +203,7 @@ PARTS: dict[str, Callable[..., Any]] = {"torch.nn.functional.cross_entropy": _cr
 def _signature(sym: Symbol, args: tuple, kwargs: dict[str, Any], device_type: str) -> Any:
     def describe(obj: Any) -> Any:
         if type(obj) is TensorProxy:
-            return (obj.dtype, obj.dim())
+            return (obj.dtype, tuple(obj.shape))  # a composite's path (einsum's) can depend on the shapes
         if isinstance(obj, (tuple, list)):
             return tuple(describe(item) for item in obj)
         if isinstance(obj, dict):
