@@ -15,7 +15,7 @@ from fulmen.core import pytree
 from fulmen.ops import lookup, prims
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.jvp import JVP_RULES, Dot, add_tangents, register_jvp, zeros_like
-from fulmen.transforms.vjp_prims import BINARY_VJPS, UNARY_VJPS, _keepdim
+from fulmen.transforms.vjp_prims import BINARY_VJPS, UNARY_VJPS, keep_reduced
 
 
 def _tensor(x: Any) -> bool:
@@ -157,7 +157,7 @@ def _extremum(prim):
     def rule(dot: Dot, args: tuple, kwargs: dict):
         x, dims = args
         y = prim(x, dims)
-        hit = (x == _keepdim(y, x, dims)).to(x.dtype)
+        hit = (x == keep_reduced(y, x, dims)).to(x.dtype)
         return y, (dot(x) * hit).sum(dims) / hit.sum(dims)
 
     return rule
@@ -174,7 +174,7 @@ def _var(dot: Dot, args: tuple, kwargs: dict):
     n = 1
     for d in dims:
         n *= x.shape[d]
-    centered = x - _keepdim(x.mean(dims), x, dims)
+    centered = x - keep_reduced(x.mean(dims), x, dims)
     # torch's double arithmetic: 2 / 0 is inf (a nan tangent), an empty reduction's tangent is 0
     scale = 0.0 if n == 0 else 2.0 / (n - correction) if n != correction else math.inf
     return y, (centered * dot(x)).sum(dims) * scale

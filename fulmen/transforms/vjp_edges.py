@@ -15,12 +15,12 @@ import torch
 from fulmen.ops.reductions import var_arguments
 from fulmen.ops.registry import symbol_of
 from fulmen.transforms.autodiff import eager_grad_rule, get_grad, put_grad, register_grad, wants_grad
-from fulmen.transforms.vjp_prims import _keepdim, _sum_to, var_backward, zeros_shaped
+from fulmen.transforms.vjp_prims import keep_reduced, sum_to, var_backward, zeros_shaped
 
 
 def _put(x: torch.Tensor, grad: torch.Tensor) -> None:
     """`grad`, of the broadcast result, summed to `x`'s shape and cast to its dtype, as `x`'s grad."""
-    put_grad(x, _sum_to(grad, tuple(x.shape)).to(x.dtype))
+    put_grad(x, sum_to(grad, tuple(x.shape)).to(x.dtype))
 
 
 @register_grad(torch.clamp)
@@ -69,8 +69,8 @@ def std_grad(x, *args, **kwargs):
     if math.prod(x.shape[d] for d in dims) <= correction:
         return _eager_std(x, *args, **kwargs)  # no degrees of freedom: eager's own infinities and NaNs
     y = torch.std(x, *args, **kwargs)
-    std = _keepdim(y, x, dims)
-    scale = torch.where(std == 0, 0.0, _keepdim(get_grad(y), x, dims) / (2 * std))
+    std = keep_reduced(y, x, dims)
+    scale = torch.where(std == 0, 0.0, keep_reduced(get_grad(y), x, dims) / (2 * std))
     put_grad(x, var_backward(x, dims, correction, scale))
     return y
 

@@ -133,7 +133,7 @@ def _binary_rule(prim, vjp):
         for x, grad in ((a, grad_a), (b, grad_b)):
             if _is_proxy(x) and x.requires_grad:
                 # A 0-dim CPU tensor may meet a dimensioned operand (it acts as a scalar): sum its grad down.
-                put_grad(x, _to(_sum_to(grad, tuple(x.shape)) if _is_proxy(grad) else grad, x))
+                put_grad(x, _to(sum_to(grad, tuple(x.shape)) if _is_proxy(grad) else grad, x))
         return y
 
     return rule
@@ -189,7 +189,7 @@ def _clone(x):
     return y
 
 
-def _keepdim(g: T, x: T, dims) -> T:
+def keep_reduced(g: T, x: T, dims) -> T:
     """`g`, reduced over `dims` of `x`, broadcast back to `x`'s shape."""
     shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
     return g.reshape(shape).expand(x.shape)
@@ -198,16 +198,16 @@ def _keepdim(g: T, x: T, dims) -> T:
 @register_grad(prims.sum)
 def _sum(x, dims):
     y = prims.sum(x, dims)
-    put_grad(x, _keepdim(get_grad(y), x, dims))
+    put_grad(x, keep_reduced(get_grad(y), x, dims))
     return y
 
 
 def _extremum(prim):
     def rule(x, dims):
         y = prim(x, dims)
-        hit = (x == _keepdim(y, x, dims)).to(x.dtype)
-        count = _keepdim(hit.sum(dims), x, dims)
-        put_grad(x, _keepdim(get_grad(y), x, dims) * hit / count)
+        hit = (x == keep_reduced(y, x, dims)).to(x.dtype)
+        count = keep_reduced(hit.sum(dims), x, dims)
+        put_grad(x, keep_reduced(get_grad(y), x, dims) * hit / count)
         return y
 
     return rule
@@ -228,7 +228,7 @@ def _var(x, dims, correction):
     if math.prod(x.shape[d] for d in dims) <= correction:
         return NotImplemented  # no degrees of freedom: eager's own backward gives its infinities and NaNs
     y = prims.var(x, dims, correction)
-    put_grad(x, var_backward(x, dims, correction, _keepdim(get_grad(y), x, dims)))
+    put_grad(x, var_backward(x, dims, correction, keep_reduced(get_grad(y), x, dims)))
     return y
 
 
@@ -378,7 +378,7 @@ def _select_scatter(x, src, dim, index):
     return y
 
 
-def _sum_to(grad: T, shape: tuple[int, ...]) -> T:
+def sum_to(grad: T, shape: tuple[int, ...]) -> T:
     """Sums the broadcast (leading and size-1) dims of `grad` away so it has `shape`."""
     if tuple(grad.shape) == tuple(shape):
         return grad
@@ -440,15 +440,16 @@ def matmul_grads(a: T, b: T, g: T, want_a: bool, want_b: bool) -> tuple[T | None
         if b.shape[0] == 1 and want_b:
             grad_a, grad_b = matmul_grads(a, b.squeeze(0), g, want_a, want_b)
             return grad_a, grad_b.unsqueeze(0)
-    if _folds(a, b, want_a, want_b) and a.dim() >= 3:  # (..., m, k) @ (k, n): rows (N*m, k) @ (k, n)
-        grad_a, grad_b = _mm_grads(_rows(a), b, _rows(g), want_a, want_b)
-        return (None if grad_a is None else grad_a.reshape(a.shape)), grad_b
-    if _folds(a, b, want_a, want_b):  # (m, k) @ (..., k, n) is computed transposed: rows (N*n, k) @ (k, m)
+    if _folds(a, b, want_a, want_b):
+        if a.dim() >= 3:  # (..., m, k) @ (k, n): rows (N*m, k) @ (k, n)
+            grad_a, grad_b = _mm_grads(_rows(a), b, _rows(g), want_a, want_b)
+            return (None if grad_a is None else grad_a.reshape(a.shape)), grad_b
+        # (m, k) @ (..., k, n) is computed transposed: rows (N*n, k) @ (k, m)
         bt = b.mT
         grad_bt, grad_at = _mm_grads(_rows(bt), a.mT, _rows(g.mT), want_b, want_a)
         return (None if grad_at is None else grad_at.mT), (None if grad_bt is None else grad_bt.reshape(bt.shape).mT)
-    grad_a = _sum_to(torch.matmul(g, b.mT), tuple(a.shape)) if want_a else None
-    grad_b = _sum_to(torch.matmul(a.mT, g), tuple(b.shape)) if want_b else None
+    grad_a = sum_to(torch.matmul(g, b.mT), tuple(a.shape)) if want_a else None
+    grad_b = sum_to(torch.matmul(a.mT, g), tuple(b.shape)) if want_b else None
     return grad_a, grad_b
 
 

@@ -53,8 +53,8 @@ def test_conversion_of_a_value_computed_inside_an_op_is_refused():
 
 def test_an_op_converting_its_result_only_under_autocast():
     """rms_norm's composite (what the probe's fake tensors run) computes a bfloat16 input in float32 and converts
-    the result back only under autocast: that conversion cannot be stated in front of the op, and is not refused;
-    it is stated after it."""
+    the result back only under autocast: a conversion that cannot be stated in front of the op, yet is not refused
+    (the plan converts the output), and the result is eager's."""
     x, w = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
 
     def f(x, w):
