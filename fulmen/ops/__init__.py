@@ -3,7 +3,7 @@
 Importing this package registers every supported torch callable (see `registry.TORCH_BINDINGS`).
 """
 
-from fulmen.ops import elementwise, factories, fused_loss, nn, reductions, shape  # noqa: F401  (registration side effects)
+from fulmen.ops import backward_kernels, elementwise, factories, fused_loss, nn, reductions, shape  # noqa: F401  (registration side effects)
 from fulmen.ops.registry import TORCH_BINDINGS, TorchBinding, lookup
 
 __all__ = ["TORCH_BINDINGS", "TorchBinding", "lookup"]

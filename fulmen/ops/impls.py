@@ -58,6 +58,46 @@ def embedding_backward(g: torch.Tensor, index: torch.Tensor, num_weights: int, p
     return torch.ops.aten.embedding_dense_backward(g, index, num_weights, padding_idx, scale_grad_by_freq)
 
 
+# Eager's fused backward kernels (symbols in fulmen.ops.backward_kernels): each computes in float32 for
+# half-precision tensors and rounds once, where the same formula as separate torch calls rounds after every step.
+def tanh_backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.tanh_backward(g, y)
+
+
+def sigmoid_backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.sigmoid_backward(g, y)
+
+
+def silu_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.silu_backward(g, x)
+
+
+def gelu_backward(g: torch.Tensor, x: torch.Tensor, approximate: str) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+
+
+def softmax_backward(g: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.ops.aten._softmax_backward_data(g, y, dim, y.dtype)
+
+
+def log_softmax_backward(g: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.ops.aten._log_softmax_backward_data(g, y, dim, y.dtype)
+
+
+def layer_norm_backward(g: torch.Tensor, x: torch.Tensor, normalized_shape: list[int], mean: torch.Tensor,
+                        rstd: torch.Tensor, weight: torch.Tensor | None, bias_dtype: torch.dtype | None,
+                        output_mask: list[bool]) -> tuple[torch.Tensor | None, ...]:
+    """The grads of `native_layer_norm`'s input, weight and bias (those `output_mask` asks for; the bias's in
+    `bias_dtype`: the kernel reads only the bias's metadata, and the bias itself is not kept for the backward).
+    Eager's CPU kernel keeps a half-precision input's statistics in the input's dtype (its forward rounds them so);
+    a forward fused by an executor gives them in float32, the dtype the trace states."""
+    if x.device.type == "cpu":
+        mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
+    bias = torch.empty(normalized_shape, dtype=bias_dtype, device=x.device) if output_mask[2] else None
+    return tuple(torch.ops.aten.native_layer_norm_backward(g, x, normalized_shape, mean, rstd, weight, bias,
+                                                           output_mask))
+
+
 def view_scatter(
     base: torch.Tensor, value: torch.Tensor, view_fn: Callable[..., Any], args: tuple, kwargs: dict, index: int | None
 ) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fulmen.ops import prims, shape
+from fulmen.ops import backward_kernels, prims, shape
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad
 
 
@@ -23,7 +23,9 @@ def zeros_shaped(x: torch.Tensor) -> torch.Tensor:
 
 T = torch.Tensor
 
-# prim name -> d(input) from (x, y, g): the input, the output and the output's cotangent.
+# prim name -> d(input) from (x, y, g): the input, the output and the output's cotangent. Each formula groups its
+# steps as eager's (derivatives.yaml) does, and ops eager differentiates with one kernel call it, so half-precision
+# grads round where eager's do.
 UNARY_VJPS: dict[str, Callable[[T, T, T], T]] = {
     "abs": lambda x, y, g: g * torch.sign(x),
     "neg": lambda x, y, g: -g,
@@ -35,7 +37,7 @@ UNARY_VJPS: dict[str, Callable[[T, T, T], T]] = {
     "log2": lambda x, y, g: g / (x * math.log(2.0)),
     "log10": lambda x, y, g: g / (x * math.log(10.0)),
     "sqrt": lambda x, y, g: g / (2 * y),
-    "rsqrt": lambda x, y, g: g * -0.5 * y * y * y,
+    "rsqrt": lambda x, y, g: -0.5 * g * torch.pow(y, 3),
     "sin": lambda x, y, g: g * torch.cos(x),
     "cos": lambda x, y, g: -g * torch.sin(x),
     "tan": lambda x, y, g: g * (1 + y * y),
@@ -44,14 +46,14 @@ UNARY_VJPS: dict[str, Callable[[T, T, T], T]] = {
     "atan": lambda x, y, g: g / (1 + x * x),
     "sinh": lambda x, y, g: g * torch.cosh(x),
     "cosh": lambda x, y, g: g * torch.sinh(x),
-    "tanh": lambda x, y, g: g * (1 - y * y),
+    "tanh": lambda x, y, g: backward_kernels.tanh_backward(g, y),
     "asinh": lambda x, y, g: g * torch.rsqrt(x * x + 1),
     "acosh": lambda x, y, g: g * torch.rsqrt(x * x - 1),  # eager's form: +inf, not -inf, at x = -1
     "atanh": lambda x, y, g: g / (1 - x * x),
-    "erf": lambda x, y, g: g * (2 / math.sqrt(math.pi)) * torch.exp(-x * x),
-    "erfc": lambda x, y, g: g * (-2 / math.sqrt(math.pi)) * torch.exp(-x * x),
-    "erfinv": lambda x, y, g: g * (math.sqrt(math.pi) / 2) * torch.exp(y * y),
-    "sigmoid": lambda x, y, g: g * y * (1 - y),
+    "erf": lambda x, y, g: 2 / math.sqrt(math.pi) * torch.exp(-(x * x)) * g,
+    "erfc": lambda x, y, g: -2 / math.sqrt(math.pi) * torch.exp(-(x * x)) * g,
+    "erfinv": lambda x, y, g: math.sqrt(math.pi) / 2 * torch.exp(y * y) * g,
+    "sigmoid": lambda x, y, g: backward_kernels.sigmoid_backward(g, y),
     "reciprocal": lambda x, y, g: -g * (y * y),  # eager squares first: 0 * inf is NaN where 1/x overflows
     "lgamma": lambda x, y, g: g * torch.digamma(x),
     "frac": lambda x, y, g: g,
@@ -77,12 +79,13 @@ def _is_proxy(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-# prim name -> (d(a), d(b)) from (a, b, y, g); a or b may be a Python number (its grad is not asked for).
+# prim name -> (d(a), d(b)) from (a, b, y, g), grouped as eager's; a or b may be a Python number (its grad is not
+# asked for).
 BINARY_VJPS: dict[str, Callable[[Any, Any, T, T], tuple[Any, Any]]] = {
     "add": lambda a, b, y, g: (g, g),
     "sub": lambda a, b, y, g: (g, -g),
     "mul": lambda a, b, y, g: (g * b, g * a),
-    "div": lambda a, b, y, g: (g / b, -g * y / b),
+    "div": lambda a, b, y, g: (g / b, -(g * (y / b))),
     # eager's rounded quotients: floor(a / b) differs from them where a / b overflows or b is infinite
     "remainder": lambda a, b, y, g: (g, -g * torch.div(a, b, rounding_mode="floor")),
     "fmod": lambda a, b, y, g: (g, -g * torch.div(a, b, rounding_mode="trunc")),
@@ -104,8 +107,8 @@ def _select_grads(a, b, g, loses):
 def _atan2_grads(a, b, g):
     """As eager: no grad at the origin, where the formula reads 0/0."""
     norm = a * a + b * b
-    origin = norm == 0
-    return torch.where(origin, 0.0, g * b / norm), torch.where(origin, 0.0, -g * a / norm)
+    recip = torch.where(norm == 0, 0.0, torch.reciprocal(norm))
+    return g * b * recip, g * -a * recip
 
 
 def _pow_grads(a, b, y, g):

@@ -6,16 +6,14 @@ trace reads like the program and an executor can replace the forward and backwar
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from fulmen.core.symbol import Tag
-from fulmen.ops import shape
+from fulmen.ops import backward_kernels, shape
 from fulmen.ops.nn import embedding_backward, native_layer_norm
 from fulmen.ops.registry import SYMBOLS, torch_symbol
-from fulmen.ops.utils import compute_dtype, softmax_logsumexp
+from fulmen.ops.utils import compute_dtype
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp, wants_grad
 from fulmen.transforms.vjp_prims import matmul_rule, zeros_shaped
 
@@ -43,82 +41,40 @@ def linear_grad(x, weight, bias=None):
 register_grad(torch.matmul)(matmul_rule(torch.matmul))
 
 
-# Grads of softmax and log_softmax from their output `y` and its cotangent `g`.
-SOFTMAX_VJPS = {
-    torch.softmax: lambda y, g, dim: y * (g - (g * y).sum(dim, keepdim=True)),
-    torch.log_softmax: lambda y, g, dim: g - torch.exp(y) * g.sum(dim, keepdim=True),
-}
-
-
-def _softmax_rule(fn, vjp):
+def _softmax_rule(fn, backward):
     def rule(x, dim, dtype=None):
         y = fn(x, dim, dtype=dtype)
-        put_grad(x, vjp(y, get_grad(y), dim).to(x.dtype))
+        put_grad(x, backward(get_grad(y), y, dim % max(y.dim(), 1)).to(x.dtype))
         return y
 
     return rule
 
 
-for _fn, _vjp in SOFTMAX_VJPS.items():
-    register_grad(_fn)(_softmax_rule(_fn, _vjp))
+register_grad(torch.softmax)(_softmax_rule(torch.softmax, backward_kernels.softmax_backward))
+register_grad(torch.log_softmax)(_softmax_rule(torch.log_softmax, backward_kernels.log_softmax_backward))
 
 
 @register_grad(F.cross_entropy)
 def cross_entropy_grad(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                        reduction="mean", label_smoothing=0.0):
-    """Class-index cross-entropy through the log-sum-exp: the forward keeps only `logits` (in their own dtype) and
-    one float per row; the backward rebuilds softmax from them. Eager keeps the float log-softmax of every logit,
-    and materialising one-hot targets would cost a vocabulary-sized tensor per row, so the target's column is
-    picked by comparing with an iota (fusible with the rest of the backward)."""
+    """Class-index cross-entropy as eager computes it, log_softmax then nll_loss, with eager's kernels (their
+    roundings differ by device: the CPU kernel rounds a half-precision row's log-sum-exp, the CUDA kernel does not),
+    so the loss and grads are eager's bit for bit. The nll_loss grad is written as a comparison with an iota, which a
+    fusion executor fuses with the log_softmax backward into one kernel, never materialising eager's
+    vocabulary-sized cotangent of the log-probabilities."""
     if (logits.dim() != 2 or target.dtype.is_floating_point or weight is not None or size_average is not None
             or reduce is not None or label_smoothing != 0.0):
         return NotImplemented
-    compute = compute_dtype(logits.dtype)
-    x = logits.to(compute)
+    logp = torch.log_softmax(logits, 1)
+    loss = F.nll_loss(logp, target, ignore_index=ignore_index, reduction=reduction)
+    g = get_grad(loss)
     valid = target != ignore_index
-    safe = torch.where(valid, target, 0)
-    lse = softmax_logsumexp(x, 1)
-    picked = torch.gather(x, 1, safe.unsqueeze(1)).squeeze(1)
-    losses = torch.where(valid, lse - picked, 0.0)
-    if reduction == "none":
-        loss = losses.to(logits.dtype)
-    elif reduction == "sum":
-        loss = losses.sum().to(logits.dtype)
-    else:
-        loss = (losses.sum() / valid.sum().to(compute)).to(logits.dtype)
-    g = get_grad(loss).to(compute)
-    if reduction == "none":
-        scale = torch.where(valid, g, 0.0).unsqueeze(1)
-    else:
-        scale = valid.to(compute).unsqueeze(1) * (g / valid.sum().to(compute) if reduction == "mean" else g)
-    probs = torch.exp(x - lse.unsqueeze(1))
-    is_target = torch.arange(logits.shape[1], device=logits.device) == safe.unsqueeze(1)
-    put_grad(logits, (torch.where(is_target, probs - 1.0, probs) * scale).to(logits.dtype))
+    if reduction == "mean":  # eager divides by the count of valid targets in the logits' dtype
+        g = g / valid.sum().to(logits.dtype)
+    is_target = torch.arange(logits.shape[1], device=logits.device) == torch.where(valid, target, 0).unsqueeze(1)
+    grad_logp = torch.where(is_target, torch.where(valid, -g, 0.0).unsqueeze(1), 0.0)
+    put_grad(logits, backward_kernels.log_softmax_backward(grad_logp.to(logits.dtype), logp, 1))
     return loss
-
-
-def _norm_dims(x, normalized_shape) -> tuple[int, ...]:
-    return tuple(range(x.dim() - len(normalized_shape), x.dim()))
-
-
-def _norm_backward(x, g, weight, rstd, mean, dims):
-    """Grads of (x - mean) * rstd * weight for the normalized `dims` (mean None: RMS norm)."""
-    compute = rstd.dtype
-    x, g = x.to(compute), g.to(compute)
-    xhat = (x - mean if mean is not None else x) * rstd
-    gxhat = g * weight.to(compute) if weight is not None else g
-    inner = (gxhat * xhat).mean(dims, keepdim=True)
-    if mean is not None:
-        gx = rstd * (gxhat - gxhat.mean(dims, keepdim=True) - xhat * inner)
-    else:
-        gx = rstd * (gxhat - xhat * inner)
-    batch = tuple(range(x.dim() - len(dims)))
-    return gx, xhat, g, batch
-
-
-def _param_grad(grad, batch, param):
-    """The grad of an affine parameter: `grad` summed over the batch dims."""
-    return (grad.sum(batch) if batch else grad).to(param.dtype)
 
 
 @register_grad(F.layer_norm)
@@ -129,32 +85,31 @@ def layer_norm_grad(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 @register_grad(torch.native_layer_norm)
 def native_layer_norm_grad(x, normalized_shape, weight, bias, eps):
     """Grads through the normalised output only: eager gives the mean and rstd outputs no grad."""
-    dims = _norm_dims(x, normalized_shape)
     y, mean, rstd = native_layer_norm(x, normalized_shape, weight, bias, eps)
-    g = get_grad(y)
-    compute = compute_dtype(x.dtype)
-    gx, xhat, g, batch = _norm_backward(x, g, weight, rstd.to(compute), mean.to(compute), dims)
-    put_grad(x, gx.to(x.dtype))
-    if wants_grad(weight):
-        put_grad(weight, _param_grad(g * xhat, batch, weight))
-    if wants_grad(bias):
-        put_grad(bias, _param_grad(g, batch, bias))
+    mask = [wants_grad(x), wants_grad(weight), wants_grad(bias)]
+    grads = backward_kernels.layer_norm_backward(get_grad(y), x, list(normalized_shape), mean, rstd, weight,
+                                                 bias.dtype if mask[2] else None, mask)
+    for t, grad in zip((x, weight, bias), grads):
+        if grad is not None:
+            put_grad(t, grad)
     return y, mean, rstd
 
 
 @register_grad(F.rms_norm)
 def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
-    dims = _norm_dims(x, normalized_shape)
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
     compute = compute_dtype(x.dtype)
     eps = torch.finfo(compute).eps if eps is None else eps
     y = F.rms_norm(x, normalized_shape, weight, eps)
-    xc = x.to(compute)
+    xc, g = x.to(compute), get_grad(y).to(compute)
     rstd = torch.rsqrt((xc * xc).mean(dims, keepdim=True) + eps)
-    g = get_grad(y)
-    gx, xhat, g, batch = _norm_backward(x, g, weight, rstd, None, dims)
-    put_grad(x, gx.to(x.dtype))
+    xhat = xc * rstd
+    gxhat = g * weight.to(compute) if weight is not None else g
+    put_grad(x, (rstd * (gxhat - xhat * (gxhat * xhat).mean(dims, keepdim=True))).to(x.dtype))
     if wants_grad(weight):
-        put_grad(weight, _param_grad(g * xhat, batch, weight))
+        batch = tuple(range(x.dim() - len(dims)))
+        gw = g * xhat
+        put_grad(weight, (gw.sum(batch) if batch else gw).to(weight.dtype))
     return y
 
 
@@ -172,24 +127,14 @@ def embedding_grad(index, weight, padding_idx=None, max_norm=None, norm_type=2.0
 @register_grad(F.gelu)
 def gelu_grad(x, approximate="none"):
     y = F.gelu(x, approximate=approximate)
-    g = get_grad(y)
-    if approximate == "tanh":
-        k = math.sqrt(2 / math.pi)
-        t = torch.tanh(k * (x + 0.044715 * x * x * x))
-        dx = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x)
-    else:
-        cdf = 0.5 * (1 + torch.erf(x * (1 / math.sqrt(2))))
-        pdf = torch.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
-        dx = cdf + x * pdf
-    put_grad(x, g * dx)
+    put_grad(x, backward_kernels.gelu_backward(get_grad(y), x, approximate))
     return y
 
 
 @register_grad(F.silu)
 def silu_grad(x, inplace=False):
     y = F.silu(x)
-    s = torch.sigmoid(x)
-    put_grad(x, get_grad(y) * s * (1 + x * (1 - s)))
+    put_grad(x, backward_kernels.silu_backward(get_grad(y), x))
     return y
 
 

@@ -420,8 +420,7 @@ AUTOCAST_EAGER_GRAD_INEXACT: dict[str, str] = {
 
 def run_autocast_case(case: Case, autocast_dtype: torch.dtype = torch.bfloat16) -> None:
     """Under CPU autocast, fulmen's outputs have eager's dtypes and bits, and the grads of every floating input
-    equal eager's (a float32 input's to float32 precision; a low-precision input's to its own: fulmen's backward
-    formulas round where eager's fused backward kernels do not)."""
+    equal eager's (a low-precision input's bit for bit, a float32 input's to float32 precision)."""
     op, sample = case.opinfo.op, case.sample
     structure = (sample.input, sample.args, sample.kwargs)
 
@@ -454,10 +453,8 @@ def run_autocast_case(case: Case, autocast_dtype: torch.dtype = torch.bfloat16) 
     for i, (got, ref) in enumerate(zip(got_grads, want)):
         got, ref = (torch.zeros_like(wrt[i]) if t is None else t for t in (got, ref))
         assert got.dtype == ref.dtype, f"grad of input {i}: {got.dtype} where eager gives {ref.dtype}"
-        if ref.dtype in (torch.bfloat16, torch.float16):
-            # a few roundings of the grad's own scale apart: fulmen's formulas round each step
-            scale = ref.double().nan_to_num(0, 0, 0).abs().amax().item() if ref.numel() else 0.0
-            tolerance = {"rtol": 0, "atol": 8 * torch.finfo(ref.dtype).eps * scale}
-        else:
-            tolerance = {"rtol": 1e-5, "atol": 1e-5}
+        # Low-precision grads bit for bit (fulmen rounds where eager rounds); float32 grads to a few units, where
+        # the order of a sum differs (masked_fill's value, rms_norm's composite).
+        exact = ref.dtype in (torch.bfloat16, torch.float16)
+        tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-5}
         torch.testing.assert_close(got, ref, equal_nan=True, **tolerance, msg=lambda m, i=i: f"grad of input {i}: {m}")

@@ -1,0 +1,102 @@
+"""Eager's fused backward kernels as symbols, for the grad rules of the ops eager differentiates with one kernel.
+
+tanh, sigmoid, silu, gelu, softmax, log_softmax and layer_norm have a backward kernel of their own in eager, which
+computes in float32 for half-precision tensors and rounds once. Written as separate torch calls, the same formula
+rounds after every step: up to several bfloat16 units apart from eager. So their grad rules call these symbols.
+The torch executor runs eager's own kernel (bit-equal grads on every device and dtype); fusion executors, and
+transforms without a rule of their own (vmap, jvp), see the decomposition: the formula computed in float32 for
+half-precision tensors and rounded once, as the kernel does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fulmen.ops import impls, prims
+from fulmen.ops.registry import impl_symbol
+from fulmen.ops.utils import compute_dtype, convert, expand_to, keepdim_shape
+
+
+def _upcast(*tensors: Any) -> list[Any]:
+    return [convert(t, compute_dtype(t.dtype)) for t in tensors]
+
+
+def _one_minus(t: Any) -> Any:
+    return prims.add(prims.neg(t), 1.0)
+
+
+def _kept_sum(t: Any, dims: tuple[int, ...]) -> Any:
+    """The sum of `t` over `dims`, kept as size-1 dims and broadcast back to `t`'s shape."""
+    return expand_to(prims.reshape(prims.sum(t, dims), keepdim_shape(t.shape, dims)), t.shape)
+
+
+def _tanh_backward(g, y) -> Any:
+    g32, y32 = _upcast(g, y)
+    return convert(prims.mul(g32, _one_minus(prims.mul(y32, y32))), g.dtype)
+
+
+def _sigmoid_backward(g, y) -> Any:
+    g32, y32 = _upcast(g, y)
+    return convert(prims.mul(prims.mul(g32, _one_minus(y32)), y32), g.dtype)
+
+
+def _silu_backward(g, x) -> Any:
+    g32, x32 = _upcast(g, x)
+    s = prims.sigmoid(x32)
+    return convert(prims.mul(prims.mul(g32, s), prims.add(prims.mul(x32, _one_minus(s)), 1.0)), g.dtype)
+
+
+def _gelu_backward(g, x, approximate: str) -> Any:
+    g32, x32 = _upcast(g, x)
+    if approximate == "tanh":
+        k, c = math.sqrt(2 / math.pi), 0.044715
+        xx = prims.mul(x32, x32)
+        t = prims.tanh(prims.mul(prims.add(x32, prims.mul(prims.mul(xx, x32), c)), k))
+        slope = prims.mul(prims.mul(prims.mul(prims.mul(x32, 0.5), _one_minus(prims.mul(t, t))), k),
+                          prims.add(prims.mul(xx, 3 * c), 1.0))
+        dx = prims.add(prims.mul(prims.add(t, 1.0), 0.5), slope)
+    else:
+        cdf = prims.mul(prims.add(prims.erf(prims.mul(x32, 1 / math.sqrt(2))), 1.0), 0.5)
+        pdf = prims.mul(prims.exp(prims.mul(prims.mul(x32, x32), -0.5)), 1 / math.sqrt(2 * math.pi))
+        dx = prims.add(cdf, prims.mul(x32, pdf))
+    return convert(prims.mul(g32, dx), g.dtype)
+
+
+def _softmax_backward(g, y, dim: int) -> Any:
+    g32, y32 = _upcast(g, y)
+    return convert(prims.mul(y32, prims.sub(g32, _kept_sum(prims.mul(g32, y32), (dim,)))), y.dtype)
+
+
+def _log_softmax_backward(g, y, dim: int) -> Any:
+    g32, y32 = _upcast(g, y)
+    return convert(prims.sub(g32, prims.mul(prims.exp(y32), _kept_sum(g32, (dim,)))), y.dtype)
+
+
+def _layer_norm_backward(g, x, normalized_shape, mean, rstd, weight, bias_dtype, output_mask) -> Any:
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    batch = tuple(range(x.dim() - len(dims)))
+    count = math.prod(x.shape[d] for d in dims)
+    g32, x32 = _upcast(g, x)
+    mean, rstd = (expand_to(convert(s, g32.dtype), x.shape) for s in (mean, rstd))
+    xhat = prims.mul(prims.sub(x32, mean), rstd)
+    gxhat = prims.mul(g32, expand_to(convert(weight, g32.dtype), x.shape)) if weight is not None else g32
+    inner = prims.div(_kept_sum(prims.mul(gxhat, xhat), dims), count)
+    centred = prims.sub(gxhat, prims.div(_kept_sum(gxhat, dims), count))
+    gx = convert(prims.mul(rstd, prims.sub(centred, prims.mul(xhat, inner))), x.dtype) if output_mask[0] else None
+
+    def param_grad(t, dtype):
+        return convert(prims.sum(t, batch) if batch else t, dtype)
+
+    gw = param_grad(prims.mul(g32, xhat), weight.dtype) if output_mask[1] else None
+    gb = param_grad(g32, bias_dtype) if output_mask[2] else None
+    return gx, gw, gb
+
+
+tanh_backward = impl_symbol(impls.tanh_backward, decomposition=_tanh_backward)
+sigmoid_backward = impl_symbol(impls.sigmoid_backward, decomposition=_sigmoid_backward)
+silu_backward = impl_symbol(impls.silu_backward, decomposition=_silu_backward)
+gelu_backward = impl_symbol(impls.gelu_backward, decomposition=_gelu_backward)
+softmax_backward = impl_symbol(impls.softmax_backward, decomposition=_softmax_backward)
+log_softmax_backward = impl_symbol(impls.log_softmax_backward, decomposition=_log_softmax_backward)
+layer_norm_backward = impl_symbol(impls.layer_norm_backward, decomposition=_layer_norm_backward)
