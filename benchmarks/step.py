@@ -11,6 +11,8 @@ is fulmen with `JitOptions(cuda_graphs=True)`, `torch.compile+cudagraphs` torch.
 (`TorchCompileExecutor(fuse_matmuls=True)`), `fulmen+matmul-autotune` also autotunes them (Inductor's
 `max_autotune_gemm`: its Triton matmul templates, with neighbouring elementwise work fused in, where they beat
 cuBLAS), and `torch.compile+max-autotune` is torch.compile's "max-autotune-no-cudagraphs" mode for comparison.
+`fulmen+inductor-roundings` compiles the regions without Inductor's `emulate_precision_casts` (on in the `fulmen`
+row): a fused chain of half-precision ops keeps float32 between its ops instead of rounding after each, as eager does.
 
 `--preset seed-002` is the seed-002 notebook's regime: llm.c's GPT-2 124M as examples/llmc/model.py writes it
 (`--model_name llmc-gpt2`, its own loss in the forward), B=4, T=64, fp32 with TF32 off, `torch.optim.Adam`:
@@ -81,10 +83,13 @@ from fulmen.pretrain.flops import peak_flops  # noqa: E402 - the same table pret
 
 DEFAULT_COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen+unsloth", "thunder")
 COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs", "fulmen-unfused-loss",
-             "fulmen-repeated-heads", "fulmen+matmul-regions", "fulmen+matmul-autotune", "torch.compile+max-autotune")
-# Inductor with the matmuls in its regions: cuBLAS still (default options), or its autotuned Triton matmul templates
-# with the neighbouring elementwise work fused in where they win (max_autotune_gemm).
-MATMUL_REGION_OPTIONS = {"fulmen+matmul-regions": {}, "fulmen+matmul-autotune": {"max_autotune_gemm": True}}
+             "fulmen-repeated-heads", "fulmen+matmul-regions", "fulmen+matmul-autotune", "torch.compile+max-autotune",
+             "fulmen+inductor-roundings")
+# torchcompile executor variants: Inductor options for its regions, and whether matmuls join them. With the matmuls
+# in: cuBLAS still (default options), or Inductor's autotuned Triton matmul templates with the neighbouring
+# elementwise work fused in where they win (max_autotune_gemm).
+REGION_VARIANTS = {"fulmen+matmul-regions": ({}, True), "fulmen+matmul-autotune": ({"max_autotune_gemm": True}, True),
+                   "fulmen+inductor-roundings": ({"emulate_precision_casts": False}, False)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LLMC_GPT2 = "llmc-gpt2"  # the seed-002 notebook's GPT-2 (examples/llmc/model.py), not a LitGPT config
 PRESETS = {"seed-002": {"model_name": LLMC_GPT2, "micro_batch_size": 4, "seq_len": 64, "dtype": "fp32",
@@ -154,8 +159,9 @@ def compile_fn(name: str, executors: list[str] | None) -> Callable[[Any], Callab
         return lambda fn: torch.compile(fn, mode="reduce-overhead")
     if name == "torch.compile+max-autotune":
         return lambda fn: torch.compile(fn, mode="max-autotune-no-cudagraphs")
-    if name in MATMUL_REGION_OPTIONS:  # the same executors, matmuls fused into torchcompile's regions
-        fusing = TorchCompileExecutor(f"torchcompile[{name}]", MATMUL_REGION_OPTIONS[name], fuse_matmuls=True)
+    if name in REGION_VARIANTS:  # the same executors, torchcompile's regions compiled another way
+        options, fuse_matmuls = REGION_VARIANTS[name]
+        fusing = TorchCompileExecutor(f"torchcompile[{name}]", options, fuse_matmuls=fuse_matmuls)
         names = executors or [executor.name for executor in fulmen.get_default_executors()]
         return lambda fn: fulmen.jit(fn, executors=[fusing if e == "torchcompile" else e for e in names])
     if name == "fulmen":

@@ -230,3 +230,30 @@ def test_floor_division_and_remainder_in_a_region_round_as_eager():
     with torch.no_grad():  # the operator, which eager cannot differentiate
         quotient = fulmen.jit(lambda a, b: torch.tanh(a) + a // b, executors=["torchcompile"])(a, b)
         torch.testing.assert_close(quotient, torch.tanh(a) + a // b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_half_precision_chains_in_a_region_round_as_eager():
+    """Regions round each op's result to its dtype as eager's kernels write it (Inductor's emulate_precision_casts):
+    RoPE's arithmetic and erf's and a division's grads are eager's bits. Without the option Inductor keeps float32
+    between the fused ops, and they differ."""
+    generator = torch.Generator().manual_seed(0)
+    x, y, cos, sin = (torch.randn(8, 64, generator=generator).to(torch.bfloat16) for _ in range(4))
+    x.requires_grad_()
+    y.requires_grad_()
+
+    def f(x, y, cos, sin):
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+        return (x * cos + rotated * sin) * 3 + torch.erf(x) / y
+
+    want = f(x, y, cos, sin)
+    v = torch.randn(want.shape, generator=generator).to(want.dtype)
+    want_grads = torch.autograd.grad(want, (x, y), v)
+    inductor_roundings = TorchCompileExecutor("torchcompile_inductor_roundings", {"emulate_precision_casts": False})
+    for executor, exact in ((torchcompile, True), (inductor_roundings, False)):
+        jitted = fulmen.jit(f, executors=[executor])
+        got = jitted(x, y, cos, sin)
+        assert any(b.sym.executor is executor for b in fulmen.last_traces(jitted)[-1].bound_symbols)
+        grads = torch.autograd.grad(got, (x, y), v)
+        same = torch.equal(got, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+        assert same == exact, executor.name

@@ -140,3 +140,13 @@ def test_cuda_grads_are_eagers_bit_for_bit_without_fusion(dtype):
         _run_op(name, dtype, "cuda", executors=["torch"])
     for reduction in ("mean", "sum", "none"):
         _run_cross_entropy(reduction, dtype, "cuda", executors=["torch"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_fused_half_precision_chains_are_eagers_bit_for_bit(dtype):
+    """With the default executors, fusion regions round each op's result as eager does (Inductor's
+    emulate_precision_casts): grads that eager computes as a chain of kernels are eager's bits too."""
+    for name in ("erf", "erfc", "erfinv", "div", "atan2"):
+        _run_op(name, dtype, "cuda")
+    _run_cross_entropy("mean", dtype, "cuda")
