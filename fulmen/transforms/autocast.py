@@ -7,6 +7,7 @@ in front. Where both runs compute the same calls on the same dtypes, those conve
 so it runs the same with autocast off (as fulmen runs it). Where autocast converts a value computed inside an op,
 the op is traced as its parts when aten's composite is known (`PARTS`), else refused.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -13,7 +13,7 @@ from fulmen.core.symbol import Tag
 from fulmen.ops import backward_kernels, shape
 from fulmen.ops.nn import embedding_backward, native_layer_norm
 from fulmen.ops.registry import SYMBOLS, torch_symbol
-from fulmen.ops.utils import compute_dtype
+from fulmen.ops.utils import canonical_dim, compute_dtype
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp, wants_grad
 from fulmen.transforms.vjp_prims import matmul_rule, zeros_shaped
 
@@ -44,7 +44,7 @@ register_grad(torch.matmul)(matmul_rule(torch.matmul))
 def _softmax_rule(fn, backward):
     def rule(x, dim, dtype=None):
         y = fn(x, dim, dtype=dtype)
-        put_grad(x, backward(get_grad(y), y, dim % max(y.dim(), 1)).to(x.dtype))
+        put_grad(x, backward(get_grad(y), y, canonical_dim(dim, y.dim())).to(x.dtype))
         return y
 
     return rule

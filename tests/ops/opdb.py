@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
@@ -393,6 +393,37 @@ def run_grad_case(case: Case, values: str) -> None:
         got, ref = (got.to_dense(), ref.to_dense()) if ref.is_sparse else (got, ref)
         torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-7, equal_nan=True,
                                    msg=lambda m, i=i: f"grad of input {i}: {m}")
+
+
+@dataclass
+class Sweep:
+    """The outcome of running an oracle over op_db samples: how many compared equal, how many eager itself could
+    not answer, and a line per sample that differs."""
+
+    compared: int = 0
+    no_oracle: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def sweep(cases: list[Case], run: Callable[[Case], None]) -> Sweep:
+    """`run` on every case but those fulmen refuses with a clear error (test_op_db_vjp checks the refusals),
+    reporting every failing sample, not only the first."""
+    result = Sweep()
+    for case in cases:
+        if vjp_xfail_reason(case):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run(case)
+            result.compared += 1
+        except NotDifferentiable:
+            continue
+        except NoEagerAnswer:
+            result.no_oracle += 1
+        except Exception as error:  # noqa: BLE001 - every sample is reported
+            result.failures.append(f"{case.id}: {type(error).__name__}: {str(error).splitlines()[0][:300]}")
+    return result
 
 
 # --- eager autocast as the oracle: the conversions autocast makes, stated in the trace -----------------------------

@@ -62,14 +62,19 @@ def _float_inputs(name: str, dtype: torch.dtype, device: str) -> list[torch.Tens
     return [t.to(device, dtype).requires_grad_() for t in inputs]
 
 
-def _assert_grads_equal(program, inputs: list, wrt: list[torch.Tensor], executors=None) -> None:
+def _eager_and_fulmen(program, inputs: list, wrt: list[torch.Tensor], executors=None):
+    """The outputs and the grads of `wrt`, by eager and by fulmen, for the same cotangent."""
     expected = program(*inputs)
     cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1)).to(expected)
-    want = torch.autograd.grad(expected, wrt, cotangent)
     actual = fulmen.jit(program, executors=executors)(*inputs)
+    want = torch.autograd.grad(expected, wrt, cotangent)
+    return (actual, expected), list(zip(torch.autograd.grad(actual, wrt, cotangent), want))
+
+
+def _assert_grads_equal(program, inputs: list, wrt: list[torch.Tensor], executors=None) -> None:
+    (actual, expected), grads = _eager_and_fulmen(program, inputs, wrt, executors)
     assert torch.equal(actual, expected), "forward values differ from eager's"
-    got = torch.autograd.grad(actual, wrt, cotangent)
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(grads):
         differ = int((g != w).sum())
         assert differ == 0, f"grad of input {i}: {differ} of {w.numel()} elements differ from eager's"
 
@@ -96,9 +101,8 @@ def test_grads_are_eagers_bit_for_bit(name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_is_eagers_bit_for_bit(reduction, dtype):
-    """The loss goes through eager's log_softmax and nll_loss kernels; the one-expression backward rounds as
-    eager's nll_loss and log_softmax backward kernels do (mean: the cotangent divided by the count of valid rows in
-    the logits' dtype)."""
+    """The loss goes through eager's log_softmax and nll_loss kernels, the grad through eager's nll_loss grad
+    (mean: the cotangent divided by the count of valid rows in the logits' dtype) and log_softmax backward kernel."""
     _run_cross_entropy(reduction, dtype, "cpu")
 
 
@@ -109,13 +113,9 @@ def test_decompositions_give_the_same_grads(name, dtype):
     the same grads to a few units of the dtype's precision at the grad's scale, in every dtype. (test_op_db_grads
     checks the decompositions in float64 at edge values.)"""
     inputs = _float_inputs(name, dtype, "cpu")
-    program = PROGRAMS[name][0]
-    expected = program(*inputs)
-    cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1)).to(expected)
-    want = torch.autograd.grad(expected, inputs, cotangent)
-    got = torch.autograd.grad(fulmen.jit(program, executors=[DECOMPOSED])(*inputs), inputs, cotangent)
+    _, grads = _eager_and_fulmen(PROGRAMS[name][0], inputs, inputs, executors=[DECOMPOSED])
     units = 3 if dtype.itemsize == 2 else 8
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(grads):
         scale = w.double().abs().max().item()
         torch.testing.assert_close(g, w, rtol=0, atol=units * torch.finfo(dtype).eps * scale,
                                    msg=lambda m, i=i: f"grad of input {i}: {m}")
