@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from fulmen.core.symbol import Tag
+from fulmen.core.symbol import Tag, iter_proxies, map_proxies
+from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import prims
 from fulmen.ops.registry import method, torch_symbol
 from fulmen.ops.utils import shape_arg
@@ -48,9 +49,26 @@ torch_symbol(torch.empty_like)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     torch_symbol(method(_name))
 
+def _draw_meta(fn):
+    """The outputs of a draw, found without drawing. With no tensor argument (`torch.randn(3)`) the default meta
+    path would run the draw for real on the default device, consuming the RNG once more than eager while tracing:
+    the draw runs on the meta device instead."""
+
+    def meta(builder: TraceBuilder, *args: Any, **kwargs: Any) -> Any:
+        proxies = list(iter_proxies((args, kwargs)))
+        device = infer_device(args, kwargs)
+        meta_args, meta_kwargs = map_proxies(args, lambda p: p.meta), map_proxies(kwargs, lambda p: p.meta)
+        if not proxies or "device" in meta_kwargs:
+            meta_kwargs["device"] = "meta"
+        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in proxies)
+        return builder.wrap_outputs(fn(*meta_args, **meta_kwargs), device, requires_grad)
+
+    return meta
+
+
 # Random draws consume the RNG exactly as eager does, so they are never merged or reordered.
 for _fn in (torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
             torch.bernoulli, torch.multinomial, torch.normal, torch.randperm):
-    torch_symbol(_fn, tags=Tag.RANDOM)
+    torch_symbol(_fn, tags=Tag.RANDOM, meta=_draw_meta(_fn))
 torch_symbol(torch.nn.functional.dropout, tags=Tag.RANDOM)
 torch_symbol(torch.dropout, tags=Tag.RANDOM)

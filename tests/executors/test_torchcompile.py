@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from litgpt import GPT
@@ -230,6 +231,27 @@ def test_floor_division_and_remainder_in_a_region_round_as_eager():
     with torch.no_grad():  # the operator, which eager cannot differentiate
         quotient = fulmen.jit(lambda a, b: torch.tanh(a) + a // b, executors=["torchcompile"])(a, b)
         torch.testing.assert_close(quotient, torch.tanh(a) + a // b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_powers_in_a_region_round_as_eagers_kernel(dtype):
+    """A tensor to a number's power, inside a region, as eager's CPU kernel computes it: the exponent in the tensor's
+    dtype, and in bfloat16 cubes and inverse squares as two rounded products (float16 calls powf). Inductor's own
+    lowering of `pow` rounds once from float32 with the exponent as given: a third of the elements differ."""
+    generator = torch.Generator().manual_seed(0)
+    x = ((torch.rand(16, 515, generator=generator) * 3 + 0.1) * torch.randn(16, 515, generator=generator).sign())
+    x = x.to(dtype).requires_grad_()
+
+    def f(x):
+        return x ** 3 * 2 + (x * 2) ** -2 - x.abs() ** 0.3
+
+    want = f(x)
+    v = torch.randn(want.shape, generator=generator).to(dtype)
+    jitted = fulmen.jit(f, executors=[torchcompile])
+    got = jitted(x)
+    assert [b.sym.executor for b in fulmen.last_traces(jitted)[-1].bound_symbols[:1]] == [torchcompile]
+    assert torch.equal(got, want)
+    assert torch.equal(torch.autograd.grad(got, x, v)[0], torch.autograd.grad(want, x, v)[0])
 
 
 def test_half_precision_chains_in_a_region_round_as_eager():
