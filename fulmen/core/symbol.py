@@ -27,6 +27,10 @@ class Tag(enum.Flag):
     NO_GRAD = enum.auto()  # the output never requires grad (detach)
     RECOMPUTABLE = enum.auto()  # cheap next to its outputs' bytes: the backward may rerun it instead of saving them
     REGION = enum.auto()  # a recorded region of the user's program (an autograd.Function call): runs as its parts
+    # Its decomposition rounds where eager's kernel on the call's device rounds, and a compiler's own lowering of the
+    # op may not (Inductor computes aten.tanh_backward in float32 and rounds once; eager's CUDA kernel rounds each
+    # step in bfloat16): fusion regions compile the decomposition.
+    EAGER_ROUNDING = enum.auto()
 
 
 # How the printed callee's root name is imported, so a printed trace executes as it stands.

@@ -13,8 +13,12 @@ Regions round as eager does: Inductor's `emulate_precision_casts` is on unless `
 Without it Inductor keeps float32 between the fused ops of a half-precision chain, so `erf`'s bfloat16 grad, a
 division's or RoPE's arithmetic differ from eager's in up to two thirds of their elements; with it each op's result
 is rounded to its dtype as eager's kernel writes it. It cost nothing measurable on the TinyLlama step (112.9 vs
-113.0 ms on an H200). What Inductor computes with other math than eager's kernels (its own tanh and exp, sums in
-another order) still differs by a unit here and there; the torch executor alone gives eager's bits.
+113.0 ms on an H200). Calls tagged `Tag.EAGER_ROUNDING` (eager's backward kernels, `pow` by a number) compile as
+fulmen's decompositions, which round where eager's kernel on the region's device rounds: Inductor's own lowering of,
+say, `aten.tanh_backward` computes in float32 and rounds once, as eager's CPU kernel does, while eager's CUDA kernel
+rounds after each operation in bfloat16. What Inductor computes with other math than eager's kernels (its own tanh
+and exp, sums in another order, float32 products contracted into fused multiply-adds where nvcc contracted others)
+still differs by a unit here and there; the torch executor alone gives eager's bits.
 
 Regions are printed with canonical names and compiled once per distinct source: the repeated blocks of a
 transformer give identical regions (same ops, same shapes), which share one compiled function.
@@ -29,6 +33,7 @@ each chunk's elementwise work (log-sum-exp, softmax and its gradient) as one com
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,6 +123,16 @@ def _with_compiled_chunks(sym: Symbol) -> Implementation:
 _COMPILED_CHUNKS = {sym: _with_compiled_chunks(sym) for sym in fused_loss.CHUNKED}
 
 
+def _region_calls(bsyms: list[BoundSymbol]) -> Iterator[BoundSymbol]:
+    """The calls a region compiles: each call as the trace has it, except those whose decompositions round as eager's
+    kernel on the region's device rounds (`Tag.EAGER_ROUNDING`)."""
+    for bsym in bsyms:
+        if bsym.sym.tags & Tag.EAGER_ROUNDING and bsym.subsymbols:
+            yield from bsym.subsymbols
+        else:
+            yield bsym
+
+
 def _canonical_region(bsyms: list[BoundSymbol], inputs: list[TensorProxy],
                       outputs: list[TensorProxy]) -> tuple[str, Trace]:
     """The region as a trace of its own with names by position, and its printed source (the cache key)."""
@@ -133,7 +148,7 @@ def _canonical_region(bsyms: list[BoundSymbol], inputs: list[TensorProxy],
 
     region_inputs = [rename(p) for p in inputs]
     body = []
-    for bsym in bsyms:
+    for bsym in _region_calls(bsyms):
         body.append(bsym.from_bsym(args=map_proxies(bsym.args, rename), kwargs=map_proxies(bsym.kwargs, rename),
                                    output=map_proxies(bsym.output, rename), subsymbols=[], source=None))
     region_outputs = tuple(rename(p) for p in outputs)

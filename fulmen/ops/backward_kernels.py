@@ -3,9 +3,12 @@
 tanh, sigmoid, silu, gelu, softmax, log_softmax and layer_norm have a backward kernel of their own in eager, which
 computes in float32 for half-precision tensors and rounds once. Written as separate torch calls, the same formula
 rounds after every step: up to several bfloat16 units apart from eager. So their grad rules call these symbols.
-The torch executor runs eager's own kernel (bit-equal grads on every device and dtype); fusion executors, and
-transforms without a rule of their own (vmap, jvp), see the decomposition: the formula computed in float32 for
-half-precision tensors and rounded once, as the kernel does.
+The torch executor runs eager's own kernel (bit-equal grads on every device and dtype); fusion regions
+(`Tag.EAGER_ROUNDING`), and transforms without a rule of their own (vmap, jvp), see the decomposition: the kernel's
+formula, rounded where the kernel on the call's device rounds. That is once, from float32, except on CUDA for:
+- tanh and sigmoid, whose kernels compute in the tensors' own dtype (c10's BFloat16 and Half arithmetic rounds
+  after every operation);
+- softmax, whose kernel is given `grad * output` as one eager multiplication has written it in the dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
+from fulmen.core.symbol import Tag
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import impl_symbol
 from fulmen.ops.utils import compute_dtype, convert, expand_to, keepdim_shape
@@ -31,14 +37,23 @@ def _kept_sum(t: Any, dims: tuple[int, ...]) -> Any:
     return expand_to(prims.reshape(prims.sum(t, dims), keepdim_shape(t.shape, dims)), t.shape)
 
 
+def _in_kernel_dtype(g, y) -> list[Any]:
+    """`g` and `y` in the dtype eager's tanh and sigmoid backward kernels compute in: their common dtype on CUDA,
+    float32 on CPU."""
+    if g.device.type != "cuda":
+        return _upcast(g, y)
+    common = torch.promote_types(g.dtype, y.dtype)
+    return [convert(g, common), convert(y, common)]
+
+
 def _tanh_backward(g, y) -> Any:
-    g32, y32 = _upcast(g, y)
-    return convert(prims.mul(g32, _one_minus(prims.mul(y32, y32))), g.dtype)
+    g_, y_ = _in_kernel_dtype(g, y)
+    return convert(prims.mul(g_, _one_minus(prims.mul(y_, y_))), g.dtype)
 
 
 def _sigmoid_backward(g, y) -> Any:
-    g32, y32 = _upcast(g, y)
-    return convert(prims.mul(prims.mul(g32, _one_minus(y32)), y32), g.dtype)
+    g_, y_ = _in_kernel_dtype(g, y)
+    return convert(prims.mul(prims.mul(g_, _one_minus(y_)), y_), g.dtype)
 
 
 def _silu_backward(g, x) -> Any:
@@ -64,6 +79,9 @@ def _gelu_backward(g, x, approximate: str) -> Any:
 
 
 def _softmax_backward(g, y, dim: int) -> Any:
+    if g.device.type == "cuda":
+        gy32, y32 = _upcast(prims.mul(g, y), y)
+        return convert(prims.sub(gy32, prims.mul(y32, _kept_sum(gy32, (dim,)))), y.dtype)
     g32, y32 = _upcast(g, y)
     return convert(prims.mul(y32, prims.sub(g32, _kept_sum(prims.mul(g32, y32), (dim,)))), y.dtype)
 
@@ -93,10 +111,14 @@ def _layer_norm_backward(g, x, normalized_shape, mean, rstd, weight, bias_dtype,
     return gx, gw, gb
 
 
-tanh_backward = impl_symbol(impls.tanh_backward, decomposition=_tanh_backward)
-sigmoid_backward = impl_symbol(impls.sigmoid_backward, decomposition=_sigmoid_backward)
-silu_backward = impl_symbol(impls.silu_backward, decomposition=_silu_backward)
-gelu_backward = impl_symbol(impls.gelu_backward, decomposition=_gelu_backward)
-softmax_backward = impl_symbol(impls.softmax_backward, decomposition=_softmax_backward)
-log_softmax_backward = impl_symbol(impls.log_softmax_backward, decomposition=_log_softmax_backward)
-layer_norm_backward = impl_symbol(impls.layer_norm_backward, decomposition=_layer_norm_backward)
+def _kernel(fn, decomposition) -> Any:
+    return impl_symbol(fn, tags=Tag.EAGER_ROUNDING, decomposition=decomposition)
+
+
+tanh_backward = _kernel(impls.tanh_backward, _tanh_backward)
+sigmoid_backward = _kernel(impls.sigmoid_backward, _sigmoid_backward)
+silu_backward = _kernel(impls.silu_backward, _silu_backward)
+gelu_backward = _kernel(impls.gelu_backward, _gelu_backward)
+softmax_backward = _kernel(impls.softmax_backward, _softmax_backward)
+log_softmax_backward = _kernel(impls.log_softmax_backward, _log_softmax_backward)
+layer_norm_backward = _kernel(impls.layer_norm_backward, _layer_norm_backward)

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fulmen.core.symbol import Symbol
+from fulmen.core.symbol import Symbol, Tag
 from fulmen.core.trace import infer_device
 from fulmen.ops import prims
 from fulmen.ops.registry import method, methods, torch_symbol
-from fulmen.ops.utils import broadcast_shape, convert, expand_to, is_tensor, result_dtype, to_float
+from fulmen.ops.utils import broadcast_shape, convert, expand_to, is_real_number, is_tensor, result_dtype, to_float
 
 # --- unary ---------------------------------------------------------------------------------------------------------
 # name -> promotion kind: INT_TO_FLOAT ops give floats for integer inputs, DEFAULT ones keep the dtype,
@@ -227,12 +227,28 @@ torch_symbol(torch.Tensor.__rmod__)
 def pow_decomposition(a: Any, b: Any) -> Any:
     if not is_tensor(b) and b == 2 and is_tensor(a):
         return prims.mul(a, a)
+    if is_tensor(a) and a.dtype.is_floating_point and is_real_number(b):
+        return _pow_by_number(a, b)
     a, b, _ = _binary_operands(a, b, "DEFAULT")
     return prims.pow(a, b)
 
 
+def _pow_by_number(a: Any, b: float) -> Any:
+    """As eager's kernels compute a float tensor to a number's power: the exponent converted to the tensor's dtype
+    first (`x ** 0.3` in bfloat16 raises to 0.30078125), and cubes and inverse squares as products, each rounded
+    to the dtype (on CPU, float16 calls powf instead)."""
+    try:
+        exponent = float(torch.tensor(b, dtype=a.dtype))
+    except (OverflowError, RuntimeError):
+        exponent = b
+    if exponent in (3, -2) and (a.device.type != "cpu" or a.dtype != torch.float16):
+        square = prims.mul(a, a)
+        return prims.mul(square, a) if exponent == 3 else prims.reciprocal(square)
+    return prims.pow(a, exponent)
+
+
 torch_symbol(torch.pow, decomposition=pow_decomposition, aliases=methods("pow", "__pow__"),
-             inplace=methods("pow_", "__ipow__"))
+             inplace=methods("pow_", "__ipow__"), tags=Tag.EAGER_ROUNDING)
 torch_symbol(torch.Tensor.__rpow__, decomposition=lambda a, b: pow_decomposition(b, a))
 torch_symbol(torch.float_power, aliases=methods("float_power"))
 torch_symbol(torch.fmax)

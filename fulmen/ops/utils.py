@@ -28,6 +28,11 @@ def is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+def is_real_number(x: Any) -> bool:
+    """A Python int or float (not a bool, not a tensor)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def meta_of(x: Any) -> Any:
     return x.meta if type(x) is TensorProxy else x
 

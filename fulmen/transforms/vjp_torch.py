@@ -13,7 +13,7 @@ from fulmen.core.symbol import Tag
 from fulmen.ops import backward_kernels, shape
 from fulmen.ops.nn import embedding_backward, native_layer_norm
 from fulmen.ops.registry import SYMBOLS, torch_symbol
-from fulmen.ops.utils import canonical_dim, compute_dtype
+from fulmen.ops.utils import canonical_dim, compute_dtype, is_real_number, is_tensor
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp, wants_grad
 from fulmen.transforms.vjp_prims import matmul_rule, zeros_shaped
 
@@ -39,6 +39,18 @@ def linear_grad(x, weight, bias=None):
 
 
 register_grad(torch.matmul)(matmul_rule(torch.matmul))
+
+
+@register_grad(torch.pow)
+def pow_grad(a, b):
+    """A float tensor to a number's power, differentiated as eager does with the exponent as given (the forward's
+    decomposition converts it to the tensor's dtype, as eager's kernel does, which the prim's rule would then see)."""
+    if not (is_tensor(a) and a.dtype.is_floating_point and is_real_number(b)) or b == 0:
+        return NotImplemented
+    y = torch.pow(a, b)
+    if wants_grad(a):
+        put_grad(a, get_grad(y) * (b * torch.pow(a, b - 1)))
+    return y
 
 
 def _softmax_rule(fn, backward):
