@@ -24,7 +24,7 @@ import sys
 import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -191,12 +191,12 @@ class Observer:
                 self.class_attribute(cls, name, what)
         elif state is not None and name in state:
             if issubclass(cls, nn.Module) and name in MODULE_SLOTS:
-                self._module_slot(obj, name, None)
+                self._module_slot(obj, name, None, inputs=False)
             elif issubclass(cls, nn.Module) and _empty_hooks(name, state[name]):
                 self._still_unset(state, f"{cls.__qualname__} module").empty.add(name)
             else:
                 self.dict_entry(state, name, what)
-        elif issubclass(cls, nn.Module) and found is None and self.module_fallback(obj, name):
+        elif issubclass(cls, nn.Module) and found is None and self._module_member(obj, name, inputs=False):
             pass
         else:  # a class attribute, or none at all (`getattr(obj, name, default)`, `hasattr`)
             self.class_attribute(cls, name, what, state)
@@ -241,6 +241,16 @@ class Observer:
             sys.settrace(previous)
 
     # --- the module tap ----------------------------------------------------------------------------------------------
+    def tied(self, place: Place, first: Place) -> None:
+        """`place` holds the tensor found first at `first` (tied weights): the trace takes it as one input, fetched
+        from `first` only, and holds while both places hold one tensor."""
+        self._pinned.append(place.module)
+        emit = Emitter()
+        source = f"{_place_expr(emit, place)} is {_place_expr(emit, first)}"
+        self._guards[("tied", id(place.module), place.container, place.name)] = Guard(
+            f"{place.qualified} tied to {first.qualified}", source, emit.bindings,
+            explain=lambda: f"{place.qualified} is no longer the same tensor as {first.qualified} (tied when traced)")
+
     # Guards on a module start from its own `__dict__`, which lives as long as the module: `_modules`,
     # `_parameters` and `_buffers` are looked up again on every check (ModuleList.__delitem__ replaces `_modules`).
     def module_read(self, original: nn.Module, shadow_class: type, name: str, value: Any) -> None:
@@ -251,7 +261,7 @@ class Observer:
         what = f"attribute {name} of {type(original).__qualname__} module"
         if name in state:
             if name in MODULE_SLOTS:
-                self._module_slot(original, name, None)
+                self._module_slot(original, name, None, inputs=True)
             elif _empty_hooks(name, value):
                 self._still_unset(state, f"{type(original).__qualname__} module").empty.add(name)
             elif state[name] is value and not issubclass(type(value), torch.Tensor):
@@ -261,33 +271,56 @@ class Observer:
             self.class_attribute(type(original), name, what, state)
 
     def module_fallback(self, module: nn.Module, name: str) -> bool:
-        """The program read `name` through `nn.Module.__getattr__` (a parameter, buffer or submodule)."""
-        if not self.active:
-            return False
+        """The program read `name` through `nn.Module.__getattr__` (a parameter, buffer or submodule) of a module of
+        the jitted module's tree."""
+        return self.active and self._module_member(module, name, inputs=True)
+
+    def _module_member(self, module: nn.Module, name: str, inputs: bool) -> bool:
         state = module.__dict__
         for slot in MODULE_SLOTS:
             if name in state.get(slot, ()):
-                self._module_slot(module, slot, name)
+                self._module_slot(module, slot, name, inputs)
                 return True
         return False
 
-    def _module_slot(self, module: nn.Module, slot: str, name: str | None) -> None:
-        """Submodules are compared by identity. A parameter or buffer that is set is a trace input, fetched by name
-        on every call and checked by the cache key, so only one that is None needs a guard. `name` None: the whole
-        container (its names and their order, and which are set)."""
+    def _module_slot(self, module: nn.Module, slot: str, name: str | None, inputs: bool) -> None:
+        """Submodules are compared by identity. `inputs`: the module is in the jitted module's tree, whose
+        parameters and buffers that are set are trace inputs, fetched by name on every call and checked by the cache
+        key, so only one that is None needs a guard. Any other module (an argument, a global, a closure's) gives
+        the program its real tensors, captured as constants: each is checked as a tensor read from a global is.
+        `name` None: the whole container (its names and their order, and which are set)."""
         state = module.__dict__
         self._pinned.append(state)
         kind = type(module).__qualname__
         what = f"{slot[1:]} of a {kind} module" if name is None else f"{slot[1:-1]} {name} of a {kind} module"
         if name is not None:
             value = state[slot][name]
-            if slot == "_modules" or value is None:
+            if slot == "_modules" or value is None or not inputs:
                 self._add(("slot", id(state), slot, name), what, lambda e: f"{e.bind(state)}[{slot!r}][{name!r}]",
                           value)
+            return
+        if not inputs:  # its items (its type may change: ModuleList.__delitem__ makes an OrderedDict)
+            self._add(("slot", id(state), slot, None), what, lambda e: f"tuple({e.bind(state)}[{slot!r}].items())",
+                      tuple(state[slot].items()))
             return
         summary = _children if slot == "_modules" else _tensor_slots
         self._add_raw(("slot", id(state), slot, None), what,
                       lambda e: f"{e.bind(summary)}({e.bind(state)}[{slot!r}]) == {e.bind(summary(state[slot]))}")
+
+
+class Place(Protocol):
+    """Where a module tensor lives: `getattr(module, container)[name]` (overrides.ModuleInput)."""
+
+    module: nn.Module
+    container: str  # "_parameters", "_buffers" or "__dict__"
+    name: str
+    qualified: str
+
+
+def _place_expr(emit: Emitter, place: Place) -> str:
+    state = emit.bind(place.module.__dict__)  # lives as long as the module; the containers are looked up anew
+    container = "" if place.container == "__dict__" else f"[{place.container!r}]"
+    return f"{state}{container}[{place.name!r}]"
 
 
 def _empty_hooks(name: str, value: Any) -> bool:

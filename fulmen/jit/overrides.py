@@ -107,6 +107,7 @@ def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], Te
                  lookasides: dict[Callable[..., Any], Callable[..., Any]] | None = None) -> ShadowTree:
     tree = ShadowTree(root=module, observer=observer, lookasides=lookasides or {})
     by_tensor: dict[int, TensorProxy] = {}  # tied weights share one proxy
+    first: dict[int, ModuleInput] = {}  # where each tensor was first found
     shadows: dict[int, nn.Module] = {}
 
     def proxy_for(tensor: torch.Tensor, qualified: str, where: ModuleInput) -> TensorProxy:
@@ -114,8 +115,11 @@ def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], Te
         if proxy is None:
             proxy = make_proxy(tensor, "t_" + qualified.replace(".", "_"))
             by_tensor[id(tensor)] = proxy
+            first[id(tensor)] = where
             tree.inputs.append(where)
             tree.proxies.append(proxy)
+        else:  # fetched only where it was first found: the trace holds while both places hold one tensor
+            observer.tied(where, first[id(tensor)])
         return proxy
 
     def visit(original: nn.Module, prefix: str) -> nn.Module:

@@ -323,6 +323,77 @@ def test_hooks_and_instance_overrides_are_named_in_the_miss_reasons():
     assert "forward now set on the Block module itself" in fulmen.last_cache_miss_reasons(fn)[0]
 
 
+LINEAR = nn.Linear(3, 3)
+
+
+def _through_global(x):
+    return LINEAR(x)
+
+
+def _replace_weight(m):
+    m.weight = nn.Parameter(torch.zeros(3, 3))
+
+
+def _drop_bias(m):
+    m.bias = None
+
+
+def _freeze(m):
+    m.weight.requires_grad_(False)
+
+
+@pytest.mark.parametrize("reach", ["argument", "closure", "global"])
+def test_parameters_of_a_module_the_program_reaches_are_guarded(reach):
+    """A module that is not the jitted one gives the program its real tensors: replacing, dropping or freezing one
+    retraces."""
+    global LINEAR
+    module = LINEAR = nn.Linear(3, 3)
+    program = {"argument": lambda x, m: m(x), "closure": lambda x: module(x),
+               "global": lambda x: _through_global(x)}[reach]
+    args = (module,) if reach == "argument" else ()
+    fn = fulmen.jit(program)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(fn(x, *args), program(x, *args))
+    for change in (_replace_weight, _drop_bias, _freeze):
+        change(module)
+        out = fn(x, *args)
+        torch.testing.assert_close(out, program(x, *args))
+        assert out.requires_grad == program(x, *args).requires_grad
+    assert _misses(fn) == 4
+    assert "parameter weight of a Linear module changed" in fulmen.last_cache_miss_reasons(fn)[2]
+
+
+class _Tied(nn.Module):
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.out = nn.Linear(3, 5, bias=False)
+        if tied:
+            self.out.weight = self.emb.weight
+
+    def forward(self, i):
+        return self.out(self.emb(i))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["untie", "tie"])
+def test_tying_or_untying_weights_retraces(tied):
+    model = _Tied(tied)
+    twin = copy.deepcopy(model)
+    fn, i = fulmen.jit(model), torch.tensor([0, 1, 2])
+    torch.testing.assert_close(fn(i), twin(i))
+    for m in (model, twin):
+        m.out.weight = nn.Parameter(torch.randn(5, 3)) if tied else m.emb.weight
+    m.out.weight.data.copy_(model.out.weight)
+    out, ref = fn(i), twin(i)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    if tied:
+        assert "out.weight is no longer the same tensor as emb.weight" in fulmen.last_cache_miss_reasons(fn)[0]
+
+
 def test_module_list_delete():
     model = Block()
     model.extra.append(nn.Linear(4, 4))
