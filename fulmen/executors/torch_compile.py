@@ -100,8 +100,10 @@ class TorchCompileExecutor(FusionExecutor):
         return all(leaf.sym in self.fusible_leaves for leaf in leaf_calls(bsym))
 
     def worth_fusing(self, bsyms: list[BoundSymbol]) -> bool:
-        # Worth a compiled call when it saves a kernel launch: two or more ops that compute (views are free).
-        computing = sum(1 for bsym in bsyms for leaf in leaf_calls(bsym) if _computes(leaf))
+        # Worth a compiled call when it saves a kernel launch: two or more calls that compute (views are free). A
+        # lone call (a gelu between two matmuls) runs as eager's own kernel, which rounds as eager does and costs
+        # the same launch.
+        computing = sum(1 for bsym in bsyms if any(_computes(leaf) for leaf in leaf_calls(bsym)))
         return computing > 1
 
     def fuse(self, bsyms: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy],

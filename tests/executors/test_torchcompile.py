@@ -279,3 +279,28 @@ def test_half_precision_chains_in_a_region_round_as_eager():
         grads = torch.autograd.grad(got, (x, y), v)
         same = torch.equal(got, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
         assert same == exact, executor.name
+
+
+def test_a_lone_call_between_matmuls_runs_as_eagers_kernel():
+    """GPT-2's MLP: a gelu between two matmuls. One eager kernel either way, so no region: it keeps eager's kernel
+    and its rounding (Inductor's gelu differs from eager's CUDA kernel in a unit here and there). Its grad is alone
+    too; a gelu followed by a scaling is two kernels and one region."""
+    generator = torch.Generator().manual_seed(0)
+    x, w1, w2 = (torch.randn(shape, generator=generator).to(torch.bfloat16).requires_grad_()
+                 for shape in ((8, 16), (16, 64), (64, 16)))
+
+    def mlp(x, w1, w2):
+        return F.gelu(x @ w1, approximate="tanh") @ w2
+
+    jitted = fulmen.jit(mlp, executors=[torchcompile])
+    got = jitted(x, w1, w2)
+    assert not _regions(fulmen.last_traces(jitted)[-1]) and not _regions(fulmen.last_backward_traces(jitted)[-1])
+    want = mlp(x, w1, w2)
+    v = torch.randn(want.shape, generator=generator).to(want.dtype)
+    assert torch.equal(got, want)
+    for g, w in zip(torch.autograd.grad(got, (x, w1, w2), v), torch.autograd.grad(want, (x, w1, w2), v)):
+        assert torch.equal(g, w)
+
+    scaled = fulmen.jit(lambda x, w1, w2: (F.gelu(x @ w1) * 2) @ w2, executors=[torchcompile])
+    scaled(x, w1, w2)
+    assert len(_regions(fulmen.last_traces(scaled)[-1])) == 1
