@@ -87,7 +87,7 @@ class Interpreter(TorchFunctionMode):
     def __init__(self, builder: TraceBuilder) -> None:
         super().__init__()
         self.builder = builder
-        self.functional = Functionalizer()
+        self.functional = Functionalizer(lambda: self.builder.source)
         self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
         self._constant_ids: dict[int, TensorProxy] = {}
         self.ops_seen: list[str] = []
@@ -110,7 +110,9 @@ class Interpreter(TorchFunctionMode):
             T.type_as: lambda x, other: self._convert(x, dtype=other.dtype),
             T.requires_grad_: lambda x, requires_grad=True: x,
             T.retain_grad: lambda x: None,
-            T.data.__get__: lambda x: self._record(lookup(torch.detach).symbol, (x,), {}),
+            T.data.__get__: lambda x: self._detach(x, data=True),
+            T.detach: self._detach,
+            torch.detach: self._detach,
             T.__repr__: lambda x, **kw: repr(x),
             T.__str__: lambda x: repr(x),
             T.__format__: lambda x, spec: repr(x),
@@ -318,6 +320,12 @@ class Interpreter(TorchFunctionMode):
         current = self.functional.resolve(x)
         new = shape.setitem(current, self._values(index), self._values(value))
         self.functional.write(x, new)
+
+    def _detach(self, x: Any, data: bool = False) -> Any:
+        detach = lookup(torch.detach).symbol
+        out = self._record(detach, (x,), {})
+        self.functional.record_detached(detach, x, out, data)
+        return out
 
     def _getitem(self, x: TensorProxy, index: Any) -> Any:
         self._check_index(index)

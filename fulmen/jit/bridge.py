@@ -2,7 +2,9 @@
 
 Saved tensors live on the autograd node in a plain list that the backward trace unpacks and clears, so each is
 freed as soon as the backward has used it (tensors saved with `ctx.save_for_backward` stay alive until the
-node finishes). Their version counters are checked as eager's would be. When saved-tensor hooks are active
+node finishes). Their version counters are checked as eager's would be; an input the forward itself updates in
+place (a write-back) was saved before the update, so a backward that reads it raises eager's error. When
+saved-tensor hooks are active
 (`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`), the tensors go through `save_for_backward` so the
 hooks see them.
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fulmen.core.trace import Trace
+from fulmen.ops import prims
 from fulmen.transforms.autocast import without_autocast
 from fulmen.transforms.cudagraphs import GraphedProgram
 from fulmen.transforms.distribution import DistributionTransform, GradSync
@@ -45,6 +48,12 @@ class GradProgram:
         self.n_outputs = self.plan.n_outputs
         self.non_differentiable = tuple(i for i, d in enumerate(self.plan.differentiable) if not d)
         self.saved_names = tuple(p.pname for p in self.plan.saved)
+        # (saved position, input position) of the inputs the forward saves, then updates in place
+        position = {p.pname: i for i, p in enumerate(self.plan.source.inputs)}
+        updated = {b.args[1].pname for b in self.plan.forward.bound_symbols
+                   if b.sym is prims.copy_ and b.kwargs.get("bump_version", True)}
+        self.stale = tuple((k, position[p.pname]) for k, p in enumerate(self.plan.saved) if p.pname in updated)
+        self._stale_reads: dict[tuple[bool, ...], tuple[bool, ...]] = {}
 
     def use_graphs(self, graphs: GraphedProgram, plain_forward: Trace, plain_backward: Trace) -> None:
         """The forward and backward traces (the last of `backward_traces`) replay CUDA graphs; `plain_forward` and
@@ -64,6 +73,16 @@ class GradProgram:
             fn = self._callable(self.finalize(self.plan.backward(present), mode)[-1])
             self._backward_fns[present, mode] = fn
         return fn
+
+    def stale_reads(self, present: tuple[bool, ...]) -> tuple[bool, ...]:
+        """For each of `stale`, whether the backward for the cotangents `present` reads it."""
+        reads = self._stale_reads.get(present)
+        if reads is None:
+            trace = self.plan.backward(present)
+            names = {name for b in trace.bound_symbols for name in b.arg_names()}
+            names.update(p.pname for p in trace.output if p is not None)
+            reads = self._stale_reads[present] = tuple(self.saved_names[k] in names for k, _ in self.stale)
+        return reads
 
     def run_backward(self, present: tuple[bool, ...], sync: bool, saved: list, cotangents: list,
                      graphed: bool = False) -> tuple:
@@ -97,7 +116,9 @@ class FulmenFunction(torch.autograd.Function):
             ctx.graph_token = None if ctx.hooked else program.graphs.start_forward()
             if ctx.graph_token is None:
                 forward_fn = program.plain_forward_fn
+        stale = [inputs[i]._version for _, i in program.stale]
         results = forward_fn(*inputs)
+        ctx.stale = [(before, inputs[i]._version) for before, (_, i) in zip(stale, program.stale)]
         outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program = program
         ctx.sync = program.distributed is None or program.distributed.sync  # no_sync() is decided when the forward runs
@@ -133,9 +154,21 @@ class FulmenFunction(torch.autograd.Function):
                         f"expected version {version} instead."
                     )
         present = tuple(d and g is not None for d, g in zip(program.plan.differentiable, grads))
+        if program.stale:
+            _check_stale(program, present, ctx.stale)
         cotangents = [g for g, p in zip(grads, present) if p]
         token = ctx.graph_token
         input_grads = program.run_backward(present, ctx.sync, saved, cotangents, graphed=token is not None)
         if token is not None:
             GraphedProgram.finish_backward(token)
         return (None, *input_grads)
+
+
+def _check_stale(program: GradProgram, present: tuple[bool, ...], versions: list[tuple[int, int]]) -> None:
+    """Eager saves the input itself, so an update after saving it fails its version check in the backward."""
+    for (k, _), (before, after), read in zip(program.stale, versions, program.stale_reads(present)):
+        if read:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"{program.saved_names[k]} (saved by a fulmen-jitted function, then updated in place by it) is at "
+                f"version {after}; expected version {before} instead.")

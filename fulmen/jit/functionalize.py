@@ -5,16 +5,27 @@ current value. An in-place update rebinds the object; when the object is a view,
 its base (recursively up to the root), and every other view of that base is recomputed from the new base the next
 time it is read. Program inputs (arguments, parameters, buffers) that changed are written back with
 `prims.copy_` at the end of the trace, so the trace has the same side effects as eager.
+
+An update autograd does not see (under `torch.no_grad()`, or through a `.detach()` / `.data` alias, which shares
+memory but not autograd history) changes a tensor's value but not its history: the new value is
+`impls.keep_history(old, new)`, whose grad goes to the old value, so a parameter clamped through `.data` still
+gets its grads. An input that requires grad may only be updated that way; its write-back copies the value alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import Symbol, iter_proxies, map_proxies
 from fulmen.ops import prims, shape
+from fulmen.ops.registry import SYMBOLS
 
 
 @dataclass(slots=True)
@@ -25,6 +36,8 @@ class ViewInfo:
     kwargs: dict[str, Any]
     index: int | None  # which output, for ops returning several views (split, unbind)
     base_version: int
+    detached: bool = False  # `.detach()` / `.data`: a write changes the base's value, not its autograd history
+    hidden: bool = False  # `.data`: a write leaves the base's version counter alone too
 
     def replay(self, base_value: TensorProxy) -> TensorProxy:
         out = self.sym(base_value, *self.args, **self.kwargs)
@@ -32,11 +45,17 @@ class ViewInfo:
 
 
 class Functionalizer:
-    def __init__(self) -> None:
+    def __init__(self, source: Callable[[], SourceLocation | None]) -> None:
+        self._source = source  # the user's line being traced, for errors
         self._current: dict[int, TensorProxy] = {}
         self._views: dict[int, ViewInfo] = {}
         self._versions: dict[int, int] = {}
         self._alive: list[TensorProxy] = []  # keeps ids unique while they are dictionary keys
+        self._outside: set[int] = set()  # aliases of tensors created outside the program
+        self._kept: dict[int, tuple[TensorProxy, TensorProxy]] = {}  # keep_history's output -> (it, old value)
+        self._written_at: dict[int, SourceLocation | None] = {}
+        self._bumped: set[int] = set()  # objects whose version counter eager bumps (writes not only through .data)
+        self.refused: TraceError | None = None
 
     def resolve(self, obj: TensorProxy) -> TensorProxy:
         """The value `obj` holds now."""
@@ -56,45 +75,113 @@ class Functionalizer:
 
     def record_views(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], values: tuple, output: Any) -> None:
         """Notes which outputs alias the first argument's storage (read off torch's meta view tracking)."""
-        if not args or type(args[0]) is not TensorProxy:
+        if not args or not isinstance(args[0], torch.Tensor):
             return
         base_obj, base_meta = args[0], values[0].meta
         root = base_meta._base if base_meta._is_view() else base_meta
         outputs = [output] if type(output) is TensorProxy else list(iter_proxies(output))
         for index, out in enumerate(outputs):
             meta = out.meta
-            if meta._is_view() and meta._base is root:
-                self._alive.append(out)
-                self._alive.append(base_obj)
-                self._views[id(out)] = ViewInfo(
-                    base=base_obj,
-                    sym=sym,
-                    args=values[1:],
-                    kwargs=kwargs,
-                    index=None if type(output) is TensorProxy else index,
-                    base_version=self._versions.get(id(base_obj), 0),
-                )
+            if not (meta._is_view() and meta._base is root):
+                continue
+            if type(base_obj) is not TensorProxy:
+                self._mark_outside(out)
+                continue
+            self._alive.append(out)
+            self._alive.append(base_obj)
+            self._views[id(out)] = ViewInfo(
+                base=base_obj,
+                sym=sym,
+                args=values[1:],
+                kwargs=kwargs,
+                index=None if type(output) is TensorProxy else index,
+                base_version=self._versions.get(id(base_obj), 0),
+            )
 
-    def write(self, obj: TensorProxy, value: TensorProxy) -> None:
-        """`obj` now holds `value`; views propagate the update into their bases."""
+    def record_detached(self, detach: Symbol, base_obj: Any, out: TensorProxy, data: bool) -> None:
+        """`out` is `base_obj.detach()` (or `base_obj.data`, with a version counter of its own): the same memory,
+        without its autograd history."""
+        if type(base_obj) is not TensorProxy:
+            self._mark_outside(out)
+            return
+        self._alive += [out, base_obj]
+        self._views[id(out)] = ViewInfo(base_obj, detach, (), {}, None, self._versions.get(id(base_obj), 0), True,
+                                        data)
+
+    def _mark_outside(self, out: TensorProxy) -> None:
+        self._alive.append(out)
+        self._outside.add(id(out))
+
+    def write(self, obj: TensorProxy, value: TensorProxy, hidden: bool = False) -> None:
+        """`obj` now holds `value`; views propagate the update into their bases (`hidden`: through `.data`)."""
         key = id(obj)
+        if key in self._outside:
+            raise TraceError("in-place update of a view of a tensor created outside the program (a captured "
+                             "global or attribute) is not supported: update it outside the jitted function, or "
+                             "pass it as an argument", self._source())
+        if not torch.is_grad_enabled():  # an update autograd does not see
+            value = self._keep_history(self.resolve(obj), value)
         self._alive.append(obj)
         self._current[key] = value
         self._versions[key] = self._versions.get(key, 0) + 1
+        self._written_at[key] = self._source()
+        if not hidden:
+            self._bumped.add(key)
         info = self._views.get(key)
         if info is not None:
             base_value = self.resolve(info.base)
-            new_base = shape.view_scatter(base_value, value, info.sym.impl, info.args, info.kwargs, info.index)
-            self.write(info.base, new_base)
+            if info.detached:
+                new_base = self._keep_history(base_value, value)
+            else:
+                new_base = shape.view_scatter(base_value, value, info.sym.impl, info.args, info.kwargs, info.index)
+            self.write(info.base, new_base, hidden or info.hidden)
             info.base_version = self._versions[id(info.base)]
+
+    def _keep_history(self, old: TensorProxy, new: TensorProxy) -> TensorProxy:
+        """`new` as the next value of a tensor holding `old`, with `old`'s autograd history."""
+        if old.requires_grad:
+            if self._kept.get(id(new), (None, None))[1] is old:
+                return new  # already keeps it (an update through a detached alias, under no_grad)
+            kept = shape.keep_history(old, new)
+            self._kept[id(kept)] = (kept, old)
+            return kept
+        return SYMBOLS["torch.detach"](new) if new.requires_grad else new
+
+    def _keeps_history(self, obj: TensorProxy, value: TensorProxy) -> bool:
+        """Whether `value`, what input `obj` holds now, has `obj`'s own autograd history."""
+        while value is not obj:
+            link = self._kept.get(id(value))
+            if link is None:
+                return False
+            value = link[1]
+        return True
 
     def was_written(self, obj: TensorProxy) -> bool:
         return self._versions.get(id(obj), 0) > 0
 
+    def written_at(self, obj: TensorProxy) -> SourceLocation | None:
+        """The line of the last update of `obj`."""
+        return self._written_at.get(id(obj))
+
     def write_back(self, inputs: list[TensorProxy]) -> None:
-        """Records the copies of changed inputs' final values into the inputs themselves."""
+        """Records the copies of changed inputs' final values into the inputs themselves. An update of an input
+        that requires grad with a history of its own is refused: `refused`, for the caller to raise (after its
+        more specific refusals)."""
         for obj in inputs:
-            if self.was_written(obj):
-                value = self.resolve(obj)
-                if value is not obj:
-                    prims.copy_(value, obj)
+            if not self.was_written(obj):
+                continue
+            value = self.resolve(obj)
+            if value is obj:
+                continue
+            if obj.requires_grad:
+                if not self._keeps_history(obj, value) and self.refused is None:
+                    self.refused = TraceError(
+                        f"fulmen cannot differentiate an in-place update of {obj.pname}, an input that requires "
+                        "grad (eager refuses it on a leaf and changes the autograd history of any other tensor); "
+                        "update a clone, or update it under torch.no_grad() or through .detach()",
+                        self.written_at(obj))
+                value = SYMBOLS["torch.detach"](value)  # the update changes the input's values, not its history
+            if id(obj) in self._bumped:
+                prims.copy_(value, obj)
+            else:
+                prims.copy_(value, obj, bump_version=False)

@@ -97,8 +97,8 @@ class Acquisition:
         """The inputs the program updates in place (their final values are copied back), by position, with the line
         of the update."""
         position = {p.pname: i for i, p in enumerate(self.inputs)}
-        made_at = {name: bsym.source for bsym in self.builder.bound_symbols for name in bsym.output_names()}
-        return {position[bsym.args[1].pname]: made_at.get(bsym.args[0].pname) for bsym in self.builder.bound_symbols
+        where = self.interpreter.functional.written_at
+        return {position[bsym.args[1].pname]: where(bsym.args[1]) for bsym in self.builder.bound_symbols
                 if bsym.sym is prims.copy_ and bsym.args[1].pname in position}
 
 
@@ -291,6 +291,8 @@ class JittedFunction:
                 tree, interpreter = acquisition.tree, acquisition.interpreter
                 constants = [t for t, _ in interpreter.constants]
                 real_inputs = [*tensors, *module_tensors, *constants]
+        if interpreter.functional.refused is not None:
+            raise interpreter.functional.refused
         values, out_spec, out_objects = acquisition.values, acquisition.out_spec, acquisition.out_objects
         returns_input, rebinds = acquisition.returns_input, acquisition.rebinds
         builder = acquisition.builder

@@ -38,6 +38,12 @@ def fill(x: torch.Tensor, value: Any) -> torch.Tensor:
     return torch.full_like(x, value)
 
 
+def keep_history(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`new`, as the next value of a tensor that held `old` and whose autograd history the update leaves alone (an
+    in-place update under `torch.no_grad()`, or through `.detach()` / `.data`): its grad goes to `old` only."""
+    return new
+
+
 def batch_norm_update(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
                       weight: torch.Tensor | None, bias: torch.Tensor | None, momentum: float | None,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -109,5 +109,11 @@ uniform = _prim(
     Tag.RANDOM,
 )
 
+def _copy_impl(src: torch.Tensor, dst: torch.Tensor, bump_version: bool = True) -> torch.Tensor:
+    # bump_version=False: the updates were made through `.data`, which eager keeps off the version counter
+    (dst if bump_version else dst.data).copy_(src)
+    return dst
+
+
 # Writes `src` into the input tensor `dst` (the functionalized form of an in-place update of a program input).
-copy_ = _prim("copy_", lambda src, dst: dst.copy_(src), Tag.IMPURE)
+copy_ = _prim("copy_", _copy_impl, Tag.IMPURE)

@@ -241,6 +241,8 @@ setitem = impl_symbol(impls.setitem)
 copy = impl_symbol(impls.copy)
 fill = impl_symbol(impls.fill)
 view_scatter = impl_symbol(impls.view_scatter)
+keep_history = impl_symbol(impls.keep_history, meta=lambda builder, old, new: builder.make_proxy(
+    torch.empty_strided(new.shape, new.stride(), dtype=new.dtype, device="meta"), new.device, old.requires_grad))
 
 
 def to_decomposition(x, device=None, dtype=None, non_blocking=False, copy=False) -> Any:

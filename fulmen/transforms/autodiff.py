@@ -255,9 +255,10 @@ class GradTransform:
     def _augment(self, bsym: BoundSymbol, forward: list[BoundSymbol], chunks: list[Chunk]) -> None:
         if bsym.sym.tags & Tag.IMPURE:
             # A write-back into a program input: the values inside this call are right, but no grad flows through
-            # the written tensor into later calls, so writing into a tensor that requires grad is refused.
+            # the written tensor into later calls, so writing a value with a history into a tensor that requires
+            # grad is refused (acquisition writes the values alone of an update autograd does not see).
             written = bsym.args[-1]
-            if _differentiable(written):
+            if _differentiable(written) and _differentiable(bsym.args[0]):
                 raise TraceError(f"fulmen cannot differentiate an in-place update of {written.pname}, an input that "
                                  "requires grad", bsym.source)
             forward.append(bsym)

@@ -19,6 +19,7 @@ import torch
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Trace, TraceBuilder
+from fulmen.ops import prims
 from fulmen.transforms.autodiff import BackwardAssembler, Chunk, GradTransform
 from fulmen.transforms.common import dce
 from fulmen.transforms.regions import last_uses
@@ -157,7 +158,9 @@ def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any],
         return max(_live_peak(forward.bound_symbols, forward.output, []),
                    _live_peak(recomputing, grads, saved))
 
-    saved_names = choose_saved(joint.forward, trace.inputs, outputs, needed, forward_needs, memory_budget, peak)
+    overwritten = frozenset(b.args[1].pname for b in trace.bound_symbols if b.sym is prims.copy_)
+    saved_names = choose_saved(joint.forward, trace.inputs, outputs, needed, forward_needs, memory_budget, peak,
+                               overwritten)
     order = list(trace.inputs) + [o for b in joint.forward for o in b.proxy_outputs()]
     saved, seen = [], set()
     for proxy in order:

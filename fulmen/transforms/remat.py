@@ -6,7 +6,9 @@ non-random factories). The cheapest such set is a minimum s-t cut (the partition
 min-cut rematerialisation): each value is split into an "in" and an "out" node joined by an edge of capacity
 equal to its bytes; cheap ops connect their inputs' "out" to their outputs' "in"; values that cannot be
 recomputed (matmuls, reductions, random draws, unknown ops) hang off the source; the backward's reads flow to
-the sink. Program inputs cost nothing to save: the caller holds them anyway.
+the sink. Program inputs cost nothing to save: the caller holds them anyway, but for those the forward updates in
+place (its write-backs): saved, they would hold the updated values, so the cut saves them only where nothing else
+serves (the backward reads them directly, where eager's autograd saves them too and raises on the update).
 
 Ops inside `torch.utils.checkpoint.checkpoint` are recomputable whatever they are and their outputs cannot
 be saved, so the cut falls on the checkpointed region's inputs, as eager's checkpointing does.
@@ -98,6 +100,7 @@ def recompute_flops(bsym: BoundSymbol) -> int | None:
 
 
 _SOURCE, _SINK = "source", "sink"
+_OVERWRITTEN = 2**62  # the capacity of an input the forward updates in place: above any cut of real bytes
 
 
 @dataclass
@@ -109,6 +112,7 @@ class _Cut:
     outputs: set[str]
     needed: set[str]
     forward_needs: set[str]
+    overwritten: frozenset[str] = frozenset()
     proxies: dict[str, TensorProxy] = field(init=False)
     escaping: set[str] = field(init=False)
 
@@ -127,7 +131,8 @@ class _Cut:
         graph = nx.DiGraph()
         for proxy in self.inputs:
             graph.add_edge(_SOURCE, ("in", proxy.pname))
-            graph.add_edge(("in", proxy.pname), ("out", proxy.pname), capacity=0)
+            capacity = _OVERWRITTEN if proxy.pname in self.overwritten else 0
+            graph.add_edge(("in", proxy.pname), ("out", proxy.pname), capacity=capacity)
         for position, bsym in enumerate(self.forward):
             expensive = position in allowed
             cheap = expensive or recomputable(bsym)
@@ -163,7 +168,7 @@ class _Cut:
 
 def choose_saved(forward: list[BoundSymbol], inputs: list[TensorProxy], outputs: set[str], needed: set[str],
                  forward_needs: set[str], memory_budget: float = 1.0,
-                 peak: Callable[[set[str]], int] | None = None) -> set[str]:
+                 peak: Callable[[set[str]], int] | None = None, overwritten: frozenset[str] = frozenset()) -> set[str]:
     """The names of the forward values to save so that every name in `needed` is available to the backward.
 
     `forward_needs` are the values the forward computes for its own outputs anyway. `memory_budget` below 1: the
@@ -171,9 +176,10 @@ def choose_saved(forward: list[BoundSymbol], inputs: list[TensorProxy], outputs:
     reductions can get there, at the fewest flops (else as few bytes as recomputing all of them leaves). `peak`
     estimates the step's peak bytes for a choice of saved values: a choice that would raise it above the default
     choice's is not taken (a value recomputed early for one reader stays alive until its last, so recomputing
-    everything can keep more alive than saving), and fewer calls are recomputed instead.
+    everything can keep more alive than saving), and fewer calls are recomputed instead. `overwritten`: the inputs the
+    forward updates in place, saved only where the backward reads them directly.
     """
-    cut = _Cut(forward, inputs, outputs, needed, forward_needs)
+    cut = _Cut(forward, inputs, outputs, needed, forward_needs, overwritten)
     saved = cut.saved()
     if memory_budget >= 1 or not saved:
         return saved

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fulmen.core.symbol import Tag
+from fulmen.core.symbol import Tag, iter_proxies
 from fulmen.ops import backward_kernels, shape
-from fulmen.ops.nn import embedding_backward, native_layer_norm
+from fulmen.ops.nn import batch_norm_update, embedding_backward, native_layer_norm
 from fulmen.ops.registry import SYMBOLS, torch_symbol
 from fulmen.ops.utils import canonical_dim, compute_dtype, is_real_number, is_tensor
 from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp, wants_grad
@@ -179,6 +179,26 @@ def cat_grad(tensors, dim=0):
     for t, piece in zip(joined, pieces):
         if wants_grad(t):
             put_grad(t, piece)
+    return y
+
+
+@register_grad(batch_norm_update)
+def batch_norm_update_grad(x, running_mean, running_var, weight, bias, momentum, eps):
+    out, mean, var = batch_norm_update(x, running_mean, running_var, weight, bias, momentum, eps)
+    # Training mode normalizes by the batch's statistics: eager's backward of batch_norm without running statistics,
+    # which leaves the running ones (the program updates them in place) unread.
+    args = (x, None, None, weight, bias, True, momentum, eps)
+    flat = list(iter_proxies(args))
+    wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
+    for i, grad in zip(wrt, torch_vjp(SYMBOLS["torch.nn.functional.batch_norm"], args, {}, wrt, (get_grad(out),))):
+        put_grad(flat[i], grad)
+    return out, mean, var
+
+
+@register_grad(shape.keep_history)
+def keep_history_grad(old, new):
+    y = shape.keep_history(old, new)
+    put_grad(old, get_grad(y))  # the update is invisible to autograd: nothing flows to `new`
     return y
 
 

@@ -113,3 +113,124 @@ def test_buffer_rebinding_reaches_the_module():
     x = torch.randn(3, dtype=torch.float64)
     torch.testing.assert_close(jitted(x), x)
     assert module.k.dtype == torch.float64  # as eager would have left it
+
+
+# --- updates autograd does not see: through .detach() / .data, or under no_grad ---------------------------------------
+def _detach_add(x):
+    x.detach().add_(1)
+    return x * x
+
+
+def _data_mul(x):
+    x.data.mul_(10)
+    return x * x
+
+
+@pytest.mark.parametrize("fn", [_detach_add, _data_mul])
+def test_an_update_through_detach_or_data_lands_on_the_input(fn):
+    for requires_grad in (False, True):
+        eager_x = torch.arange(3.0, requires_grad=requires_grad)
+        jit_x = torch.arange(3.0, requires_grad=requires_grad)
+        expected, actual = fn(eager_x), fulmen.jit(fn)(jit_x)
+        torch.testing.assert_close(actual, expected)
+        torch.testing.assert_close(jit_x, eager_x)  # the input itself was updated
+        assert jit_x._version == eager_x._version  # .data keeps off the version counter, .detach() shares it
+        assert actual.requires_grad == expected.requires_grad
+        if requires_grad:  # the input keeps its history: later reads differentiate to it
+            expected.sum().backward()
+            actual.sum().backward()
+            torch.testing.assert_close(jit_x.grad, eager_x.grad)
+            assert jit_x.is_leaf and jit_x.grad_fn is None
+
+
+class Clipped(nn.Module):
+    """Clamps its weight in place where autograd does not see it, as weight clipping does."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "data":
+            self.lin.weight.data.clamp_(-0.1, 0.1)
+        elif self.how == "detach":
+            self.lin.weight.detach()[0].clamp_(-0.1, 0.1)
+        else:
+            with torch.no_grad():
+                self.lin.weight.clamp_(-0.1, 0.1)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("how", ["data", "detach", "no_grad"])
+def test_a_parameter_updated_where_autograd_does_not_see_it_keeps_its_grads(how):
+    torch.manual_seed(0)
+    eager = Clipped(how)
+    compiled = copy.deepcopy(eager)
+    jitted = fulmen.jit(compiled)
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        expected, actual = eager(x), jitted(x)
+        torch.testing.assert_close(actual, expected)
+        torch.testing.assert_close(compiled.lin.weight, eager.lin.weight)
+        expected.sum().backward()
+        actual.sum().backward()
+        torch.testing.assert_close(compiled.lin.weight.grad, eager.lin.weight.grad)
+        torch.testing.assert_close(compiled.lin.bias.grad, eager.lin.bias.grad)
+    assert fulmen.cache_misses(jitted) == 1
+
+
+def test_an_intermediate_updated_under_no_grad_keeps_its_history():
+    def f(x):
+        y = x * 2
+        with torch.no_grad():
+            y[1:].add_(1)
+        return y * 3
+
+    eager_x, jit_x = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    expected, actual = f(eager_x), fulmen.jit(f)(jit_x)
+    torch.testing.assert_close(actual, expected)
+    assert actual.requires_grad
+    expected.sum().backward()
+    actual.sum().backward()
+    torch.testing.assert_close(jit_x.grad, eager_x.grad)
+
+
+def test_an_input_saved_for_backward_then_updated_in_place_fails_the_backward_as_eager():
+    def f(x, w):
+        y = x * w  # saves x for w's grad
+        x.detach().add_(1)
+        return y
+
+    for fn in (f, fulmen.jit(f)):
+        x, w = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+        y = fn(x, w)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_a_buffer_read_then_updated_is_not_recomputed_from_its_update():
+    def f(buf, w):
+        h = buf * 2  # the backward reads h, which eager saves; recomputing it from buf would read the update
+        y = h * w
+        buf.add_(1)
+        return y
+
+    eager_w, jit_w = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    f(torch.ones(3), eager_w).sum().backward()
+    fulmen.jit(f)(torch.ones(3), jit_w).sum().backward()
+    torch.testing.assert_close(jit_w.grad, eager_w.grad)
+
+
+CAPTURED = torch.ones(3)
+
+
+def test_an_update_through_a_view_of_a_captured_tensor_is_refused():
+    def f(x):
+        CAPTURED.detach().add_(1)
+        return x + CAPTURED
+
+    with pytest.raises(fulmen.TraceError, match="created outside the program") as error:
+        fulmen.jit(f)(torch.ones(3))
+    assert error.value.location.line == "CAPTURED.detach().add_(1)"
+    torch.testing.assert_close(CAPTURED, torch.ones(3))
