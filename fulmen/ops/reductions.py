@@ -33,7 +33,10 @@ def sum_decomposition(x, dim=None, keepdim: bool = False, *, dtype: torch.dtype 
         dtype = torch.int64
     x = convert(x, dtype) if dtype is not None else x
     dims = canonical_dims(dim, x.dim())
-    return _finish(prims.sum(x, dims), x, dims, keepdim)
+    total = prims.sum(x, dims)
+    # the prim sums integers into int64; a narrower dtype asked for wraps as eager's accumulation does
+    total = convert(total, dtype) if total.dtype != x.dtype else total
+    return _finish(total, x, dims, keepdim)
 
 
 torch_symbol(torch.sum, decomposition=_numpy_names(sum_decomposition), aliases=(method("sum"),))
