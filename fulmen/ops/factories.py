@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core.errors import UnsupportedOpError
 from fulmen.core.symbol import Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import prims
@@ -55,6 +56,12 @@ def _draw_meta(fn):
     the draw runs on the meta device instead."""
 
     def meta(builder: TraceBuilder, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("generator") is not None:
+            # a trace draws from the default generator of its device; it has no way to name the user's generator
+            raise UnsupportedOpError(
+                f"{fn.__name__}(generator=...): fulmen draws from the default generator only; seed it with "
+                "torch.manual_seed instead, or draw outside the jitted function and pass the tensor in",
+                builder.source)
         proxies = list(iter_proxies((args, kwargs)))
         device = infer_device(args, kwargs)
         meta_args, meta_kwargs = map_proxies(args, lambda p: p.meta), map_proxies(kwargs, lambda p: p.meta)
