@@ -14,6 +14,7 @@ from fulmen.core.trace import Trace
 from fulmen.jit.aliasing import AliasPlan, storage_groups, storage_offsets
 from fulmen.jit.bridge import GradProgram
 from fulmen.jit.guards import Guard, compile_first_failure, key_difference
+from fulmen.jit.writes import Write
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class CacheEntry:
     offsets: tuple[int, ...] | None = None  # the inputs' storage offsets, for a trace that depends on them
     aliases: AliasPlan | None = None
     module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
+    writes: tuple[Write, ...] = ()  # the Python state the program stores, stored again by every call
 
     def admits(self, tensors: list, module_tensors: list) -> bool:
         if self.check is not None and not self.check():

@@ -37,6 +37,8 @@ class Reader(Protocol):
 
     def created(self, obj: Any) -> None: ...
 
+    def entered(self, code: types.CodeType) -> None: ...  # a frame of the program's code starts
+
 
 _FULMEN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -120,6 +122,7 @@ class FrameTap:
         sites = _sites_of(frame)
         if sites is None:
             return local
+        self.observer.entered(code)
         if code.co_name == "__init__" and code.co_argcount:
             # an object the program creates now: what it later reads of it, it made itself (no guard needed), and
             # it may change it after reading (a cache filled layer by layer)

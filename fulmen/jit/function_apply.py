@@ -7,14 +7,19 @@ would be lost without a word. No dispatch hook reaches that call, so the acquisi
 the frame tap, replacements.py), its `cls` is set to a subclass of the program's Function whose method resolution
 puts `_Recorded.apply` between `Function` and its C++ base, so that `super().apply` records the call instead.
 Nothing of torch or the program changes: other threads, and calls outside acquisition, run torch's own `apply`.
+
+The Function's backward is traced when its grad rule runs, after acquisition; it runs under the acquisition's frame
+tap all the same (`_ObservedBackward`), so the Python state it reads is guarded as the forward's is. Known limit: it
+is read when the forward is traced, so a change made between a forward and its backward (eager would see it) is not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -90,6 +95,40 @@ def function_apply_recorded(interpreter: Any) -> Iterator[None]:
         _RECORDING.reset(token)
 
 
+class _ObservedBackward:
+    """A Function's `backward` run with the frame tap of the acquisition that recorded its forward: the grad rule
+    traces it after acquisition, where nothing else would see the Python state it reads (a global scale, a config
+    the forward kept in `ctx`), which is then guarded as the forward's is (the cache entry's guards are collected
+    after the grads are traced)."""
+
+    __slots__ = ("backward", "tap")
+
+    def __init__(self, backward: Callable[..., Any], tap: Callable[..., Any]) -> None:
+        self.backward = backward
+        self.tap = tap
+
+    @property
+    def __code__(self) -> types.CodeType | None:  # where the user's backward is, for errors
+        return getattr(self.backward, "__code__", None)
+
+    def __call__(self, *args: Any) -> Any:
+        previous = sys.gettrace()
+        sys.settrace(self.tap)
+        try:
+            return self.backward(*args)
+        finally:
+            sys.settrace(previous)
+
+
+def _observed_backward(cls: type, tap: Callable[..., Any] | None) -> type:
+    """`cls`, or where a frame tap watches the acquisition, a subclass of it whose backward that tap watches."""
+    if tap is None:
+        return cls
+    namespace = {"backward": staticmethod(_ObservedBackward(cls.backward, tap)), "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__}
+    return type(cls)(cls.__name__, (cls,), namespace)
+
+
 def _run_forward(cls: type, ctx: FunctionContext, values: tuple) -> Any:
     with torch.no_grad():  # as eager runs it
         if _is_setup_context_defined(cls.setup_context):
@@ -146,7 +185,7 @@ def record_function(interpreter: Any, cls: type, args: tuple, kwargs: dict[str, 
                for t, r in zip(tensors, results)]
     builder.adopt_results(parts, results, outputs, location)
     captured = _captured(parts, {p.pname for p in iter_proxies(values)})
-    call = FunctionCall(cls, ctx, tuple(iter_proxies((captured, values))),
+    call = FunctionCall(_observed_backward(cls, sys.gettrace()), ctx, tuple(iter_proxies((captured, values))),
                         tuple(isinstance(o, torch.Tensor) for o in outs))
     builder.scopes[-1].append(BoundSymbol(AUTOGRAD_FUNCTION, (call, captured, *values), {}, tuple(outputs), parts,
                                           location, builder.checkpoint_region))

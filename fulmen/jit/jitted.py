@@ -195,6 +195,8 @@ class JittedFunction:
 
     @staticmethod
     def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor]) -> Any:
+        for write in entry.writes:  # the Python state the program stored (fulmen.jit.writes)
+            write.apply()
         if entry.rebinds:
             for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
                 getattr(module, container)[name] = value
@@ -339,6 +341,7 @@ class JittedFunction:
             offsets=storage_offsets(real_inputs) if interpreter.reads_storage_offset or aliases is not None else None,
             module_inputs=tuple(module_inputs),
             aliases=aliases,
+            writes=acquisition.observer.writes,
         )
         return entry, module_tensors
 

@@ -11,6 +11,10 @@ set of guards:
   on them, and the guard is put on the user's module behind the shadow (its attributes, submodules, parameters and
   buffers slots, hooks, and the class attributes it resolves, methods included).
 
+Both taps also report what the program stores (attributes, globals) to be stored again by every call (writes.py).
+Parameters and buffers of a module outside the jitted module's tree (an argument, a closure's, a global) are the
+program's real tensors, captured as constants, and guarded by identity and metadata.
+
 Objects created during the call need no guard (they are derived from what was read); a guard on one is harmless,
 since nothing changes it afterwards. Reads that only C code makes of objects the program cannot name (an attribute
 of a call's result) are not seen here; the functions the program calls are observed themselves.
@@ -29,6 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fulmen.core.source import user_location
 from fulmen.jit import reads
 from fulmen.jit.frames import FrameTap, Quiet, Region
 from fulmen.jit.guards import Guard
@@ -44,7 +49,8 @@ from fulmen.jit.lookup import (
     owner_name,
     slot_value,
 )
-from fulmen.jit.values import MISSING, Emitter, describe, value_check
+from fulmen.jit.values import MISSING, Emitter, describe, immutable, value_check
+from fulmen.jit.writes import Write, WriteLog
 
 # nn.Module's hook registries (`_forward_hooks`, ...): almost always empty, then checked together per module
 HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
@@ -66,19 +72,31 @@ class Observer:
         self._created: set[int] = set()  # ids of the objects the program created while acquired (kept in _pinned)
         # (id(object or globals dict), name) the program assigned while acquired: its later reads read that value
         self._written: set[tuple[int, str]] = set()
+        self._stores = WriteLog()
+        # id(function read) -> its code and the check that its code and defaults stay (for the functions that run)
+        self._callees: dict[int, tuple[types.CodeType, Guard]] = {}
+        self._entered: set[types.CodeType] = set()  # the code of the program's frames that ran
+        self.writes: tuple[Write, ...] = ()  # what the program stored, to store again on every call (writes.py)
         for fn in functions:
             self._note_function(fn)
 
     def guards(self) -> tuple[Guard, ...]:
-        return tuple(self._unset[key[1]].guard() if key[0] == "unset" else guard for key, guard in self._guards.items())
+        found = [self._unset[key[1]].guard() if key[0] == "unset" else guard for key, guard in self._guards.items()]
+        return (*found, *(guard for code, guard in self._callees.values() if code in self._entered))
 
-    def _still_unset(self, state: dict, owner: str) -> _Unset:
-        """The check, one per object, that names stay out of its `__dict__` and hook registries stay empty."""
+    def entered(self, code: types.CodeType) -> None:
+        self._entered.add(code)
+
+    def _still_unset(self, state: dict, owner: str, obj: Any = MISSING) -> _Unset:
+        """The check, one per object, that names stay out of its `__dict__`, hook registries stay empty, and (`obj`,
+        whose dict `state` is) its class stays the same."""
         unset = self._unset.get(id(state))
         if unset is None:
             self._pinned.append(state)
             unset = self._unset[id(state)] = _Unset(state, owner)
             self._guards[("unset", id(state))] = Guard("", "", {})  # its place among the guards
+        if obj is not MISSING and unset.typed is None:
+            unset.typed = (obj, type(obj))
         return unset
 
     # --- recording ---------------------------------------------------------------------------------------------------
@@ -97,11 +115,17 @@ class Observer:
             self._guards[key] = Guard(what, source(emit), emit.bindings)
 
     def _note_function(self, value: Any) -> None:
-        fn = value.__func__ if type(value) is types.MethodType else value
-        if type(fn) is types.FunctionType and fn.__closure__:
+        kind = type(value)
+        fn = value.__func__ if kind is types.MethodType or kind is staticmethod or kind is classmethod else value
+        if type(fn) is not types.FunctionType:
+            return
+        if fn.__closure__:
             known = self._functions.setdefault(fn.__code__, [])
             if fn not in known:
                 known.append(fn)
+        if id(fn) not in self._callees:
+            self._pinned.append(fn)
+            self._callees[id(fn)] = (fn.__code__, _code_and_defaults(fn))
 
     def dict_entry(self, namespace: Any, name: str, what: str, owner: Any = None) -> None:
         """`namespace[name]` (a dict, or a class's mapping proxy with its class as `owner`) keeps its value, or stays
@@ -114,12 +138,14 @@ class Observer:
             self._add_raw(("dict", id(owner), name), f"{what} (absent)",
                           lambda e: f"{name!r} not in {e.bind(namespace)}")
 
-    def class_attribute(self, cls: type, name: str, what: str, instance: dict | None = None) -> None:
-        """`name` resolves on `cls` (and not in `instance`, the object's own dict) to what it resolves to now."""
+    def class_attribute(self, cls: type, name: str, what: str, obj: Any = MISSING) -> None:
+        """`name` resolves on `cls` (and not in the own dict of `obj`, an instance of it, which stays one) to what it
+        resolves to now."""
         found = class_lookup(cls, name)
         index, raw = found if found is not None else (len(cls.__mro__), MISSING)
+        instance = None if obj is MISSING else instance_dict(obj)
         if instance is not None:
-            self._still_unset(instance, what.rsplit(" of ", 1)[-1]).absent.add(name)
+            self._still_unset(instance, what.rsplit(" of ", 1)[-1], obj).absent.add(name)
         self._pinned.append(cls)
         for klass in cls.__mro__[:index]:
             self._add_raw(("absent", id(klass), name), f"{what} (not defined by {klass.__qualname__})",
@@ -189,6 +215,8 @@ class Observer:
                           slot_value(found[1], obj))
             else:  # a property: its getter is observed when it runs
                 self.class_attribute(cls, name, what)
+                if state is not None:  # the getter is the class's
+                    self._still_unset(state, owner_name(obj), obj)
         elif state is not None and name in state:
             if issubclass(cls, nn.Module) and name in MODULE_SLOTS:
                 self._module_slot(obj, name, None, inputs=False)
@@ -199,7 +227,7 @@ class Observer:
         elif issubclass(cls, nn.Module) and found is None and self._module_member(obj, name, inputs=False):
             pass
         else:  # a class attribute, or none at all (`getattr(obj, name, default)`, `hasattr`)
-            self.class_attribute(cls, name, what, state)
+            self.class_attribute(cls, name, what, obj)
 
     def read(self, site: reads.Read, frame: types.FrameType) -> None:
         kind = type(site)
@@ -216,8 +244,11 @@ class Observer:
             if receiver is not MISSING:
                 self._pinned.append(receiver)
                 self._written.add((id(receiver), site.name))
+                if not is_shadow(receiver):  # a shadow reports its stores itself (module_write)
+                    self._stores.attribute(receiver, site.name, frame)
         elif kind is reads.GlobalWrite:
             self._written.add((id(frame.f_globals), site.name))
+            self._stores.global_(frame.f_globals, site.name, frame)
         elif (function := evaluate(site.function, frame)) is getattr or function is hasattr:
             receiver, name = evaluate(site.receiver, frame), evaluate(site.name, frame)
             if receiver is not MISSING and type(name) is str:
@@ -239,8 +270,14 @@ class Observer:
             self.active = False
             self.quiet = contextlib.nullcontext()
             sys.settrace(previous)
+        self.writes = self._stores.finish(self._created)
 
     # --- the module tap ----------------------------------------------------------------------------------------------
+    def module_write(self, shadow: nn.Module, original: nn.Module, name: str, deleted: bool = False) -> None:
+        """The program stored (or deleted) `name` on the shadow of `original`."""
+        if self.active:
+            self._stores.module(shadow, original, name, user_location(), deleted)
+
     def tied(self, place: Place, first: Place) -> None:
         """`place` holds the tensor found first at `first` (tied weights): the trace takes it as one input, fetched
         from `first` only, and holds while both places hold one tensor."""
@@ -268,7 +305,7 @@ class Observer:
                 self.dict_entry(state, name, what)
             return
         if name not in shadow_class.__dict__:  # not one of the shadow's own hooks
-            self.class_attribute(type(original), name, what, state)
+            self.class_attribute(type(original), name, what, original)
 
     def module_fallback(self, module: nn.Module, name: str) -> bool:
         """The program read `name` through `nn.Module.__getattr__` (a parameter, buffer or submodule) of a module of
@@ -323,6 +360,25 @@ def _place_expr(emit: Emitter, place: Place) -> str:
     return f"{state}{container}[{place.name!r}]"
 
 
+def _code_and_defaults(fn: types.FunctionType) -> Guard:
+    """A function the program read, and called, keeps its code and its defaults as they were before the call (a
+    mutable default the program changes, `fn.__defaults__ = ...`, `fn.__code__ = ...`). Defaults are checked only
+    where there are some: giving a function defaults it had none of cannot change a call that ran without them."""
+    emit = Emitter()
+    bound = emit.bind(fn)
+    terms = [f"{bound}.__code__ is {emit.bind(fn.__code__)}"]
+    for name, given in (("__defaults__", fn.__defaults__), ("__kwdefaults__", fn.__kwdefaults__)):
+        if given is None:
+            continue
+        defaults = emit.bind(given)
+        terms.append(f"{bound}.{name} is {defaults}")  # a new tuple (or dict) when reassigned
+        # the tuple cannot change, its items can; the keyword defaults are a dict
+        checks = [value_check(f"{defaults}[{i}]", item, emit) for i, item in enumerate(given) if not immutable(item)] \
+            if name == "__defaults__" else [value_check(defaults, given, emit)]
+        terms += [check for check in checks if check is not None]
+    return Guard(f"the code or defaults of function {fn.__qualname__}", " and ".join(terms), emit.bindings)
+
+
 def _empty_hooks(name: str, value: Any) -> bool:
     return name in HOOK_REGISTRIES and type(value) in (dict, OrderedDict) and not value
 
@@ -336,18 +392,24 @@ class _Unset:
         self.owner = owner
         self.absent: set[str] = set()
         self.empty: set[str] = set()
+        self.typed: tuple[Any, type] | None = None  # the object and its class, when its class provides names
 
     def guard(self) -> Guard:
         emit = Emitter()
         bound = emit.bind(self.state)
         terms = [f"{n!r} in {bound}" for n in sorted(self.absent)] + [f"{bound}[{n!r}]" for n in sorted(self.empty)]
-        return Guard(f"attributes and hooks of the {self.owner}", f"not ({' or '.join(terms)})", emit.bindings,
-                     explain=self.explain)
+        source = f"not ({' or '.join(terms)})"
+        if self.typed is not None:  # `obj.__class__ = Other` changes what every name resolves to
+            source = f"type({emit.bind(self.typed[0])}) is {emit.bind(self.typed[1])} and {source}"
+        return Guard(f"attributes and hooks of the {self.owner}", source, emit.bindings, explain=self.explain)
 
     def explain(self) -> str:
         now_set = sorted(n for n in self.absent if n in self.state)
         filled = sorted(n for n in self.empty if self.state.get(n, True))
-        what = [f"{', '.join(now_set)} now set on the {self.owner} itself"] if now_set else []
+        what = []
+        if self.typed is not None and type(self.typed[0]) is not self.typed[1]:
+            what.append(f"the class of the {self.owner} is now {type(self.typed[0]).__qualname__}")
+        what += [f"{', '.join(now_set)} now set on the {self.owner} itself"] if now_set else []
         what += [f"{', '.join(filled)} of the {self.owner} no longer empty (a hook was added)"] if filled else []
         return "; ".join(what) or f"attributes and hooks of the {self.owner} changed"
 

@@ -4,7 +4,9 @@ The user's module is never changed. Acquisition runs the forward of a *shadow* t
 submodule whose `_parameters`, `_buffers` and tensor attributes hold proxies (the override map), and whose class
 reports every attribute the program reads to the observer (observe.py), so guards check exactly those on the user's
 module: plain and container attributes, submodules, parameter and buffer slots, hooks, methods. Assignments the
-program makes during the forward land on the shadow; buffer rebinds are reported back.
+program makes during the forward land on the shadow and are reported to the observer: tensor rebinds are returned
+by the trace, other values stored again on the user's module by every call (writes.py). Tied weights (one tensor in
+two places) are one trace input, fetched from the first place, and guarded to stay tied.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def _shadow_class(cls: type) -> type:
     shadow = _SHADOW_CLASSES.get(cls)
     if shadow is None:
         namespace = {"__getattribute__": _recording_getattribute, "__getattr__": _recording_getattr(cls.__getattr__),
-                     "__module__": cls.__module__}
+                     "__setattr__": _recording_setattr(cls.__setattr__),
+                     "__delattr__": _recording_delattr(cls.__delattr__), "__module__": cls.__module__}
         namespace.update(method_lookasides(cls))
         shadow = type(cls.__name__, (cls,), namespace)
         _SHADOW_CLASSES[cls] = shadow
@@ -101,6 +104,26 @@ def _recording_getattr(fallback: Callable[[nn.Module, str], Any]) -> Callable[[n
         return value
 
     return __getattr__
+
+
+def _recording_setattr(store: Callable[[nn.Module, str, Any], None]) -> Callable[[nn.Module, str, Any], None]:
+    def __setattr__(self: nn.Module, name: str, value: Any) -> None:  # lands on the shadow, stored again by each call
+        store(self, name, value)
+        state = object.__getattribute__(self, "__dict__")
+        if "_fulmen_tree" in state:
+            state["_fulmen_tree"].observer.module_write(self, state["_fulmen_original"], name)
+
+    return __setattr__
+
+
+def _recording_delattr(delete: Callable[[nn.Module, str], None]) -> Callable[[nn.Module, str], None]:
+    def __delattr__(self: nn.Module, name: str) -> None:
+        delete(self, name)
+        state = object.__getattribute__(self, "__dict__")
+        if "_fulmen_tree" in state:
+            state["_fulmen_tree"].observer.module_write(self, state["_fulmen_original"], name, deleted=True)
+
+    return __delattr__
 
 
 def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], TensorProxy], observer: Observer,

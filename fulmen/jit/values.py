@@ -13,6 +13,7 @@ cache entry (guards.compile_check), so a hit evaluates them without interpretive
 from __future__ import annotations
 
 import collections
+import enum
 import itertools
 import math
 import types
@@ -169,6 +170,18 @@ def same_value(current: Any, value: Any) -> bool:
 
 
 _PRINTABLE = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size, range)
+
+
+_IMMUTABLE_LEAVES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size, range,
+                     slice)
+
+
+def immutable(value: Any) -> bool:
+    """Nothing can change the value in place (an enum member counts: it is a singleton)."""
+    kind = type(value)
+    if kind in _IMMUTABLE_LEAVES or isinstance(value, enum.Enum):
+        return True
+    return (kind is tuple or kind is frozenset) and all(immutable(item) for item in value)
 
 
 def describe(value: Any, limit: int = 60) -> str:

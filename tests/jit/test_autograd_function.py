@@ -288,3 +288,42 @@ def test_reentrant_checkpoint_is_a_checkpointed_region():
     torch.testing.assert_close(x.grad, want[0])
     torch.testing.assert_close(w.grad, want[1])
     assert any(b.checkpoint_region for b in fulmen.last_traces(jitted)[0].bound_symbols)
+
+
+GRAD_SCALE = 2.0
+
+
+class ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, config):
+        ctx.config = config
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * GRAD_SCALE * ctx.config.factor, None  # a global and a config kept in ctx, read in backward only
+
+
+class _Config:
+    def __init__(self):
+        self.factor = 1.0
+
+
+def test_python_state_the_backward_reads_is_guarded():
+    global GRAD_SCALE
+    config = _Config()
+
+    def program(x, c):
+        return ScaleGrad.apply(x, c).sin()
+
+    jitted = fulmen.jit(program)
+    try:
+        for scale, factor in ((2.0, 1.0), (5.0, 1.0), (5.0, 3.0), (5.0, 3.0)):
+            GRAD_SCALE, config.factor = scale, factor
+            x = torch.randn(3, requires_grad=True)
+            jitted(x, config).sum().backward()
+            torch.testing.assert_close(x.grad, x.detach().cos() * scale * factor)
+    finally:
+        GRAD_SCALE = 2.0
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (3, 1)
+    assert "attribute factor" in fulmen.last_cache_miss_reasons(jitted)[1]

@@ -62,3 +62,35 @@ def test_examine_lists_ops_and_support():
     assert report.unsupported == [] and report.error is None
     assert report.ops["torch.nn.functional.gelu"] == (1, True)
     assert "2 ops, 0 unsupported" in str(report)
+
+
+class _KeepsHistory(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", None)
+
+    def forward(self, x):
+        self.history = [x.shape[0]]  # the line the error must name
+        return x
+
+
+class _BuildsTable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", None)
+
+    def forward(self, x):
+        self.table = x.cos()  # the line the error must name
+        return x * self.table
+
+
+@pytest.mark.parametrize(("module", "line", "what"), [
+    (_KeepsHistory, "self.history = [x.shape[0]]", "attribute `history` of the _KeepsHistory module"),
+    (_BuildsTable, "self.table = x.cos()", "attribute `table` of the _BuildsTable module"),
+])
+def test_a_module_attribute_write_that_cannot_be_stored_again_is_refused(module, line, what):
+    with pytest.raises(fulmen.TraceError) as info:
+        fulmen.jit(module())(torch.randn(4))
+    message = str(info.value)
+    assert f"fulmen cannot compile a program that writes Python {what} (test_errors.py:" in message
+    assert line in message

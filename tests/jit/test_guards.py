@@ -525,3 +525,53 @@ def test_state_the_program_sets_before_reading_it_is_not_a_guard():
         torch.testing.assert_close(jitted(x), x * 2)
     assert (fulmen.cache_hits(jitted), fulmen.cache_misses(jitted)) == (2, 1)
     assert SWITCH.on is False
+
+
+# --- 8. functions and classes ---------------------------------------------------------------------------------------
+def _remembers(x, seen=[]):  # noqa: B006 - the mutable default is the case under test
+    seen.append(1)
+    return x * len(seen)
+
+
+def _scaled(x, k=2, *, shift=0.0):
+    return x * k + shift
+
+
+def _calls_scaled(x):
+    return _scaled(x)
+
+
+def test_a_mutable_default_the_program_changes_is_guarded():
+    fn, x = fulmen.jit(_remembers), torch.ones(2)
+    for expected in (1.0, 2.0, 3.0):
+        torch.testing.assert_close(fn(x), x * expected)
+
+
+def test_defaults_and_code_of_a_called_function_are_guarded():
+    fn, x = fulmen.jit(_calls_scaled), torch.ones(2)
+    saved = (_scaled.__defaults__, _scaled.__kwdefaults__, _scaled.__code__)
+    fn(x)
+    try:
+        for change in (lambda: setattr(_scaled, "__defaults__", (7,)),
+                       lambda: _scaled.__kwdefaults__.__setitem__("shift", 1.0),
+                       lambda: setattr(_scaled, "__code__", (lambda x, k=2, *, shift=0.0: x - k).__code__)):
+            change()
+            torch.testing.assert_close(fn(x), _calls_scaled(x))
+        assert _misses(fn) == 4
+        assert "code or defaults of function _scaled" in fulmen.last_cache_miss_reasons(fn)[0]
+    finally:
+        _scaled.__defaults__, _scaled.__kwdefaults__, _scaled.__code__ = saved
+
+
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_a_module_whose_class_is_swapped_retraces():
+    model = nn.Sequential(nn.Linear(3, 3))
+    fn, x = fulmen.jit(model), torch.randn(2, 3)
+    fn(x)
+    model[0].__class__ = _Doubled
+    torch.testing.assert_close(fn(x), model(x))
+    assert "class of the Linear module is now _Doubled" in fulmen.last_cache_miss_reasons(fn)[0]

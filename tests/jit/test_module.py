@@ -88,3 +88,65 @@ def test_half_precision_parameter_of_a_module_passed_as_argument_converts():
 
     x = torch.randn(4, 4)
     torch.testing.assert_close(fulmen.jit(f)(norm, x), f(norm, x))
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+        self.last_len = None
+        self.initialized = False
+
+    def forward(self, x):
+        self.steps += 1  # read, then written: the guard on steps misses next call
+        self.last_len = x.shape[0]  # written only: stored again by every call using the trace
+        if not self.initialized:
+            self.initialized = True
+        return x * self.steps
+
+
+def test_python_attributes_the_forward_writes_are_stored_by_every_call():
+    model, twin = Counter(), Counter()
+    jitted = fulmen.jit(model)
+    for n in (2, 3, 2, 2):
+        x = torch.ones(n)
+        torch.testing.assert_close(jitted(x), twin(x))
+        assert (model.steps, model.last_len, model.initialized) == (twin.steps, twin.last_len, twin.initialized)
+
+
+class LastLength(nn.Module):
+    def forward(self, x):
+        self.seen = x.shape  # a new attribute, the same for every call with this shape
+        return x + 1
+
+
+def test_a_written_attribute_is_stored_on_cache_hits():
+    model = LastLength()
+    jitted = fulmen.jit(model)
+    for n in (2, 3, 2):
+        jitted(torch.ones(n))
+        assert model.seen == (n,)
+    assert (fulmen.cache_hits(jitted), fulmen.cache_misses(jitted)) == (1, 2)
+
+
+LAST = None
+
+
+class _State:
+    calls = 0
+
+
+def test_globals_and_object_attributes_written_are_stored_on_cache_hits():
+    state = _State()
+
+    def program(x, s):
+        global LAST
+        LAST = x.shape[0]
+        s.last = x.shape[0] * 2
+        return x * 2
+
+    jitted = fulmen.jit(program)
+    for n in (2, 3, 2):
+        jitted(torch.ones(n), state)
+        assert (LAST, state.last) == (n, 2 * n)
+    assert fulmen.cache_hits(jitted) == 1

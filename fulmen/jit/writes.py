@@ -1,0 +1,156 @@
+"""The Python state the traced program writes: replayed by every call that uses the trace, or refused.
+
+A trace keeps the program's tensor ops only; what its Python part stored in objects that outlive the call (an
+attribute of a module, of an argument or of a global object, a global of a module) would be stored on the first call
+only. So each such write is recorded while acquiring and its final value is stored again by every call that uses the
+trace (`Write.apply`), exactly as the program stored it: the value is a function of the Python state the trace is
+guarded on (that is what makes the trace reusable), so `self.steps += 1` stores 1 on every call that finds 0 there,
+and a call that finds 1 misses the guard on `steps` and traces anew.
+
+Only values that are the same whichever call made them can be stored again: numbers, strings, None, dtypes,
+devices, enum members and tuples of those. A write of any other value (a list, an object, a tensor in a place
+that held none) is refused, naming the attribute and the user's line. A tensor stored where the module held one is
+a rebind (overrides.ShadowTree.rebinds), returned by the trace.
+
+Writes to the jitted module's tree land on its shadow (overrides.py), which reports them here; writes to other
+objects happen for real, seen by the frame tap before they run (reads.AttrWrite, reads.GlobalWrite), and are undone
+when the acquisition ends, so that acquiring again, or the first call's replay, starts from the state the program
+found. Writes that no bytecode of the program makes (`setattr(obj, ...)` outside a shadow, C code) are not seen.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulmen.core.errors import TraceError
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.source import SourceLocation, frame_location
+from fulmen.jit.lookup import MODULE_SLOTS, attribute_value, owner_name
+from fulmen.jit.values import MISSING, describe, immutable, same_value
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """`target.name = value` (or `target[name] = value` for a module's globals), stored by every call."""
+
+    target: Any
+    name: str
+    value: Any
+    is_global: bool = False
+
+    def apply(self) -> None:
+        if self.is_global:
+            self.target[self.name] = self.value
+        else:
+            setattr(self.target, self.name, self.value)
+
+
+@dataclass(slots=True)
+class _Store:
+    target: Any  # the object written (the original module for a shadow), or a globals dict
+    name: str
+    before: Any  # the value the program found, MISSING if none
+    location: SourceLocation | None
+    shadow: nn.Module | None = None  # the shadow the write landed on
+    is_global: bool = False
+    deleted: bool = False
+
+
+def _module_value(state: dict, name: str) -> Any:
+    """What `module.name` finds in the module's `__dict__`: a parameter, buffer or submodule, or a plain attribute."""
+    for slot in MODULE_SLOTS:
+        if name in state.get(slot, ()):
+            return state[slot][name]
+    return state.get(name, MISSING)
+
+
+class WriteLog:
+    """The stores of one acquisition, first value found and last value stored."""
+
+    def __init__(self) -> None:
+        self._stores: dict[tuple[int, str], _Store] = {}
+
+    def attribute(self, obj: Any, name: str, frame: types.FrameType) -> None:
+        """The frame is about to store `obj.name` (an object that is not a shadow)."""
+        if (id(obj), name) not in self._stores:
+            self._stores[(id(obj), name)] = _Store(obj, name, attribute_value(obj, name), frame_location(frame))
+
+    def global_(self, namespace: dict, name: str, frame: types.FrameType) -> None:
+        if (id(namespace), name) not in self._stores:
+            self._stores[(id(namespace), name)] = _Store(namespace, name, namespace.get(name, MISSING),
+                                                         frame_location(frame), is_global=True)
+
+    def module(self, shadow: nn.Module, original: nn.Module, name: str, location: SourceLocation | None,
+               deleted: bool) -> None:
+        """The program stored (or deleted) `name` on the shadow of `original`."""
+        store = self._stores.get((id(shadow), name))
+        if store is None:
+            before = _module_value(original.__dict__, name)
+            store = self._stores[(id(shadow), name)] = _Store(original, name, before, location, shadow)
+        store.deleted = deleted
+
+    def finish(self, created: set[int]) -> tuple[Write, ...]:
+        """The writes to replay, or a TraceError for the first write to the module's tree that cannot be."""
+        writes = []
+        for store in self._stores.values():
+            if id(store.target) in created:
+                continue
+            final = self._final(store)
+            if final is store.before or (immutable(final) and same_value(final, store.before)):
+                continue  # stored what was there
+            if store.shadow is None:
+                # the store happened: an object that is not replayable may well be one the call created
+                if final is not MISSING and immutable(final):
+                    writes.append(Write(store.target, store.name, final, store.is_global))
+                continue
+            if type(final) is TensorProxy and isinstance(store.before, torch.Tensor):
+                continue  # a rebind: the trace returns it
+            if store.deleted or final is MISSING:
+                _refuse(store, "deletes it", "")
+            if not immutable(final):
+                _refuse(store, f"stores {_kind(final)} in it", _hint(store, final))
+            writes.append(Write(store.target, store.name, final))
+        return tuple(writes)
+
+    @staticmethod
+    def _final(store: _Store) -> Any:
+        if store.shadow is not None:
+            return _module_value(store.shadow.__dict__, store.name)
+        if store.is_global:
+            return store.target.get(store.name, MISSING)
+        return attribute_value(store.target, store.name)
+
+
+def _hint(store: _Store, final: Any) -> str:
+    if not isinstance(final, torch.Tensor):
+        return ("Only numbers, strings, None, dtypes, devices, enum members and tuples of those can be stored again "
+                "by each call; keep this state outside the jitted program")
+    if store.shadow is not None:
+        return (f"The module held {_kind(store.before) if store.before is not MISSING else 'no such attribute'}: give "
+                "it a tensor before the first call (e.g. module.register_buffer(name, tensor)), which the program may "
+                "then replace or update in place")
+    return "Return the tensor from the program instead"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    return f"a {type(value).__qualname__} ({describe(value, 40)})"
+
+
+def _refuse(store: _Store, what: str, hint: str) -> None:
+    if store.is_global:
+        owner = f"global `{store.name}` of module {store.target.get('__name__', '?')}"
+    elif store.shadow is not None:
+        owner = f"attribute `{store.name}` of the {type(store.target).__qualname__} module"
+    else:
+        owner = f"attribute `{store.name}` of {owner_name(store.target)}"
+    where = f" ({store.location.short()})" if store.location is not None else ""
+    hint = f" {hint}." if hint else ""
+    raise TraceError(f"fulmen cannot compile a program that writes Python {owner}{where}: it {what}, which a "
+                     f"cached trace cannot do again on each call.{hint}", store.location)
