@@ -3,8 +3,9 @@
 Saved tensors live on the autograd node in a plain list that the backward trace unpacks and clears, so each is
 freed as soon as the backward has used it (tensors saved with `ctx.save_for_backward` stay alive until the
 node finishes). Their version counters are checked as eager's would be; an input the forward itself updates in
-place (a write-back) was saved before the update, so a backward that reads it raises eager's error. When
-saved-tensor hooks are active
+place (a write-back) was saved before the update, so a backward that reads it raises eager's error. An input the
+forward updates in place with a value that requires grad is returned as that value's output and marked dirty:
+autograd gives it the history eager's in-place update gives it. When saved-tensor hooks are active
 (`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`), the tensors go through `save_for_backward` so the
 hooks see them.
 
@@ -20,12 +21,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fulmen.core.errors import TraceError
+from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace
 from fulmen.ops import prims
 from fulmen.transforms.autocast import without_autocast
 from fulmen.transforms.cudagraphs import GraphedProgram
 from fulmen.transforms.distribution import DistributionTransform, GradSync
 from fulmen.transforms.forward_backward import GradPlan
+
+
+@dataclass(frozen=True, slots=True)
+class UpdatedInput:
+    """An input the forward updates in place with the value it returns at `output`, which requires grad: the input is
+    returned there instead and marked dirty, so autograd gives it the history eager's in-place update gives it."""
+
+    output: int
+    input: int
+    where: SourceLocation | None  # the update's line
+
 
 Finalize = Callable[[Trace, GradSync], list[Trace]]  # the passes from a backward trace to the one that runs
 
@@ -38,6 +52,7 @@ class GradProgram:
     backward_traces: list[Trace]  # for all cotangents present (fulmen.last_backward_traces)
     autocast: bool = False  # acquired under autocast: the backward runs with autocast off, like the forward
     distributed: DistributionTransform | None = None  # collectives of ddp / fsdp parameters
+    dirty: tuple[UpdatedInput, ...] = ()
     _backward_fns: dict[tuple[tuple[bool, ...], GradSync], Callable[..., tuple]] = field(default_factory=dict)
     graphs: GraphedProgram | None = None  # CUDA graphs: forward_fn and graphed_backward_fn replay them
     plain_forward_fn: Callable[..., tuple] | None = None  # the forward without graphs
@@ -116,10 +131,11 @@ class FulmenFunction(torch.autograd.Function):
             ctx.graph_token = None if ctx.hooked else program.graphs.start_forward()
             if ctx.graph_token is None:
                 forward_fn = program.plain_forward_fn
-        stale = [inputs[i]._version for _, i in program.stale]
-        results = forward_fn(*inputs)
-        ctx.stale = [(before, inputs[i]._version) for before, (_, i) in zip(stale, program.stale)]
-        outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
+        if program.dirty or program.stale:
+            outputs, saved = _run_updating_inputs(ctx, program, forward_fn, inputs)
+        else:
+            results = forward_fn(*inputs)
+            outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program = program
         ctx.sync = program.distributed is None or program.distributed.sync  # no_sync() is decided when the forward runs
         if ctx.hooked:
@@ -162,6 +178,27 @@ class FulmenFunction(torch.autograd.Function):
         if token is not None:
             GraphedProgram.finish_backward(token)
         return (None, *input_grads)
+
+
+def _run_updating_inputs(ctx, program: GradProgram, forward_fn: Callable[..., tuple],
+                         inputs: tuple[torch.Tensor, ...]) -> tuple[list, tuple]:
+    """The forward of a program that updates inputs it saves (`stale`) or gives a history (`dirty`)."""
+    for updated in program.dirty:
+        # autograd cannot give a view a Function updates in place the history eager's update gives it and its base
+        if inputs[updated.input]._is_view():
+            raise TraceError(
+                f"the program updates its input {program.plan.source.inputs[updated.input].pname}, here a view of "
+                "another tensor, in place with a value that requires grad; fulmen cannot give the view and its base "
+                "that autograd history: pass a tensor that is not a view (x.clone())", updated.where)
+    before = [inputs[i]._version for _, i in program.stale]
+    results = forward_fn(*inputs)
+    ctx.stale = [(version, inputs[i]._version) for version, (_, i) in zip(before, program.stale)]
+    outputs, saved = list(results[: program.n_outputs]), results[program.n_outputs :]
+    for updated in program.dirty:
+        outputs[updated.output] = inputs[updated.input]
+    if program.dirty:
+        ctx.mark_dirty(*(inputs[updated.input] for updated in program.dirty))
+    return outputs, saved
 
 
 def _check_stale(program: GradProgram, present: tuple[bool, ...], versions: list[tuple[int, int]]) -> None:

@@ -163,10 +163,13 @@ class Functionalizer:
         """The line of the last update of `obj`."""
         return self._written_at.get(id(obj))
 
-    def write_back(self, inputs: list[TensorProxy]) -> None:
-        """Records the copies of changed inputs' final values into the inputs themselves. An update of an input
-        that requires grad with a history of its own is refused: `refused`, for the caller to raise (after its
-        more specific refusals)."""
+    def write_back(self, inputs: list[TensorProxy]) -> list[tuple[TensorProxy, TensorProxy]]:
+        """Records the copies of changed inputs' final values into the inputs themselves. Returns the inputs
+        that do not require grad and now hold a value with an autograd history (`buf[1:] = w * 2`), with that
+        value: eager's in-place update gives the input that history, which the caller must too. An
+        update of an input that requires grad with a history of its own is refused: `refused`, for the caller to
+        raise (after its more specific refusals)."""
+        dirty = []
         for obj in inputs:
             if not self.was_written(obj):
                 continue
@@ -181,7 +184,10 @@ class Functionalizer:
                         "update a clone, or update it under torch.no_grad() or through .detach()",
                         self.written_at(obj))
                 value = SYMBOLS["torch.detach"](value)  # the update changes the input's values, not its history
+            elif value.requires_grad:
+                dirty.append((obj, value))
             if id(obj) in self._bumped:
                 prims.copy_(value, obj)
             else:
                 prims.copy_(value, obj, bump_version=False)
+        return dirty

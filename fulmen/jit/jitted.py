@@ -21,7 +21,7 @@ from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.base import Executor
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
-from fulmen.jit.bridge import FulmenFunction
+from fulmen.jit.bridge import FulmenFunction, UpdatedInput
 from fulmen.jit.cache import Cache, CacheEntry
 from fulmen.jit.compiling import seen_as_compiling
 from fulmen.jit.function_apply import function_apply_recorded
@@ -91,6 +91,7 @@ class Acquisition:
     out_objects: dict[int, Any]
     returns_input: tuple[int | None, ...]
     rebinds: list[tuple[nn.Module, str, str]]
+    dirty: tuple[int, ...]  # inputs that get an autograd history (their values follow the rebinds' in `values`)
     compiling: bool  # traced as a tracer is seen (torch.compiler.is_compiling()), see fulmen.jit.compiling
 
     def written(self) -> dict[int, SourceLocation | None]:
@@ -236,11 +237,13 @@ class JittedFunction:
         _refuse_stored_proxies(args, kwargs)
         module_proxies = tree.proxies if tree else []
         with builder:
-            values, out_spec, out_objects, returns_input, rebinds = self._outputs(
+            values, out_spec, out_objects, returns_input, rebinds, dirty = self._outputs(
                 result, visible, tree, interpreter, proxies + module_proxies + storage)
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
+        position = {id(p): i for i, p in enumerate(inputs)}
+        values += [value for _, value in dirty]
         return Acquisition(builder, interpreter, observer, tree, inputs, values, out_spec, out_objects, returns_input,
-                           rebinds, compiling)
+                           rebinds, tuple(position[id(obj)] for obj, _ in dirty), compiling)
 
     @staticmethod
     def _shared_storage(builder: TraceBuilder, interpreter: Interpreter, proxies: list[TensorProxy],
@@ -295,6 +298,11 @@ class JittedFunction:
                 real_inputs = [*tensors, *module_tensors, *constants]
         if interpreter.functional.refused is not None:
             raise interpreter.functional.refused
+        if acquisition.dirty and aliases is not None:
+            updated = acquisition.inputs[acquisition.dirty[0]]
+            raise TraceError("the program updates in place an input that shares memory with another input, with a "
+                             "value that requires grad; fulmen cannot give shared memory that autograd history: pass "
+                             "copies (x.clone())", interpreter.functional.written_at(updated))
         values, out_spec, out_objects = acquisition.values, acquisition.out_spec, acquisition.out_objects
         returns_input, rebinds = acquisition.returns_input, acquisition.rebinds
         builder = acquisition.builder
@@ -309,7 +317,11 @@ class JittedFunction:
                                     getattr(self._fn, "__qualname__", "the program"))
         program = None
         if _needs_grad(traces[-1]):
-            program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs)
+            first_dirty = len(values) - len(acquisition.dirty)
+            where = interpreter.functional.written_at
+            dirty = tuple(UpdatedInput(first_dirty + k, i, where(acquisition.inputs[i]))
+                          for k, i in enumerate(acquisition.dirty))
+            program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs, dirty)
             traces.extend(forward_traces)
             if graphs is not None:
                 # the forward and backward without graphs, for a forward whose previous backward has not run yet
@@ -328,7 +340,7 @@ class JittedFunction:
             traces=tuple(traces),
             out_spec=out_spec,
             out_objects=out_objects,
-            n_outputs=len(values) - len(rebinds),
+            n_outputs=len(returns_input),
             returns_input=returns_input,
             rebinds=tuple(rebinds),
             constants=tuple(constants),
@@ -367,13 +379,15 @@ class JittedFunction:
         if tree is not None:
             for module, container, name, given, now in tree.rebinds():
                 value = functional.resolve(now)
-                if (value.shape, value.dtype, value.device) == (given.shape, given.dtype, given.device):
+                # a value with an autograd history is the module's new tensor, as eager's assignment makes it
+                same = (value.shape, value.dtype, value.device) == (given.shape, given.dtype, given.device)
+                if same and not value.requires_grad:
                     prims.copy_(value, given)
                 else:
                     values.append(value)
                     rebinds.append((module, container, name))
-        functional.write_back(inputs)
-        return values, out_spec, out_objects, tuple(returns_input), rebinds
+        dirty = functional.write_back(inputs)
+        return values, out_spec, out_objects, tuple(returns_input), rebinds, dirty
 
 
 class JittedModule(nn.Module):

@@ -29,7 +29,7 @@ from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.core.verify import trace_problems
 from fulmen.executors.base import Executor
 from fulmen.executors.passes import transform_for_execution
-from fulmen.jit.bridge import GradProgram
+from fulmen.jit.bridge import GradProgram, UpdatedInput
 from fulmen.options import JitOptions
 from fulmen.transforms.autocast import autocast_enabled
 from fulmen.transforms.common import cse, dce, delete_last_used
@@ -108,11 +108,12 @@ class Pipeline:
         trace = traces[-1] if traces else trace
         return traces + self.finish(trace, TraceKind.COMPUTATION, graphs, len(trace.output))
 
-    def differentiate(self, trace: Trace, distributed: DistributionTransform | None,
-                      graphs: GraphPool | None = None) -> tuple[GradProgram, list[Trace]]:
+    def differentiate(self, trace: Trace, distributed: DistributionTransform | None, graphs: GraphPool | None = None,
+                      dirty: tuple[UpdatedInput, ...] = ()) -> tuple[GradProgram, list[Trace]]:
         """Stage GRAD and what follows for the forward; the backward's passes run in the returned program. With
         `graphs`, the last two traces of the forward and of the backward capture CUDA graphs and the two before
-        them are the same program without graphs."""
+        them are the same program without graphs. `dirty`: the inputs the program updates in place with a value
+        that has an autograd history, which they get."""
         plan = plan_grad(trace, self.interpreter_factory, self.executors, self.memory_budget)
         n_saved = len(plan.saved)
         forward = plan.forward
@@ -131,7 +132,7 @@ class Pipeline:
         finalize = BackwardPasses(self, tuple(forwards), n_saved, distributed)
         program = GradProgram(plan, traces[-1].python_callable(), finalize,
                               finalize(plan.backward(plan.differentiable), GradSync.SYNC, graphs), autocast_enabled(),
-                              distributed)
+                              distributed, dirty)
         return program, traces
 
     def finish(self, trace: Trace, kind: TraceKind, graphs: GraphPool | None = None,

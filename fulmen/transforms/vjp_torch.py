@@ -195,6 +195,27 @@ def batch_norm_update_grad(x, running_mean, running_var, weight, bias, momentum,
     return out, mean, var
 
 
+def _overwrite_grad(sym):
+    """The grad rule of a functional in-place update (`shape.setitem`, ...): its grads never depend on the values of
+    the tensor it overwrites, so eager's backward runs on zeros of that tensor's shape, and the backward does not read
+    a program input the forward overwrites (its write-back)."""
+
+    def rule(x, *args, **kwargs):
+        y = sym(x, *args, **kwargs)
+        flat = list(iter_proxies(((x, *args), kwargs)))
+        wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
+        grads = torch_vjp(sym, (zeros_shaped(x), *args), kwargs, wrt, (get_grad(y),))
+        for i, grad in zip(wrt, grads):
+            put_grad(flat[i], grad)
+        return y
+
+    return rule
+
+
+for _update in (shape.setitem, shape.view_scatter, shape.copy, shape.fill):
+    register_grad(_update)(_overwrite_grad(_update))
+
+
 @register_grad(shape.keep_history)
 def keep_history_grad(old, new):
     y = shape.keep_history(old, new)

@@ -234,3 +234,62 @@ def test_an_update_through_a_view_of_a_captured_tensor_is_refused():
         fulmen.jit(f)(torch.ones(3))
     assert error.value.location.line == "CAPTURED.detach().add_(1)"
     torch.testing.assert_close(CAPTURED, torch.ones(3))
+
+
+# --- an input updated with a value that requires grad gets its autograd history, as eager's in-place update does ----
+def _fill_tail(buf, w):
+    buf[1:] = w * 2
+    return w.sum()
+
+
+def test_an_input_updated_with_a_value_that_requires_grad_gets_its_history():
+    results = []
+    for fn in (_fill_tail, fulmen.jit(_fill_tail)):
+        buf, w = torch.zeros(4), torch.ones(3, requires_grad=True)
+        loss = fn(buf, w) + (buf * 5).sum()  # the later use of buf differentiates to w
+        loss.backward()
+        results.append((loss.detach(), buf.detach().clone(), buf.requires_grad, w.grad))
+    (loss, buf, requires_grad, grad), (expected_loss, expected_buf, expected_requires_grad, expected_grad) = results
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(buf, expected_buf)
+    assert requires_grad == expected_requires_grad
+    torch.testing.assert_close(grad, expected_grad)
+
+
+class Derived(nn.Module):
+    """Stores a value derived from its parameter in a buffer: written into it, or assigned over it."""
+
+    def __init__(self, assign: bool):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+        self.register_buffer("buf", torch.zeros(3))
+        self.assign = assign
+
+    def forward(self, x):
+        if self.assign:
+            self.buf = self.w * x
+        else:
+            self.buf[1:] = self.w[1:] * x[1:]
+        return x + 1
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_buffer_given_a_value_that_requires_grad_keeps_its_history(assign):
+    eager = Derived(assign)
+    compiled = copy.deepcopy(eager)
+    jitted = fulmen.jit(compiled)
+    x = torch.full((3,), 2.0)
+    torch.testing.assert_close(jitted(x), eager(x))
+    torch.testing.assert_close(compiled.buf, eager.buf)
+    assert compiled.buf.requires_grad == eager.buf.requires_grad
+    (compiled.buf * 3).sum().backward()
+    (eager.buf * 3).sum().backward()
+    torch.testing.assert_close(compiled.w.grad, eager.w.grad)
+
+
+def test_a_view_updated_with_a_value_that_requires_grad_is_refused_before_the_update():
+    base = torch.zeros(6)
+    with pytest.raises(fulmen.TraceError, match="view of another tensor") as error:
+        fulmen.jit(_fill_tail)(base[1:5], torch.ones(3, requires_grad=True))
+    assert error.value.location.line == "buf[1:] = w * 2"
+    torch.testing.assert_close(base, torch.zeros(6))  # nothing was updated
