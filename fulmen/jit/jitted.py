@@ -198,7 +198,7 @@ class JittedFunction:
     def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor]) -> Any:
         for write in entry.writes:  # the Python state the program stored (fulmen.jit.writes)
             write.apply()
-        if entry.rebinds:
+        if len(outputs) > entry.n_outputs:  # then the rebinds' values, then the values of updated inputs
             for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
                 getattr(module, container)[name] = value
             outputs = outputs[: entry.n_outputs]
