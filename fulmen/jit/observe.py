@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import random
 import sys
+import time
 import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -33,13 +36,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fulmen.core.source import user_location
+from fulmen.core.errors import TraceError
+from fulmen.core.source import frame_location, user_location
 from fulmen.jit import reads
 from fulmen.jit.frames import FrameTap, Quiet, Region
 from fulmen.jit.guards import Guard
 from fulmen.jit.lookup import (
     IMMUTABLE,
     MODULE_SLOTS,
+    attribute_value,
     cell_value,
     class_lookup,
     evaluate,
@@ -76,6 +81,7 @@ class Observer:
         # id(function read) -> its code and the check that its code and defaults stay (for the functions that run)
         self._callees: dict[int, tuple[types.CodeType, Guard]] = {}
         self._entered: set[types.CodeType] = set()  # the code of the program's frames that ran
+        self._refused: TraceError | None = None  # why the program cannot be traced, found while it ran
         self.writes: tuple[Write, ...] = ()  # what the program stored, to store again on every call (writes.py)
         for fn in functions:
             self._note_function(fn)
@@ -233,12 +239,15 @@ class Observer:
         kind = type(site)
         if kind is reads.GlobalRead:
             self.read_global(frame, site.name)
+            self._unrepeatable(evaluate(reads.Global(site.name), frame), frame)
         elif kind is reads.CellRead:
             self.read_cell(frame, site.name)
+            self._unrepeatable(frame.f_locals.get(site.name), frame)
         elif kind is reads.AttrRead:
             receiver = evaluate(site.receiver, frame)
             if receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
+                self._unrepeatable(attribute_value(receiver, site.name), frame)
         elif kind is reads.AttrWrite:
             receiver = evaluate(site.receiver, frame)
             if receiver is not MISSING:
@@ -270,7 +279,24 @@ class Observer:
             self.active = False
             self.quiet = contextlib.nullcontext()
             sys.settrace(previous)
+        if self._refused is not None:
+            raise self._refused
         self.writes = self._stores.finish(self._created)
+
+    def _unrepeatable(self, value: Any, frame: types.FrameType) -> None:
+        """A program that gets a function giving a new value on each call (Python's random draws, a clock) is refused
+        once it has run: a trace would repeat the value it gave while tracing. (Not raised here: the program could
+        catch it, and would run on unobserved.)"""
+        name = unrepeatable(value)
+        if name is not None and self._refused is None:
+            fix = ("Draw it with torch (torch.rand, torch.randint, torch.bernoulli), which the trace draws anew on "
+                   "every call, or pass it in as an argument" if "random" in name else
+                   "Read it outside the jitted program and pass it in as an argument, or leave it out")
+            location = frame_location(frame)
+            where = f" ({location.short()})" if location is not None else ""
+            self._refused = TraceError(f"fulmen cannot compile a program that calls {name}{where}: it gives a new "
+                                       f"value on every call, and a trace would repeat the one it gave while "
+                                       f"tracing. {fix}.", location)
 
     # --- the module tap ----------------------------------------------------------------------------------------------
     def module_write(self, shadow: nn.Module, original: nn.Module, name: str, deleted: bool = False) -> None:
@@ -358,6 +384,28 @@ def _place_expr(emit: Emitter, place: Place) -> str:
     state = emit.bind(place.module.__dict__)  # lives as long as the module; the containers are looked up anew
     container = "" if place.container == "__dict__" else f"[{place.container!r}]"
     return f"{state}{container}[{place.name!r}]"
+
+
+# Functions whose every call gives a new value (a trace would repeat one): clocks and entropy.
+_CLOCKS = frozenset({time.time, time.time_ns, time.perf_counter, time.perf_counter_ns, time.monotonic,
+                     time.monotonic_ns, time.process_time, time.process_time_ns, os.urandom})
+
+
+def unrepeatable(value: Any) -> str | None:
+    """The name of `value` if it is a function giving a new value on every call: a draw from Python's or NumPy's
+    global random generator (a generator the program seeds and creates itself repeats its draws), a clock."""
+    kind = type(value)
+    if kind is not types.BuiltinFunctionType and kind is not types.MethodType:
+        return None
+    if kind is types.BuiltinFunctionType and value in _CLOCKS:
+        return f"{'os' if value is os.urandom else 'time'}.{value.__name__}"
+    owner = value.__self__
+    if owner is random._inst:
+        return f"random.{value.__name__}"
+    mtrand = sys.modules.get("numpy.random.mtrand")
+    if mtrand is not None and owner is getattr(mtrand, "_rand", None):
+        return f"numpy.random.{value.__name__}"
+    return None
 
 
 def _code_and_defaults(fn: types.FunctionType) -> Guard:

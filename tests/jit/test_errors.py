@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import time
+
 import pytest
 import torch
 
@@ -94,3 +97,28 @@ def test_a_module_attribute_write_that_cannot_be_stored_again_is_refused(module,
     message = str(info.value)
     assert f"fulmen cannot compile a program that writes Python {what} (test_errors.py:" in message
     assert line in message
+
+
+class _LayerDrop(torch.nn.Module):
+    def forward(self, x):
+        if self.training and random.random() < 0.5:  # the line the error must name
+            return x
+        return x + 1
+
+
+def _timed(x):
+    start = time.perf_counter()  # the line the error must name
+    return x * (1 if time.perf_counter() - start < 1 else 2)
+
+
+def test_python_random_draws_and_clocks_are_refused():
+    """A trace would repeat the value the draw or the clock gave while tracing on every call."""
+    model = _LayerDrop()
+    with pytest.raises(fulmen.TraceError) as info:
+        fulmen.jit(model)(torch.zeros(1))
+    assert "calls random.random (test_errors.py:" in str(info.value)
+    assert "if self.training and random.random() < 0.5:" in str(info.value)
+    model.eval()  # no draw: traced as usual
+    torch.testing.assert_close(fulmen.jit(model)(torch.zeros(1)), torch.ones(1))
+    with pytest.raises(fulmen.TraceError, match=r"calls time\.perf_counter \(test_errors\.py:\d+ in _timed\)"):
+        fulmen.jit(_timed)(torch.zeros(1))
