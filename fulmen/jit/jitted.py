@@ -26,6 +26,7 @@ from fulmen.jit.cache import Cache, CacheEntry
 from fulmen.jit.compiling import seen_as_compiling
 from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import compile_check, global_state_key, tensor_key
+from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
 from fulmen.jit.observe import Observer
 from fulmen.jit.overrides import ModuleInput, ShadowTree, build_shadow
 from fulmen.jit.pipeline import Pipeline
@@ -394,7 +395,8 @@ class JittedModule(nn.Module):
     """An `nn.Module` that runs the wrapped module's forward through fulmen.
 
     Parameters, buffers, state dicts, train/eval and device moves are the wrapped module's own (no prefix), so
-    optimizers, Fabric and checkpoints see the original module.
+    optimizers, Fabric and checkpoints see the original module. Its call runs the hooks registered on it, never the
+    global module hooks: the trace holds those of the wrapped module's call (see hooks.py).
     """
 
     def __init__(self, model: nn.Module, options: JitOptions, executors: tuple[Executor, ...] = ()) -> None:
@@ -413,6 +415,14 @@ class JittedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._jit(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The trace holds the wrapped module's call, global module hooks included: they must not run here again.
+        if not (self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks):
+            return self._jit(*args, **kwargs)
+        if not has_global_hooks():
+            return super().__call__(*args, **kwargs)
+        return call_with_own_hooks(self, self._jit, args, kwargs)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._model.named_parameters(prefix, recurse, remove_duplicate)

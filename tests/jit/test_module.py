@@ -150,3 +150,58 @@ def test_globals_and_object_attributes_written_are_stored_on_cache_hits():
         jitted(torch.ones(n), state)
         assert (LAST, state.last) == (n, 2 * n)
     assert fulmen.cache_hits(jitted) == 1
+
+
+def _scale(module, args, output):
+    return output * 3
+
+
+def _shift_input(module, args):
+    return (args[0] + 1,)
+
+
+def test_global_module_hooks_apply_once_per_module_call_as_in_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(2, 3)
+    jitted = fulmen.jit(model)
+    jitted(x)  # traced without hooks
+    for register in (nn.modules.module.register_module_forward_hook,
+                     nn.modules.module.register_module_forward_pre_hook):
+        handle = register(_scale if register is nn.modules.module.register_module_forward_hook else _shift_input)
+        try:
+            torch.testing.assert_close(jitted(x), model(x))
+            torch.testing.assert_close(fulmen.jit(model)(x), model(x))  # registered before the first call
+        finally:
+            handle.remove()
+    torch.testing.assert_close(jitted(x), model(x))
+
+
+def test_hooks_on_the_jitted_module_run_once_per_call_with_or_without_global_hooks():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    jitted = fulmen.jit(model)
+    jitted(x)
+    calls = []
+    handles = [
+        jitted.register_forward_pre_hook(lambda module, args: (calls.append("pre"), (args[0] * 2,))[1]),
+        jitted.register_forward_pre_hook(lambda module, args, kwargs: (calls.append("pre_kw"), None)[1],
+                                         with_kwargs=True),
+        jitted.register_forward_hook(lambda module, args, out: (calls.append("post"), out + 1)[1]),
+        jitted.register_forward_hook(lambda module, args, kwargs, out: (calls.append("post_kw"), out * 3)[1],
+                                     with_kwargs=True),
+    ]
+    expected = (model(x * 2) + 1) * 3
+    torch.testing.assert_close(jitted(x), expected)
+    assert calls == ["pre", "pre_kw", "post", "post_kw"]
+    calls.clear()
+    global_handle = nn.modules.module.register_module_forward_hook(_scale)
+    try:
+        torch.testing.assert_close(jitted(x), (model(x * 2) + 1) * 3)  # model's call here applies the global hook
+        assert calls == ["pre", "pre_kw", "post", "post_kw"]
+    finally:
+        global_handle.remove()
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(jitted(x), model(x))
