@@ -17,7 +17,14 @@ program's real tensors, captured as constants, and guarded by identity and metad
 
 Objects created during the call need no guard (they are derived from what was read); a guard on one is harmless,
 since nothing changes it afterwards. Reads that only C code makes of objects the program cannot name (an attribute
-of a call's result) are not seen here; the functions the program calls are observed themselves.
+of a call's result) are not seen here; the functions the program calls are observed themselves. Some state is read
+through a value rather than an attribute (`_special`): torch's global switches, the environment, Python's random
+draws and clocks (refused), and a function the program runs is guarded on its code and defaults.
+
+Known limits, with no cheap guard: Python attributes set on a tensor the program is given (`x.scale = 2.0`; the
+program reads its proxy, which has none, so a trace never sees them); the content of a NumPy array over 64 KiB
+(values.py); a change made between an autograd.Function's forward and its backward (function_apply.py); writes no
+bytecode of the program makes (writes.py).
 """
 
 from __future__ import annotations
@@ -37,9 +44,9 @@ import torch
 from torch import nn
 
 from fulmen.core.errors import TraceError
-from fulmen.core.source import frame_location, user_location
+from fulmen.core.source import frame_location
 from fulmen.jit import reads
-from fulmen.jit.frames import FrameTap, Quiet, Region
+from fulmen.jit.frames import FrameTap, Quiet, Region, observed
 from fulmen.jit.guards import Guard
 from fulmen.jit.lookup import (
     IMMUTABLE,
@@ -206,6 +213,8 @@ class Observer:
             # program created, attributes it assigned: derived from what it read
             return
         what = f"attribute {name} of {owner_name(obj)}"
+        if cls.__module__.startswith("torch.backends.") and self._switch(obj, name):
+            return
         if issubclass(cls, types.ModuleType):
             self.dict_entry(obj.__dict__, name, what)
             return
@@ -235,19 +244,29 @@ class Observer:
         else:  # a class attribute, or none at all (`getattr(obj, name, default)`, `hasattr`)
             self.class_attribute(cls, name, what, obj)
 
+    def _switch(self, switches: Any, name: str) -> bool:
+        """Torch's backend switches (`torch.backends.cudnn.allow_tf32`, `torch.backends.cuda.matmul.allow_tf32`) are
+        properties or `__getattr__` of torch's own modules: guarded on the value they give."""
+        value = getattr(switches, name, MISSING)
+        if value is MISSING or not immutable(value):
+            return False
+        self._add(("switch", id(switches), name), f"torch switch {type(switches).__module__}.{name}",
+                  lambda e: f"{e.bind(getattr)}({e.bind(switches)}, {name!r}, None)", value)
+        return True
+
     def read(self, site: reads.Read, frame: types.FrameType) -> None:
         kind = type(site)
         if kind is reads.GlobalRead:
             self.read_global(frame, site.name)
-            self._unrepeatable(evaluate(reads.Global(site.name), frame), frame)
+            self._special(evaluate(reads.Global(site.name), frame), frame)
         elif kind is reads.CellRead:
             self.read_cell(frame, site.name)
-            self._unrepeatable(frame.f_locals.get(site.name), frame)
+            self._special(frame.f_locals.get(site.name), frame)
         elif kind is reads.AttrRead:
             receiver = evaluate(site.receiver, frame)
             if receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
-                self._unrepeatable(attribute_value(receiver, site.name), frame)
+                self._special(attribute_value(receiver, site.name), frame)
         elif kind is reads.AttrWrite:
             receiver = evaluate(site.receiver, frame)
             if receiver is not MISSING:
@@ -283,10 +302,21 @@ class Observer:
             raise self._refused
         self.writes = self._stores.finish(self._created)
 
-    def _unrepeatable(self, value: Any, frame: types.FrameType) -> None:
-        """A program that gets a function giving a new value on each call (Python's random draws, a clock) is refused
+    def _special(self, value: Any, frame: types.FrameType) -> None:
+        """Values whose reading reads state no attribute holds. Torch's global switches the program asks for
+        (`torch.are_deterministic_algorithms_enabled()`) are guarded on their answer, the environment on all of it.
+        A program that gets a function giving a new value on each call (Python's random draws, a clock) is refused
         once it has run: a trace would repeat the value it gave while tracing. (Not raised here: the program could
         catch it, and would run on unobserved.)"""
+        kind = type(value)
+        if (kind is types.FunctionType or kind is types.BuiltinFunctionType) and value in _SWITCHES:
+            self._add(("switch", id(value)), f"torch.{value.__name__}()", lambda e: f"{e.bind(value)}()", value())
+            return
+        if value is os.environ or value is os.getenv:
+            environ = os.environ._data  # what os.environ reads and writes
+            self._add_raw(("environ",), "the environment (os.environ)",
+                          lambda e: f"{e.bind(environ)} == {e.bind(dict(environ))}")
+            return
         name = unrepeatable(value)
         if name is not None and self._refused is None:
             fix = ("Draw it with torch (torch.rand, torch.randint, torch.bernoulli), which the trace draws anew on "
@@ -299,10 +329,13 @@ class Observer:
                                        f"tracing. {fix}.", location)
 
     # --- the module tap ----------------------------------------------------------------------------------------------
-    def module_write(self, shadow: nn.Module, original: nn.Module, name: str, deleted: bool = False) -> None:
-        """The program stored (or deleted) `name` on the shadow of `original`."""
-        if self.active:
-            self._stores.module(shadow, original, name, user_location(), deleted)
+    def module_write(self, shadow: nn.Module, original: nn.Module, name: str, writer: types.FrameType,
+                     deleted: bool = False) -> None:
+        """The code of `writer` stored (or deleted) `name` on the shadow of `original`. Only the program's own code
+        counts (frames.observed): what torch's internals store there (a lazily compiled GraphModule's code) is theirs
+        to redo, and lands on the shadow only."""
+        if self.active and observed(writer.f_code, writer.f_globals):
+            self._stores.module(shadow, original, name, frame_location(writer), deleted)
 
     def tied(self, place: Place, first: Place) -> None:
         """`place` holds the tensor found first at `first` (tied weights): the trace takes it as one input, fetched
@@ -386,6 +419,11 @@ def _place_expr(emit: Emitter, place: Place) -> str:
     return f"{state}{container}[{place.name!r}]"
 
 
+# Torch's global switches read through a function (those a trace depends on anyway are in the cache key).
+_SWITCHES = frozenset({torch.are_deterministic_algorithms_enabled, torch.is_deterministic_algorithms_warn_only_enabled,
+                       torch.get_float32_matmul_precision, torch.get_num_threads, torch.get_num_interop_threads,
+                       torch.is_anomaly_enabled, torch.is_anomaly_check_nan_enabled, torch.is_inference_mode_enabled,
+                       torch.is_warn_always_enabled, torch.get_default_device})
 # Functions whose every call gives a new value (a trace would repeat one): clocks and entropy.
 _CLOCKS = frozenset({time.time, time.time_ns, time.perf_counter, time.perf_counter_ns, time.monotonic,
                      time.monotonic_ns, time.process_time, time.process_time_ns, os.urandom})

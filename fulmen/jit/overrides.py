@@ -11,6 +11,7 @@ two places) are one trace input, fetched from the first place, and guarded to st
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,7 +112,7 @@ def _recording_setattr(store: Callable[[nn.Module, str, Any], None]) -> Callable
         store(self, name, value)
         state = object.__getattribute__(self, "__dict__")
         if "_fulmen_tree" in state:
-            state["_fulmen_tree"].observer.module_write(self, state["_fulmen_original"], name)
+            state["_fulmen_tree"].observer.module_write(self, state["_fulmen_original"], name, sys._getframe(1))
 
     return __setattr__
 
@@ -121,7 +122,8 @@ def _recording_delattr(delete: Callable[[nn.Module, str], None]) -> Callable[[nn
         delete(self, name)
         state = object.__getattribute__(self, "__dict__")
         if "_fulmen_tree" in state:
-            state["_fulmen_tree"].observer.module_write(self, state["_fulmen_original"], name, deleted=True)
+            state["_fulmen_tree"].observer.module_write(self, state["_fulmen_original"], name, sys._getframe(1),
+                                                        deleted=True)
 
     return __delattr__
 

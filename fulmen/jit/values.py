@@ -4,7 +4,8 @@ The cheapest exact check per kind: identity for objects whose identity is what t
 functions, classes, tensors, user objects), type plus equality for plain values, with floats compared so that
 `-0.0` differs from `0.0` and `nan` equals `nan`. Containers are compared item by item, so a list changed in place
 fails its guard. A tensor read as a Python value (a global weight) is compared by identity and metadata; its
-values are trace inputs. Proxies are the trace's own values and need no guard.
+values are trace inputs. A NumPy array by identity, dtype, shape and (up to 64 KiB) its bytes. Proxies are the
+trace's own values and need no guard.
 
 Checks are emitted as Python expressions over bound names (see `Emitter`) and compiled into one function per
 cache entry (guards.compile_check), so a hit evaluates them without interpretive overhead.
@@ -18,6 +19,7 @@ import itertools
 import math
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,7 +88,37 @@ def _check(expr: str, value: Any, emit: Emitter, budget: list[int], seen: set[in
         if id(value) in seen or budget[0] < 0 or len(value) > budget[0]:
             return f"{emit.bind(same_as)}({expr}, {emit.bind(snapshot(value))})"
         return _container_check(expr, value, emit, budget, seen | {id(value)})
+    if _is_ndarray(kind):
+        return f"{emit.bind(same_array)}({expr}, {emit.bind(value)}, {emit.bind(array_state(value))})"
     return f"{expr} is {emit.bind(value)}"
+
+
+# A NumPy array is compared by identity, dtype, shape and, up to this size, its bytes (a table the program indexes
+# and changes in place); a larger one by the first three only (a known limit: comparing it would cost every call).
+_ARRAY_BYTES = 1 << 16
+
+
+def _is_ndarray(kind: type) -> bool:
+    return kind.__name__ == "ndarray" and kind.__module__ == "numpy"  # numpy is not imported unless the program does
+
+
+def array_state(array: Any) -> tuple:
+    content = None if array.dtype.hasobject or array.nbytes > _ARRAY_BYTES else array.tobytes()
+    return (array.dtype, array.shape, content)
+
+
+@dataclass(frozen=True, slots=True)
+class _Array:
+    """A NumPy array in a snapshot, with what it held."""
+
+    array: Any
+    state: tuple
+
+
+def same_array(current: Any, array: Any, state: tuple) -> bool:
+    if current is not array or current.dtype != state[0] or current.shape != state[1]:
+        return False
+    return state[2] is None or current.tobytes() == state[2]
 
 
 def _float_check(expr: str, value: float, emit: Emitter) -> str:
@@ -133,6 +165,8 @@ def snapshot(value: Any, seen: frozenset[int] = frozenset()) -> Any:
         return (kind, tuple((key, snapshot(item, inner)) for key, item in value.items()))
     if kind in _SETS:
         return (kind, frozenset(value))
+    if _is_ndarray(kind):
+        return _Array(value, array_state(value))
     return value
 
 
@@ -166,6 +200,8 @@ def same_value(current: Any, value: Any) -> bool:
         return type(current) is kind and current.__self__ is value.__self__ and current.__func__ is value.__func__
     if kind in _SEQUENCES or kind in _MAPPINGS or kind in _SETS:
         return same_as(current, snapshot(value))
+    if kind is _Array:
+        return same_array(current, value.array, value.state)
     return current is value
 
 

@@ -12,10 +12,12 @@ devices, enum members and tuples of those. A write of any other value (a list, a
 that held none) is refused, naming the attribute and the user's line. A tensor stored where the module held one is
 a rebind (overrides.ShadowTree.rebinds), returned by the trace.
 
-Writes to the jitted module's tree land on its shadow (overrides.py), which reports them here; writes to other
-objects happen for real, seen by the frame tap before they run (reads.AttrWrite, reads.GlobalWrite), and are undone
-when the acquisition ends, so that acquiring again, or the first call's replay, starts from the state the program
-found. Writes that no bytecode of the program makes (`setattr(obj, ...)` outside a shadow, C code) are not seen.
+Writes to the jitted module's tree land on its shadow (overrides.py), which reports those the program's own code
+makes (frames.observed: not torch's internals, such as a lazily compiled GraphModule storing its code); writes to
+other objects happen for real, seen by the frame tap before they run (reads.AttrWrite, reads.GlobalWrite), and are
+stored again when their value is immutable (any other value may be an object the call created, which fulmen cannot
+tell from one that existed before). Known limits: writes that no bytecode of the program makes
+(`setattr(obj, ...)` outside a shadow, C code) are not seen, nor are deletions outside a shadow.
 """
 
 from __future__ import annotations

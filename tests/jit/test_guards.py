@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -575,3 +577,37 @@ def test_a_module_whose_class_is_swapped_retraces():
     model[0].__class__ = _Doubled
     torch.testing.assert_close(fn(x), model(x))
     assert "class of the Linear module is now _Doubled" in fulmen.last_cache_miss_reasons(fn)[0]
+
+
+# --- 9. state read through a function or an array --------------------------------------------------------------------
+LOOKUP = np.array([1.0, 2.0])
+
+
+@pytest.mark.parametrize("case", ["environ", "getenv", "deterministic", "tf32", "numpy"])
+def test_state_behind_calls_and_arrays_is_guarded(case, monkeypatch):
+    program = {
+        "environ": lambda x: x * (2 if os.environ.get("FULMEN_TEST_FLAG") == "1" else 1),
+        "getenv": lambda x: x * (2 if os.getenv("FULMEN_TEST_FLAG") == "1" else 1),
+        "deterministic": lambda x: x * (2 if torch.are_deterministic_algorithms_enabled() else 1),
+        "tf32": lambda x: x * (2 if torch.backends.cuda.matmul.allow_tf32 else 1),
+        "numpy": lambda x: x * float(LOOKUP[0]),
+    }[case]
+    change = {
+        "environ": lambda: monkeypatch.setenv("FULMEN_TEST_FLAG", "1"),
+        "getenv": lambda: monkeypatch.setenv("FULMEN_TEST_FLAG", "1"),
+        "deterministic": lambda: torch.use_deterministic_algorithms(True),
+        "tf32": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", not tf32),
+        "numpy": lambda: LOOKUP.__setitem__(0, 5.0),
+    }[case]
+    monkeypatch.delenv("FULMEN_TEST_FLAG", raising=False)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    fn, x = fulmen.jit(program), torch.ones(2)
+    try:
+        torch.testing.assert_close(fn(x), program(x))
+        change()
+        torch.testing.assert_close(fn(x), program(x))
+        assert _misses(fn) == 2
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        LOOKUP[0] = 1.0
