@@ -38,7 +38,7 @@ T = torch.Tensor
 # Reads of metadata: answered by the proxy itself (it carries the real shape, dtype, device, strides).
 METADATA: frozenset = frozenset(
     {
-        T.shape.__get__, T.dtype.__get__, T.device.__get__, T.ndim.__get__, T.requires_grad.__get__,
+        T.shape.__get__, T.dtype.__get__, T.device.__get__, T.ndim.__get__,
         T.is_cuda.__get__, T.is_cpu.__get__, T.is_meta.__get__, T.layout.__get__, T.is_sparse.__get__,
         T.is_quantized.__get__, T.is_nested.__get__, T.is_leaf.__get__, T.grad_fn.__get__, T.is_mkldnn.__get__,
         T.itemsize.__get__, T.nbytes.__get__, T.is_xpu.__get__, T.is_mps.__get__,
@@ -108,7 +108,9 @@ class Interpreter(TorchFunctionMode):
                 if isinstance(device, int) else torch.device(device)),
             T.cpu: lambda x, **kw: self._convert(x, device=torch.device("cpu")),
             T.type_as: lambda x, other: self._convert(x, dtype=other.dtype),
-            T.requires_grad_: lambda x, requires_grad=True: x,
+            T.requires_grad.__get__: self._requires_grad,
+            T.requires_grad_: self._requires_grad_,
+            T.requires_grad.__set__: self._requires_grad_,
             T.retain_grad: lambda x: None,
             T.data.__get__: lambda x: self._detach(x, data=True),
             T.detach: self._detach,
@@ -157,6 +159,10 @@ class Interpreter(TorchFunctionMode):
         location = self.builder.source
         if binding is None:
             raise UnsupportedOpError(f"fulmen does not support {_describe(func)} (no symbol for it)", location)
+        if kwargs.get("requires_grad"):
+            raise UnsupportedOpError(f"fulmen cannot trace {_describe(func)}(..., requires_grad=True): a tensor the "
+                                     "program creates as a leaf of autograd has no place in a trace; create it "
+                                     "outside the jitted function and pass it in", location)
         if kwargs.get("out") is not None:
             raise UnsupportedOpError(f"fulmen does not support the out= argument of {_describe(func)}", location)
         kwargs.pop("out", None)
@@ -354,6 +360,22 @@ class Interpreter(TorchFunctionMode):
                 self.builder.source,
             )
         return self._record(lookup(torch.where).symbol, (condition, *args), kwargs)
+
+    def _requires_grad(self, x: torch.Tensor) -> bool:
+        """What the tensor holds now answers: an in-place update may have given it a history."""
+        if type(x) is TensorProxy:
+            return self.functional.resolve(x).requires_grad
+        with torch._C.DisableTorchFunction():
+            return x.requires_grad
+
+    def _requires_grad_(self, x: Any, requires_grad: bool = True) -> Any:
+        if self._requires_grad(x) != requires_grad:
+            now = "does not require" if requires_grad else "requires"
+            raise UnsupportedOpError(
+                f"fulmen cannot trace requires_grad_({requires_grad}) on a tensor that {now} grad: it would make "
+                "(or unmake) a leaf of autograd inside the program, which a trace cannot represent; do it outside "
+                "the jitted function", self.builder.source)
+        return x
 
     def _register_hook(self, x: torch.Tensor, hook: Callable[..., Any]) -> Any:
         if not is_fabric_backward_check(hook):

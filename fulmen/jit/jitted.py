@@ -61,8 +61,28 @@ def _is_tensor(obj: Any) -> bool:
 
 
 def _needs_grad(trace: Trace) -> bool:
-    return torch.is_grad_enabled() and any(p.requires_grad for p in trace.inputs) and any(
-        isinstance(out, TensorProxy) and out.requires_grad for out in trace.output)
+    """Whether the trace runs through autograd: some input requires grad and some output was computed from it with
+    grad enabled (also inside `with torch.enable_grad():` in a call made under no_grad)."""
+    if not any(p.requires_grad for p in trace.inputs):
+        return False
+    if torch.is_grad_enabled():
+        return any(isinstance(out, TensorProxy) and out.requires_grad for out in trace.output)
+    inputs = {p.pname for p in trace.inputs}
+    return any(isinstance(out, TensorProxy) and out.requires_grad and out.pname not in inputs for out in trace.output)
+
+
+def _with_grad_mode(fn: Callable[..., Any], enabled: bool) -> Callable[..., Any]:
+    """`fn` run with grad mode `enabled`: the mode the trace's outputs were computed in, where the caller's differs."""
+
+    def run(*inputs: torch.Tensor) -> Any:
+        before = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(enabled)
+        try:
+            return fn(*inputs)
+        finally:
+            torch._C._set_grad_enabled(before)
+
+    return run
 
 
 def _refuse_stored_proxies(args: tuple, kwargs: dict[str, Any]) -> None:
@@ -322,15 +342,20 @@ class JittedFunction:
             where = interpreter.functional.written_at
             dirty = tuple(UpdatedInput(first_dirty + k, i, where(acquisition.inputs[i]))
                           for k, i in enumerate(acquisition.dirty))
-            program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs, dirty)
+            with torch.enable_grad():  # grad rules record as the program's own calls did
+                program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs, dirty)
             traces.extend(forward_traces)
             if graphs is not None:
                 # the forward and backward without graphs, for a forward whose previous backward has not run yet
                 program.use_graphs(GraphedProgram(graphs), traces[-3], program.backward_traces[-3])
             fn = functools.partial(FulmenFunction.apply, program)
+            if not torch.is_grad_enabled():  # the program enables grad inside (torch.enable_grad())
+                fn = _with_grad_mode(fn, True)
         else:
             traces.extend(self.pipeline.computation(traces[-1], distributed, graphs))
             fn = traces[-1].python_callable()
+            if torch.is_grad_enabled() and any(p.requires_grad for p in traces[-1].inputs):
+                fn = _with_grad_mode(fn, False)  # no output has a history: torch must not record one
         if autocast_enabled():
             fn = without_autocast(fn)
         if aliases is not None:

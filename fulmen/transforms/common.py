@@ -27,8 +27,10 @@ def dce(trace: Trace) -> Trace:
 
 
 def _key(bsym: BoundSymbol) -> str | None:
+    # which outputs require grad too: the same call made under no_grad and with grad enabled gives two values
+    grads = "".join("1" if p.requires_grad else "0" for p in bsym.proxy_outputs())
     try:
-        return f"{bsym.sym.printed}|{render(bsym.args)}|{render(bsym.kwargs)}"
+        return f"{bsym.sym.printed}|{render(bsym.args)}|{render(bsym.kwargs)}|{grads}"
     except TypeError:
         return None
 

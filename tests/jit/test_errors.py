@@ -122,3 +122,33 @@ def test_python_random_draws_and_clocks_are_refused():
     torch.testing.assert_close(fulmen.jit(model)(torch.zeros(1)), torch.ones(1))
     with pytest.raises(fulmen.TraceError, match=r"calls time\.perf_counter \(test_errors\.py:\d+ in _timed\)"):
         fulmen.jit(_timed)(torch.zeros(1))
+
+
+def makes_a_leaf(x):
+    leaf = x.detach().requires_grad_()
+    return leaf * 3
+
+
+def sets_the_flag(x):
+    y = x * 2
+    y.requires_grad = True
+    return y
+
+
+def creates_a_leaf(x):
+    w = torch.ones(3, requires_grad=True)
+    return x * w
+
+
+@pytest.mark.parametrize(
+    ("fn", "line"),
+    [
+        (makes_a_leaf, "leaf = x.detach().requires_grad_()"),
+        (sets_the_flag, "y.requires_grad = True"),
+        (creates_a_leaf, "w = torch.ones(3, requires_grad=True)"),
+    ],
+)
+def test_a_leaf_of_autograd_made_inside_the_program_is_refused_naming_the_line(fn, line):
+    with pytest.raises(fulmen.UnsupportedOpError, match="leaf of autograd") as error:
+        fulmen.jit(fn)(torch.ones(3))
+    assert error.value.location.line == line

@@ -95,3 +95,36 @@ def test_both_ways_of_setting_the_flag_are_seen_and_restored():
         with session():
             assert torch.compiler.is_compiling()
         assert not torch.compiler.is_compiling()
+
+
+# --- grad mode inside the program ---------------------------------------------------------------------------------
+def _inner_no_grad(x, w):
+    with torch.no_grad():
+        constant = x * 3
+    return constant, x * 3 * w  # the same call with grad enabled is another value
+
+
+def _inner_enable_grad(x, w):
+    with torch.enable_grad():
+        y = x * w
+    return y, x * w
+
+
+def _run_and_backward(fn, grad_enabled: bool):
+    x, w = torch.ones(3, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)
+    with torch.set_grad_enabled(grad_enabled):
+        outputs = fn(x, w)
+    flags = [out.requires_grad for out in outputs]
+    scale = torch.ones(3, requires_grad=True)  # a backward through the outputs that have a history
+    sum(((out * scale).sum() for out in outputs), torch.zeros(())).backward()
+    return [out.detach() for out in outputs], flags, x.grad, w.grad, scale.grad
+
+
+@pytest.mark.parametrize(("fn", "grad_enabled"), [(_inner_no_grad, True), (_inner_enable_grad, False)])
+def test_grad_mode_set_inside_the_program_decides_its_outputs_history_as_in_eager(fn, grad_enabled):
+    expected = _run_and_backward(fn, grad_enabled)
+    jitted = fulmen.jit(fn)
+    for _ in range(2):  # traced, then a cache hit
+        actual = _run_and_backward(jitted, grad_enabled)
+        torch.testing.assert_close(actual, expected)
+    assert fulmen.cache_hits(jitted) == 1
