@@ -131,15 +131,16 @@ class Functionalizer:
         if info is not None:
             base_value = self.resolve(info.base)
             if info.detached:
-                new_base = self._keep_history(base_value, value)
+                new_base = self._keep_history(base_value, value, tangent=True)
             else:
                 new_base = shape.view_scatter(base_value, value, info.sym.impl, info.args, info.kwargs, info.index)
             self.write(info.base, new_base, hidden or info.hidden)
             info.base_version = self._versions[id(info.base)]
 
-    def _keep_history(self, old: TensorProxy, new: TensorProxy) -> TensorProxy:
-        """`new` as the next value of a tensor holding `old`, with `old`'s autograd history."""
-        if old.requires_grad:
+    def _keep_history(self, old: TensorProxy, new: TensorProxy, tangent: bool = False) -> TensorProxy:
+        """`new` as the next value of a tensor holding `old`, with `old`'s autograd history (`tangent`: and its
+        tangent, for fulmen.jvp: forward-mode AD does not see an update through a detached alias either)."""
+        if old.requires_grad or tangent and (old.dtype.is_floating_point or old.dtype.is_complex):
             if self._kept.get(id(new), (None, None))[1] is old:
                 return new  # already keeps it (an update through a detached alias, under no_grad)
             kept = shape.keep_history(old, new)

@@ -22,6 +22,7 @@ for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu
             torch.float_power, torch.isclose, torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__, torch.round,
             torch.empty_like, torch.full_like):
     BATCH_RULES[lookup(_fn).symbol] = elementwise(lookup(_fn).symbol)
+BATCH_RULES[SYMBOLS["impls.keep_history"]] = elementwise(SYMBOLS["impls.keep_history"])  # its value is the new one
 
 
 @register_batching(SYMBOLS["impls.setitem"])

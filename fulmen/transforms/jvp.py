@@ -87,7 +87,8 @@ class JvpTransform:
     def call(self, bsym: BoundSymbol) -> None:
         args, kwargs = self.emitter.read(bsym.args), self.emitter.read(bsym.kwargs)
         with_tangent = [p for p in iter_proxies((args, kwargs)) if p.pname in self.tangents]
-        if not with_tangent or not any(differentiable(o) for o in bsym.proxy_outputs()):
+        # a NO_GRAD symbol (detach) gives no tangent: forward-mode AD does not pass through it either
+        if not with_tangent or bsym.sym.tags & Tag.NO_GRAD or not any(differentiable(o) for o in bsym.proxy_outputs()):
             self.emitter.emit(bsym)
             return
         if bsym.sym.tags & Tag.IMPURE:

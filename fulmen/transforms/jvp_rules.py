@@ -129,6 +129,14 @@ for _name, _operands in (("setitem", (0, 2)), ("copy", (1,)), ("fill", (1,)), ("
     JVP_RULES[SYMBOLS[f"impls.{_name}"]] = linear(SYMBOLS[f"impls.{_name}"], _operands)
 
 
+def _keep_history(dot: Dot, args: tuple, kwargs: dict):
+    old, new = args
+    return SYMBOLS["impls.keep_history"](old, new), dot(old)  # an update autograd does not see keeps old's tangent
+
+
+JVP_RULES[SYMBOLS["impls.keep_history"]] = _keep_history
+
+
 @register_jvp(torch.scatter)
 def _scatter(dot: Dot, args: tuple, kwargs: dict):
     if "reduce" in kwargs:

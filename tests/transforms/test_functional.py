@@ -322,3 +322,21 @@ def test_vmap_of_jvp_and_jvp_of_vmap():
     close(got, tf.vmap(lambda x, t: tf.jvp(f, (x,), (t,))[1])(x, t))
     got = fulmen.jvp(fulmen.vmap(f), (x,), (t,))[1]
     close(got, tf.jvp(tf.vmap(f), (x,), (t,))[1])
+
+
+def _detached_updates(x, w):
+    y = x * 2
+    y.detach().mul_(w)  # invisible to autograd: y keeps its tangent and its grad
+    with torch.no_grad():
+        y[0] = 5.0
+    return (y * x.detach() * x).sum()
+
+
+def test_updates_autograd_does_not_see_keep_tangents_and_grads_as_torch_func():
+    x, w = torch.arange(1.0, 3.0, dtype=D), torch.tensor([2.0, 3.0], dtype=D)
+    ones = torch.ones(2, dtype=D)
+    close(fulmen.jvp(_detached_updates, (x, w), (ones, ones)), tf.jvp(_detached_updates, (x, w), (ones, ones)))
+    close(fulmen.grad(_detached_updates)(x, w), tf.grad(_detached_updates)(x, w))
+    xs = torch.arange(6.0, dtype=D).reshape(3, 2)
+    close(fulmen.vmap(_detached_updates, in_dims=(0, None))(xs, w),
+          tf.vmap(_detached_updates, in_dims=(0, None))(xs, w))
