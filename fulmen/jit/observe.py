@@ -24,7 +24,7 @@ draws and clocks (refused), and a function the program runs is guarded on its co
 Known limits, with no cheap guard: Python attributes set on a tensor the program is given (`x.scale = 2.0`; the
 program reads its proxy, which has none, so a trace never sees them); the content of a NumPy array over 64 KiB
 (values.py); a change made between an autograd.Function's forward and its backward (function_apply.py); writes no
-bytecode of the program makes (writes.py).
+bytecode of the program makes (writes.py); `fn.__code__ = ...` on the very function handed to fulmen.jit.
 """
 
 from __future__ import annotations
@@ -85,17 +85,17 @@ class Observer:
         # (id(object or globals dict), name) the program assigned while acquired: its later reads read that value
         self._written: set[tuple[int, str]] = set()
         self._stores = WriteLog()
-        # id(function read) -> its code and the check that its code and defaults stay (for the functions that run)
-        self._callees: dict[int, tuple[types.CodeType, Guard]] = {}
+        self._callees: dict[int, _Callee] = {}  # id(function read) -> what guards it, if it runs
         self._entered: set[types.CodeType] = set()  # the code of the program's frames that ran
         self._refused: TraceError | None = None  # why the program cannot be traced, found while it ran
         self.writes: tuple[Write, ...] = ()  # what the program stored, to store again on every call (writes.py)
         for fn in functions:
-            self._note_function(fn)
+            self._note_function(fn, entry=True)
 
     def guards(self) -> tuple[Guard, ...]:
         found = [self._unset[key[1]].guard() if key[0] == "unset" else guard for key, guard in self._guards.items()]
-        return (*found, *(guard for code, guard in self._callees.values() if code in self._entered))
+        callees = (callee.guard() for callee in self._callees.values() if callee.code in self._entered)
+        return (*found, *(guard for guard in callees if guard is not None))
 
     def entered(self, code: types.CodeType) -> None:
         self._entered.add(code)
@@ -127,7 +127,10 @@ class Observer:
             emit = Emitter()
             self._guards[key] = Guard(what, source(emit), emit.bindings)
 
-    def _note_function(self, value: Any) -> None:
+    def _note_function(self, value: Any, entry: bool = False) -> None:
+        """Closures, to find their cells (read_cell); the code and defaults of functions the program may call. The
+        jitted function itself (`entry`) keeps its code unchecked: a check every call would pay for, guarding against
+        `fn.__code__ = ...` on the function the user handed to fulmen.jit."""
         kind = type(value)
         fn = value.__func__ if kind is types.MethodType or kind is staticmethod or kind is classmethod else value
         if type(fn) is not types.FunctionType:
@@ -136,9 +139,11 @@ class Observer:
             known = self._functions.setdefault(fn.__code__, [])
             if fn not in known:
                 known.append(fn)
-        if id(fn) not in self._callees:
+        callee = self._callees.get(id(fn))
+        if callee is None:
             self._pinned.append(fn)
-            self._callees[id(fn)] = (fn.__code__, _code_and_defaults(fn))
+            callee = self._callees[id(fn)] = _Callee(fn)
+        callee.check_code = callee.check_code or not entry
 
     def dict_entry(self, namespace: Any, name: str, what: str, owner: Any = None) -> None:
         """`namespace[name]` (a dict, or a class's mapping proxy with its class as `owner`) keeps its value, or stays
@@ -446,23 +451,36 @@ def unrepeatable(value: Any) -> str | None:
     return None
 
 
-def _code_and_defaults(fn: types.FunctionType) -> Guard:
-    """A function the program read, and called, keeps its code and its defaults as they were before the call (a
-    mutable default the program changes, `fn.__defaults__ = ...`, `fn.__code__ = ...`). Defaults are checked only
-    where there are some: giving a function defaults it had none of cannot change a call that ran without them."""
-    emit = Emitter()
-    bound = emit.bind(fn)
-    terms = [f"{bound}.__code__ is {emit.bind(fn.__code__)}"]
-    for name, given in (("__defaults__", fn.__defaults__), ("__kwdefaults__", fn.__kwdefaults__)):
-        if given is None:
-            continue
-        defaults = emit.bind(given)
-        terms.append(f"{bound}.{name} is {defaults}")  # a new tuple (or dict) when reassigned
-        # the tuple cannot change, its items can; the keyword defaults are a dict
-        checks = [value_check(f"{defaults}[{i}]", item, emit) for i, item in enumerate(given) if not immutable(item)] \
-            if name == "__defaults__" else [value_check(defaults, given, emit)]
-        terms += [check for check in checks if check is not None]
-    return Guard(f"the code or defaults of function {fn.__qualname__}", " and ".join(terms), emit.bindings)
+class _Callee:
+    """A function the program read, and may call: when it runs, it must keep its code and its defaults as they were
+    before the call (a mutable default the program changes, `fn.__defaults__ = ...`, `fn.__code__ = ...`). Defaults
+    are checked only where there are some: defaults a function had none of cannot change a call that ran without."""
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        self.fn = fn
+        self.code = fn.__code__
+        self.check_code = False
+        self.emit = Emitter()
+        self.terms: list[str] = []  # the defaults' checks, made now: before the program changes them
+        bound = self.emit.bind(fn)
+        for name, given in (("__defaults__", fn.__defaults__), ("__kwdefaults__", fn.__kwdefaults__)):
+            if given is None:
+                continue
+            defaults = self.emit.bind(given)
+            self.terms.append(f"{bound}.{name} is {defaults}")  # a new tuple (or dict) when reassigned
+            # the tuple cannot change, its items can; the keyword defaults are a dict
+            checks = [value_check(f"{defaults}[{i}]", item, self.emit) for i, item in enumerate(given)
+                      if not immutable(item)] if name == "__defaults__" else [value_check(defaults, given, self.emit)]
+            self.terms += [check for check in checks if check is not None]
+
+    def guard(self) -> Guard | None:
+        terms = list(self.terms)
+        if self.check_code:
+            terms.insert(0, f"{self.emit.bind(self.fn)}.__code__ is {self.emit.bind(self.code)}")
+        if not terms:
+            return None
+        return Guard(f"the code or defaults of function {self.fn.__qualname__}", " and ".join(terms),
+                     self.emit.bindings)
 
 
 def _empty_hooks(name: str, value: Any) -> bool:

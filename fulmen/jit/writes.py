@@ -132,11 +132,11 @@ def _hint(store: _Store, final: Any) -> str:
     if not isinstance(final, torch.Tensor):
         return ("Only numbers, strings, None, dtypes, devices, enum members and tuples of those can be stored again "
                 "by each call; keep this state outside the jitted program")
-    if store.shadow is not None:
-        return (f"The module held {_kind(store.before) if store.before is not MISSING else 'no such attribute'}: give "
-                "it a tensor before the first call (e.g. module.register_buffer(name, tensor)), which the program may "
-                "then replace or update in place")
-    return "Return the tensor from the program instead"
+    if isinstance(store.before, torch.Tensor):  # a tensor the program did not compute (a global's, say)
+        return "A tensor the program computes may replace the module's (the trace returns it); copy into it instead"
+    held = _kind(store.before) if store.before is not MISSING else "no such attribute"
+    return (f"The module held {held}: give it a tensor before the first call (e.g. module.register_buffer(name, "
+            "tensor)), which the program may then replace or update in place")
 
 
 def _kind(value: Any) -> str:
