@@ -72,9 +72,12 @@ def _needs_grad(trace: Trace) -> bool:
 
 
 def _with_grad_mode(fn: Callable[..., Any], enabled: bool) -> Callable[..., Any]:
-    """`fn` run with grad mode `enabled`: the mode the trace's outputs were computed in, where the caller's differs."""
+    """`fn` run with grad mode `enabled`: the mode the trace's outputs were computed in, where the caller's differs
+    (under inference mode, which records no history whatever grad mode says, as the caller's)."""
 
     def run(*inputs: torch.Tensor) -> Any:
+        if torch.is_inference_mode_enabled():
+            return fn(*inputs)
         before = torch.is_grad_enabled()
         torch._C._set_grad_enabled(enabled)
         try:

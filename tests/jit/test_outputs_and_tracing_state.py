@@ -128,3 +128,13 @@ def test_grad_mode_set_inside_the_program_decides_its_outputs_history_as_in_eage
         actual = _run_and_backward(jitted, grad_enabled)
         torch.testing.assert_close(actual, expected)
     assert fulmen.cache_hits(jitted) == 1
+
+
+def test_inference_mode_records_no_history_even_where_the_program_enables_grad():
+    jitted = fulmen.jit(_inner_enable_grad)
+    x, w = torch.ones(3), torch.ones(3, requires_grad=True)
+    with torch.no_grad():
+        assert [out.requires_grad for out in jitted(x, w)] == [True, False]
+    for fn in (_inner_enable_grad, jitted):  # the same cache entry: inference mode is grad mode off to the key
+        with torch.inference_mode():
+            assert [(out.requires_grad, out.is_inference()) for out in fn(x, w)] == [(False, True), (False, True)]
