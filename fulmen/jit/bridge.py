@@ -4,10 +4,16 @@ Saved tensors live on the autograd node in a plain list that the backward trace 
 freed as soon as the backward has used it (tensors saved with `ctx.save_for_backward` stay alive until the
 node finishes). Their version counters are checked as eager's would be; an input the forward itself updates in
 place (a write-back) was saved before the update, so a backward that reads it raises eager's error. An input the
-forward updates in place with a value that requires grad is returned as that value's output and marked dirty:
-autograd gives it the history eager's in-place update gives it. When saved-tensor hooks are active
+forward updates in place with a value that has a history other than its own (`buf[1:] = w * 2`; `y.mul_(w)` on a
+`y` that requires grad) is returned as that value's output and marked dirty: autograd gives it the history eager's
+in-place update gives it, and the grad the backward computes for the input goes to its old history (an input that
+requires grad must not be a leaf: eager refuses that update too, and so does fulmen, naming the update's line). A
+backward that reads such an input's old value reads a copy the forward takes before the update, as eager's in-place
+ops save their `original_self`; an earlier autograd graph that saved the input still fails on its version counter.
+Within the program, a read of the old value before the update also gets the copy (eager would refuse the backward
+if that read saved the input). When saved-tensor hooks are active
 (`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`), the tensors go through `save_for_backward` so the
-hooks see them.
+hooks see them. Inputs that get no grad enter detached (`apply`).
 
 With CUDA graphs (`JitOptions.cuda_graphs`), a forward replays its graphs only when the previous replayed forward's
 backward has run (`GraphedProgram.start_forward`); otherwise it runs the same program without graphs, and its
@@ -33,8 +39,9 @@ from fulmen.transforms.forward_backward import GradPlan
 
 @dataclass(frozen=True, slots=True)
 class UpdatedInput:
-    """An input the forward updates in place with the value it returns at `output`, which requires grad: the input is
-    returned there instead and marked dirty, so autograd gives it the history eager's in-place update gives it."""
+    """An input the forward updates in place with the value it returns at `output`, which has a history other than the
+    input's own: the input is returned there instead and marked dirty, so autograd gives it the history eager's in-place
+    update gives it."""
 
     output: int
     input: int
@@ -67,8 +74,15 @@ class GradProgram:
         position = {p.pname: i for i, p in enumerate(self.plan.source.inputs)}
         updated = {b.args[1].pname for b in self.plan.forward.bound_symbols
                    if b.sym is prims.copy_ and b.kwargs.get("bump_version", True)}
-        self.stale = tuple((k, position[p.pname]) for k, p in enumerate(self.plan.saved) if p.pname in updated)
+        saved_inputs = [(k, position[p.pname]) for k, p in enumerate(self.plan.saved) if p.pname in updated]
+        # those with a new history: the backward reads a copy of their old value (eager's original_self), not stale
+        dirty = {d.input for d in self.dirty}
+        self.originals = tuple((k, i) for k, i in saved_inputs if i in dirty)
+        self.stale = tuple((k, i) for k, i in saved_inputs if i not in dirty)
         self._stale_reads: dict[tuple[bool, ...], tuple[bool, ...]] = {}
+        # inputs the backward gives no grad: detached, so that autograd does not walk into their histories
+        grads = self.plan.assemble(self.plan.differentiable)[2]
+        self.no_grad_inputs = tuple(i for i, grad in enumerate(grads) if grad is None and i not in dirty)
 
     def use_graphs(self, graphs: GraphedProgram, plain_forward: Trace, plain_backward: Trace) -> None:
         """The forward and backward traces (the last of `backward_traces`) replay CUDA graphs; `plain_forward` and
@@ -116,6 +130,18 @@ class GradProgram:
         return self.backward_fn(present, GradSync.PENDING)(saved, cotangents, pending)
 
 
+def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Runs `program` through `FulmenFunction`. An input that requires grad but gets none from the backward (state
+    the program holds but does not differentiate through) enters detached: autograd would otherwise run its old
+    history's nodes with no grad, which fails once that history was freed by an earlier backward."""
+    if program.no_grad_inputs:
+        inputs = list(inputs)
+        for i in program.no_grad_inputs:
+            if inputs[i].requires_grad:
+                inputs[i] = inputs[i].detach()
+    return FulmenFunction.apply(program, *inputs)
+
+
 def _hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
@@ -131,7 +157,7 @@ class FulmenFunction(torch.autograd.Function):
             ctx.graph_token = None if ctx.hooked else program.graphs.start_forward()
             if ctx.graph_token is None:
                 forward_fn = program.plain_forward_fn
-        if program.dirty or program.stale:
+        if program.dirty or program.stale or program.originals:
             outputs, saved = _run_updating_inputs(ctx, program, forward_fn, inputs)
         else:
             results = forward_fn(*inputs)
@@ -182,18 +208,27 @@ class FulmenFunction(torch.autograd.Function):
 
 def _run_updating_inputs(ctx, program: GradProgram, forward_fn: Callable[..., tuple],
                          inputs: tuple[torch.Tensor, ...]) -> tuple[list, tuple]:
-    """The forward of a program that updates inputs it saves (`stale`) or gives a history (`dirty`)."""
+    """The forward of a program that updates inputs it saves (`stale`, `originals`) or gives a history (`dirty`)."""
     for updated in program.dirty:
-        # autograd cannot give a view a Function updates in place the history eager's update gives it and its base
-        if inputs[updated.input]._is_view():
+        tensor, name = inputs[updated.input], program.plan.source.inputs[updated.input].pname
+        if tensor.requires_grad and tensor.is_leaf:
             raise TraceError(
-                f"the program updates its input {program.plan.source.inputs[updated.input].pname}, here a view of "
-                "another tensor, in place with a value that requires grad; fulmen cannot give the view and its base "
-                "that autograd history: pass a tensor that is not a view (x.clone())", updated.where)
+                f"fulmen cannot differentiate an in-place update of {name}, a leaf tensor that requires grad (eager "
+                "refuses it too: a leaf Variable that requires grad is used in an in-place operation); update a "
+                "clone, or update it under torch.no_grad() or through .detach()", updated.where)
+        # autograd cannot give a view a Function updates in place the history eager's update gives it and its base
+        if tensor._is_view():
+            raise TraceError(
+                f"the program updates its input {name}, here a view of another tensor, in place with a value that has "
+                "an autograd history; fulmen cannot give the view and its base that autograd history: pass a tensor "
+                "that is not a view (x.clone())", updated.where)
     before = [inputs[i]._version for _, i in program.stale]
+    originals = [inputs[i].clone() for _, i in program.originals]
     results = forward_fn(*inputs)
     ctx.stale = [(version, inputs[i]._version) for version, (_, i) in zip(before, program.stale)]
-    outputs, saved = list(results[: program.n_outputs]), results[program.n_outputs :]
+    outputs, saved = list(results[: program.n_outputs]), list(results[program.n_outputs :])
+    for (k, _), original in zip(program.originals, originals):
+        saved[k] = original
     for updated in program.dirty:
         outputs[updated.output] = inputs[updated.input]
     if program.dirty:

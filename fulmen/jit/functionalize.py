@@ -9,7 +9,9 @@ time it is read. Program inputs (arguments, parameters, buffers) that changed ar
 An update autograd does not see (under `torch.no_grad()`, or through a `.detach()` / `.data` alias, which shares
 memory but not autograd history) changes a tensor's value but not its history: the new value is
 `impls.keep_history(old, new)`, whose grad goes to the old value, so a parameter clamped through `.data` still
-gets its grads. An input that requires grad may only be updated that way; its write-back copies the value alone.
+gets its grads. Any other update of an input that requires grad, or one giving an input a value that requires
+grad, changes the input's history as eager's does: `write_back` returns those inputs for the caller to give them
+their new values' history (the bridge marks them dirty).
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ class Functionalizer:
         self._kept: dict[int, tuple[TensorProxy, TensorProxy]] = {}  # keep_history's output -> (it, old value)
         self._written_at: dict[int, SourceLocation | None] = {}
         self._bumped: set[int] = set()  # objects whose version counter eager bumps (writes not only through .data)
-        self.refused: TraceError | None = None
 
     def resolve(self, obj: TensorProxy) -> TensorProxy:
         """The value `obj` holds now."""
@@ -165,11 +166,11 @@ class Functionalizer:
         return self._written_at.get(id(obj))
 
     def write_back(self, inputs: list[TensorProxy]) -> list[tuple[TensorProxy, TensorProxy]]:
-        """Records the copies of changed inputs' final values into the inputs themselves. Returns the inputs
-        that do not require grad and now hold a value with an autograd history (`buf[1:] = w * 2`), with that
-        value: eager's in-place update gives the input that history, which the caller must too. An
-        update of an input that requires grad with a history of its own is refused: `refused`, for the caller to
-        raise (after its more specific refusals)."""
+        """Records the copies of changed inputs' final values into the inputs themselves. Returns the inputs that
+        now hold a value with an autograd history other than their own (`buf[1:] = w * 2`, `y.mul_(w)` on an input
+        `y` that requires grad), with that value: eager's in-place update gives the input that history, which the
+        caller must too (a leaf that requires grad, which eager refuses, is refused when the program runs: whether
+        an input is a leaf is not known here). The copy itself writes the value alone."""
         dirty = []
         for obj in inputs:
             if not self.was_written(obj):
@@ -177,16 +178,11 @@ class Functionalizer:
             value = self.resolve(obj)
             if value is obj:
                 continue
-            if obj.requires_grad:
-                if not self._keeps_history(obj, value) and self.refused is None:
-                    self.refused = TraceError(
-                        f"fulmen cannot differentiate an in-place update of {obj.pname}, an input that requires "
-                        "grad (eager refuses it on a leaf and changes the autograd history of any other tensor); "
-                        "update a clone, or update it under torch.no_grad() or through .detach()",
-                        self.written_at(obj))
-                value = SYMBOLS["torch.detach"](value)  # the update changes the input's values, not its history
-            elif value.requires_grad:
-                dirty.append((obj, value))
+            if obj.requires_grad or value.requires_grad:
+                if not (obj.requires_grad and self._keeps_history(obj, value)):
+                    dirty.append((obj, value))
+                if value.requires_grad:
+                    value = SYMBOLS["torch.detach"](value)  # the history goes to the input through `dirty`
             if id(obj) in self._bumped:
                 prims.copy_(value, obj)
             else:

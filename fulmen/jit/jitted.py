@@ -21,7 +21,7 @@ from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.base import Executor
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
-from fulmen.jit.bridge import FulmenFunction, UpdatedInput
+from fulmen.jit.bridge import UpdatedInput, apply
 from fulmen.jit.cache import Cache, CacheEntry
 from fulmen.jit.compiling import seen_as_compiling
 from fulmen.jit.function_apply import function_apply_recorded
@@ -320,8 +320,6 @@ class JittedFunction:
                 tree, interpreter = acquisition.tree, acquisition.interpreter
                 constants = [t for t, _ in interpreter.constants]
                 real_inputs = [*tensors, *module_tensors, *constants]
-        if interpreter.functional.refused is not None:
-            raise interpreter.functional.refused
         if acquisition.dirty and aliases is not None:
             updated = acquisition.inputs[acquisition.dirty[0]]
             raise TraceError("the program updates in place an input that shares memory with another input, with a "
@@ -351,7 +349,7 @@ class JittedFunction:
             if graphs is not None:
                 # the forward and backward without graphs, for a forward whose previous backward has not run yet
                 program.use_graphs(GraphedProgram(graphs), traces[-3], program.backward_traces[-3])
-            fn = functools.partial(FulmenFunction.apply, program)
+            fn = functools.partial(apply, program)
             if not torch.is_grad_enabled():  # the program enables grad inside (torch.enable_grad())
                 fn = _with_grad_mode(fn, True)
         else:

@@ -95,14 +95,25 @@ def test_a_graph_fulmen_refuses_after_acquiring_it_falls_back_whole():
     def scale_in_place(x):
         y = x * 2
         torch._dynamo.graph_break()
-        y.mul_(3)  # an in-place update of the second graph's input, which requires grad
-        return y + 1
+        return y.as_strided((2,), (2,)) + 1  # differentiating through storage offsets is refused
 
     backend = fulmen.dynamo.backend(fallback="eager")
     _compare(scale_in_place, backend, torch.randn(5, requires_grad=True))
     first, second = backend.pieces
     assert first.by_fulmen and not first.reasons
-    assert not second.by_fulmen and "cannot differentiate an in-place update" in second.reasons[0]
+    assert not second.by_fulmen and "addresses storage" in second.reasons[0]
+
+
+def test_a_graph_updating_its_non_leaf_input_in_place_runs_through_fulmen():
+    def scale_in_place(x, w):
+        y = x * 2
+        torch._dynamo.graph_break()
+        y.mul_(w)  # an in-place update of the second graph's input, which requires grad: its history grows
+        return y + 1
+
+    backend = fulmen.dynamo.backend(fallback="eager")
+    _compare(scale_in_place, backend, torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True))
+    assert all(piece.by_fulmen for piece in backend.pieces)
 
 
 def test_new_shapes_are_traced_anew():

@@ -293,3 +293,75 @@ def test_a_view_updated_with_a_value_that_requires_grad_is_refused_before_the_up
         fulmen.jit(_fill_tail)(base[1:5], torch.ones(3, requires_grad=True))
     assert error.value.location.line == "buf[1:] = w * 2"
     torch.testing.assert_close(base, torch.zeros(6))  # nothing was updated
+
+
+# --- an input that requires grad, not a leaf, updated in place: its history grows by the update, as in eager -------
+def _append(cache, value, index):
+    cache.index_copy_(0, index, value)
+    return cache.sum(0) * 2
+
+
+def test_a_buffer_updated_in_place_over_two_calls_differentiates_through_both():
+    # the kv-cache pattern: the first call gives the buffer a history, the second updates that non-leaf buffer
+    results = []
+    for fn in (_append, fulmen.jit(_append)):
+        cache = torch.zeros(5, 3)
+        first = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        second = torch.full((1, 3), 3.0, requires_grad=True)
+        out1 = fn(cache, first, torch.tensor([0, 1]))
+        assert cache.requires_grad and cache.grad_fn is not None
+        out2 = fn(cache, second, torch.tensor([1]))
+        ((out1 * torch.arange(3.0)).sum() + (out2**2).sum() + (cache * cache).sum()).backward()
+        results.append((out1.detach(), out2.detach(), cache.detach().clone(), cache.requires_grad, first.grad,
+                        second.grad))
+    for actual, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(actual, expected)
+
+
+def _scale(y, w):
+    y.mul_(w)  # the backward needs y's old value for w's grad
+    return y * 3
+
+
+def test_a_non_leaf_input_scaled_in_place_differentiates_through_its_old_value():
+    results = []
+    for fn in (_scale, fulmen.jit(_scale)):
+        x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+        w = torch.tensor([-1.0, 1.0, 3.0], requires_grad=True)
+        y = x * 2
+        out = fn(y, w)
+        (out.sum() + (y * y).sum()).backward()
+        results.append((out.detach(), y.detach().clone(), y.requires_grad, x.grad, w.grad))
+    for actual, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(actual, expected)
+
+
+def test_an_input_saved_by_an_earlier_graph_then_updated_fails_its_backward_as_eager():
+    for fn in (_scale, fulmen.jit(_scale)):
+        x, v = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+        y = x * 2
+        z = y * v  # saves y
+        fn(y, torch.ones(3, requires_grad=True))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.sum().backward()
+
+
+def test_a_leaf_that_requires_grad_updated_in_place_is_refused_as_eager():
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        _scale(torch.ones(3, requires_grad=True), torch.ones(3))
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises(fulmen.TraceError, match="a leaf tensor that requires grad") as error:
+        fulmen.jit(_scale)(x, torch.ones(3))
+    assert error.value.location.line == "y.mul_(w)  # the backward needs y's old value for w's grad"
+    torch.testing.assert_close(x.detach(), torch.ones(3))
+
+
+def test_an_input_the_backward_gives_no_grad_keeps_autograd_out_of_its_freed_history():
+    def f(x, state):
+        return x * 2 + state.detach()  # state requires grad, but gets none
+
+    x = torch.ones(3, requires_grad=True)
+    state = torch.ones(3, requires_grad=True).exp()
+    state.sum().backward()  # frees state's history, as a previous training step does
+    fulmen.jit(f)(x, state).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
