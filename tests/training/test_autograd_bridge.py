@@ -151,16 +151,6 @@ def test_saved_input_modified_in_place_is_detected():
         y.backward()
 
 
-def test_in_place_update_of_an_input_that_requires_grad_is_refused():
-    def f(a):
-        a.mul_(2)
-        return a.sum()
-
-    leaf = torch.randn(3, requires_grad=True)
-    with pytest.raises(fulmen.TraceError, match="in-place update"):
-        fulmen.jit(f)(leaf * 1)
-
-
 def test_backward_trace_frees_saved_tensors_as_it_goes():
     args = _params()
     jitted = fulmen.jit(_mlp)
