@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fulmen.jit.values import compile_statements
+from fulmen.jit.values import compile_statements, immutable
 
 
 def tensor_key(tensors: Sequence[torch.Tensor]) -> tuple:
@@ -23,6 +23,17 @@ def tensor_key(tensors: Sequence[torch.Tensor]) -> tuple:
     choices depend on the layout. Where a tensor starts in its storage matters only to a program that reads it (or
     to inputs sharing memory): such a trace checks the offsets itself (CacheEntry.offsets)."""
     return tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors])
+
+
+def argument_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    """`tensor_key` of the arguments, with each one's Python attributes (`x.scale = 4.0`), which the program may read
+    (the trace's proxy carries them): immutable values by value, others by identity. Tensors rarely have any."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, _attributes(d) if (d := t.__dict__) else ())
+                  for t in tensors])
+
+
+def _attributes(attributes: dict[str, Any]) -> tuple:
+    return tuple([(name, value if immutable(value) else ("object", id(value))) for name, value in attributes.items()])
 
 
 def global_state_key() -> tuple:
@@ -43,7 +54,7 @@ def global_state_key() -> tuple:
 
 KEY_PARTS = ("the inputs' structure or Python values", "argument tensor metadata", "module tensor metadata",
              "grad mode, default dtype, attention switches or autocast")
-TENSOR_FIELDS = ("shape", "strides", "dtype", "device", "requires_grad")
+TENSOR_FIELDS = ("shape", "strides", "dtype", "device", "requires_grad", "Python attributes")
 
 
 def key_difference(old: tuple | None, new: tuple | None, names: Sequence[str]) -> str:

@@ -25,7 +25,7 @@ from fulmen.jit.bridge import UpdatedInput, apply
 from fulmen.jit.cache import Cache, CacheEntry
 from fulmen.jit.compiling import seen_as_compiling
 from fulmen.jit.function_apply import function_apply_recorded
-from fulmen.jit.guards import compile_check, global_state_key, tensor_key
+from fulmen.jit.guards import argument_key, compile_check, global_state_key, tensor_key
 from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
 from fulmen.jit.observe import Observer
 from fulmen.jit.overrides import ModuleInput, ShadowTree, build_shadow
@@ -157,7 +157,7 @@ class JittedFunction:
         module_tensors = [source.fetch() for source in self._module_inputs]
         state = global_state_key()
         try:
-            key = (spec, tensor_key(tensors), tensor_key(module_tensors), state)
+            key = (spec, argument_key(tensors), tensor_key(module_tensors), state)
         except AttributeError:  # a module tensor was removed or replaced by a non-tensor: trace anew
             key = None
         entry = self._cache.lookup(key, tensors, module_tensors)
@@ -184,7 +184,7 @@ class JittedFunction:
                 continue
             other = [source.fetch() for source in layout]
             try:
-                key = (spec, tensor_key(tensors), tensor_key(other), state)
+                key = (spec, argument_key(tensors), tensor_key(other), state)
             except AttributeError:
                 continue
             entry = self._cache.lookup(key, tensors, other)
@@ -241,6 +241,9 @@ class JittedFunction:
         proxies = [builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=hint)
                    for t, hint in zip(tensors, names)]
         visible, storage = self._shared_storage(builder, interpreter, proxies, aliases, real_inputs, names)
+        for tensor, proxy in zip(tensors, visible):
+            if tensor.__dict__:  # Python attributes the program may read (the cache key holds them)
+                proxy.__dict__.update(tensor.__dict__)
         originals: dict[int, Any] = {}
         spec = pytree.flatten((args, kwargs), [], originals)
         proxy_args, proxy_kwargs = pytree.unflatten(spec, visible, originals)
@@ -373,7 +376,7 @@ class JittedFunction:
             constants=tuple(constants),
             backward_traces=tuple(program.backward_traces) if program is not None else (),
             program=program,
-            key=(key_parts[0], tensor_key(tensors), tensor_key(module_tensors), key_parts[1]),
+            key=(key_parts[0], argument_key(tensors), tensor_key(module_tensors), key_parts[1]),
             guards=guards,
             check=compile_check(guards),
             storage=storage_groups(real_inputs) if written else None,

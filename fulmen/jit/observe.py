@@ -21,10 +21,11 @@ of a call's result) are not seen here; the functions the program calls are obser
 through a value rather than an attribute (`_special`): torch's global switches, the environment, Python's random
 draws and clocks (refused), and a function the program runs is guarded on its code and defaults.
 
-Known limits, with no cheap guard: Python attributes set on a tensor the program is given (`x.scale = 2.0`; the
-program reads its proxy, which has none, so a trace never sees them); the content of a NumPy array over 64 KiB
-(values.py); a change made between an autograd.Function's forward and its backward (function_apply.py); writes no
-bytecode of the program makes (writes.py); `fn.__code__ = ...` on the very function handed to fulmen.jit.
+Python attributes set on a tensor argument (`x.scale = 2.0`) are copied onto its proxy and held by the cache key
+(guards.argument_key). Known limits, with no cheap guard: the content of a mutable value such an attribute holds,
+and of a NumPy array over 64 KiB (values.py); a change made between an autograd.Function's forward and its backward
+(function_apply.py); writes no bytecode of the program makes (writes.py); `fn.__code__ = ...` on the very function
+handed to fulmen.jit.
 """
 
 from __future__ import annotations

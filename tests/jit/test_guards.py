@@ -611,3 +611,23 @@ def test_state_behind_calls_and_arrays_is_guarded(case, monkeypatch):
         torch.use_deterministic_algorithms(False)
         torch.backends.cuda.matmul.allow_tf32 = tf32
         LOOKUP[0] = 1.0
+
+
+def test_python_attributes_of_a_tensor_argument_are_read_and_guarded():
+    """`x.scale` set on the argument: the first trace reads it (its proxy carries it), and setting, changing or
+    deleting it retraces, with the reason named."""
+
+    def f(x):
+        return x * getattr(x, "scale", 1.0)
+
+    jitted = fulmen.jit(f)
+    x = torch.ones(2)
+    x.scale = 3.0
+    for value in (3.0, 4.0, None, 4.0):
+        if value is None:
+            del x.scale
+        else:
+            x.scale = value
+        torch.testing.assert_close(jitted(x), f(x), rtol=0, atol=0)
+    assert fulmen.cache_misses(jitted) == 3 and fulmen.cache_hits(jitted) == 1
+    assert any("Python attributes" in reason for reason in fulmen.last_cache_miss_reasons(jitted))
