@@ -131,6 +131,14 @@ def _with_storage(plan: AliasPlan, fn: Callable[..., tuple], *inputs: torch.Tens
     return fn(*inputs, *plan.bases(inputs))
 
 
+def _carry_attributes(tensor: torch.Tensor, proxy: TensorProxy, name: str) -> None:
+    clashing = sorted(set(tensor.__dict__) & (set(proxy.__dict__) | set(dir(type(proxy)))))
+    if clashing:
+        raise TraceError(f"fulmen cannot trace a tensor argument ({name}) with Python attributes {clashing}: the "
+                         "trace's stand-in for it uses those names itself; rename them", None)
+    proxy.__dict__.update(tensor.__dict__)
+
+
 class JittedFunction:
     """A callable that runs `fn` through its cached, compiled traces."""
 
@@ -241,9 +249,9 @@ class JittedFunction:
         proxies = [builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=hint)
                    for t, hint in zip(tensors, names)]
         visible, storage = self._shared_storage(builder, interpreter, proxies, aliases, real_inputs, names)
-        for tensor, proxy in zip(tensors, visible):
+        for tensor, proxy, name in zip(tensors, visible, names):
             if tensor.__dict__:  # Python attributes the program may read (the cache key holds them)
-                proxy.__dict__.update(tensor.__dict__)
+                _carry_attributes(tensor, proxy, name)
         originals: dict[int, Any] = {}
         spec = pytree.flatten((args, kwargs), [], originals)
         proxy_args, proxy_kwargs = pytree.unflatten(spec, visible, originals)

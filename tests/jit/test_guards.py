@@ -631,3 +631,8 @@ def test_python_attributes_of_a_tensor_argument_are_read_and_guarded():
         torch.testing.assert_close(jitted(x), f(x), rtol=0, atol=0)
     assert fulmen.cache_misses(jitted) == 3 and fulmen.cache_hits(jitted) == 1
     assert any("Python attributes" in reason for reason in fulmen.last_cache_miss_reasons(jitted))
+
+    clashing = torch.ones(2)
+    clashing.meta = "mine"  # a name fulmen's stand-in for the tensor uses itself
+    with pytest.raises(fulmen.TraceError, match=r"Python attributes \['meta'\]"):
+        fulmen.jit(f)(clashing)
