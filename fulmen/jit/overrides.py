@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
+from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.jit.lookasides import method_lookasides
 from fulmen.jit.observe import Observer
@@ -130,6 +132,10 @@ def _recording_delattr(delete: Callable[[nn.Module, str], None]) -> Callable[[nn
 
 def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], TensorProxy], observer: Observer,
                  lookasides: dict[Callable[..., Any], Callable[..., Any]] | None = None) -> ShadowTree:
+    if torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks:
+        raise TraceError("fulmen cannot compile a module while global module backward hooks are registered "
+                         "(register_module_full_backward_hook / register_module_full_backward_pre_hook): remove them, "
+                         "or register the hook on the module fulmen.jit returned", None)
     tree = ShadowTree(root=module, observer=observer, lookasides=lookasides or {})
     by_tensor: dict[int, TensorProxy] = {}  # tied weights share one proxy
     first: dict[int, ModuleInput] = {}  # where each tensor was first found
@@ -150,6 +156,14 @@ def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], Te
     def visit(original: nn.Module, prefix: str) -> nn.Module:
         if id(original) in shadows:
             return shadows[id(original)]
+        if original._backward_hooks or original._backward_pre_hooks:
+            # torch calls them on the module's input grads through a BackwardHook node around its call, which a
+            # trace has no place for (eager's own setup fails on the trace's stand-in tensors)
+            raise TraceError(
+                f"fulmen cannot compile module {prefix.rstrip('.') or 'the root'} ({type(original).__qualname__}) with "
+                "a backward hook (register_full_backward_hook / register_full_backward_pre_hook): register it on "
+                "the module fulmen.jit returned (its hooks run around the compiled call), or a hook on a tensor "
+                "(tensor.register_hook)", None)
         shadow = object.__new__(_shadow_class(type(original)))
         shadows[id(original)] = shadow
         state = dict(original.__dict__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -205,3 +206,31 @@ def test_hooks_on_the_jitted_module_run_once_per_call_with_or_without_global_hoo
         for handle in handles:
             handle.remove()
     torch.testing.assert_close(jitted(x), model(x))
+
+
+def test_a_backward_hook_inside_the_module_is_refused_and_one_on_the_jitted_module_runs():
+    """A full backward hook on a submodule has no place in a trace: refused, naming the submodule (it was torch's
+    'Error while setting up backward hooks'). The same hook on the module fulmen.jit returns runs as eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(2, 3, requires_grad=True)
+    handle = model[1].register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 10,))
+    with pytest.raises(fulmen.TraceError, match=r"module 1 \(Tanh\) with a backward hook"):
+        fulmen.jit(model)(x)
+    handle.remove()
+    jitted = fulmen.jit(model)
+    jitted(x)
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda module, grad_in, grad_out: None)
+    try:  # registered after the first call: the cached trace is not used
+        with pytest.raises(fulmen.TraceError, match="global module backward hooks"):
+            jitted(x)
+    finally:
+        handle.remove()
+
+    jitted = fulmen.jit(model)
+    jitted.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 10,))
+    jitted(x).sum().backward()
+    got, x.grad = x.grad, None
+    model.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 10,))
+    model(x).sum().backward()
+    torch.testing.assert_close(got, x.grad, rtol=0, atol=0)
