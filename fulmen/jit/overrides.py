@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.nn.utils import parametrize
 
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
@@ -156,6 +157,12 @@ def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], Te
     def visit(original: nn.Module, prefix: str) -> nn.Module:
         if id(original) in shadows:
             return shadows[id(original)]
+        if parametrize._cache_enabled and parametrize.is_parametrized(original):
+            # the cache would hold the trace's stand-in tensors past the acquisition
+            raise TraceError(
+                f"fulmen cannot compile the parametrized module {prefix.rstrip('.') or 'the root'} "
+                f"({type(original).__qualname__}) inside torch.nn.utils.parametrize.cached(): call the jitted module "
+                "outside it (the trace computes each parametrization once per call anyway)", None)
         if original._backward_hooks or original._backward_pre_hooks:
             # torch calls them on the module's input grads through a BackwardHook node around its call, which a
             # trace has no place for (eager's own setup fails on the trace's stand-in tensors)

@@ -234,3 +234,20 @@ def test_a_backward_hook_inside_the_module_is_refused_and_one_on_the_jitted_modu
     model.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 10,))
     model(x).sum().backward()
     torch.testing.assert_close(got, x.grad, rtol=0, atol=0)
+
+
+def test_a_parametrized_module_inside_parametrize_cached_is_refused():
+    """The parametrization cache would keep the trace's stand-ins past the acquisition (it was an internal dispatch
+    error); outside `cached()` the module compiles and matches eager."""
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, weight):
+            return weight.triu() + weight.triu(1).transpose(-1, -2)
+
+    model = nn.Linear(3, 3)
+    parametrize.register_parametrization(model, "weight", Symmetric())
+    x = torch.randn(2, 3)
+    with parametrize.cached(), pytest.raises(fulmen.TraceError, match=r"parametrize.cached\(\)"):
+        fulmen.jit(model)(x)
+    torch.testing.assert_close(fulmen.jit(model)(x), model(x), rtol=0, atol=0)
