@@ -54,6 +54,26 @@ def frame_location(frame: FrameType | None) -> SourceLocation | None:
     return None
 
 
+# torch's dispatch plumbing between a library's line and fulmen's handler; never the line that does the reading
+_DISPATCH_FILES: tuple[str, ...] = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), name) for name in ("overrides.py", "_tensor.py")
+)
+
+
+def library_location(skip: int = 1) -> SourceLocation | None:
+    """The innermost frame outside fulmen and torch's dispatch plumbing when it lies inside torch (torch.nn's
+    modules and functionals), which `user_location` skips; None otherwise."""
+    frame: FrameType | None = sys._getframe(skip)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_LIBRARY_DIRS[0], *_DISPATCH_FILES)):
+            if not _is_library(filename):
+                return None
+            return SourceLocation(filename, frame.f_lineno, frame.f_code.co_name)
+        frame = frame.f_back
+    return None
+
+
 def traceback_location(tb: TracebackType | None) -> SourceLocation | None:
     """The innermost frame of a traceback outside fulmen and torch, or None."""
     found = None

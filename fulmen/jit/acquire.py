@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from fulmen.core import pytree
 from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.source import SourceLocation, user_location
+from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
 from fulmen.jit.functionalize import Functionalizer
@@ -139,10 +139,12 @@ class Interpreter(TorchFunctionMode):
         self.builder.source = location = self._pinned[-1] if self._pinned else user_location()
         self.ops_seen.append(_describe(func))
         if func in DATA_DEPENDENT:
+            reader = library_location()
+            inside = f" (read in {reader.describe()})" if reader is not None else ""
             raise DataDependentError(
-                f"fulmen cannot trace {_describe(func)}: it reads tensor values, which are unknown while tracing. "
-                "Keep the computation in tensors (e.g. torch.where instead of an `if` on a tensor), or move it "
-                "out of the jitted function.",
+                f"fulmen cannot trace {_describe(func)}: it reads tensor values, which are unknown while tracing"
+                f"{inside}. Keep the computation in tensors (e.g. torch.where instead of an `if` on a tensor), or "
+                "move it out of the jitted function.",
                 location,
             )
         special = self.special.get(func)

@@ -44,6 +44,18 @@ def test_data_dependent_errors_name_the_line(fn, line, what):
     message = str(info.value)
     assert what in message and "tensor values" in message
     assert __file__ in message and line in message
+    assert "read in" not in message  # the read is the user's own line, named once
+
+
+def test_a_read_inside_torch_nn_names_torchs_line_and_the_users():
+    # BatchNorm with momentum=None averages over float(num_batches_tracked): a value read inside torch.nn
+    model = torch.nn.BatchNorm1d(4, momentum=None)
+    with pytest.raises(fulmen.DataDependentError) as info:
+        fulmen.jit(model)(torch.randn(8, 4))  # the user's line
+    message = str(info.value)
+    assert "batchnorm.py" in message and "float(self.num_batches_tracked)" in message
+    assert __file__ in message and "# the user's line" in message
+    assert int(model.num_batches_tracked) == 0  # refused before anything was updated
 
 
 def test_unsupported_op_names_op_and_line():
