@@ -268,6 +268,7 @@ class GradTransform:
         if not needs_grad:
             forward.append(bsym)
             return
+        _refuse_complex(bsym)
         if any(self._apply(rule, bsym, forward, chunks) for rule in self._rules(bsym)):
             return
         if bsym.subsymbols and not _draws_random(bsym):
@@ -294,6 +295,22 @@ class GradTransform:
         forward.extend(fwd)
         chunks.append(chunk)
         return True
+
+
+def _refuse_complex(bsym: BoundSymbol) -> None:
+    """fulmen's grad rules are written for real tensors: on complex ones they give the conjugate of eager's grads
+    (torch's convention, conjugate Wirtinger derivatives), so differentiating a complex value is refused."""
+    complex_value = next(
+        (p for p in (*bsym.proxy_args(), *bsym.proxy_outputs()) if _differentiable(p) and p.dtype.is_complex), None
+    )
+    if complex_value is not None:
+        raise TraceError(
+            f"fulmen cannot differentiate {bsym.sym.printed} of the complex tensor "
+            f"{complex_value.pname} ({complex_value.type_string()}): its grad would not follow torch's "
+            "convention for complex grads; compute with real tensors (real and imaginary parts apart), or "
+            "call it under torch.no_grad() or on .detach()",
+            bsym.source,
+        )
 
 
 def _draws_random(bsym: BoundSymbol) -> bool:
