@@ -31,6 +31,7 @@ from fulmen.jit.observe import Observer
 from fulmen.jit.overrides import ModuleInput, ShadowTree, build_shadow
 from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.replacements import call_table
+from fulmen.jit.rerun import HookSnapshot, reachable_modules
 from fulmen.ops import prims
 from fulmen.options import CacheLimitAction, JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
@@ -265,10 +266,14 @@ class JittedFunction:
                 observer, calls.lookasides,
             )
             target = tree.root
-        with (builder, interpreter, interpreter.replacing(calls.torch), observer.watching(calls.regions),
-              function_apply_recorded(interpreter), seen_as_compiling() if compiling else contextlib.nullcontext()):
-            interpreter.quiet = observer.quiet
-            result = target(*proxy_args, **proxy_kwargs)
+        try:
+            with (builder, interpreter, interpreter.replacing(calls.torch), observer.watching(calls.regions),
+                  function_apply_recorded(interpreter), seen_as_compiling() if compiling else contextlib.nullcontext()):
+                interpreter.quiet = observer.quiet
+                result = target(*proxy_args, **proxy_kwargs)
+        except DataDependentError:
+            observer.undo()  # acquired again as a tracer is seen (_compile), or refused: stored once, as eager
+            raise
         _refuse_stored_proxies(args, kwargs)
         module_proxies = tree.proxies if tree else []
         with builder:
@@ -307,11 +312,14 @@ class JittedFunction:
     # --- compilation ---------------------------------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], key_parts: tuple,
                  names: list[str]) -> tuple[CacheEntry, list]:
+        # What a run that is acquired again did to Python state is undone first (rerun.py): eager runs it once.
+        hooks = HookSnapshot(reachable_modules(self._fn, self._module, args, kwargs))
         try:
             acquisition = self._acquire(args, kwargs, tensors, names, None, [], compiling=False)
         except DataDependentError:
             # Eager's path reads a tensor value; libraries keep such reads out of the path they take under a tracer
             # (Hugging Face's `if padding_mask.all()`), which computes the same values.
+            hooks.restore()
             acquisition = self._acquire(args, kwargs, tensors, names, None, [], compiling=True)
         compiling = acquisition.compiling
         tree, interpreter = acquisition.tree, acquisition.interpreter
@@ -327,6 +335,8 @@ class JittedFunction:
             aliases = plan_aliases(real_inputs, written, all_names, range(len(tensors), len(tensors) +
                                                                                len(module_tensors)))
             if aliases is not None:  # acquire again, with the shared storage as one input
+                acquisition.observer.undo()
+                hooks.restore()
                 acquisition = self._acquire(args, kwargs, tensors, names, aliases, real_inputs, compiling)
                 tree, interpreter = acquisition.tree, acquisition.interpreter
                 constants = [t for t, _ in interpreter.constants]

@@ -308,6 +308,10 @@ class Observer:
             raise self._refused
         self.writes = self._stores.finish(self._created)
 
+    def undo(self) -> None:
+        """The acquisition is abandoned: the attributes and globals the program stored hold what they held."""
+        self._stores.undo()
+
     def _special(self, value: Any, frame: types.FrameType) -> None:
         """Values whose reading reads state no attribute holds. Torch's global switches the program asks for
         (`torch.are_deterministic_algorithms_enabled()`) are guarded on their answer, the environment on all of it.

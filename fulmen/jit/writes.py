@@ -119,6 +119,23 @@ class WriteLog:
             writes.append(Write(store.target, store.name, final))
         return tuple(writes)
 
+    def undo(self) -> None:
+        """Puts back what the stores that happened for real replaced (those to a shadow never reached the user's
+        objects): the acquisition is abandoned and the program runs again (rerun.py)."""
+        for store in reversed(self._stores.values()):
+            if store.shadow is not None:
+                continue
+            if store.is_global:
+                if store.before is MISSING:
+                    store.target.pop(store.name, None)
+                else:
+                    store.target[store.name] = store.before
+            elif store.before is MISSING:
+                if attribute_value(store.target, store.name) is not MISSING:
+                    delattr(store.target, store.name)
+            else:
+                setattr(store.target, store.name, store.before)
+
     @staticmethod
     def _final(store: _Store) -> Any:
         if store.shadow is not None:
