@@ -30,6 +30,7 @@ import torch
 from fulmen.core.errors import TraceError
 from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace
+from fulmen.jit.output_grads import check_watched, feeding_outputs, watch
 from fulmen.ops import prims
 from fulmen.transforms.autocast import without_autocast
 from fulmen.transforms.cudagraphs import GraphedProgram
@@ -83,6 +84,10 @@ class GradProgram:
         # inputs the backward gives no grad: detached, so that autograd does not walk into their histories
         grads = self.plan.assemble(self.plan.differentiable)[2]
         self.no_grad_inputs = tuple(i for i, grad in enumerate(grads) if grad is None and i not in dirty)
+        updated_outputs = {d.output for d in self.dirty}
+        self.feeding = tuple(
+            f for f in feeding_outputs(self.plan.source, self.plan.differentiable) if f.output not in updated_outputs
+        )
 
     def use_graphs(self, graphs: GraphedProgram, plain_forward: Trace, plain_backward: Trace) -> None:
         """The forward and backward traces (the last of `backward_traces`) replay CUDA graphs; `plain_forward` and
@@ -172,6 +177,7 @@ class FulmenFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if program.non_differentiable:
             ctx.mark_non_differentiable(*(outputs[i] for i in program.non_differentiable))
+        ctx.watched = watch(program.feeding, outputs)
         return tuple(outputs)
 
     @staticmethod
@@ -196,6 +202,8 @@ class FulmenFunction(torch.autograd.Function):
                         f"expected version {version} instead."
                     )
         present = tuple(d and g is not None for d, g in zip(program.plan.differentiable, grads))
+        if program.feeding:
+            check_watched(program.feeding, ctx.watched, present)
         if program.stale:
             _check_stale(program, present, ctx.stale)
         cotangents = [g for g, p in zip(grads, present) if p]

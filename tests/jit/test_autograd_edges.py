@@ -33,3 +33,53 @@ def test_differentiating_a_complex_tensor_is_refused_naming_it_and_the_line(fn):
 def test_complex_values_without_grad_still_compute_as_eager():
     x = _complex_leaf().detach()
     torch.testing.assert_close(fulmen.jit(lambda x: (x * x).exp())(x), (x * x).exp(), rtol=0, atol=0)
+
+
+def _logits_and_loss(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = x * 2
+    loss = logits.sin().sum()
+    return logits, loss
+
+
+def _leaf() -> torch.Tensor:
+    return torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+
+
+def _retain(t: torch.Tensor, seen: list) -> None:
+    t.retain_grad()
+
+
+def _hook(t: torch.Tensor, seen: list) -> None:
+    t.register_hook(lambda grad: seen.append(grad))
+
+
+@pytest.mark.parametrize("watch", [_retain, _hook], ids=["retain_grad", "register_hook"])
+def test_watching_the_grad_of_an_output_other_outputs_use_is_refused(watch):
+    x, seen = _leaf(), []
+    logits, loss = _logits_and_loss(x)
+    watch(logits, seen)
+    loss.backward()
+    full = 2 * torch.cos(2 * x.detach())  # what eager shows for logits: the grad that came through the loss
+    torch.testing.assert_close(logits.grad if not seen else seen[0], full / 2)
+
+    logits, loss = fulmen.jit(_logits_and_loss)(_leaf())
+    watch(logits, [])
+    with pytest.raises(TraceError, match=r"(?s)output 0 .* outputs \[1\] .*logits = x \* 2"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("watch", [_retain, _hook], ids=["retain_grad", "register_hook"])
+def test_a_watched_output_gets_eagers_grad_where_no_other_output_brings_one(watch):
+    results = []
+    for fn in (_logits_and_loss, fulmen.jit(_logits_and_loss)):
+        x, seen = _leaf(), []
+        logits, loss = fn(x)
+        watch(logits, seen)
+        (logits * 3).sum().backward()
+        results.append((logits.grad if not seen else None, seen, x.grad))
+    (want_logits, want_seen, want_x), (got_logits, got_seen, got_x) = results
+    torch.testing.assert_close(got_x, want_x, rtol=0, atol=0)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+    assert len(got_seen) == len(want_seen)
+    for got, want in zip(got_seen, want_seen):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,0 +1,82 @@
+"""Outputs of a jitted program that other outputs were computed from, and the grads autograd shows for them.
+
+The program runs as one autograd node, so every output is an output of that node: with `a = x * 2` and
+`b = a.sin()` both returned, eager's graph runs b's grad through a's node, fulmen's does not. The grad autograd
+gives `a` (what a hook on `a` sees and may replace, what `a.retain_grad()` keeps) is then only the part that reached
+`a` directly, without what came through `b`. The backward cannot give a hook the whole grad, so it refuses when a
+hook or `retain_grad` watches such an output while a grad arrives through an output computed from it
+(`check_watched`). Known limit: `torch.autograd.grad(b, a)` captures `a`'s grad without running the node, so
+fulmen cannot see it; torch then reports `a` as unused (or returns None with `allow_unused=True`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fulmen.core.errors import TraceError
+from fulmen.core.source import SourceLocation
+from fulmen.core.trace import Trace
+
+
+@dataclass(frozen=True, slots=True)
+class FeedingOutput:
+    """Program output `output`, from which the outputs `dependents` were computed (differentiably)."""
+
+    output: int
+    dependents: tuple[int, ...]
+    name: str
+    where: SourceLocation | None  # the line that computed it
+
+
+def feeding_outputs(trace: Trace, differentiable: Sequence[bool]) -> tuple[FeedingOutput, ...]:
+    """The differentiable outputs of `trace` that other differentiable outputs depend on through values that
+    require grad."""
+    index: dict[str, list[int]] = {}
+    for i, (out, wanted) in enumerate(zip(trace.output, differentiable)):
+        if wanted:
+            index.setdefault(out.pname, []).append(i)
+    reaches: dict[str, frozenset[int]] = {}  # value -> the outputs it was computed from
+    where: dict[str, SourceLocation | None] = {}
+    for bsym in trace.bound_symbols:
+        sources = frozenset().union(*(reaches.get(p.pname, ()) for p in bsym.proxy_args() if p.requires_grad))
+        for out in bsym.proxy_outputs():
+            if out.requires_grad:
+                reaches[out.pname] = sources | frozenset(index.get(out.pname, ()))
+            where.setdefault(out.pname, bsym.source)
+    feeding = []
+    for name, outputs in index.items():
+        for i in outputs:
+            dependents = tuple(
+                j
+                for j, out in enumerate(trace.output)
+                if differentiable[j] and out.pname != name and i in reaches.get(out.pname, ())
+            )
+            if dependents:
+                feeding.append(FeedingOutput(i, dependents, name, where.get(name)))
+    return tuple(sorted(feeding, key=lambda f: f.output))
+
+
+def watch(feeding: tuple[FeedingOutput, ...], outputs: Sequence[torch.Tensor]) -> list[weakref.ref]:
+    """Weak references to the feeding outputs a call returns (the backward looks at their hooks)."""
+    return [weakref.ref(outputs[f.output]) for f in feeding]
+
+
+def check_watched(feeding: tuple[FeedingOutput, ...], refs: list[weakref.ref], present: Sequence[bool]) -> None:
+    """Refuses the backward when a hook or `retain_grad` watches a feeding output that would see a partial grad."""
+    for f, ref in zip(feeding, refs):
+        tensor = ref()
+        if tensor is None or not any(present[j] for j in f.dependents):
+            continue
+        if tensor.retains_grad or tensor._backward_hooks:
+            what = "retain_grad()" if tensor.retains_grad else "a hook (register_hook)"
+            raise TraceError(
+                f"the jitted program's output {f.output} ({f.name}) has {what}, and outputs "
+                f"{list(f.dependents)} of the program were computed from it: fulmen runs the program as one autograd "
+                "node, so the grad autograd would show for that output lacks what reaches it through the others. "
+                "Compute the outputs that use it in a second jitted call (or eagerly) taking it as an argument",
+                f.where,
+            )
