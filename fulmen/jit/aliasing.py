@@ -66,10 +66,39 @@ def _extent(t: torch.Tensor) -> int:
     return t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
 
 
+def _may_overlap(tensor: torch.Tensor) -> bool:
+    """Whether two elements of `tensor` may share memory: with its dimensions ordered by stride, each must step past
+    all that the smaller ones reach (sufficient for no overlap; a function of sizes and strides, which the cache key
+    holds)."""
+    if tensor.numel() <= 1:
+        return False
+    reach = 0
+    for stride, size in sorted((st, s) for s, st in zip(tensor.shape, tensor.stride()) if s > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _refuse_internal_overlap(tensor: torch.Tensor, name: str, where: SourceLocation | None) -> None:
+    """An update of a tensor whose elements share memory (`as_strided` with overlapping strides, `expand`): eager's
+    result depends on the order its kernel visits the elements (stride 0 eager refuses), which a functional trace
+    does not reproduce."""
+    if type(tensor) in _PLAIN and _may_overlap(tensor):
+        raise TraceError(
+            f"the program updates in place its input {name}, whose elements may share memory (size "
+            f"{tuple(tensor.shape)}, stride {tensor.stride()}): eager's result depends on the order its kernel writes "
+            "them; pass a tensor without overlapping elements (x.clone())",
+            where,
+        )
+
+
 def plan_aliases(inputs: Sequence[torch.Tensor], written: dict[int, SourceLocation | None], names: Sequence[str],
                  module_range: range) -> AliasPlan | None:
     """The plan for the storage groups that hold an input the program updates in place (None when there are none);
     refuses what it cannot make exact. `written`: the updated inputs' positions, with the line of the update."""
+    for i, where in written.items():
+        _refuse_internal_overlap(inputs[i], names[i], where)
     members: dict[int, list[int]] = {}
     for i, first in enumerate(storage_groups(inputs)):
         members.setdefault(first, []).append(i)

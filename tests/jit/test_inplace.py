@@ -365,3 +365,30 @@ def test_an_input_the_backward_gives_no_grad_keeps_autograd_out_of_its_freed_his
     state.sum().backward()  # frees state's history, as a previous training step does
     fulmen.jit(f)(x, state).sum().backward()
     torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
+def _double_in_place(t):
+    t.mul_(2)
+    return t.sum()
+
+
+@pytest.mark.parametrize(
+    "view", [lambda b: b[:3], lambda b: b.as_strided((2, 2), (3, 1)), lambda b: b.reshape(2, 3).t()],
+    ids=["slice", "strided", "transposed"],
+)
+def test_updates_of_views_whose_elements_do_not_share_memory_match_eager(view):
+    eager, jitted = torch.arange(6.0), torch.arange(6.0)
+    torch.testing.assert_close(fulmen.jit(_double_in_place)(view(jitted)), _double_in_place(view(eager)))
+    torch.testing.assert_close(jitted, eager, rtol=0, atol=0)
+
+
+def test_an_update_of_an_input_whose_elements_overlap_is_refused_at_its_line():
+    # eager writes each memory location as often as elements alias it, in its kernel's order
+    base = torch.arange(6.0)
+    _double_in_place(base.as_strided((3, 3), (1, 1)))
+    assert not torch.equal(base, torch.arange(6.0) * 2)
+
+    base = torch.arange(6.0)
+    with pytest.raises(fulmen.TraceError, match=r"(?s)input t, whose elements may share memory .*t\.mul_\(2\)"):
+        fulmen.jit(_double_in_place)(base.as_strided((3, 3), (1, 1)))
+    assert torch.equal(base, torch.arange(6.0))
