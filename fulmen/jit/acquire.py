@@ -29,7 +29,7 @@ from fulmen.ops import lookup, shape
 from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.autocast import PARTS as AUTOCAST_PARTS
-from fulmen.transforms.autocast import cast_arguments, cast_output
+from fulmen.transforms.autocast import CastCache, cast_arguments, cast_output
 from fulmen.transforms.autocast import plan as autocast_plan
 from fulmen.transforms.distribution import logical_meta
 
@@ -95,6 +95,7 @@ class Interpreter(TorchFunctionMode):
         self.replaced: dict[Callable[..., Any], Symbol] = {}  # torch callables an active executor replaces
         self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()  # see observe.Observer.quiet
         self.reads_storage_offset = False  # then the trace holds only for inputs at the same storage offsets
+        self.autocast_casts = CastCache(builder)
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
             T.__setitem__: self._setitem,
             T.copy_: self._copy_,
@@ -134,6 +135,8 @@ class Interpreter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in METADATA or func in STATE:
+            if func is torch.clear_autocast_cache:
+                self.autocast_casts.clear()
             with torch._C.DisableTorchFunction():
                 return func(*args, **kwargs)
         self.builder.source = location = self._pinned[-1] if self._pinned else user_location()
@@ -283,7 +286,7 @@ class Interpreter(TorchFunctionMode):
                     "conversion of its inputs; convert the inputs yourself or call it outside autocast",
                     self.builder.source)
             if autocast is not None:
-                values, kwvalues = cast_arguments(autocast, values, kwvalues)
+                values, kwvalues = cast_arguments(autocast, values, kwvalues, self.autocast_casts)
             with self.quiet:  # a symbol's meta and decomposition are fulmen's and torch's code, never the program's
                 output = sym(*values, **kwvalues)
             if autocast is not None:

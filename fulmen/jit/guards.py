@@ -49,7 +49,8 @@ def global_state_key() -> tuple:
         for device in ("cpu", "cuda")
         if torch.is_autocast_enabled(device)
     )
-    return (*state, autocast)
+    # its cache decides which conversions are shared (fulmen.transforms.autocast.CastCache)
+    return (*state, autocast, torch.is_autocast_cache_enabled())
 
 
 KEY_PARTS = ("the inputs' structure or Python values", "argument tensor metadata", "module tensor metadata",

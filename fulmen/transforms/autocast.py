@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,8 +22,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol, iter_proxies, map_proxies
+from fulmen.core.trace import TraceBuilder
 from fulmen.ops.registry import SYMBOLS
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -225,18 +227,61 @@ def plan(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
     return _PROBES[key]
 
 
-def cast_arguments(autocast: AutocastPlan, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+@dataclass
+class CastCache:
+    """torch.autocast's cache of conversions, for one acquisition. Eager converts a float32 leaf that requires grad (a
+    parameter) to autocast's lower precision once and every op that reads it shares that conversion, so the grads of
+    those ops are summed in the lower precision before its backward converts them; any other value is converted
+    once per op (the grads summed in float32). The cache holds until torch clears it (the outermost autocast
+    exits: `clear`), and is used while `torch.is_autocast_cache_enabled()`. The trace states the same conversions.
+
+    Known limit: a trace input is taken for a leaf (its proxy does not know; a tensor argument that requires grad and
+    is not a leaf, converted for more than one op, gets one shared conversion where eager makes one per op)."""
+
+    builder: TraceBuilder
+    casts: dict[str, TensorProxy] = field(default_factory=dict)  # by the converted value's name, as eager's by tensor
+    _produced: set[str] = field(default_factory=set)  # values the program computed (not leaves)
+    _scanned: int = 0  # the calls of the outermost scope already in `_produced`
+
+    def clear(self) -> None:
+        self.casts.clear()
+
+    def cast(self, p: TensorProxy, dtype: torch.dtype) -> TensorProxy:
+        cached = self.casts.get(p.pname)
+        if cached is not None and cached.dtype != dtype:
+            # eager's cache answers by tensor whatever dtype is asked: the op would mix two lower precisions
+            raise TraceError(f"torch.autocast converts {p.pname} ({p.type_string()}) to {dtype} here, but its cache "
+                             f"holds the {cached.dtype} conversion an enclosing autocast made, which eager would use "
+                             "instead; exit the outer autocast, or disable its cache (cache_enabled=False)",
+                             self.builder.source)
+        if cached is not None:
+            return cached
+        converted = SYMBOLS["torch.Tensor.to"](p, dtype=dtype)
+        if (torch.is_autocast_cache_enabled() and p.dtype == torch.float32 and p.requires_grad
+                and dtype == torch.get_autocast_dtype(p.device.type) and self._leaf(p)):
+            self.casts[p.pname] = converted
+        return converted
+
+    def _leaf(self, p: TensorProxy) -> bool:
+        outermost, *inner = self.builder.scopes
+        for bsym in outermost[self._scanned:]:
+            self._produced.update(bsym.output_names())
+        self._scanned = len(outermost)
+        return p.pname not in self._produced and not any(p.pname in b.output_names() for s in inner for b in s)
+
+
+def cast_arguments(autocast: AutocastPlan, args: tuple, kwargs: dict[str, Any], cache: CastCache
+                   ) -> tuple[tuple, dict[str, Any]]:
     """`args` and `kwargs` with autocast's conversions recorded in front of the op (and its dtype argument)."""
     if autocast.dtype is not None:
         kwargs = {**kwargs, "dtype": autocast.dtype}
     if not autocast.casts:
         return args, kwargs
-    to = SYMBOLS["torch.Tensor.to"]
     position = itertools.count()
 
     def cast(p: TensorProxy) -> TensorProxy:
         dtype = autocast.casts.get(next(position))
-        return to(p, dtype=dtype) if dtype is not None and dtype != p.dtype else p
+        return cache.cast(p, dtype) if dtype is not None and dtype != p.dtype else p
 
     return map_proxies(args, cast), map_proxies(kwargs, cast)
 

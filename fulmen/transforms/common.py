@@ -27,16 +27,21 @@ def dce(trace: Trace) -> Trace:
 
 
 def _key(bsym: BoundSymbol) -> str | None:
-    # which outputs require grad too: the same call made under no_grad and with grad enabled gives two values
-    grads = "".join("1" if p.requires_grad else "0" for p in bsym.proxy_outputs())
+    # A call whose outputs require grad stays: merged, the two values' grads would be summed before its backward
+    # runs (in its output's dtype: a bfloat16 cast of a float32 value sums them in bfloat16) where eager runs the
+    # backward of each call and sums at the input, so grads would round differently. (autocast's cache, eager's one
+    # shared conversion, is modelled when acquiring: fulmen.transforms.autocast.CastCache.)
+    if any(p.requires_grad for p in bsym.proxy_outputs()):
+        return None
     try:
-        return f"{bsym.sym.printed}|{render(bsym.args)}|{render(bsym.kwargs)}|{grads}"
+        return f"{bsym.sym.printed}|{render(bsym.args)}|{render(bsym.kwargs)}"
     except TypeError:
         return None
 
 
 def cse(trace: Trace) -> Trace:
-    """Reuses the outputs of an identical earlier call (same symbol, same arguments)."""
+    """Reuses the outputs of an identical earlier call (same symbol, same arguments) whose outputs do not require
+    grad."""
     seen: dict[str, BoundSymbol] = {}
     renames: dict[str, TensorProxy] = {}
 

@@ -131,3 +131,94 @@ def test_cuda_autocast_cross_entropy_of_half_precision_logits():
     # backward is one kernel rounding once, fulmen's its formula)
     for got, want in zip(torch.autograd.grad(ours, (h, w)), torch.autograd.grad(eager, (h, w))):
         torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * want.abs().max().item())
+
+
+def _step_grads(fn, inputs, *, dtype=torch.bfloat16, cache_enabled=True):
+    """The output and the grads of `inputs` (leaves made here) under CPU autocast, of a loss that weighs each
+    output element differently."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    with torch.autocast("cpu", dtype=dtype, cache_enabled=cache_enabled):
+        out = fn(*leaves)
+    (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+    return [out.detach(), *(x.grad for x in leaves)]
+
+
+class _GatedMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.gate, self.up = torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(64, 128, bias=False)
+        self.down = torch.nn.Linear(128, 64, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)  # float32 under CPU autocast, converted to bfloat16 by each linear that reads it
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def test_grads_of_a_value_autocast_converts_for_two_ops_are_summed_as_eager_sums_them():
+    """Eager converts the normed activation once per linear, so the two bfloat16 grads are converted and summed in
+    float32; the trace merged the two conversions into one and summed them in bfloat16 (the input's and the norm's
+    grads were off by bfloat16 roundings)."""
+    torch.manual_seed(0)
+    model, x = _GatedMLP(), torch.randn(8, 64)
+    results = []
+    for net in (model, fulmen.jit(model)):
+        model.zero_grad(set_to_none=True)
+        results.append(_step_grads(net, [x]) + [p.grad for p in model.parameters()])
+    for ours, eager in zip(results[1], results[0]):
+        assert torch.equal(ours, eager)
+
+
+def _two_uses_of_a_leaf(x, x2, w):
+    return (x @ w) + (x2 @ w) + (x @ w.T)
+
+
+def _two_uses_of_a_computed_weight(x, x2, w):
+    w = w * 1.0
+    return (x @ w) + (x2 @ w)
+
+
+def _an_explicit_conversion_and_autocasts(x, x2, w):
+    return (x @ w) + (x2.to(torch.bfloat16) @ w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("cache_enabled", [True, False])
+@pytest.mark.parametrize("fn", [_two_uses_of_a_leaf, _two_uses_of_a_computed_weight,
+                                _an_explicit_conversion_and_autocasts])
+def test_autocast_cache_shares_a_conversion_where_eager_shares_it(fn, cache_enabled):
+    """Eager's autocast cache converts a float32 leaf that requires grad once for every op that reads it (its grads
+    summed in bfloat16), any other value once per op; cache_enabled=False converts every time. Grads bit for bit."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(16, 64), torch.randn(16, 64), torch.randn(64, 64)]
+    eager = _step_grads(fn, inputs, cache_enabled=cache_enabled)
+    ours = _step_grads(fulmen.jit(fn), inputs, cache_enabled=cache_enabled)
+    for got, want in zip(ours, eager):
+        assert torch.equal(got, want)
+
+
+def test_the_autocast_cache_setting_is_part_of_the_cache_key():
+    torch.manual_seed(0)
+    inputs = [torch.randn(16, 64), torch.randn(16, 64), torch.randn(64, 64)]
+    jitted = fulmen.jit(_two_uses_of_a_leaf)
+    for cache_enabled in (True, False, True):
+        ours = _step_grads(jitted, inputs, cache_enabled=cache_enabled)
+        eager = _step_grads(_two_uses_of_a_leaf, inputs, cache_enabled=cache_enabled)
+        assert all(torch.equal(got, want) for got, want in zip(ours, eager))
+    assert fulmen.cache_misses(jitted) == 2
+
+
+def test_a_cached_conversion_asked_for_another_dtype_is_refused():
+    """Eager's cache answers by tensor: under an inner float16 autocast, a weight the outer bfloat16 autocast
+    converted stays bfloat16 (eager's matmul then raises on the mixed dtypes); fulmen names the line."""
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+
+    def f(x, w):
+        y = x @ w
+        with torch.autocast("cpu", dtype=torch.float16):
+            return y @ w
+
+    with pytest.raises(fulmen.TraceError, match="its cache holds the torch.bfloat16 conversion") as info:
+        _under_autocast(fulmen.jit(f), x, w)
+    assert "return y @ w" in str(info.value)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        _under_autocast(f, x, w)
