@@ -18,13 +18,34 @@ from fulmen.jit.writes import Write
 
 
 @dataclass(frozen=True, slots=True)
+class ReturnedInput:
+    """An output eager returns as an input tensor itself or as a view of one: taken from the input after the trace
+    ran, so it shares the input's memory, including an update the trace wrote back, and its autograd history, as
+    eager's does (the trace's own value for it would be a view of the functional new value, not of the input)."""
+
+    position: int  # among the trace's inputs: arguments, module tensors, captured tensors
+    views: tuple[tuple[Callable[..., Any], tuple, dict[str, Any], int | None], ...] = ()  # (impl, args, kwargs, index)
+    grad: bool = True  # the views were taken with grad enabled (else under no_grad, as in the program)
+
+    def take(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = inputs[self.position]
+        if self.views:
+            with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
+                for impl, args, kwargs, index in self.views:
+                    out = impl(out, *args, **kwargs)
+                    if index is not None:
+                        out = out[index]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class CacheEntry:
     fn: Callable[..., tuple]
     traces: tuple[Trace, ...]
     out_spec: Any
     out_objects: dict[int, Any]  # unhashable non-tensor outputs, by id
     n_outputs: int
-    returns_input: tuple[int | None, ...]  # output i is input tensor returns_input[i] itself (eager identity)
+    returns_input: tuple[ReturnedInput | None, ...]  # per output: an input or a view of one, as eager's
     rebinds: tuple[tuple[nn.Module, str, str], ...]  # trailing outputs reassigned to module attributes
     constants: tuple[torch.Tensor, ...]
     backward_traces: tuple[Trace, ...] = ()

@@ -158,6 +158,19 @@ class Functionalizer:
             value = link[1]
         return True
 
+    def view_path(self, obj: TensorProxy, roots: dict[int, int]) -> tuple[int, list[ViewInfo]] | None:
+        """When `obj` is a view of the object at `roots[id(base)]` (through any chain of views), that root and the
+        views from it to `obj`, outermost first; None when it is not, or a view takes a traced tensor argument."""
+        steps: list[ViewInfo] = []
+        key = id(obj)
+        while key not in roots:
+            info = self._views.get(key)
+            if info is None or next(iter(iter_proxies((info.args, info.kwargs))), None) is not None:
+                return None
+            steps.append(info)
+            key = id(info.base)
+        return roots[key], steps[::-1]
+
     def was_written(self, obj: TensorProxy) -> bool:
         return self._versions.get(id(obj), 0) > 0
 

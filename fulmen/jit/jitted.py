@@ -22,7 +22,7 @@ from fulmen.executors.base import Executor
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
 from fulmen.jit.bridge import UpdatedInput, apply
-from fulmen.jit.cache import Cache, CacheEntry
+from fulmen.jit.cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.compiling import seen_as_compiling
 from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import argument_key, compile_check, global_state_key, tensor_key
@@ -114,7 +114,7 @@ class Acquisition:
     values: list[TensorProxy]
     out_spec: Any
     out_objects: dict[int, Any]
-    returns_input: tuple[int | None, ...]
+    returns_input: tuple[ReturnedInput | None, ...]
     rebinds: list[tuple[nn.Module, str, str]]
     dirty: tuple[int, ...]  # inputs that get an autograd history (their values follow the rebinds' in `values`)
     compiling: bool  # traced as a tracer is seen (torch.compiler.is_compiling()), see fulmen.jit.compiling
@@ -184,7 +184,7 @@ class JittedFunction:
             self.stats.hits += 1
         self.last_entry = entry
         outputs = entry.fn(*tensors, *module_tensors, *entry.constants)
-        return self._finish(entry, outputs, tensors)
+        return self._finish(entry, outputs, tensors, module_tensors)
 
     def _other_layouts(self, spec: Any, tensors: list, state: tuple, module_tensors: list) -> tuple:
         """A cached trace made when the module had other parameters or buffers (a ModuleList grew, then shrank)."""
@@ -228,15 +228,17 @@ class JittedFunction:
         return (self._fn if self._module is None else self._module)(*args, **kwargs)
 
     @staticmethod
-    def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor]) -> Any:
+    def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor], module_tensors: list[torch.Tensor]
+                ) -> Any:
         for write in entry.writes:  # the Python state the program stored (fulmen.jit.writes)
             write.apply()
         if len(outputs) > entry.n_outputs:  # then the rebinds' values, then the values of updated inputs
             for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
                 getattr(module, container)[name] = value
             outputs = outputs[: entry.n_outputs]
-        if any(i is not None for i in entry.returns_input):
-            outputs = [tensors[i] if i is not None else out for i, out in zip(entry.returns_input, outputs)]
+        if any(r is not None for r in entry.returns_input):
+            inputs = [*tensors, *module_tensors, *entry.constants]
+            outputs = [r.take(inputs) if r is not None else out for r, out in zip(entry.returns_input, outputs)]
         if entry.out_spec == pytree.TENSOR:
             return outputs[0]
         return pytree.unflatten(entry.out_spec, outputs, entry.out_objects)
@@ -278,7 +280,7 @@ class JittedFunction:
         module_proxies = tree.proxies if tree else []
         with builder:
             values, out_spec, out_objects, returns_input, rebinds, dirty = self._outputs(
-                result, visible, tree, interpreter, proxies + module_proxies + storage)
+                result, visible + module_proxies, tree, interpreter, proxies + module_proxies + storage)
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
         position = {id(p): i for i, p in enumerate(inputs)}
         values += [value for _, value in dirty]
@@ -416,13 +418,22 @@ class JittedFunction:
         except TypeError as error:
             raise TraceError(str(error), None) from None
         input_index = {id(p): i for i, p in enumerate(proxies)}
-        values, returns_input = [], []
+        values: list[Any] = []
+        returns_input: list[ReturnedInput | None] = []
         for leaf in leaves:
+            returned = None
             if type(leaf) is TensorProxy:
                 values.append(functional.resolve(leaf))
-            else:
+                path = functional.view_path(leaf, input_index)
+                if path is not None:
+                    position, views = path
+                    returned = ReturnedInput(position, tuple((v.sym.impl, v.args, v.kwargs, v.index) for v in views),
+                                             values[-1].requires_grad or not proxies[position].requires_grad)
+            else:  # a captured tensor, returned itself
                 values.append(interpreter._constant(leaf))
-            returns_input.append(input_index.get(id(leaf)))
+                captured = next((i for i, (_, p) in enumerate(interpreter.constants) if p is values[-1]), None)
+                returned = ReturnedInput(len(proxies) + captured) if captured is not None else None
+            returns_input.append(returned)
         rebinds = []
         if tree is not None:
             for module, container, name, given, now in tree.rebinds():
