@@ -81,7 +81,7 @@ def _vmap_inline(fn: Callable[..., Any], in_dims: Any, out_dims: Any, randomness
     acquired = acquire(interpreter, fn, tuple(tree_unflatten(moved, spec)), kwargs, make, "fulmen.vmap")
     step = chunk_size or size
     chunks = []
-    for start in range(0, size, step):
+    for start in range(0, size, step) if size else (0,):  # an empty batch is one empty chunk, as torch.func
         length = min(step, size - start)
         env, batched = {}, set()
         for fresh, outer, d in zip(acquired.fresh, acquired.outer, batched_leaves):

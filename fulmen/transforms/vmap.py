@@ -143,6 +143,8 @@ class BatchTransform:
 
     def _loop(self, bsym: BoundSymbol, args: tuple, kwargs: dict, batched: tuple[bool, ...]) -> Any:
         size = self.batch.size
+        if size == 0:  # no example to run: the outputs are empty, of the shapes the trace knows
+            return map_proxies(bsym.output, lambda p: prims.full((0, *p.shape), 0, dtype=p.dtype, device=p.device))
 
         def batched_proxy(p: TensorProxy) -> TensorProxy:
             with torch._C.DisableTorchFunction():  # a meta tensor, not a call of the program

@@ -340,3 +340,24 @@ def test_updates_autograd_does_not_see_keep_tangents_and_grads_as_torch_func():
     xs = torch.arange(6.0, dtype=D).reshape(3, 2)
     close(fulmen.vmap(_detached_updates, in_dims=(0, None))(xs, w),
           tf.vmap(_detached_updates, in_dims=(0, None))(xs, w))
+
+
+def _empty_batch_programs(grad):
+    return [
+        lambda x, w: torch.tanh(x @ w),
+        lambda x, w: (x.sum(), F.softmax(x, 0)),
+        lambda x, w: grad(lambda a: (a @ w).exp().sum())(x),
+        lambda x, w: w[x.long().clamp(0, 2)],  # indexing by a batched index: once per example (a batch loop)
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_vmap_of_an_empty_batch_equals_torch_funcs(index):
+    """torch.func maps over 0 examples; fulmen raised an internal error (a chunk size of 0, a loop with no example
+    to stack)."""
+    x, w = torch.randn(0, 3, dtype=D), torch.randn(3, 5, dtype=D)
+    ours, theirs = _empty_batch_programs(fulmen.grad)[index], _empty_batch_programs(tf.grad)[index]
+    got, want = fulmen.vmap(ours, in_dims=(0, None))(x, w), tf.vmap(theirs, in_dims=(0, None))(x, w)
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    for g, h in zip(got, want, strict=True):
+        assert g.shape == h.shape and g.dtype == h.dtype
