@@ -356,6 +356,8 @@ class JittedFunction:
         traces = self.pipeline.acquire(acquired)
         bases = aliases.bases(real_inputs) if aliases is not None else []
         distributed = distributed_program(acquired, [*real_inputs, *bases])
+        if distributed is not None:  # a call passes a sharded module tensor: its view is the trace's to take
+            returns_input = tuple(r if r is None or r.position < len(tensors) else None for r in returns_input)
         graphs = None
         if self._options.cuda_graphs:
             graphs = graph_pool_for(traces[-1], distributed is not None,
