@@ -28,6 +28,7 @@ from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import argument_key, compile_check, global_state_key, tensor_key
 from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
 from fulmen.jit.observe import Observer
+from fulmen.jit.output_grads import rewatch
 from fulmen.jit.overrides import ModuleInput, ShadowTree, build_shadow
 from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.replacements import call_table
@@ -238,7 +239,10 @@ class JittedFunction:
             outputs = outputs[: entry.n_outputs]
         if any(r is not None for r in entry.returns_input):
             inputs = [*tensors, *module_tensors, *entry.constants]
-            outputs = [r.take(inputs) if r is not None else out for r, out in zip(entry.returns_input, outputs)]
+            returned = [r.take(inputs) if r is not None else out for r, out in zip(entry.returns_input, outputs)]
+            if entry.program is not None and entry.program.feeding:
+                rewatch(entry.program.feeding, outputs, returned)
+            outputs = returned
         if entry.out_spec == pytree.TENSOR:
             return outputs[0]
         return pytree.unflatten(entry.out_spec, outputs, entry.out_objects)

@@ -86,6 +86,18 @@ def test_a_view_taken_under_no_grad_has_no_history_as_eagers():
     assert got.requires_grad == want.requires_grad
 
 
+def test_retain_grad_on_a_returned_view_that_other_outputs_use_is_refused():
+    def view_and_its_use(x):
+        view = x.t()
+        return view, (view * view).sum()
+
+    view, total = fulmen.jit(view_and_its_use)(torch.randn(2, 3, requires_grad=True))
+    assert view.grad_fn is not None and total.grad_fn is not None
+    view.retain_grad()  # eager's view.grad would include what reaches it through `total`
+    with pytest.raises(fulmen.TraceError, match=r"output 0 .* has retain_grad\(\)"):
+        total.backward()
+
+
 CAPTURED = torch.ones(3, requires_grad=True)
 
 
