@@ -64,6 +64,36 @@ def embedding_backward(g: torch.Tensor, index: torch.Tensor, num_weights: int, p
     return torch.ops.aten.embedding_dense_backward(g, index, num_weights, padding_idx, scale_grad_by_freq)
 
 
+def attention_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                      dropout_p: float, is_causal: bool, scale: float | None,
+                      enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`F.scaled_dot_product_attention` with dropout as eager's math kernel runs it (the same draw), and the
+    attention probabilities after dropout, whose zeros hold the mask it drew."""
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, _additive(attn_mask, q.dtype), dropout_p,
+                                                              is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def attention_dropped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                      kept: torch.Tensor, dropout_p: float, is_causal: bool, scale: float | None,
+                      enable_gqa: bool) -> torch.Tensor:
+    """`attention_dropout`'s output with the dropout mask it drew (`kept`) instead of a new draw, through the ops
+    eager's math kernel differentiates (its dropout multiplies by the kept mask divided by 1 - p)."""
+    _, probs = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, _additive(attn_mask, q.dtype), 0.0, is_causal,
+                                                                 scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa:
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+    return torch.matmul(probs * kept.to(probs.dtype).div(1 - dropout_p), v)
+
+
+def _additive(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as `F.scaled_dot_product_attention` hands it to its math kernel (which adds the mask it gets):
+    0 where kept, -inf where masked."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    return torch.where(attn_mask.logical_not(), -torch.inf, torch.scalar_tensor(0.0, dtype=dtype,
+                                                                                device=attn_mask.device))
+
+
 # Eager's fused backward kernels (symbols in fulmen.ops.backward_kernels): each computes in float32 for
 # half-precision tensors and rounds once, where the same formula as separate torch calls rounds after every step.
 def tanh_backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -93,13 +123,17 @@ def log_softmax_backward(g: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Te
 def layer_norm_backward(g: torch.Tensor, x: torch.Tensor, normalized_shape: list[int], mean: torch.Tensor,
                         rstd: torch.Tensor, weight: torch.Tensor | None, bias_dtype: torch.dtype | None,
                         output_mask: list[bool]) -> tuple[torch.Tensor | None, ...]:
-    """The grads of `native_layer_norm`'s input, weight and bias (those `output_mask` asks for; the bias's in
-    `bias_dtype`: the kernel reads only the bias's metadata, and the bias itself is not kept for the backward).
-    Eager's CPU kernel keeps a half-precision input's statistics in the input's dtype (its forward rounds them so);
-    a forward fused by an executor gives them in float32, the dtype the trace states."""
-    if x.device.type == "cpu":
+    """The grads of `native_layer_norm`'s input, weight and bias (those `output_mask` asks for). `bias_dtype` is the
+    bias's dtype (None without a bias): the kernel reads only the bias's metadata, and the bias itself is not kept
+    for the backward. Eager's CPU kernel keeps a half-precision input's statistics in the input's dtype (its forward
+    rounds them so), except in its mixed-dtype form, where the weight (or without one the bias) is float32, as
+    under CPU autocast: then they stay float32, the kernel's float32 form reads them so, and a half-precision copy
+    would select its other form, which refuses the float32 weight. A forward fused by an executor gives them in
+    float32, the dtype the trace states."""
+    param_dtype = weight.dtype if weight is not None else bias_dtype
+    if x.device.type == "cpu" and param_dtype in (None, x.dtype):
         mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
-    bias = torch.empty(normalized_shape, dtype=bias_dtype, device=x.device) if output_mask[2] else None
+    bias = None if bias_dtype is None else torch.empty(normalized_shape, dtype=bias_dtype, device=x.device)
     return tuple(torch.ops.aten.native_layer_norm_backward(g, x, normalized_shape, mean, rstd, weight, bias,
                                                            output_mask))
 

@@ -18,10 +18,11 @@ def _stand_in(proxy: TensorProxy) -> torch.Tensor:
 
 
 def eager_choice(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale: float | None,
-                 enable_gqa: bool = False) -> int:
+                 enable_gqa: bool = False, attn_mask: TensorProxy | None = None, dropout_p: float = 0.0) -> int:
     """The `SDPBackend` eager's `F.scaled_dot_product_attention` picks for tensors laid out like these (torch's
     selector reads shapes, strides, dtypes, devices, requires_grad, the grad mode and the backend switches, and
     needs real tensors of the device: uninitialised stand-ins, outside the acquisition)."""
     with torch._C.DisableTorchFunction():
-        return torch._fused_sdp_choice(_stand_in(q), _stand_in(k), _stand_in(v), None, 0.0, is_causal, scale=scale,
-                                       enable_gqa=enable_gqa)
+        mask = _stand_in(attn_mask) if attn_mask is not None else None
+        return torch._fused_sdp_choice(_stand_in(q), _stand_in(k), _stand_in(v), mask, dropout_p, is_causal,
+                                       scale=scale, enable_gqa=enable_gqa)

@@ -8,16 +8,28 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
+from fulmen.core.errors import TraceError
 from fulmen.core.symbol import Tag, iter_proxies
-from fulmen.ops import backward_kernels, shape
+from fulmen.ops import backward_kernels, impls, shape
 from fulmen.ops.nn import batch_norm_update, embedding_backward, native_layer_norm
-from fulmen.ops.registry import SYMBOLS, torch_symbol
+from fulmen.ops.registry import SYMBOLS, impl_symbol, torch_symbol
+from fulmen.ops.sdpa_kernels import eager_choice
 from fulmen.ops.utils import canonical_dim, compute_dtype, is_real_number, is_tensor
-from fulmen.transforms.autodiff import get_grad, put_grad, register_grad, torch_vjp, wants_grad
+from fulmen.transforms.autodiff import (
+    differentiated_call,
+    get_grad,
+    put_grad,
+    register_grad,
+    torch_vjp,
+    wants_grad,
+)
 from fulmen.transforms.vjp_prims import matmul_rule, zeros_shaped
 
 native_dropout = torch_symbol(torch.native_dropout, tags=Tag.RANDOM)
+attention_dropout = impl_symbol(impls.attention_dropout, tags=Tag.RANDOM)
+attention_dropped = impl_symbol(impls.attention_dropped)
 
 
 
@@ -100,7 +112,7 @@ def native_layer_norm_grad(x, normalized_shape, weight, bias, eps):
     y, mean, rstd = native_layer_norm(x, normalized_shape, weight, bias, eps)
     mask = [wants_grad(x), wants_grad(weight), wants_grad(bias)]
     grads = backward_kernels.layer_norm_backward(get_grad(y), x, list(normalized_shape), mean, rstd, weight,
-                                                 bias.dtype if mask[2] else None, mask)
+                                                 None if bias is None else bias.dtype, mask)
     for t, grad in zip((x, weight, bias), grads):
         if grad is not None:
             put_grad(t, grad)
@@ -153,7 +165,7 @@ def silu_grad(x, inplace=False):
 @register_grad(F.scaled_dot_product_attention)
 def sdpa_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if dropout_p != 0.0:
-        return NotImplemented  # the random draw must happen once: differentiated through torch autograd
+        return _sdpa_dropout_grad(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     kwargs = {"dropout_p": 0.0, "is_causal": is_causal, "scale": scale}
     if enable_gqa:
         kwargs["enable_gqa"] = True
@@ -166,6 +178,28 @@ def sdpa_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
                       (get_grad(y),))
     for i, grad in zip(wrt, grads):
         put_grad(inputs[i], grad)
+    return y
+
+
+def _sdpa_dropout_grad(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The backward must see the dropout mask the forward drew (recomputing the attention would draw another).
+    Eager's math kernel (its choice on CPU) returns the probabilities after dropout, whose zeros are that mask; a
+    fused kernel draws inside itself, with its own generator offsets, which fulmen cannot replay."""
+    if eager_choice(q, k, v, is_causal, scale, enable_gqa, attn_mask, dropout_p) != SDPBackend.MATH.value:
+        raise TraceError(
+            f"fulmen cannot differentiate scaled_dot_product_attention with dropout_p={dropout_p} on {q.device}: "
+            "eager's fused attention kernel draws the dropout mask inside itself, and fulmen cannot give its "
+            "backward that same mask. Train with attention dropout 0 (e.g. attention_dropout=0.0 / attn_pdrop=0.0 "
+            "in a Hugging Face config), or select the math kernel (torch.nn.attention.sdpa_kernel(SDPBackend.MATH))",
+            differentiated_call().source,
+        )
+    y, probs = attention_dropout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    kept = torch.ne(probs, 0)
+    tensors = [t for t in (q, k, v, attn_mask) if is_tensor(t)]
+    wrt = tuple(i for i, t in enumerate(tensors) if wants_grad(t))
+    args = (q, k, v, attn_mask, kept, dropout_p, is_causal, scale, enable_gqa)
+    for i, grad in zip(wrt, torch_vjp(attention_dropped, args, {}, wrt, (get_grad(y),))):
+        put_grad(tensors[i], grad)
     return y
 
 

@@ -67,3 +67,33 @@ def test_hidden_states_and_attentions_with_a_padding_mask(attn):
     assert [len(layer._forward_hooks) for layer in model.model.layers] == [
         len(layer._forward_hooks) for layer in eager.model.layers
     ]
+
+
+@pytest.mark.parametrize(
+    ("family", "class_name", "settings"),
+    [
+        ("gpt2", "GPT2LMHeadModel", {}),  # attn_pdrop=0.1 by default: dropout inside sdpa
+        ("llama", "LlamaForCausalLM", {"attention_dropout": 0.3}),
+        ("bert", "BertForMaskedLM", {}),  # attention_probs_dropout_prob=0.1, hidden dropout in nn.Dropout
+    ],
+    ids=["gpt2", "llama", "bert"],
+)
+def test_training_with_dropout_matches_eager_on_the_same_seed(family, class_name, settings):
+    """`model.train()` with dropout: on the same seed, fulmen draws eager's masks, in the forward and for the
+    backward. The grads used to come from a second draw (the backward recomputed attention with dropout)."""
+    eager = _build(family, class_name, **settings).train()
+    model = copy.deepcopy(eager)
+    jitted = fulmen.jit(model)
+    inputs = batch(padded=True)
+    for seed in range(2):
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        want = eager(**inputs).loss
+        torch.manual_seed(seed)
+        got = jitted(**inputs).loss
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        got.backward()
+        want.backward()
+        for (name, mine), (_, theirs) in zip(model.named_parameters(), eager.named_parameters()):
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
