@@ -169,6 +169,20 @@ def test_grads_of_a_value_autocast_converts_for_two_ops_are_summed_as_eager_sums
         assert torch.equal(ours, eager)
 
 
+def test_layer_norm_of_a_bfloat16_matmul_under_autocast():
+    """CPU autocast leaves layer_norm in its input's dtype: a bfloat16 activation with float32 weight and bias,
+    whose backward failed inside aten ("expected scalar type Float but found BFloat16")."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)), torch.randn(8, 64)
+    results = []
+    for net in (model, fulmen.jit(model)):
+        model.zero_grad(set_to_none=True)
+        results.append(_step_grads(net, [x]) + [p.grad for p in model.parameters()])
+    assert results[0][0].dtype == torch.bfloat16
+    for ours, eager in zip(results[1], results[0]):
+        assert torch.equal(ours, eager)
+
+
 def _two_uses_of_a_leaf(x, x2, w):
     return (x @ w) + (x2 @ w) + (x @ w.T)
 

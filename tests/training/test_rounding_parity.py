@@ -123,6 +123,34 @@ def test_decompositions_give_the_same_grads(name, dtype):
                                    msg=lambda m, i=i: f"grad of input {i}: {m}")
 
 
+# name -> a norm of a half-precision activation with float32 parameters (of COLS elements each), as CPU autocast
+# hands them over: eager's CPU kernels have a mixed-dtype form for them, which keeps the statistics in float32
+MIXED_NORMS = {
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), 2),
+    "layer_norm_weight": (lambda x, w: F.layer_norm(x, x.shape[-1:], w), 1),
+    "group_norm": (lambda x, w, b: F.group_norm(x, 5, w, b), 2),
+    "batch_norm": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), 2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(MIXED_NORMS))
+def test_norms_of_half_precision_inputs_with_float32_parameters(name, dtype):
+    """layer_norm's backward handed eager's kernel statistics rounded to the input's dtype, which selects its
+    same-dtype form: aten's "expected scalar type Float but found BFloat16" where eager runs."""
+    program, count = MIXED_NORMS[name]
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(ROWS, COLS, generator=generator) * 3 + 1).to(dtype).requires_grad_()
+    params = [torch.randn(COLS, generator=generator).requires_grad_() for _ in range(count)]
+    _assert_grads_equal(program, [x, *params], [x, *params])
+
+
+def test_layer_norm_with_a_float32_weight_that_needs_no_grad():
+    x = torch.randn(ROWS, COLS, dtype=torch.bfloat16, requires_grad=True)
+    weight, bias = torch.randn(COLS), torch.randn(COLS, requires_grad=True)
+    _assert_grads_equal(lambda x, b: F.layer_norm(x, (COLS,), weight, b), [x, bias], [x, bias])
+
+
 def test_backward_kernels_show_in_the_backward_trace():
     """The rules call eager's kernels by name (readable, and claimable by an executor as one call)."""
     x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
