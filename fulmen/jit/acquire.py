@@ -23,6 +23,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
+from fulmen.jit.autograd_facts import AutogradFacts
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.jit.lookasides import is_fabric_backward_check
 from fulmen.ops import lookup, shape
@@ -40,7 +41,7 @@ METADATA: frozenset = frozenset(
     {
         T.shape.__get__, T.dtype.__get__, T.device.__get__, T.ndim.__get__,
         T.is_cuda.__get__, T.is_cpu.__get__, T.is_meta.__get__, T.layout.__get__, T.is_sparse.__get__,
-        T.is_quantized.__get__, T.is_nested.__get__, T.is_leaf.__get__, T.grad_fn.__get__, T.is_mkldnn.__get__,
+        T.is_quantized.__get__, T.is_nested.__get__, T.is_mkldnn.__get__,
         T.itemsize.__get__, T.nbytes.__get__, T.is_xpu.__get__, T.is_mps.__get__,
         T.size, T.dim, T.ndimension, T.numel, T.nelement, T.element_size, T.stride, T.is_contiguous,
         T.is_floating_point, T.is_complex, T.is_signed, T.get_device, T.__len__, T.__hash__,
@@ -88,6 +89,7 @@ class Interpreter(TorchFunctionMode):
         super().__init__()
         self.builder = builder
         self.functional = Functionalizer(lambda: self.builder.source)
+        self.autograd = AutogradFacts(self.functional)
         self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
         self._constant_ids: dict[int, TensorProxy] = {}
         self.ops_seen: list[str] = []
@@ -113,6 +115,14 @@ class Interpreter(TorchFunctionMode):
             T.requires_grad_: self._requires_grad_,
             T.requires_grad.__set__: self._requires_grad_,
             T.retain_grad: lambda x: None,
+            T.is_leaf.__get__: self.autograd.is_leaf,
+            T.grad_fn.__get__: self.autograd.grad_fn,
+            T.grad.__get__: lambda x: self._refuse_read("Tensor.grad", "the grad of one call would be a constant of "
+                                                        "the trace, where eager reads it anew on every call"),
+            T.retains_grad.__get__: lambda x: self._refuse_read("Tensor.retains_grad", "it is autograd state of "
+                                                                "one call, which a trace cannot follow"),
+            T._version.__get__: lambda x: self._refuse_read("Tensor._version", "the version counter of one call "
+                                                            "would be a constant of the trace"),
             T.data.__get__: lambda x: self._detach(x, data=True),
             T.detach: self._detach,
             torch.detach: self._detach,
@@ -372,6 +382,10 @@ class Interpreter(TorchFunctionMode):
             return self.functional.resolve(x).requires_grad
         with torch._C.DisableTorchFunction():
             return x.requires_grad
+
+    def _refuse_read(self, what: str, why: str) -> None:
+        raise UnsupportedOpError(f"fulmen cannot trace reading {what} inside a jitted function: {why}; read it outside "
+                                 "the jitted function (and pass what you need as an argument)", self.builder.source)
 
     def _requires_grad_(self, x: Any, requires_grad: bool = True) -> Any:
         if self._requires_grad(x) != requires_grad:

@@ -55,6 +55,7 @@ class CacheEntry:
     check: Callable[[], bool] | None = None  # all guards, compiled
     storage: tuple[int, ...] | None = None  # the inputs' storage groups, for a trace that updates an input
     offsets: tuple[int, ...] | None = None  # the inputs' storage offsets, for a trace that depends on them
+    leaves: tuple[tuple[int, bool], ...] | None = None  # (input, is_leaf) the program read (autograd_facts.py)
     aliases: AliasPlan | None = None
     module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
     writes: tuple[Write, ...] = ()  # the Python state the program stores, stored again by every call
@@ -64,7 +65,17 @@ class CacheEntry:
             return False
         if self.offsets is not None and storage_offsets([*tensors, *module_tensors, *self.constants]) != self.offsets:
             return False
+        if self.leaves is not None and changed_leaf(self.leaves, [*tensors, *module_tensors]) is not None:
+            return False
         return self.storage is None or storage_groups([*tensors, *module_tensors, *self.constants]) == self.storage
+
+
+def changed_leaf(leaves: Sequence[tuple[int, bool]], inputs: Sequence[torch.Tensor]) -> int | None:
+    """The first input whose `is_leaf` differs from what the trace read."""
+    for position, leaf in leaves:
+        if inputs[position].is_leaf is not leaf:
+            return position
+    return None
 
 
 def sharing(groups: Sequence[int], names: Sequence[str]) -> str:
@@ -119,6 +130,11 @@ class Cache:
             if failed >= 0:
                 return entry.guards[failed].describe()
         inputs = [*tensors, *module_tensors, *entry.constants]
+        changed = changed_leaf(entry.leaves, inputs) if entry.leaves is not None else None
+        if changed is not None:
+            which = names[changed] if changed < len(names) else f"module tensor #{changed - len(names)}"
+            now = "a leaf" if inputs[changed].is_leaf else "not a leaf (it has a grad_fn)"
+            return f"tensor {which} is {now}; the program read is_leaf or grad_fn of it, traced with the other"
         if entry.offsets is not None and storage_offsets(inputs) != entry.offsets:
             return (f"the inputs' storage offsets {storage_offsets(inputs)}, traced with {entry.offsets} (the program "
                     "reads them, or updates inputs that share memory)")

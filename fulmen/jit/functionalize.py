@@ -149,7 +149,7 @@ class Functionalizer:
             return kept
         return SYMBOLS["torch.detach"](new) if new.requires_grad else new
 
-    def _keeps_history(self, obj: TensorProxy, value: TensorProxy) -> bool:
+    def keeps_history(self, obj: TensorProxy, value: TensorProxy) -> bool:
         """Whether `value`, what input `obj` holds now, has `obj`'s own autograd history."""
         while value is not obj:
             link = self._kept.get(id(value))
@@ -192,7 +192,7 @@ class Functionalizer:
             if value is obj:
                 continue
             if obj.requires_grad or value.requires_grad:
-                if not (obj.requires_grad and self._keeps_history(obj, value)):
+                if not (obj.requires_grad and self.keeps_history(obj, value)):
                     dirty.append((obj, value))
                 if value.requires_grad:
                     value = SYMBOLS["torch.detach"](value)  # the history goes to the input through `dirty`

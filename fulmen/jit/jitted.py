@@ -21,6 +21,7 @@ from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.base import Executor
 from fulmen.jit.acquire import Interpreter
 from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
+from fulmen.jit.autograd_facts import refuse_returned_nodes
 from fulmen.jit.bridge import UpdatedInput, apply
 from fulmen.jit.cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.compiling import seen_as_compiling
@@ -141,6 +142,21 @@ def _carry_attributes(tensor: torch.Tensor, proxy: TensorProxy, name: str) -> No
     proxy.__dict__.update(tensor.__dict__)
 
 
+def _module_proxy(builder: TraceBuilder, interpreter: Interpreter, tensor: torch.Tensor, name: str) -> TensorProxy:
+    proxy = builder.make_proxy(logical_meta(tensor), tensor.device, tensor.requires_grad, name=name)
+    interpreter.autograd.add_input(proxy, proxy, tensor)
+    return proxy
+
+
+def _leaves_read(acquisition: Acquisition) -> tuple[tuple[int, bool], ...] | None:
+    """The inputs whose `is_leaf` (or `grad_fn`) the program read, by position, with what it read."""
+    read = acquisition.interpreter.autograd.read
+    if not read:
+        return None
+    position = {id(p): i for i, p in enumerate(acquisition.inputs)}
+    return tuple(sorted((position[id(proxy)], leaf) for proxy, leaf in read.values()))
+
+
 class JittedFunction:
     """A callable that runs `fn` through its cached, compiled traces."""
 
@@ -256,6 +272,8 @@ class JittedFunction:
         proxies = [builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=hint)
                    for t, hint in zip(tensors, names)]
         visible, storage = self._shared_storage(builder, interpreter, proxies, aliases, real_inputs, names)
+        for tensor, seen, proxy in zip(tensors, visible, proxies):
+            interpreter.autograd.add_input(seen, proxy, tensor)
         for tensor, proxy, name in zip(tensors, visible, names):
             if tensor.__dict__:  # Python attributes the program may read (the cache key holds them)
                 _carry_attributes(tensor, proxy, name)
@@ -267,10 +285,8 @@ class JittedFunction:
         calls = call_table(self.executors, interpreter)
         if self._module is not None:
             # A sharded parameter enters with its full shape (its distribution gathers it before use).
-            tree = build_shadow(
-                self._module, lambda t, name: builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=name),
-                observer, calls.lookasides,
-            )
+            tree = build_shadow(self._module, functools.partial(_module_proxy, builder, interpreter), observer,
+                                calls.lookasides)
             target = tree.root
         try:
             with (builder, interpreter, interpreter.replacing(calls.torch), observer.watching(calls.regions),
@@ -281,6 +297,7 @@ class JittedFunction:
             observer.undo()  # acquired again as a tracer is seen (_compile), or refused: stored once, as eager
             raise
         _refuse_stored_proxies(args, kwargs)
+        refuse_returned_nodes(result)
         module_proxies = tree.proxies if tree else []
         with builder:
             values, out_spec, out_objects, returns_input, rebinds, dirty = self._outputs(
@@ -408,6 +425,7 @@ class JittedFunction:
             storage=storage_groups(real_inputs) if written else None,
             offsets=storage_offsets(real_inputs) if interpreter.reads_storage_offset or aliases is not None else None,
             module_inputs=tuple(module_inputs),
+            leaves=_leaves_read(acquisition),
             aliases=aliases,
             writes=acquisition.observer.writes,
         )

@@ -1,0 +1,114 @@
+"""What a program reads about the autograd graph of its tensors (`is_leaf`, `grad_fn`), answered as eager would.
+
+A trace's proxies are stand-ins without a graph, so their own answers (always a leaf) are wrong. Most answers are
+known while tracing: a value that does not require grad is a leaf without a grad_fn, and a value the program computed
+that requires grad is not a leaf. What is left is an input that requires grad (an argument or a module tensor): eager's
+answer is the real tensor's, which can differ from call to call (an argument `a * 1` or a leaf), so the answer seen
+while tracing becomes a condition of the trace (`CacheEntry.leaves`), checked only for traces that read it.
+
+A grad_fn that exists in eager is never a node fulmen can give (the program's values have none while tracing, and an
+input's node is the node of one call): it stands as `TracedNode`, which answers `is None` and truth tests, and refuses
+anything else naming the user's line.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import torch
+
+from fulmen.core import pytree
+from fulmen.core.errors import TraceError
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.source import SourceLocation, user_location
+from fulmen.jit.functionalize import Functionalizer
+
+
+class TracedNode:
+    """The grad_fn of a tensor that has one in eager, while tracing: it is not None and is true, nothing more."""
+
+    __slots__ = ("tensor", "read_at")
+
+    def __init__(self, tensor: str, read_at: SourceLocation | None) -> None:
+        object.__setattr__(self, "tensor", tensor)
+        object.__setattr__(self, "read_at", read_at)  # where the program read the grad_fn
+
+    def _refuse(self, use: str) -> NoReturn:
+        raise TraceError(f"fulmen cannot trace {use} of the grad_fn of {self.tensor}: inside a jitted function a "
+                         "tensor has no autograd node to give (only `grad_fn is None` / `is not None` can be "
+                         "answered); use it outside the jitted function", user_location() or self.read_at)
+
+    def __bool__(self) -> bool:
+        return True  # a node is always true in eager
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):  # a generic probe (copy, pickle, pytrees): not a use
+            raise AttributeError(name)
+        self._refuse(f"reading .{name}")
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        self._refuse(f"setting .{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("a call")
+
+    def __eq__(self, other: object) -> bool:
+        if other is None:
+            return False
+        self._refuse("a comparison")
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        self._refuse("hashing")
+
+    def __repr__(self) -> str:
+        return f"<grad_fn of {self.tensor}, unknown while tracing (fulmen)>"
+
+
+class AutogradFacts:
+    """Answers `is_leaf` and `grad_fn` of the program's tensors, and records what the answers assumed of the inputs."""
+
+    def __init__(self, functional: Functionalizer) -> None:
+        self._functional = functional
+        # id(what the program sees) -> (it, the trace input it stands for, the real tensor)
+        self._inputs: dict[int, tuple[TensorProxy, TensorProxy, torch.Tensor]] = {}
+        self.read: dict[int, tuple[TensorProxy, bool]] = {}  # id(trace input) -> (it, is_leaf as traced)
+
+    def add_input(self, visible: TensorProxy, proxy: TensorProxy, tensor: torch.Tensor) -> None:
+        """The program sees the input `tensor` (the trace's `proxy`) as `visible`."""
+        self._inputs[id(visible)] = (visible, proxy, tensor)
+
+    def is_leaf(self, x: torch.Tensor) -> bool:
+        if type(x) is not TensorProxy:  # a captured tensor: its guard holds its identity and requires_grad
+            with torch._C.DisableTorchFunction():
+                return x.is_leaf
+        value = self._functional.resolve(x)
+        if not self._functional.keeps_history(x, value):  # updated in place: the new value's history
+            return not value.requires_grad
+        known = self._inputs.get(id(x))
+        if known is None or not known[2].requires_grad:  # computed by the program, or a leaf without grad
+            return not x.requires_grad
+        _, proxy, tensor = known
+        with torch._C.DisableTorchFunction():
+            leaf = tensor.is_leaf
+        self.read[id(proxy)] = (proxy, leaf)
+        return leaf
+
+    def grad_fn(self, x: torch.Tensor) -> TracedNode | None:
+        if self.is_leaf(x):
+            return None
+        return TracedNode(f"tensor {x.pname}" if type(x) is TensorProxy else "a captured tensor", user_location())
+
+
+def refuse_returned_nodes(result: Any) -> None:
+    """A grad_fn the program returns would be eager's node: fulmen has none to give."""
+    found: list[TracedNode] = []
+    where = pytree.find(result, lambda obj: type(obj) is TracedNode and not found.append(obj), "the output",
+                        modules=False)
+    if where is not None:
+        node = found[0]
+        raise TraceError(f"the program returns the grad_fn of {node.tensor} ({where}): inside a jitted function a "
+                         "tensor has no autograd node to give; return the tensor and read its grad_fn outside",
+                         node.read_at)
