@@ -49,7 +49,7 @@ register_grad = rule_registrar(GRAD_RULES, "a grad rule")
 
 
 # --- get_grad / put_grad -------------------------------------------------------------------------------------------
-def _get_grad_meta(builder: TraceBuilder, x: TensorProxy) -> TensorProxy:
+def _get_grad_meta(builder: TraceBuilder, x: TensorProxy, absent: str | None = None) -> TensorProxy:
     return builder.make_proxy(torch.empty_like(x.meta), x.device, False)  # a placeholder: never printed
 
 
@@ -83,12 +83,14 @@ def differentiated_call() -> BoundSymbol:
     return _active("differentiated_call").bsym
 
 
-def get_grad(x: TensorProxy) -> TensorProxy:
-    """The cotangent of `x`, an output of the forward computation of the rule being run."""
+def get_grad(x: TensorProxy, *, absent: str | None = None) -> TensorProxy:
+    """The cotangent of `x`, an output of the forward computation of the rule being run: zeros where no grad reaches
+    `x`, unless `absent` says why zeros cannot stand for it (a backward that sees None instead): then the backward is
+    refused with that message."""
     _active("get_grad")
     if type(x) is not TensorProxy:
         raise TypeError(f"get_grad expects a tensor of the trace, got {type(x).__name__}")
-    return GET_GRAD(x)
+    return GET_GRAD(x) if absent is None else GET_GRAD(x, absent=absent)
 
 
 def put_grad(x: Any, grad: Any) -> None:
@@ -358,6 +360,8 @@ class BackwardAssembler:
                 grad = self.cot.get(x.pname)
                 if grad is None:
                     self.builder.source = b.source
+                    if b.kwargs.get("absent") is not None:
+                        raise TraceError(b.kwargs["absent"], b.source)
                     grad = self.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
                 mapping[b.output.pname] = grad
             elif b.sym is PUT_GRAD:

@@ -99,9 +99,17 @@ def _print_call(bsym: BoundSymbol) -> str:
 register_printer(AUTOGRAD_FUNCTION, _print_call)
 
 
-def _cotangent(out: TensorProxy, materialize: bool) -> Any:
+def _cotangent(call: FunctionCall, index: int, out: TensorProxy, materialize: bool) -> Any:
     if out.requires_grad:
-        return get_grad(out)
+        if materialize:
+            return get_grad(out)
+        # The backward is traced once, with a grad for each output: where none reaches one, eager passes None
+        return get_grad(out, absent=(
+            f"the backward of {call.name}{call.where()} would get None for the grad of its output {index} (the "
+            "forward calls ctx.set_materialize_grads(False)), which no grad reaches in this backward; fulmen traces "
+            "that backward once, with a grad for every output, and cannot pass None: remove "
+            "set_materialize_grads(False) if the backward treats zeros as None, or call the Function outside the "
+            "jitted function"))
     # A non-differentiable output: eager hands backward zeros, or None without materialization.
     return torch.zeros_like(out) if materialize else None
 
@@ -132,8 +140,8 @@ def autograd_function_grad(call: FunctionCall, captured: tuple, *args: Any, **kw
     now = list(iter_proxies((captured, args, kwargs)))
     ctx = call.ctx.renamed({old.pname: new for old, new in zip(call.inputs, now) if old.pname != new.pname})
     tensors = iter(bsym.proxy_outputs())
-    cotangents = [_cotangent(next(tensors), ctx.materialize_grads) if is_tensor else None
-                  for is_tensor in call.tensor_outputs]
+    cotangents = [_cotangent(call, index, next(tensors), ctx.materialize_grads) if is_tensor else None
+                  for index, is_tensor in enumerate(call.tensor_outputs)]
     try:
         with torch.no_grad():  # eager runs a backward with grad mode off (no create_graph)
             grads = call.function.backward(ctx, *cotangents)

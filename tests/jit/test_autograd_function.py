@@ -327,3 +327,46 @@ def test_python_state_the_backward_reads_is_guarded():
         GRAD_SCALE = 2.0
     assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (3, 1)
     assert "attribute factor" in fulmen.last_cache_miss_reasons(jitted)[1]
+
+
+class NoMaterialize(torch.autograd.Function):
+    """A backward that tells a grad that did not arrive (None) from one that did (set_materialize_grads(False))."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        like = g1 if g1 is not None else g2
+        return (g1 * 2 if g1 is not None else like + 100) + (g2 * 3 if g2 is not None else like - 100)
+
+
+def _second_only(x):
+    return NoMaterialize.apply(x)[1].sin()
+
+
+def _both_returned(x):
+    return NoMaterialize.apply(x)
+
+
+def test_unmaterialized_grads_that_all_arrive_are_eagers():
+    _assert_same(lambda x: sum(NoMaterialize.apply(x)).sin(), torch.randn(3, requires_grad=True))
+
+
+def test_a_grad_that_does_not_arrive_at_an_unmaterialized_backward_is_refused_naming_the_function_and_line():
+    x = torch.randn(3, requires_grad=True)
+    _second_only(x).sum().backward()
+    torch.testing.assert_close(x.grad, 4 * (3 * x.detach()).cos() + 100)  # eager's backward saw None for g1
+    with pytest.raises(fulmen.TraceError, match=r"(?s)NoMaterialize .*output 0 .*set_materialize_grads\(False\)"
+                                                r".*NoMaterialize\.apply\(x\)\[1\]"):
+        fulmen.jit(_second_only)(torch.randn(3, requires_grad=True))
+
+
+def test_an_output_the_caller_does_not_differentiate_is_refused_at_the_backward():
+    x = torch.randn(3, requires_grad=True)
+    _both_returned(x)[1].sum().backward()  # eager: None for output 0
+    out = fulmen.jit(_both_returned)(torch.randn(3, requires_grad=True))
+    with pytest.raises(fulmen.TraceError, match=r"(?s)NoMaterialize .*output 0 .*NoMaterialize\.apply\(x\)"):
+        out[1].sum().backward()
