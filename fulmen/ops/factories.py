@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,10 +51,11 @@ torch_symbol(torch.empty_like)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     torch_symbol(method(_name))
 
-def _draw_meta(fn):
+def _draw_meta(fn, differentiable: bool):
     """The outputs of a draw, found without drawing. With no tensor argument (`torch.randn(3)`) the default meta
     path would run the draw for real on the default device, consuming the RNG once more than eager while tracing:
-    the draw runs on the meta device instead."""
+    the draw runs on the meta device instead. Only a `differentiable` draw's output requires grad (when a tensor it
+    reads does), as eager's autograd records only those."""
 
     def meta(builder: TraceBuilder, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("generator") is not None:
@@ -67,15 +69,22 @@ def _draw_meta(fn):
         meta_args, meta_kwargs = map_proxies(args, lambda p: p.meta), map_proxies(kwargs, lambda p: p.meta)
         if not proxies or "device" in meta_kwargs:
             meta_kwargs["device"] = "meta"
-        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in proxies)
+        requires_grad = differentiable and torch.is_grad_enabled() and any(p.requires_grad for p in proxies)
         return builder.wrap_outputs(fn(*meta_args, **meta_kwargs), device, requires_grad)
 
     return meta
 
 
-# Random draws consume the RNG exactly as eager does, so they are never merged or reordered.
-for _fn in (torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
-            torch.bernoulli, torch.multinomial, torch.normal, torch.randperm):
-    torch_symbol(_fn, tags=Tag.RANDOM, meta=_draw_meta(_fn))
+# Random draws, and whether eager's autograd records them when a tensor they read requires grad (derivatives.yaml
+# gives bernoulli and normal zero grads; the other draws' outputs never require grad).
+_DRAWS: dict[Callable[..., Any], bool] = {
+    torch.rand: False, torch.randn: False, torch.randint: False, torch.randperm: False, torch.rand_like: False,
+    torch.randn_like: False, torch.randint_like: False, torch.multinomial: False,
+    torch.bernoulli: True, torch.normal: True,
+}
+# They consume the RNG exactly as eager does, so they are never merged or reordered.
+for _fn, _differentiable in _DRAWS.items():
+    torch_symbol(_fn, tags=Tag.RANDOM, meta=_draw_meta(_fn, _differentiable),
+                 aliases=(method("bernoulli"),) if _fn is torch.bernoulli else ())
 torch_symbol(torch.nn.functional.dropout, tags=Tag.RANDOM)
 torch_symbol(torch.dropout, tags=Tag.RANDOM)

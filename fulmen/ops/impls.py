@@ -94,6 +94,12 @@ def _additive(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
                                                                                 device=attn_mask.device))
 
 
+def no_derivative(grad: torch.Tensor, shape: list[int], dtype: torch.dtype, message: str) -> torch.Tensor:
+    """The grad (of `shape` and `dtype`) of a call eager records without a derivative: its output requires grad, and
+    its backward raises when a grad reaches it, as this does."""
+    raise RuntimeError(message)
+
+
 # Eager's fused backward kernels (symbols in fulmen.ops.backward_kernels): each computes in float32 for
 # half-precision tensors and rounds once, where the same formula as separate torch calls rounds after every step.
 def tanh_backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
