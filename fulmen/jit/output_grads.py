@@ -7,6 +7,11 @@ gives `a` (what a hook on `a` sees and may replace, what `a.retain_grad()` keeps
 hook or `retain_grad` watches such an output while a grad arrives through an output computed from it
 (`check_watched`). Known limit: `torch.autograd.grad(b, a)` captures `a`'s grad without running the node, so
 fulmen cannot see it; torch then reports `a` as unused (or returns None with `allow_unused=True`).
+
+Known limit, for the same reason: a hook (`register_hook`) on an output that gets no grad while another output of
+the call does is called with None, where eager, whose output has a node of its own that never runs, does not call it
+(torch calls the tensor hooks of a node's outputs whenever the node runs). Avoiding it would take a node per output
+or hooks wrapped at registration; a hook written for eager that does not expect None fails loudly on it.
 """
 
 from __future__ import annotations
