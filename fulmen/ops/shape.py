@@ -8,7 +8,7 @@ import torch
 
 from fulmen.core.symbol import Tag
 from fulmen.ops import impls, prims
-from fulmen.ops.registry import impl_symbol, method, torch_symbol
+from fulmen.ops.registry import TorchBinding, bind, impl_symbol, method, torch_symbol
 from fulmen.ops.utils import canonical_dim, convert, expand_to, meta_of
 
 
@@ -175,11 +175,21 @@ def stack_decomposition(tensors, dim: int = 0) -> Any:
 torch_symbol(torch.stack, decomposition=stack_decomposition)
 torch_symbol(torch.hstack)
 torch_symbol(torch.vstack)
-torch_symbol(torch.flip, decomposition=lambda x, dims: prims.flip(x, tuple(canonical_dim(d, x.dim()) for d in dims)),
-             aliases=(method("flip"),))
+def _varargs_dims(x, *dims, **kwargs) -> tuple[tuple, dict[str, Any]]:
+    """`x.flip(0, 1)` or `x.flip(0)` as `torch.flip(x, (0, 1))`: the methods take their dims as varargs too, the
+    functions as one sequence only."""
+    if len(dims) > 1 or (dims and isinstance(dims[0], int)):
+        dims = (tuple(dims),)
+    return (x, *dims), kwargs
+
+
+_flip = torch_symbol(torch.flip,
+                     decomposition=lambda x, dims: prims.flip(x, tuple(canonical_dim(d, x.dim()) for d in dims)))
 torch_symbol(torch.roll, aliases=(method("roll"),))
 torch_symbol(method("repeat"))
-torch_symbol(torch.tile, aliases=(method("tile"),))
+_tile = torch_symbol(torch.tile)
+for _method, _sym in ((method("flip"), _flip), (method("tile"), _tile)):
+    bind(_method, TorchBinding(_sym, normalize=_varargs_dims))
 
 
 def repeat_interleave_decomposition(x, repeats, dim=None, *, output_size=None):
