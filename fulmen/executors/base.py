@@ -103,6 +103,7 @@ class OperatorExecutor(Executor):
         fn: Callable[..., Any],
         replaces: Callable[..., Any] | None = None,
         recomputable: bool = False,
+        random: bool = False,
         scratch: Callable[..., int] | None = None,
     ) -> Symbol:
         """A new symbol run by this executor with `fn`; its outputs are described by `like` (or `meta`), a function
@@ -112,6 +113,10 @@ class OperatorExecutor(Executor):
         `recomputable=True` says the operator is cheap next to its outputs' bytes (an elementwise kernel): where the
         backward needs its outputs, fulmen may rerun it there instead of saving them, as it does for torch's
         elementwise ops.
+
+        `random=True` says `fn` draws from torch's random number generators (a dropout inside a kernel): the call is
+        never rerun in the backward, merged with an equal call or dropped as unused, so it draws exactly once, as
+        eager's call does.
 
         `scratch`, a function of the operator's arguments, gives the bytes `fn` allocates and frees again within one
         call (a kernel's workspace): planning that moves values across the call counts them there, so it does not
@@ -130,6 +135,9 @@ class OperatorExecutor(Executor):
             raise ValueError(f"an operator named {name!r} is already registered by executor {owner.name!r}")
         if not callable(fn):
             raise TypeError(f"register_operator({name!r}): fn must be callable, got {fn!r}")
+        if recomputable and random:
+            raise ValueError(f"register_operator({name!r}): a random operator cannot be recomputable (a rerun would "
+                             "draw other numbers)")
         if replaces is not None:
             if not callable(replaces):
                 raise TypeError(f"register_operator({name!r}): replaces= must be a function, got {replaces!r}")
@@ -140,7 +148,8 @@ class OperatorExecutor(Executor):
         shapes = like or meta
         # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
         sym = Symbol(name=name, printed=name, impl=fn, meta=_template_meta(name, shapes) if shapes else None,
-                     tags=Tag.RECOMPUTABLE if recomputable else Tag.NONE, executor=self, scratch=scratch)
+                     tags=(Tag.RECOMPUTABLE if recomputable else Tag.NONE) | (Tag.RANDOM if random else Tag.NONE),
+                     executor=self, scratch=scratch)
         _OPERATOR_NAMES[name] = sym
         self.operators[name] = sym
         if replaces is not None:

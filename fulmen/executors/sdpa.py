@@ -6,8 +6,14 @@ recomputes attention through torch autograd. With it, the forward calls the fuse
 output and log-sum-exp, and the backward calls the matching fused backward: no attention matrix is ever stored
 or recomputed. The kernel is the one eager would pick for the same inputs: torch's own selector
 (`torch._fused_sdp_choice`, which follows `torch.nn.attention.sdpa_kernel` and prefers cuDNN on Hopper) is asked
-with stand-in tensors of the call's shapes, strides and dtypes. Calls with an attention mask or dropout,
-and calls torch would run with its math kernel, are declined (the torch executor runs them). Grouped-query calls
+with stand-in tensors of the call's shapes, strides and dtypes. Calls with an attention mask, and calls torch
+would run with its math kernel, are declined (the torch executor runs them).
+
+Dropout: the fused forward kernels draw their mask inside themselves from the default CUDA generator and return the
+generator's seed and offset they used, which their backward takes to draw the same mask again, as eager's autograd
+does. With `dropout_p > 0` the forward is a random operator of its own (`sdpa_*_forward_dropout`): it is never
+recomputed, so its backward gets the seed and offset of the draw the loss saw, and it draws where eager's call does,
+so a program seeded as eager's gets eager's masks. Grouped-query calls
 (`enable_gqa=True`, fewer key/value heads than query heads) go to the kernels as they are: cuDNN's and flash's
 kernels share the key/value heads themselves (fulmen.transforms.grouped_attention makes such calls from a model's
 repeated heads).
@@ -41,26 +47,30 @@ from fulmen.transforms.autodiff import get_grad, put_grads
 aten = torch.ops.aten
 
 
-def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool,
+                  scale: float | None):
     out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, is_causal, False, scale=scale)
+        q, k, v, dropout_p, is_causal, False, scale=scale)
     return out, lse, seed, offset
 
 
-def flash_backward(g, q, k, v, out, lse, seed, offset, is_causal: bool, scale: float | None):
+def flash_backward(g, q, k, v, out, lse, seed, offset, dropout_p: float, is_causal: bool, scale: float | None):
     return aten._scaled_dot_product_flash_attention_backward(
-        g, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, is_causal, seed, offset, scale=scale)
+        g, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], dropout_p, is_causal, seed, offset, scale=scale)
 
 
-def cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
+def cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool,
+                  scale: float | None):
     out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+        q, k, v, None, True, dropout_p, is_causal, False, scale=scale)
     return out, lse, seed, offset
 
 
-def cudnn_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
+def cudnn_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool,
+                    scale: float | None):
     # eager asks for no log-sum-exp when nothing needs a gradient (another cached cuDNN graph, less work)
-    return aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, is_causal, False, scale=scale)[0]
+    return aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, dropout_p, is_causal, False,
+                                                    scale=scale)[0]
 
 
 @functools.lru_cache(maxsize=256)
@@ -77,23 +87,25 @@ def forward_output_strides(q_shape: tuple[int, ...], q_strides: tuple[int, ...],
     return tuple(strides)
 
 
-def cudnn_backward(g, q, k, v, out, lse, seed, offset, is_causal: bool, scale: float | None):
+def cudnn_backward(g, q, k, v, out, lse, seed, offset, dropout_p: float, is_causal: bool, scale: float | None):
     # The cached backward graph assumes the output's layout is the one the forward gives for these q strides (see the
     # module docstring); a q rebuilt by rematerialisation with other strides gets its output re-laid accordingly.
     strides = forward_output_strides(tuple(q.shape), q.stride(), tuple(out.shape))
     if out.stride() != strides:
         out = torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
     return aten._scaled_dot_product_cudnn_attention_backward(
-        g, q, k, v, out, lse, seed, offset, None, None, None, q.shape[-2], k.shape[-2], 0.0, is_causal, scale=scale)
+        g, q, k, v, out, lse, seed, offset, None, None, None, q.shape[-2], k.shape[-2], dropout_p, is_causal,
+        scale=scale)
 
 
-def efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None):
-    return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
+def efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool,
+                      scale: float | None):
+    return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal, scale=scale)
 
 
-def efficient_backward(g, q, k, v, out, lse, seed, offset, is_causal: bool, scale: float | None):
+def efficient_backward(g, q, k, v, out, lse, seed, offset, dropout_p: float, is_causal: bool, scale: float | None):
     gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        g, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], is_causal, scale=scale)
+        g, q, k, v, None, out, lse, seed, offset, dropout_p, [True, True, True, False], is_causal, scale=scale)
     return gq, gk, gv
 
 
@@ -113,36 +125,49 @@ sdpa_cudnn_backward = sdpa.register_operator("sdpa_cudnn_backward", fn=cudnn_bac
                                              scratch=query_gradient_accumulator)
 sdpa_efficient_forward = sdpa.register_operator("sdpa_efficient_forward", fn=efficient_forward)
 sdpa_efficient_backward = sdpa.register_operator("sdpa_efficient_backward", fn=efficient_backward)
+sdpa_flash_forward_dropout = sdpa.register_operator("sdpa_flash_forward_dropout", fn=flash_forward, random=True)
+sdpa_cudnn_forward_dropout = sdpa.register_operator("sdpa_cudnn_forward_dropout", fn=cudnn_forward, random=True)
+sdpa_cudnn_inference_dropout = sdpa.register_operator("sdpa_cudnn_inference_dropout", fn=cudnn_inference,
+                                                      random=True)
+sdpa_efficient_forward_dropout = sdpa.register_operator("sdpa_efficient_forward_dropout", fn=efficient_forward,
+                                                        random=True)
 
 
 @dataclass(frozen=True, slots=True)
 class Kernels:
-    forward: Symbol  # (q, k, v, is_causal, scale) -> (out, lse, seed, offset)
+    forward: Symbol  # (q, k, v, dropout_p, is_causal, scale) -> (out, lse, seed, offset)
     backward: Symbol
-    inference: Symbol | None = None  # (q, k, v, is_causal, scale) -> out, when no gradient is needed
+    dropout_forward: Symbol  # the forward as a random operator, for dropout_p > 0
+    inference: Symbol | None = None  # (q, k, v, dropout_p, is_causal, scale) -> out, when no gradient is needed
+    dropout_inference: Symbol | None = None
+
+    def pick_forward(self, dropout_p: float) -> Symbol:
+        return self.dropout_forward if dropout_p != 0.0 else self.forward
 
 
 _KERNELS = {
-    int(SDPBackend.CUDNN_ATTENTION): Kernels(sdpa_cudnn_forward, sdpa_cudnn_backward, sdpa_cudnn_inference),
-    int(SDPBackend.FLASH_ATTENTION): Kernels(sdpa_flash_forward, sdpa_flash_backward),
-    int(SDPBackend.EFFICIENT_ATTENTION): Kernels(sdpa_efficient_forward, sdpa_efficient_backward),
+    int(SDPBackend.CUDNN_ATTENTION): Kernels(sdpa_cudnn_forward, sdpa_cudnn_backward, sdpa_cudnn_forward_dropout,
+                                             sdpa_cudnn_inference, sdpa_cudnn_inference_dropout),
+    int(SDPBackend.FLASH_ATTENTION): Kernels(sdpa_flash_forward, sdpa_flash_backward, sdpa_flash_forward_dropout),
+    int(SDPBackend.EFFICIENT_ATTENTION): Kernels(sdpa_efficient_forward, sdpa_efficient_backward,
+                                                 sdpa_efficient_forward_dropout),
 }
 
 
-def _kernels(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale: float | None,
+def _kernels(q: TensorProxy, k: TensorProxy, v: TensorProxy, dropout_p: float, is_causal: bool, scale: float | None,
              enable_gqa: bool) -> Kernels | None:
     """The fused kernels eager would run for these inputs, or None when it would use its math kernel (or pad the
     head dimension, which fulmen does not restate)."""
     head = q.shape[-1]
     if head % (4 if q.dtype == torch.float32 else 8) != 0:
         return None
-    return _KERNELS.get(eager_choice(q, k, v, is_causal, scale, enable_gqa))
+    return _KERNELS.get(eager_choice(q, k, v, is_causal, scale, enable_gqa, dropout_p=dropout_p))
 
 
 def checker(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
             scale: float | None = None, enable_gqa: bool = False) -> bool:
     tensors = (q, k, v)
-    if attn_mask is not None or dropout_p != 0.0:
+    if attn_mask is not None:
         return False
     if not all(type(t) is TensorProxy and t.device.type == "cuda" and t.dim() == 4 for t in tensors):
         return False
@@ -155,20 +180,21 @@ def checker(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.
         return False
     if is_causal and q.shape[-2] != k.shape[-2]:
         return False
-    return _kernels(q, k, v, is_causal, scale, enable_gqa) is not None
+    return _kernels(q, k, v, dropout_p, is_causal, scale, enable_gqa) is not None
 
 
 def execution_transform(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    kernels = _kernels(q, k, v, is_causal, scale, enable_gqa)
-    if kernels.inference is not None:
-        return kernels.inference(q, k, v, is_causal, scale)
-    return kernels.forward(q, k, v, is_causal, scale)[0]
+    kernels = _kernels(q, k, v, dropout_p, is_causal, scale, enable_gqa)
+    inference = kernels.dropout_inference if dropout_p != 0.0 else kernels.inference
+    if inference is not None:
+        return inference(q, k, v, dropout_p, is_causal, scale)
+    return kernels.pick_forward(dropout_p)(q, k, v, dropout_p, is_causal, scale)[0]
 
 
 def grad_transform(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    kernels = _kernels(q, k, v, is_causal, scale, enable_gqa)
-    out, lse, seed, offset = kernels.forward(q, k, v, is_causal, scale)
-    grads = kernels.backward(get_grad(out), q, k, v, out, lse, seed, offset, is_causal, scale)
+    kernels = _kernels(q, k, v, dropout_p, is_causal, scale, enable_gqa)
+    out, lse, seed, offset = kernels.pick_forward(dropout_p)(q, k, v, dropout_p, is_causal, scale)
+    grads = kernels.backward(get_grad(out), q, k, v, out, lse, seed, offset, dropout_p, is_causal, scale)
     put_grads((q, k, v), grads)
     return out
 

@@ -187,10 +187,11 @@ def _sdpa_dropout_grad(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_g
     fused kernel draws inside itself, with its own generator offsets, which fulmen cannot replay."""
     if eager_choice(q, k, v, is_causal, scale, enable_gqa, attn_mask, dropout_p) != SDPBackend.MATH.value:
         raise TraceError(
-            f"fulmen cannot differentiate scaled_dot_product_attention with dropout_p={dropout_p} on {q.device}: "
-            "eager's fused attention kernel draws the dropout mask inside itself, and fulmen cannot give its "
-            "backward that same mask. Train with attention dropout 0 (e.g. attention_dropout=0.0 / attn_pdrop=0.0 "
-            "in a Hugging Face config), or select the math kernel (torch.nn.attention.sdpa_kernel(SDPBackend.MATH))",
+            f"fulmen cannot differentiate scaled_dot_product_attention with dropout_p={dropout_p} on {q.device} "
+            "here: eager's fused attention kernel draws the dropout mask inside itself, and only the sdpa executor "
+            "gives its backward that same draw, for calls without an attention mask. Use the sdpa executor and no "
+            "mask (is_causal=True), train with attention dropout 0 (e.g. attention_dropout=0.0 / attn_pdrop=0.0 in "
+            "a Hugging Face config), or select the math kernel (torch.nn.attention.sdpa_kernel(SDPBackend.MATH))",
             differentiated_call().source,
         )
     y, probs = attention_dropout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

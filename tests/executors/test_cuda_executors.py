@@ -222,3 +222,42 @@ def test_autotuned_matmul_templates_with_fused_neighbours_match_eager():
     torch.testing.assert_close(jitted(x, w1, w2, w3), block(x, w1, w2, w3), rtol=1e-5, atol=1e-5)
     (region,) = [bsym for bsym in fulmen.last_traces(jitted)[-1].bound_symbols if bsym.sym.executor is templates]
     assert sum(sub.sym.name == "matmul" for sub in region.subsymbols) == 3
+
+
+@pytest.mark.parametrize(("backend", "dtype"), [
+    ("CUDNN_ATTENTION", torch.bfloat16), ("FLASH_ATTENTION", torch.bfloat16), ("EFFICIENT_ATTENTION", torch.bfloat16),
+    ("EFFICIENT_ATTENTION", torch.float32),
+])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_attention_dropout_grads_equal_eagers_on_the_same_seed(backend, dtype, heads):
+    """The fused kernels draw the dropout mask inside themselves; the backward must replay that draw (the seed and
+    offset the forward returns), and the draw must be the one eager's call makes from the same generator state."""
+    q = torch.randn(2, heads[0], 128, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, heads[1], 128, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True,
+                                              enable_gqa=heads[0] != heads[1]) * 2
+
+    def run(fn):
+        torch.manual_seed(7)
+        out = fn(q, k, v)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        return out, grads, torch.cuda.get_rng_state()
+
+    with sdpa_kernel([getattr(SDPBackend, backend)]):
+        try:
+            want, want_grads, want_rng = run(f)
+        except RuntimeError as error:  # memory-efficient attention takes no grouped heads
+            pytest.skip(f"eager has no {backend} kernel for this call: {error}")
+        jitted = fulmen.jit(f, executors=["sdpa"])
+        got, got_grads, got_rng = run(jitted)
+        again = run(jitted)[0]  # a cache hit draws anew, as eager's next call
+    kernel = backend.split("_")[0].lower()
+    assert f"sdpa_{kernel}_forward_dropout" in {b.sym.name for b in fulmen.last_traces(jitted)[-1].bound_symbols}
+    backward = {b.sym.name for b in fulmen.last_backward_traces(jitted)[-1].bound_symbols}
+    assert f"sdpa_{kernel}_backward" in backward and f"sdpa_{kernel}_forward_dropout" not in backward  # never redrawn
+    assert (want == 0).any() and torch.equal(got, want) and torch.equal(again, want)
+    assert torch.equal(got_rng, want_rng)
+    for g, w in zip(got_grads, want_grads):
+        assert torch.equal(g, w)

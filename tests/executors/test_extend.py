@@ -326,6 +326,63 @@ def test_recomputable_operators_are_rerun_in_the_backward_instead_of_saved(recom
     assert rerun is recomputable  # otherwise the forward saves the kernel's output for sin's backward
 
 
+def noisy(x):
+    """Scales by uniform noise: a kernel that draws."""
+    return x * torch.rand_like(x)
+
+
+def test_random_operators_draw_once_per_call_as_eagers():
+    n = next(_names)
+    ex = OperatorExecutor(f"noise{n}")
+
+    def draw(x):
+        noise = torch.rand_like(x)
+        return x * noise, noise
+
+    kernel = ex.register_operator(f"noisy_kernel{n}", like=lambda x: (TensorProxy(like=x), TensorProxy(like=x)),
+                                  fn=draw, random=True)
+    replaced = ex.register_operator(f"noisy{n}", like=lambda x: TensorProxy(like=x), fn=noisy, replaces=noisy,
+                                    random=True)
+
+    def grad(x):
+        y, noise = kernel(x)
+        put_grad(x, get_grad(y) * noise)
+        return y
+
+    ex.register_implementation(replaced, execution_transform=lambda x: kernel(x)[0], grad_transform=grad)
+
+    def program(x):  # two equal calls: eager draws twice, so merging them would change the result
+        return torch.sin(noisy(x)) * torch.cos(noisy(x))
+
+    jitted = fulmen.jit(program, executors=[ex])
+    results = []
+    for fn in (program, jitted):
+        x = torch.arange(30.0).reshape(6, 5).requires_grad_()
+        torch.manual_seed(3)
+        out = fn(x)
+        out.sum().backward()
+        results.append((out, x.grad, torch.get_rng_state()))
+    (want, want_grad, want_rng), (got, got_grad, got_rng) = results
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad) and torch.equal(got_rng, want_rng)
+    assert [b.sym.name for b in fulmen.last_traces(jitted)[-1].bound_symbols].count(kernel.name) == 2
+    assert kernel.name not in _names_in(fulmen.last_backward_traces(jitted)[-1])  # never drawn again
+
+    def unused_draw(x):  # eager's draw advances the generator even though nothing reads it
+        noisy(x)
+        return torch.sin(noisy(x)) * torch.cos(noisy(x))
+
+    for fn in (program, unused_draw):  # without grad, equal calls would be merged and unused ones dropped
+        with torch.no_grad():
+            x = torch.arange(30.0).reshape(6, 5)
+            torch.manual_seed(4)
+            want, want_rng = fn(x), torch.get_rng_state()
+            torch.manual_seed(4)
+            got, got_rng = fulmen.jit(fn, executors=[ex])(x), torch.get_rng_state()
+        assert torch.equal(got, want) and torch.equal(got_rng, want_rng)
+    with pytest.raises(ValueError, match="random operator cannot be recomputable"):
+        ex.register_operator(f"both{n}", fn=draw, random=True, recomputable=True)
+
+
 def _halve_grad(kernel, x):
     y = kernel(x)
     put_grad(x, get_grad(y) * 0.5)

@@ -54,3 +54,32 @@ def test_hf_llama_trains_like_eager_on_cuda(how):
     assert got[-1] < got[0]
     if how == "fulmen.dynamo":
         assert all(piece.by_fulmen for piece in backend.pieces), backend.report()
+
+
+@pytest.mark.cuda
+def test_hf_gpt2_trains_with_attention_dropout_like_eager_on_cuda():
+    """GPT-2's default config drops out attention probabilities, residuals and embeddings: in train() mode fulmen's
+    loss and grads must be eager's on the same seed (the fused attention kernel's own draw replayed in its
+    backward)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=512, n_positions=128, n_embd=128, n_layer=2, n_head=4, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).to(device="cuda").train()
+    assert config.attn_pdrop > 0 and config.resid_pdrop > 0
+    ids = torch.randint(0, 512, (4, 128), device="cuda")
+
+    def loss_fn(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    results = []
+    for fn, seed in ((loss_fn, 3), (fulmen.jit(loss_fn), 3), (loss_fn, 4)):
+        torch.manual_seed(seed)
+        loss = fn(model, ids)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        results.append((loss, grads))
+    (want, want_grads), (got, got_grads), (other, _) = results
+    assert not torch.allclose(other, want, rtol=1e-4, atol=0)  # the masks matter at this tolerance
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # float32: kernels fused otherwise than eager's
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
