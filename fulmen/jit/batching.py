@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_leaves, tree_unflatten
 
+import fulmen.transforms.batching_random  # noqa: F401  (registers the batching rules)
 import fulmen.transforms.batching_torch  # noqa: F401  (registers the batching rules)
 from fulmen.core.proxies import TensorProxy
 from fulmen.jit.acquire import Interpreter
@@ -26,7 +27,7 @@ from fulmen.jit.functional import (
     transforming,
 )
 from fulmen.ops import prims
-from fulmen.transforms.vmap import BatchTransform, Randomness
+from fulmen.transforms.vmap import BatchTransform, Randomness, draws_random
 
 
 def _batch_dims(interpreter: Interpreter, flat: list, dims: list, name: str, in_dims: Any) -> int:
@@ -79,7 +80,9 @@ def _vmap_inline(fn: Callable[..., Any], in_dims: Any, out_dims: Any, randomness
         return fresh_proxy(interpreter, outer, outer.requires_grad, example)
 
     acquired = acquire(interpreter, fn, tuple(tree_unflatten(moved, spec)), kwargs, make, "fulmen.vmap")
-    step = chunk_size or size
+    # torch.func restores the RNG state before each chunk under randomness='same', so every chunk gets the first
+    # one's draws: a program that draws runs as one chunk, drawing them once.
+    step = size if randomness is Randomness.SAME and draws_random(acquired.trace.bound_symbols) else chunk_size or size
     chunks = []
     for start in range(0, size, step) if size else (0,):  # an empty batch is one empty chunk, as torch.func
         length = min(step, size - start)

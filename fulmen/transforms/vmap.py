@@ -73,9 +73,20 @@ BATCH_RULES: dict[Symbol, BatchRule] = {}
 
 BATCH_LOOP = impl_symbol(impls.batch_loop)
 
+# Random symbols that draw only for some arguments -> whether a call with these draws (dropout draws only in
+# training with 0 < p < 1; torch.func.vmap runs the others under randomness='error').
+DRAWS: dict[Symbol, Callable[..., bool]] = {}
+# symbol -> its batching rule under randomness='same' for batched arguments: one draw shared by every example
+# (fulmen.transforms.batching_random fills both).
+SAME_RANDOMNESS_RULES: dict[Symbol, BatchRule] = {}
+
 
 # @register_batching(target): the decorated function is the batching rule of `target` (a symbol or a torch callable).
 register_batching = rule_registrar(BATCH_RULES, "a batching rule")
+
+
+def draws_random(bsyms: list[BoundSymbol]) -> bool:
+    return any(bsym.sym.tags & Tag.RANDOM or draws_random(bsym.subsymbols) for bsym in bsyms)
 
 
 class BatchTransform:
@@ -101,14 +112,18 @@ class BatchTransform:
     def call(self, bsym: BoundSymbol) -> None:
         args, kwargs = self.emitter.read(bsym.args), self.emitter.read(bsym.kwargs)
         batched = [self.batch.batched(p) for p in iter_proxies((args, kwargs))]
-        random = bool(bsym.sym.tags & Tag.RANDOM)
+        draws = DRAWS.get(bsym.sym)
+        random = bool(bsym.sym.tags & Tag.RANDOM) and (draws is None or draws(*args, **kwargs))
         if random and self.randomness is Randomness.ERROR:
             raise TraceError(f"fulmen.vmap: {bsym.sym.printed} draws random numbers; pass randomness='same' or "
                              "'different' to say what each example gets (as torch.func.vmap)", bsym.source)
         if random and self.randomness is Randomness.SAME and any(batched):
-            raise TraceError(f"fulmen.vmap(randomness='same') cannot batch {bsym.sym.printed} over batched "
-                             "arguments: each example would need its own values with shared randomness",
-                             bsym.source)
+            rule = SAME_RANDOMNESS_RULES.get(bsym.sym)
+            if rule is None or not self._apply(bsym, lambda: rule(self.batch, args, kwargs)):
+                raise TraceError(f"fulmen.vmap(randomness='same') cannot batch {bsym.sym.printed} over batched "
+                                 "arguments: each example would need its own values with shared randomness "
+                                 "(torch.func.vmap refuses it too); use randomness='different'", bsym.source)
+            return
         if not any(batched) and not (random and self.randomness is Randomness.DIFFERENT):
             self.emitter.emit(bsym)
             return

@@ -288,10 +288,66 @@ def test_vmap_randomness():
     different = fulmen.vmap(lambda x: x + torch.rand(3, dtype=D), randomness="different")(x)
     noise = different - x
     assert not torch.allclose(noise[0], noise[1]) and ((noise >= 0) & (noise < 1)).all()
-    with pytest.raises(fulmen.TraceError, match="randomness='same'\\) cannot batch"):
-        fulmen.vmap(lambda x: F.dropout(x, 0.5), randomness="same")(x)
     with pytest.raises(ValueError, match="randomness must be"):
         fulmen.vmap(torch.sin, randomness="sometimes")
+
+
+# Draws over a batched argument (a batch of 4 examples of shape (3, 5), values in [0.1, 0.9))
+SAME_DRAWS = {
+    "dropout": lambda x: F.dropout(x, 0.5),
+    "torch_dropout": lambda x: torch.dropout(x, 0.3, True),
+    "randn_like": lambda x: torch.randn_like(x),
+    "rand_like": lambda x: torch.rand_like(x),
+    "randint_like": lambda x: torch.randint_like(x, 9),
+    "randn": lambda x: x * 0 + torch.randn(3, 5, dtype=D),  # exactly the draw: x is finite
+}
+
+
+def _noise(name: str, y: torch.Tensor) -> torch.Tensor:
+    """What each example drew: the dropout mask, or the draw itself."""
+    return y != 0 if "dropout" in name else y
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+@pytest.mark.parametrize("name", sorted(SAME_DRAWS))
+def test_vmap_randomness_same_shares_one_draw_over_batched_arguments(name, chunk_size):
+    """torch.func.vmap(randomness='same') gives every example the same draw (also across chunks: it restores the
+    RNG state before each); fulmen refused the ones over batched arguments, and drew anew in each chunk."""
+    fn, x = SAME_DRAWS[name], torch.rand(4, 3, 5, dtype=D) * 0.8 + 0.1
+    torch.manual_seed(0)
+    ours = fulmen.vmap(fn, randomness="same", chunk_size=chunk_size)(x)
+    torch.manual_seed(0)
+    theirs = tf.vmap(fn, randomness="same", chunk_size=chunk_size)(x)
+    assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
+    noise = _noise(name, ours)
+    for i in range(1, len(x)):
+        assert torch.equal(noise[i], noise[0]), f"example {i} drew otherwise than example 0"
+    if "dropout" in name:
+        p = 0.5 if name == "dropout" else 0.3
+        assert torch.allclose(ours, x * noise / (1 - p))
+    torch.manual_seed(0)
+    different = _noise(name, fulmen.vmap(fn, randomness="different", chunk_size=chunk_size)(x))
+    assert any(not torch.equal(different[i], different[0]) for i in range(1, len(x)))
+
+
+@pytest.mark.parametrize("draw", [lambda x: torch.bernoulli(x), lambda x: torch.normal(x, 1.0),
+                                  lambda x: torch.multinomial(x, 2)], ids=["bernoulli", "normal", "multinomial"])
+def test_vmap_randomness_same_refuses_draws_that_read_batched_values(draw):
+    """They draw from each example's values, which one shared draw cannot: torch.func refuses them too."""
+    x = torch.rand(4, 3, 5, dtype=D)
+    with pytest.raises(RuntimeError, match="same randomness with a batched tensor input"):
+        tf.vmap(draw, randomness="same")(x)
+    with pytest.raises(fulmen.TraceError, match="randomness='same'\\) cannot batch.*torch.func.vmap refuses"):
+        fulmen.vmap(draw, randomness="same")(x)
+
+
+@pytest.mark.parametrize("fn", [lambda x: F.dropout(x, 0.5, training=False), lambda x: F.dropout(x, 0.0),
+                                lambda x: F.dropout(x, 1.0), lambda x: torch.dropout(x, 0.5, False)],
+                         ids=["eval", "p0", "p1", "torch_dropout_eval"])
+@pytest.mark.parametrize("randomness", ["error", "same", "different"])
+def test_vmap_dropout_that_draws_nothing_runs_in_every_randomness_mode(fn, randomness):
+    x = torch.randn(4, 3, 5, dtype=D)
+    assert torch.equal(fulmen.vmap(fn, randomness=randomness)(x), tf.vmap(fn, randomness=randomness)(x))
 
 
 def test_vmap_errors_match_torch_funcs():
