@@ -6,6 +6,8 @@ trace reads like the program and an executor can replace the forward and backwar
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
@@ -119,21 +121,44 @@ def native_layer_norm_grad(x, normalized_shape, weight, bias, eps):
     return y, mean, rstd
 
 
+def _eager_fuses_rms_norm(x, normalized_shape, weight) -> bool:
+    """Whether eager runs rms_norm for tensors like these as one fused kernel with a backward of its own (on GPUs)
+    rather than as a composite of ops: asked of torch with stand-ins of the row's shape, outside the acquisition."""
+    with torch._C.DisableTorchFunction(), torch.enable_grad():
+        row = torch.empty(tuple(normalized_shape), dtype=x.dtype, device=x.device, requires_grad=True)
+        w = None if weight is None else torch.empty(tuple(normalized_shape), dtype=weight.dtype, device=weight.device)
+        return "Fused" in F.rms_norm(row, tuple(normalized_shape), w).grad_fn.name()
+
+
 @register_grad(F.rms_norm)
 def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
     dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
     compute = compute_dtype(x.dtype)
     eps = torch.finfo(compute).eps if eps is None else eps
     y = F.rms_norm(x, normalized_shape, weight, eps)
-    xc, g = x.to(compute), get_grad(y).to(compute)
-    rstd = torch.rsqrt((xc * xc).mean(dims, keepdim=True) + eps)
-    xhat = xc * rstd
-    gxhat = g * weight.to(compute) if weight is not None else g
-    put_grad(x, (rstd * (gxhat - xhat * (gxhat * xhat).mean(dims, keepdim=True))).to(x.dtype))
+    if _eager_fuses_rms_norm(x, normalized_shape, weight):  # its backward kernel, through torch autograd
+        tensors = [t for t in (x, weight) if is_tensor(t)]
+        wrt = tuple(i for i, t in enumerate(tensors) if wants_grad(t))
+        args = (x, tuple(normalized_shape), weight, eps)
+        for i, grad in zip(wrt, torch_vjp(SYMBOLS["torch.nn.functional.rms_norm"], args, {}, wrt, (get_grad(y),))):
+            put_grad(tensors[i], grad)
+        return y
+    # Eager's composite (x.to(opmath).pow(2).mean(keepdim) + eps, rsqrt, two muls, back to x's dtype) is
+    # differentiated op by op; its grads are restated here in that order, so they round as eager's do.
+    xc = x.to(compute) if compute != x.dtype else x
+    r = torch.rsqrt(xc.pow(2).mean(dims, keepdim=True) + eps)
+    g = get_grad(y)
+    g = g.to(compute) if compute != x.dtype else g
     if wants_grad(weight):
+        gw = g * (xc * r)
         batch = tuple(range(x.dim() - len(dims)))
-        gw = g * xhat
         put_grad(weight, (gw.sum(batch) if batch else gw).to(weight.dtype))
+    gn = g * weight if weight is not None else g
+    if wants_grad(x):
+        gr = (gn * xc).sum(dims, keepdim=True)
+        gp = ((gr * -0.5) * r.pow(3)).expand(xc.shape) / math.prod(xc.shape[d] for d in dims)
+        gx = gn * r + gp * (xc * 2)
+        put_grad(x, gx.to(x.dtype) if compute != x.dtype else gx)
     return y
 
 

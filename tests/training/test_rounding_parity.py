@@ -47,6 +47,9 @@ PROGRAMS = {
     "layer_norm": (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
                    lambda n: [n(ROWS, COLS) * 3 + 1, n(COLS), n(COLS)]),
     "layer_norm_plain": (lambda x: F.layer_norm(x, x.shape[-1:]), _scaled),
+    # eager's rms_norm: a composite differentiated op by op on CPU, a fused kernel with its own backward on GPUs
+    "rms_norm": (lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6), lambda n: [n(ROWS, COLS) * 3 + 1, n(COLS)]),
+    "rms_norm_plain": (lambda x: F.rms_norm(x, x.shape[-1:]), _scaled),
     "erf": (torch.erf, _scaled),
     "erfc": (torch.erfc, _scaled),
     "erfinv": (torch.erfinv, lambda n: [torch.tanh(n(ROWS, COLS)) * 0.99]),  # where erfinv is finite
@@ -128,6 +131,7 @@ def test_decompositions_give_the_same_grads(name, dtype):
 MIXED_NORMS = {
     "layer_norm": (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), 2),
     "layer_norm_weight": (lambda x, w: F.layer_norm(x, x.shape[-1:], w), 1),
+    "rms_norm": (lambda x, w: F.rms_norm(x, x.shape[-1:], w), 1),
     "group_norm": (lambda x, w, b: F.group_norm(x, 5, w, b), 2),
     "batch_norm": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), 2),
 }
