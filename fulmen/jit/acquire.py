@@ -97,7 +97,7 @@ class Interpreter(TorchFunctionMode):
         self.replaced: dict[Callable[..., Any], Symbol] = {}  # torch callables an active executor replaces
         self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()  # see observe.Observer.quiet
         self.reads_storage_offset = False  # then the trace holds only for inputs at the same storage offsets
-        self.autocast_casts = CastCache(builder)
+        self.autocast_casts = CastCache(builder, self.autograd.is_leaf)
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
             T.__setitem__: self._setitem,
             T.copy_: self._copy_,

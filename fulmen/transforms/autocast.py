@@ -234,14 +234,12 @@ class CastCache:
     those ops are summed in the lower precision before its backward converts them; any other value is converted
     once per op (the grads summed in float32). The cache holds until torch clears it (the outermost autocast
     exits: `clear`), and is used while `torch.is_autocast_cache_enabled()`. The trace states the same conversions.
-
-    Known limit: a trace input is taken for a leaf (its proxy does not know; a tensor argument that requires grad and
-    is not a leaf, converted for more than one op, gets one shared conversion where eager makes one per op)."""
+    `is_leaf` answers as eager for the program's values (fulmen.jit.autograd_facts: for a trace input the real
+    tensor answers, and the trace holds only for inputs that answer the same)."""
 
     builder: TraceBuilder
+    is_leaf: Callable[[TensorProxy], bool]
     casts: dict[str, TensorProxy] = field(default_factory=dict)  # by the converted value's name, as eager's by tensor
-    _produced: set[str] = field(default_factory=set)  # values the program computed (not leaves)
-    _scanned: int = 0  # the calls of the outermost scope already in `_produced`
 
     def clear(self) -> None:
         self.casts.clear()
@@ -258,16 +256,9 @@ class CastCache:
             return cached
         converted = SYMBOLS["torch.Tensor.to"](p, dtype=dtype)
         if (torch.is_autocast_cache_enabled() and p.dtype == torch.float32 and p.requires_grad
-                and dtype == torch.get_autocast_dtype(p.device.type) and self._leaf(p)):
+                and dtype == torch.get_autocast_dtype(p.device.type) and self.is_leaf(p)):
             self.casts[p.pname] = converted
         return converted
-
-    def _leaf(self, p: TensorProxy) -> bool:
-        outermost, *inner = self.builder.scopes
-        for bsym in outermost[self._scanned:]:
-            self._produced.update(bsym.output_names())
-        self._scanned = len(outermost)
-        return p.pname not in self._produced and not any(p.pname in b.output_names() for s in inner for b in s)
 
 
 def cast_arguments(autocast: AutocastPlan, args: tuple, kwargs: dict[str, Any], cache: CastCache

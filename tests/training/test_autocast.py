@@ -210,6 +210,25 @@ def test_autocast_cache_shares_a_conversion_where_eager_shares_it(fn, cache_enab
         assert torch.equal(got, want)
 
 
+def test_an_argument_that_is_not_a_leaf_is_converted_per_op_as_eager_converts_it():
+    """Eager's cache holds leaves only: an argument `w * 1` (not a leaf) read by two ops is converted for each, its
+    grads summed in float32; the trace took every input for a leaf and shared one conversion. The same jitted
+    function then gets a leaf again: it shares the conversion, as eager does (a trace per answer)."""
+    torch.manual_seed(0)
+    x, x2, base = torch.randn(16, 64), torch.randn(16, 64), torch.randn(64, 64)
+    jitted = fulmen.jit(_two_uses_of_a_leaf)
+    for leaf in (False, True, False):
+        grads = []
+        for fn in (_two_uses_of_a_leaf, jitted):
+            w = base.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = fn(x, x2, w if leaf else w * 1)
+            (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+            grads.append(w.grad)
+        assert torch.equal(grads[1], grads[0]), f"leaf={leaf}"
+    assert fulmen.cache_misses(jitted) == 2
+
+
 def test_the_autocast_cache_setting_is_part_of_the_cache_key():
     torch.manual_seed(0)
     inputs = [torch.randn(16, 64), torch.randn(16, 64), torch.randn(64, 64)]
