@@ -17,6 +17,37 @@ class ProxyDispatchError(RuntimeError):
     pass
 
 
+class TrackedMetas:
+    """Suspends inference mode, keeping grad mode, while fulmen makes meta tensors (a no-op outside inference mode).
+
+    Tensors made under `torch.inference_mode()` are inference tensors, and torch records no view relation for them
+    (nor for a view of one taken outside): `meta[:1]._is_view()` is False. The functionalizer reads in-place
+    updates through views off that relation, so under inference mode a write into `buffer[:n]` (LitGPT's KV cache)
+    never reached the buffer. Metas are fulmen's own bookkeeping: the program still runs in the caller's mode.
+    """
+
+    __slots__ = ("_guard",)
+
+    def __enter__(self) -> None:
+        self._guard = None
+        if torch.is_inference_mode_enabled():
+            grad = torch.is_grad_enabled()
+            self._guard = torch._C._InferenceMode(False)  # restores the whole autograd state when dropped
+            torch._C._set_grad_enabled(grad)
+
+    def __exit__(self, *exc: object) -> None:
+        self._guard = None
+
+
+def tracked_meta(meta: torch.Tensor) -> torch.Tensor:
+    """`meta` as a tensor torch tracks views of: the same layout (shape, strides, storage offset and size)."""
+    if not meta.is_inference():
+        return meta
+    with TrackedMetas():
+        return torch.empty(0, dtype=meta.dtype, device="meta").set_(meta.untyped_storage(), meta.storage_offset(),
+                                                                    meta.shape, meta.stride())
+
+
 class TensorProxy(torch.Tensor):
     pname: str
     meta: torch.Tensor
@@ -45,7 +76,7 @@ class TensorProxy(torch.Tensor):
             requires_grad=requires_grad,
         )
         proxy.pname = name
-        proxy.meta = meta
+        proxy.meta = tracked_meta(meta)
         return proxy
 
     def __init__(self, *args, **kwargs):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fulmen.core import pytree
-from fulmen.core.proxies import TensorProxy
+from fulmen.core.proxies import TensorProxy, TrackedMetas
 from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import BoundSymbol, Builder, Symbol, Tag, iter_proxies, map_proxies, pop_builder, push_builder
 
@@ -199,7 +199,7 @@ class TraceBuilder(Builder):
         return pytree.tree_map(wrap, meta_out, _is_tensor)
 
     def bind(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
-        with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction(), TrackedMetas():
             if sym.meta is not None:
                 output = sym.meta(self, *args, **kwargs)
             else:
@@ -231,7 +231,7 @@ class TraceBuilder(Builder):
 
     def bind_meta(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The outputs `sym`'s meta function gives for these arguments, without recording a call."""
-        with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction(), TrackedMetas():
             return sym.meta(self, *args, **kwargs)
 
     def _decompose(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], output: Any) -> list[BoundSymbol]:
