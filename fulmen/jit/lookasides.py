@@ -2,8 +2,10 @@
 
 A method lookaside answers a method for a traceable equivalent only inside fulmen's shadow modules. LitGPT's mixture of
 experts routes tokens with `torch.where(mask)`, whose output shape depends on the routing (data-dependent); the
-replacement runs every expert on every token and weights the outputs by the routing probabilities (zero for the
-experts a token was not routed to), which is the same sum in the same expert order.
+replacement runs every expert on every token and adds each output where the token was routed to the expert, weighted
+by its routing probability: the same sum in the same expert order. A token an expert was not routed to reaches it as
+zeros and its output is dropped by selection, not multiplied by a zero weight: eager never runs the expert on that
+token, so an output that overflows there (inf, nan) must not reach the result or the grads as 0 * inf = nan.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ def litgpt_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = probs * self.config.routed_scaling_factor
     routed = indices.unsqueeze(-1) == torch.arange(self.config.n_expert, device=x.device)  # (B*T, k, n_expert)
     weights = (probs.unsqueeze(-1) * routed).sum(dim=1)  # (B*T, n_expert): zero where not routed
+    chosen = routed.any(dim=1)  # (B*T, n_expert)
     y = torch.zeros_like(x)
     for expert_index, expert in enumerate(self.experts):
-        y = y + weights[:, expert_index, None] * expert(x)
+        rows = chosen[:, expert_index, None]
+        out = expert(torch.where(rows, x, 0))
+        y = y + torch.where(rows, weights[:, expert_index, None] * out, 0)
     y = y.view(batch, time, channels)
     if self.config.n_shared_expert:
         y = y + self.shared_experts(residual_x)

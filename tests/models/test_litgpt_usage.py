@@ -11,7 +11,7 @@ import pytest
 import torch
 from litgpt.config import Config
 from litgpt.generate.base import generate
-from litgpt.model import GPT
+from litgpt.model import GPT, LLaMAMoE
 
 import fulmen
 
@@ -99,3 +99,26 @@ def test_write_into_a_slice_of_a_buffer(mode):
         with mode():
             torch.testing.assert_close(jitted(x), eager(x), rtol=0, atol=0)
         torch.testing.assert_close(compiled.total, eager.total, rtol=0, atol=0)
+
+
+def test_mixture_of_experts_with_an_expert_that_overflows_where_not_routed():
+    """fulmen runs LitGPT's LLaMAMoE experts on every token (lookasides.py: eager's torch.where routing is
+    data-dependent). An expert overflowing on tokens it is not routed to, which eager never runs it on, gave nan
+    (0 * inf) in the output and the grads where eager's are finite."""
+    config = Config.from_name("Mixtral-8x7B-v0.1", n_embd=8, moe_intermediate_size=16, n_expert=4,
+                              n_expert_per_token=2, n_head=2, n_query_groups=2, head_size=4)
+    torch.manual_seed(0)
+    eager = LLaMAMoE(config).to(torch.float64)
+    with torch.no_grad():
+        eager.gate.weight.abs_()
+        eager.gate.weight[3] = -1.0  # positive inputs never route to expert 3
+        eager.experts[3].fc_1.weight.mul_(1e160)  # and it overflows on every token
+        eager.experts[3].fc_2.weight.mul_(1e160)
+    compiled = copy.deepcopy(eager)
+    x = torch.rand(2, 5, 8, dtype=torch.float64)
+    want, got = eager(x), fulmen.jit(compiled)(x)
+    torch.testing.assert_close(got, want, **TIGHT)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for (name, p), p_c in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(p_c.grad, p.grad, **TIGHT, msg=lambda m, n=name: f"{n}: {m}")
