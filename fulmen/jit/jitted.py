@@ -59,6 +59,24 @@ def _arg_hints(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> l
             for name, value in pairs for path, _ in pytree.leaves_with_paths(value, _is_tensor)]
 
 
+def _named_arguments(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> tuple[list[str], list[Any]]:
+    """The program's parameter names and the values they receive (`**kwargs` is a dict the call makes anew: its
+    values are the program's, the dict is not)."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return [f"arg{i}" for i in range(len(args))] + list(kwargs), [*args, *kwargs.values()]
+    names, values = [], []
+    for name, value in bound.arguments.items():
+        if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            names += [f"{name}[{key!r}]" for key in value]
+            values += list(value.values())
+        else:
+            names.append(name)
+            values.append(value)
+    return names, values
+
+
 def _is_tensor(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor)
 
@@ -280,6 +298,8 @@ class JittedFunction:
         originals: dict[int, Any] = {}
         spec = pytree.flatten((args, kwargs), [], originals)
         proxy_args, proxy_kwargs = pytree.unflatten(spec, visible, originals)
+        observer.arguments(*_named_arguments(self._module.forward if self._module is not None else self._fn,
+                                             proxy_args, proxy_kwargs))
         target: Callable[..., Any] = self._fn
         tree: ShadowTree | None = None
         calls = call_table(self.executors, interpreter)

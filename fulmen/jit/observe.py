@@ -47,6 +47,7 @@ from torch import nn
 from fulmen.core.errors import TraceError
 from fulmen.core.source import frame_location
 from fulmen.jit import reads
+from fulmen.jit.containers import MUTATORS, ContainerLog, ContainerWrite
 from fulmen.jit.frames import FrameTap, Quiet, Region, observed
 from fulmen.jit.guards import Guard
 from fulmen.jit.lookup import (
@@ -65,6 +66,8 @@ from fulmen.jit.lookup import (
 from fulmen.jit.values import MISSING, Emitter, describe, immutable, value_check
 from fulmen.jit.writes import Write, WriteLog
 
+# nn.Module's own state (hook registries, `_non_persistent_buffers_set`, ...): torch's to change, not the program's
+_MODULE_STATE = frozenset(nn.Module().__dict__)
 # nn.Module's hook registries (`_forward_hooks`, ...): almost always empty, then checked together per module
 HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
                              if "hook" in name and type(value) in (dict, OrderedDict))
@@ -86,12 +89,18 @@ class Observer:
         # (id(object or globals dict), name) the program assigned while acquired: its later reads read that value
         self._written: set[tuple[int, str]] = set()
         self._stores = WriteLog()
+        self._containers = ContainerLog()  # the lists, dicts and sets the program can reach (containers.py)
         self._callees: dict[int, _Callee] = {}  # id(function read) -> what guards it, if it runs
         self._entered: set[types.CodeType] = set()  # the code of the program's frames that ran
         self._refused: TraceError | None = None  # why the program cannot be traced, found while it ran
-        self.writes: tuple[Write, ...] = ()  # what the program stored, to store again on every call (writes.py)
+        # what the program stored, to store again on every call (writes.py, containers.py)
+        self.writes: tuple[Write | ContainerWrite, ...] = ()
         for fn in functions:
             self._note_function(fn, entry=True)
+
+    def arguments(self, names: list[str], values: list[Any]) -> None:
+        """The program's arguments, as it receives them: their containers are watched (containers.py)."""
+        self._containers.arguments(names, values)
 
     def guards(self) -> tuple[Guard, ...]:
         found = [self._unset[key[1]].guard() if key[0] == "unset" else guard for key, guard in self._guards.items()]
@@ -144,6 +153,9 @@ class Observer:
         if callee is None:
             self._pinned.append(fn)
             callee = self._callees[id(fn)] = _Callee(fn)
+            for i, default in enumerate(fn.__defaults__ or ()):  # checked by the callee's guard, once it runs
+                self._containers.watch(default, f"default {i} of function {fn.__qualname__}",
+                                       lambda e, i=i: f"{e.bind(fn)}.__defaults__[{i}]")
         callee.check_code = callee.check_code or not entry
 
     def dict_entry(self, namespace: Any, name: str, what: str, owner: Any = None) -> None:
@@ -152,7 +164,10 @@ class Observer:
         owner = namespace if owner is None else owner
         self._pinned.append(owner)  # the keys below use ids: the objects stay alive while this observer does
         if name in namespace:
-            self._add(("dict", id(owner), name), what, lambda e: f"{e.bind(namespace)}[{name!r}]", namespace[name])
+            place = lambda e: f"{e.bind(namespace)}[{name!r}]"  # noqa: E731
+            self._add(("dict", id(owner), name), what, place, namespace[name])
+            if name not in _MODULE_STATE or not isinstance(owner, dict) or "_modules" not in owner:
+                self._containers.watch(namespace[name], what, place)
         else:
             self._add_raw(("dict", id(owner), name), f"{what} (absent)",
                           lambda e: f"{name!r} not in {e.bind(namespace)}")
@@ -190,8 +205,9 @@ class Observer:
         functions = self._closures_reading(code, index, value)
         for fn in functions:
             cell = fn.__closure__[index]
-            self._add(("cell", id(cell)), f"closure variable {name} of {fn.__qualname__}",
-                      lambda e, c=cell: f"{e.bind(cell_value)}({e.bind(c)})", value)
+            place = lambda e, c=cell: f"{e.bind(cell_value)}({e.bind(c)})"  # noqa: E731
+            self._add(("cell", id(cell)), f"closure variable {name} of {fn.__qualname__}", place, value)
+            self._containers.watch(value, f"closure variable {name} of {fn.__qualname__}", place)
 
     def _closures_reading(self, code: types.CodeType, index: int, value: Any) -> list[types.FunctionType]:
         def matching() -> list[types.FunctionType]:
@@ -273,6 +289,8 @@ class Observer:
             if receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
                 self._special(attribute_value(receiver, site.name), frame)
+                if site.name in MUTATORS:
+                    self._containers.changing(receiver, frame)
         elif kind is reads.AttrWrite:
             receiver = evaluate(site.receiver, frame)
             if receiver is not MISSING:
@@ -283,6 +301,10 @@ class Observer:
         elif kind is reads.GlobalWrite:
             self._written.add((id(frame.f_globals), site.name))
             self._stores.global_(frame.f_globals, site.name, frame)
+        elif kind is reads.ItemWrite:
+            container = evaluate(site.container, frame)
+            if container is not MISSING:
+                self._containers.changing(container, frame)
         elif (function := evaluate(site.function, frame)) is getattr or function is hasattr:
             receiver, name = evaluate(site.receiver, frame), evaluate(site.name, frame)
             if receiver is not MISSING and type(name) is str:
@@ -306,11 +328,16 @@ class Observer:
             sys.settrace(previous)
         if self._refused is not None:
             raise self._refused
-        self.writes = self._stores.finish(self._created)
+        changed, same_objects = self._containers.finish(self._created)
+        for guard in same_objects:
+            self._guards[("same object", guard.source)] = guard
+        self.writes = (*self._stores.finish(self._created), *changed)
 
     def undo(self) -> None:
-        """The acquisition is abandoned: the attributes and globals the program stored hold what they held."""
+        """The acquisition is abandoned: the attributes and globals the program stored hold what they held, the
+        containers it changed what they held."""
         self._stores.undo()
+        self._containers.undo()
 
     def _special(self, value: Any, frame: types.FrameType) -> None:
         """Values whose reading reads state no attribute holds. Torch's global switches the program asks for

@@ -95,7 +95,15 @@ class GlobalWrite(_Named):
     __slots__ = ()
 
 
-Read = GlobalRead | CellRead | AttrRead | GetattrRead | AttrWrite | GlobalWrite
+@dataclass(frozen=True, slots=True)
+class ItemWrite:
+    """`container[key] = value`, `del container[key]` or `container += other`: changes `container` in place when it
+    is a list, dict or set (containers.py names the line by these)."""
+
+    container: Source
+
+
+Read = GlobalRead | CellRead | AttrRead | GetattrRead | AttrWrite | GlobalWrite | ItemWrite
 
 _UNKNOWN = None
 _LOAD_LOCAL = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_BORROW"})
@@ -173,6 +181,15 @@ def read_sites(code: CodeType) -> dict[int, Read]:
             container, key = stack.pop(2)
             stack.items.append(Item(container, key) if container is not _UNKNOWN and isinstance(key, Const)
                                else _UNKNOWN)
+        elif op in ("STORE_SUBSCR", "DELETE_SUBSCR"):  # TOS1[TOS] = TOS2, del TOS1[TOS]
+            container = stack.peek(2)
+            if container is not _UNKNOWN:
+                sites[ins.offset] = ItemWrite(container)
+            stack.pop(3 if op == "STORE_SUBSCR" else 2)
+        elif op == "BINARY_OP" and ins.argrepr.endswith("=") and stack.peek(2) is not _UNKNOWN:  # TOS1 += TOS
+            sites[ins.offset] = ItemWrite(stack.peek(2))
+            stack.pop(2)
+            stack.items.append(_UNKNOWN)
         elif op == "COPY":
             stack.items.append(stack.peek(ins.arg))
         elif op == "POP_TOP":

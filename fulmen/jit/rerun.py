@@ -6,12 +6,12 @@ first run changed must not stay behind for the second to do again:
 
 - hooks it registered on modules (Hugging Face installs its `output_hidden_states` / `output_attentions` capturing
   hooks lazily, inside the forward: left in place, each layer's output was collected twice);
-- attributes and globals it stored (writes.py records the value each held before the program's first store).
+- attributes and globals it stored (writes.py records the value each held before the program's first store);
+- lists, dicts and sets it changed in place (`LOG.append(...)`: containers.py keeps what each held).
 
 Hooks are restored on the modules the program can reach by name: the jitted module's tree, modules among the
-arguments, and modules the function's closure, defaults and globals hold. Known limit: other in-place changes of
-Python containers (`LOG.append(...)` on a global list, a hook registered on a module found some other way) are not
-seen, and happen once per run.
+arguments, and modules the function's closure, defaults and globals hold. Known limit: a hook registered on a module
+found some other way, and a change of a container containers.py does not watch, happen once per run.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ Writes to the jitted module's tree land on its shadow (overrides.py), which repo
 makes (frames.observed: not torch's internals, such as a lazily compiled GraphModule storing its code); writes to
 other objects happen for real, seen by the frame tap before they run (reads.AttrWrite, reads.GlobalWrite), and are
 stored again when their value is immutable (any other value may be an object the call created, which fulmen cannot
-tell from one that existed before). Known limits: writes that no bytecode of the program makes
-(`setattr(obj, ...)` outside a shadow, C code) are not seen, nor are deletions outside a shadow.
+tell from one that existed before). Lists, dicts and sets changed in place are containers.py's. Known limits: writes
+that no bytecode of the program makes (`setattr(obj, ...)` outside a shadow, C code) are not seen, nor are deletions
+outside a shadow.
 """
 
 from __future__ import annotations

@@ -58,12 +58,20 @@ def test_an_object_returned_twice_is_refused():
 
 def test_objects_given_to_the_program_must_not_keep_traced_tensors():
     def fill(x, cache):
+        cache.last = Layer(x * 2)
+        return x + 1
+
+    def extend(x, cache):
         cache.layers.append(Layer(x * 2))
         return x + 1
 
     cache = Cache()
-    with pytest.raises(fulmen.TraceError, match=r"argument 1: \.layers\[0\]\.keys"):
+    with pytest.raises(fulmen.TraceError, match=r"argument 1: \.last\.keys"):
         fulmen.jit(fill)(torch.randn(3), cache)
+    cache = Cache()
+    with pytest.raises(fulmen.TraceError, match=r"changes the list attribute layers of Cache object \(.*in extend"):
+        fulmen.jit(extend)(torch.randn(3), cache)
+    assert cache.layers == []  # the refused call left it as it was
 
 
 def test_the_tracer_path_is_taken_only_where_eagers_path_reads_values():
