@@ -199,12 +199,14 @@ class TraceBuilder(Builder):
         return pytree.tree_map(wrap, meta_out, _is_tensor)
 
     def bind(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
-        with torch._C.DisableTorchFunction(), TrackedMetas():
+        with torch._C.DisableTorchFunction():
             if sym.meta is not None:
-                output = sym.meta(self, *args, **kwargs)
+                with TrackedMetas():
+                    output = sym.meta(self, *args, **kwargs)
             else:
                 device = infer_device(args, kwargs)
-                meta_out = self._meta_outputs(sym, args, kwargs)
+                with TrackedMetas():  # the proxies themselves are made in the caller's mode (Tensor.is_inference)
+                    meta_out = self._meta_outputs(sym, args, kwargs)
                 requires_grad = (torch.is_grad_enabled() and not sym.tags & Tag.NO_GRAD
                                  and any(p.requires_grad for p in iter_proxies((args, kwargs))))
                 output = self.wrap_outputs(meta_out, device, requires_grad, sym.differentiable_outputs)

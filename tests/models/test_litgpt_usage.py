@@ -122,3 +122,15 @@ def test_mixture_of_experts_with_an_expert_that_overflows_where_not_routed():
     got.square().sum().backward()
     for (name, p), p_c in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(p_c.grad, p.grad, **TIGHT, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_is_inference_of_a_new_tensor_under_inference_mode():
+    """The metas are made outside inference mode (above); the tensors the program sees still answer as eager's."""
+
+    def program(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        return y + 1 if y.is_inference() else y - 1
+
+    x = torch.ones(3)
+    with torch.inference_mode():
+        torch.testing.assert_close(fulmen.jit(program)(x), program(x), rtol=0, atol=0)
