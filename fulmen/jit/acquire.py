@@ -97,6 +97,8 @@ class Interpreter(TorchFunctionMode):
         self.replaced: dict[Callable[..., Any], Symbol] = {}  # torch callables an active executor replaces
         self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()  # see observe.Observer.quiet
         self.reads_storage_offset = False  # then the trace holds only for inputs at the same storage offsets
+        # id -> the proxies the program called retain_grad() on: each call retains the grad of those it returns
+        self.retained: dict[int, TensorProxy] = {}
         self.autocast_casts = CastCache(builder, self.autograd.is_leaf)
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
             T.__setitem__: self._setitem,
@@ -114,7 +116,7 @@ class Interpreter(TorchFunctionMode):
             T.requires_grad.__get__: self._requires_grad,
             T.requires_grad_: self._requires_grad_,
             T.requires_grad.__set__: self._requires_grad_,
-            T.retain_grad: lambda x: None,
+            T.retain_grad: self._retain_grad,
             T.is_leaf.__get__: self.autograd.is_leaf,
             T.grad_fn.__get__: self.autograd.grad_fn,
             T.grad.__get__: lambda x: self._refuse_read("Tensor.grad", "the grad of one call would be a constant of "
@@ -395,6 +397,17 @@ class Interpreter(TorchFunctionMode):
                 "(or unmake) a leaf of autograd inside the program, which a trace cannot represent; do it outside "
                 "the jitted function", self.builder.source)
         return x
+
+    def _retain_grad(self, x: torch.Tensor) -> None:
+        """Eager keeps the grad of `x` after backward: the call does it on the tensor it returns for `x`, if any (one
+        that does not leave the program cannot be looked at)."""
+        if type(x) is not TensorProxy:  # a real tensor the program captured: its own, as eager's call
+            with torch._C.DisableTorchFunction():
+                T.retain_grad(x)
+            return
+        if not self._requires_grad(x):
+            raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")  # eager's error
+        self.retained[id(x)] = x
 
     def _register_hook(self, x: torch.Tensor, hook: Callable[..., Any]) -> Any:
         if not is_fabric_backward_check(hook):

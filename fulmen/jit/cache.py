@@ -13,7 +13,9 @@ from torch import nn
 from fulmen.core.trace import Trace
 from fulmen.jit.aliasing import AliasPlan, storage_groups, storage_offsets
 from fulmen.jit.bridge import GradProgram
+from fulmen.jit.containers import ContainerWrite
 from fulmen.jit.guards import Guard, compile_first_failure, key_difference
+from fulmen.jit.output_grads import Retained
 from fulmen.jit.writes import Write
 
 
@@ -58,7 +60,8 @@ class CacheEntry:
     leaves: tuple[tuple[int, bool], ...] | None = None  # (input, is_leaf) the program read (autograd_facts.py)
     aliases: AliasPlan | None = None
     module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
-    writes: tuple[Write, ...] = ()  # the Python state the program stores, stored again by every call
+    writes: tuple[Write | ContainerWrite, ...] = ()  # the Python state the program stores, stored again by every call
+    retained: Retained | None = None  # the tensors whose grad each call keeps (the program's retain_grad calls)
 
     def admits(self, tensors: list, module_tensors: list) -> bool:
         if self.check is not None and not self.check():

@@ -29,7 +29,7 @@ from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import argument_key, compile_check, global_state_key, tensor_key
 from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
 from fulmen.jit.observe import Observer
-from fulmen.jit.output_grads import rewatch
+from fulmen.jit.output_grads import Retained, rewatch
 from fulmen.jit.overrides import ModuleInput, ShadowTree, build_shadow
 from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.replacements import call_table
@@ -136,6 +136,7 @@ class Acquisition:
     out_objects: dict[int, Any]
     returns_input: tuple[ReturnedInput | None, ...]
     rebinds: list[tuple[nn.Module, str, str]]
+    retained: Retained | None  # what each call keeps the grad of (the program's retain_grad calls)
     dirty: tuple[int, ...]  # inputs that get an autograd history (their values follow the rebinds' in `values`)
     compiling: bool  # traced as a tracer is seen (torch.compiler.is_compiling()), see fulmen.jit.compiling
 
@@ -267,6 +268,7 @@ class JittedFunction:
                 ) -> Any:
         for write in entry.writes:  # the Python state the program stored (fulmen.jit.writes)
             write.apply()
+        produced = outputs
         if len(outputs) > entry.n_outputs:  # then the rebinds' values, then the values of updated inputs
             for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
                 getattr(module, container)[name] = value
@@ -277,6 +279,8 @@ class JittedFunction:
             if entry.program is not None and entry.program.feeding:
                 rewatch(entry.program.feeding, outputs, returned)
             outputs = returned
+        if entry.retained is not None:
+            entry.retained.apply(outputs, produced, [*tensors, *module_tensors, *entry.constants])
         if entry.out_spec == pytree.TENSOR:
             return outputs[0]
         return pytree.unflatten(entry.out_spec, outputs, entry.out_objects)
@@ -320,13 +324,13 @@ class JittedFunction:
         refuse_returned_nodes(result)
         module_proxies = tree.proxies if tree else []
         with builder:
-            values, out_spec, out_objects, returns_input, rebinds, dirty = self._outputs(
+            values, out_spec, out_objects, returns_input, rebinds, dirty, retained = self._outputs(
                 result, visible + module_proxies, tree, interpreter, proxies + module_proxies + storage)
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
         position = {id(p): i for i, p in enumerate(inputs)}
         values += [value for _, value in dirty]
         return Acquisition(builder, interpreter, observer, tree, inputs, values, out_spec, out_objects, returns_input,
-                           rebinds, tuple(position[id(obj)] for obj, _ in dirty), compiling)
+                           rebinds, retained, tuple(position[id(obj)] for obj, _ in dirty), compiling)
 
     @staticmethod
     def _shared_storage(builder: TraceBuilder, interpreter: Interpreter, proxies: list[TensorProxy],
@@ -448,6 +452,7 @@ class JittedFunction:
             leaves=_leaves_read(acquisition),
             aliases=aliases,
             writes=acquisition.observer.writes,
+            retained=acquisition.retained,
         )
         return entry, module_tensors
 
@@ -464,6 +469,8 @@ class JittedFunction:
         input_index = {id(p): i for i, p in enumerate(proxies)}
         values: list[Any] = []
         returns_input: list[ReturnedInput | None] = []
+        retained = interpreter.retained
+        kept = [i for i, leaf in enumerate(leaves) if id(leaf) in retained]
         for leaf in leaves:
             returned = None
             if type(leaf) is TensorProxy:
@@ -487,10 +494,14 @@ class JittedFunction:
                 if same and not value.requires_grad:
                     prims.copy_(value, given)
                 else:
+                    if id(now) in retained:
+                        kept.append(len(values))
                     values.append(value)
                     rebinds.append((module, container, name))
         dirty = functional.write_back(inputs)
-        return values, out_spec, out_objects, tuple(returns_input), rebinds, dirty
+        held = tuple(i for i, p in enumerate(proxies) if id(p) in retained)
+        kept_grads = Retained(tuple(kept), held) if kept or held else None
+        return values, out_spec, out_objects, tuple(returns_input), rebinds, dirty, kept_grads
 
 
 class JittedModule(nn.Module):

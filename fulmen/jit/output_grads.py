@@ -8,6 +8,10 @@ hook or `retain_grad` watches such an output while a grad arrives through an out
 (`check_watched`). Known limit: `torch.autograd.grad(b, a)` captures `a`'s grad without running the node, so
 fulmen cannot see it; torch then reports `a` as unused (or returns None with `allow_unused=True`).
 
+`y.retain_grad()` inside the program is done by each call on the tensor it gives the caller for `y` (`Retained`): an
+output (a feeding one is then refused by `check_watched`, as a hook on it), a module tensor the program reassigned, an
+input. A value that does not leave the program cannot be looked at, so its retain_grad changes nothing.
+
 Known limit, for the same reason: a hook (`register_hook`) on an output that gets no grad while another output of
 the call does is called with None, where eager, whose output has a node of its own that never runs, does not call it
 (torch calls the tensor hooks of a node's outputs whenever the node runs). Avoiding it would take a node per output
@@ -63,6 +67,23 @@ def feeding_outputs(trace: Trace, differentiable: Sequence[bool]) -> tuple[Feedi
             if dependents:
                 feeding.append(FeedingOutput(i, dependents, name, where.get(name)))
     return tuple(sorted(feeding, key=lambda f: f.output))
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    """The tensors of a call whose grad autograd keeps, as the program's `retain_grad()` calls asked: outputs by
+    position among the trace's outputs (a rebind's value after the returned ones), inputs by position."""
+
+    outputs: tuple[int, ...]
+    inputs: tuple[int, ...]
+
+    def apply(self, returned: Sequence[torch.Tensor], produced: Sequence[torch.Tensor],
+              inputs: Sequence[torch.Tensor]) -> None:
+        """`returned`: what the call returns (views of inputs taken again); `produced`: the trace's outputs."""
+        for i in self.outputs:
+            (returned[i] if i < len(returned) else produced[i]).retain_grad()
+        for i in self.inputs:
+            inputs[i].retain_grad()
 
 
 def watch(feeding: tuple[FeedingOutput, ...], outputs: Sequence[torch.Tensor]) -> list[weakref.ref]:
