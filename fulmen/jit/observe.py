@@ -166,7 +166,7 @@ class Observer:
         if name in namespace:
             place = lambda e: f"{e.bind(namespace)}[{name!r}]"  # noqa: E731
             self._add(("dict", id(owner), name), what, place, namespace[name])
-            if name not in _MODULE_STATE or not isinstance(owner, dict) or "_modules" not in owner:
+            if _program_state(namespace, name, owner):
                 self._containers.watch(namespace[name], what, place)
         else:
             self._add_raw(("dict", id(owner), name), f"{what} (absent)",
@@ -513,6 +513,15 @@ class _Callee:
             return None
         return Guard(f"the code or defaults of function {self.fn.__qualname__}", " and ".join(terms),
                      self.emit.bindings)
+
+
+def _program_state(namespace: Any, name: str, owner: Any) -> bool:
+    """Whether the program's changes of the container `namespace[name]` are its own to replay or refuse: not those of
+    nn.Module's own state (hooks, ...), nor the interpreter's (`sys.modules`, which a lazy import fills once, as in
+    eager)."""
+    if namespace is sys.__dict__:
+        return False
+    return name not in _MODULE_STATE or not isinstance(owner, dict) or "_modules" not in owner
 
 
 def _empty_hooks(name: str, value: Any) -> bool:

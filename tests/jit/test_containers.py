@@ -4,7 +4,9 @@ when the change is exactly repeatable, refused naming the container and the line
 from __future__ import annotations
 
 import collections
+import importlib
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -255,3 +257,19 @@ def test_a_change_made_by_an_abandoned_acquisition_is_undone():
     LOG.clear()
     fulmen.jit(_logs_then_reads_a_value)(torch.ones(2))
     assert LOG == [1]  # once, as eager: not once per acquisition
+
+
+def test_a_lazy_import_inside_the_program_is_the_interpreters_not_refused(tmp_path, monkeypatch):
+    # the import fills sys.modules once, as in eager: Python's state, not the program's
+    (tmp_path / "fulmen_lazily_imported.py").write_text("SCALE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fulmen_lazily_imported", raising=False)
+
+    def program(x):
+        if "fulmen_lazily_imported" not in sys.modules:
+            importlib.import_module("fulmen_lazily_imported")
+        return x * sys.modules["fulmen_lazily_imported"].SCALE
+
+    jitted = fulmen.jit(program)
+    for _ in range(2):
+        torch.testing.assert_close(jitted(torch.ones(2)), torch.full((2,), 3.0))
