@@ -16,13 +16,7 @@ from transformers import AutoConfig
 import fulmen
 from tests.models.hf_configs import SMALL, batch
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add overhead
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _build(family: str, class_name: str, **settings) -> torch.nn.Module:

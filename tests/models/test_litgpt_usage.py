@@ -18,12 +18,7 @@ import fulmen
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add overhead
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _pair() -> tuple[GPT, GPT]:
