@@ -31,6 +31,7 @@ call returns a fresh object holding its own tensors.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -234,7 +235,12 @@ TENSOR = "T"  # marks a tensor leaf's position inside a spec
 OBJECT = "object"  # (OBJECT, id of the template object, attribute names, their specs)
 
 
-def _const(obj: Any, kept: dict[int, Any] | None) -> Any:
+# Containers a spec holds whole (sets; list and dict subclasses without a pytree registration): the program reads
+# them through C methods (`in`, `len`, `.get`) that no guard observes, so their content is part of the spec too.
+_CONTENT_KINDS = (set, list, dict, collections.deque, bytearray)
+
+
+def _const(obj: Any, kept: dict[int, Any] | None, within: frozenset[int] = frozenset()) -> Any:
     kind = type(obj)
     if kind is float:
         return ("f", obj.hex())
@@ -242,9 +248,20 @@ def _const(obj: Any, kept: dict[int, Any] | None) -> Any:
         return ("c", obj.real.hex(), obj.imag.hex())
     if _hashable(obj):
         return ("v", kind, obj)
-    if kept is not None:  # unhashable: specialised on the object's identity
+    if kept is not None:  # unhashable: specialised on the object's identity (and a container's content)
         kept[id(obj)] = obj
-    return ("id", id(obj), kind.__qualname__)
+    return ("id", id(obj), kind.__qualname__, _content(obj, within))
+
+
+def _content(obj: Any, within: frozenset[int]) -> Any:
+    """The content of a container held whole, as spec parts (None for other objects and a container inside itself)."""
+    if not isinstance(obj, _CONTENT_KINDS) or id(obj) in within:
+        return None
+    within = within | {id(obj)}
+    if isinstance(obj, dict):
+        return tuple((_const(key, None, within), _const(value, None, within)) for key, value in obj.items())
+    parts = [_const(item, None, within) for item in obj]
+    return frozenset(parts) if isinstance(obj, set) else tuple(parts)
 
 
 def _frozen(context: Any) -> Any:

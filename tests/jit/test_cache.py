@@ -170,3 +170,28 @@ def test_ordered_and_default_dicts_are_containers():
     with pytest.raises(TypeError, match=r"not inside a .*Settings; pass dict"):
         double(Settings(a=torch.ones(2)))
     torch.testing.assert_close(fulmen.jit(lambda d, x: x * d["k"])(Settings(k=3), torch.ones(2)), torch.full((2,), 3.0))
+
+
+def test_the_content_of_a_container_held_whole_is_guarded():
+    """A set, or a dict or list subclass, is handed to the program as it is and read through C methods (`in`,
+    `.get`, `len`) that no guard sees: a hit after its content changed reused the branch taken before."""
+
+    class Settings(dict):
+        pass
+
+    class Names(list):
+        pass
+
+    def pick(x, flags, settings, names):
+        y = x * 2 if "double" in flags else x * 3
+        return y * settings.get("scale", 1) + len(names)
+
+    jitted = fulmen.jit(pick)
+    x, flags, settings, names = torch.ones(2), {"double"}, Settings(scale=2), Names(["a"])
+    for change in (lambda: None, lambda: flags.discard("double"), lambda: settings.update(scale=5),
+                   lambda: names.append("b"), lambda: flags.add(0.0), lambda: flags.add(-0.0)):
+        change()
+        torch.testing.assert_close(jitted(x, flags, settings, names), pick(x, flags, settings, names))
+    assert fulmen.cache_misses(jitted) == 5  # every change but the last (-0.0 == 0.0 in a set: the same content)
+    jitted(x, set(flags), Settings(settings), Names(names))  # other objects: specialised on identity as before
+    assert fulmen.cache_misses(jitted) == 6
