@@ -273,14 +273,16 @@ class JittedFunction:
             for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
                 getattr(module, container)[name] = value
             outputs = outputs[: entry.n_outputs]
-        if any(r is not None for r in entry.returns_input):
+        takes_inputs = any(r is not None for r in entry.returns_input)
+        if takes_inputs or entry.retained is not None:
             inputs = [*tensors, *module_tensors, *entry.constants]
+        if takes_inputs:
             returned = [r.take(inputs) if r is not None else out for r, out in zip(entry.returns_input, outputs)]
             if entry.program is not None and entry.program.feeding:
                 rewatch(entry.program.feeding, outputs, returned)
             outputs = returned
         if entry.retained is not None:
-            entry.retained.apply(outputs, produced, [*tensors, *module_tensors, *entry.constants])
+            entry.retained.apply(outputs, produced, inputs)
         if entry.out_spec == pytree.TENSOR:
             return outputs[0]
         return pytree.unflatten(entry.out_spec, outputs, entry.out_objects)
