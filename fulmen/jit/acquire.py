@@ -45,7 +45,7 @@ METADATA: frozenset = frozenset(
         T.itemsize.__get__, T.nbytes.__get__, T.is_xpu.__get__, T.is_mps.__get__,
         T.size, T.dim, T.ndimension, T.numel, T.nelement, T.element_size, T.stride, T.is_contiguous,
         T.is_floating_point, T.is_complex, T.is_signed, T.get_device, T.__len__, T.__hash__,
-        T.is_inference, T.dim_order,
+        T.dim_order,
         torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type, torch.can_cast,
         torch.promote_types, torch.is_grad_enabled, torch.get_default_dtype, torch.is_autocast_enabled,
         torch.get_autocast_dtype, torch.is_inference_mode_enabled, torch.device,
@@ -119,6 +119,8 @@ class Interpreter(TorchFunctionMode):
             T.retain_grad: self._retain_grad,
             T.is_leaf.__get__: self.autograd.is_leaf,
             T.grad_fn.__get__: self.autograd.grad_fn,
+            T.is_inference: self.autograd.is_inference,
+            torch.is_inference: self.autograd.is_inference,
             T.grad.__get__: lambda x: self._refuse_read("Tensor.grad", "the grad of one call would be a constant of "
                                                         "the trace, where eager reads it anew on every call"),
             T.retains_grad.__get__: lambda x: self._refuse_read("Tensor.retains_grad", "it is autograd state of "

@@ -1,10 +1,11 @@
-"""What a program reads about the autograd graph of its tensors (`is_leaf`, `grad_fn`), answered as eager would.
+"""What a program reads about the autograd state of its tensors (`is_leaf`, `grad_fn`, `is_inference`), answered as
+eager would.
 
 A trace's proxies are stand-ins without a graph, so their own answers (always a leaf) are wrong. Most answers are
 known while tracing: a value that does not require grad is a leaf without a grad_fn, and a value the program computed
 that requires grad is not a leaf. What is left is an input that requires grad (an argument or a module tensor): eager's
 answer is the real tensor's, which can differ from call to call (an argument `a * 1` or a leaf), so the answer seen
-while tracing becomes a condition of the trace (`CacheEntry.leaves`), checked only for traces that read it.
+while tracing becomes a condition of the trace (`CacheEntry.facts`), checked only for traces that read it.
 
 A grad_fn that exists in eager is never a node fulmen can give (the program's values have none while tracing, and an
 input's node is the node of one call): it stands as `TracedNode`, which answers `is None` and truth tests, and refuses
@@ -68,13 +69,15 @@ class TracedNode:
 
 
 class AutogradFacts:
-    """Answers `is_leaf` and `grad_fn` of the program's tensors, and records what the answers assumed of the inputs."""
+    """Answers `is_leaf`, `grad_fn` and `is_inference` of the program's tensors, and records what the answers assumed
+    of the inputs."""
 
     def __init__(self, functional: Functionalizer) -> None:
         self._functional = functional
         # id(what the program sees) -> (it, the trace input it stands for, the real tensor)
         self._inputs: dict[int, tuple[TensorProxy, TensorProxy, torch.Tensor]] = {}
-        self.read: dict[int, tuple[TensorProxy, bool]] = {}  # id(trace input) -> (it, is_leaf as traced)
+        # (id(trace input), fact) -> (it, the fact: "is_leaf" or "is_inference", its value as traced)
+        self.read: dict[tuple[int, str], tuple[TensorProxy, str, bool]] = {}
 
     def add_input(self, visible: TensorProxy, proxy: TensorProxy, tensor: torch.Tensor) -> None:
         """The program sees the input `tensor` (the trace's `proxy`) as `visible`."""
@@ -93,8 +96,19 @@ class AutogradFacts:
         _, proxy, tensor = known
         with torch._C.DisableTorchFunction():
             leaf = tensor.is_leaf
-        self.read[id(proxy)] = (proxy, leaf)
+        self.read[id(proxy), "is_leaf"] = (proxy, "is_leaf", leaf)
         return leaf
+
+    def is_inference(self, x: torch.Tensor) -> bool:
+        root = self._functional.root(x) if type(x) is TensorProxy else x
+        known = self._inputs.get(id(root))
+        with torch._C.DisableTorchFunction():
+            if known is None:  # a captured tensor, or a value the program computed
+                return torch.Tensor.is_inference(root)
+            _, proxy, tensor = known
+            inference = tensor.is_inference()
+        self.read[id(proxy), "is_inference"] = (proxy, "is_inference", inference)
+        return inference
 
     def grad_fn(self, x: torch.Tensor) -> TracedNode | None:
         if self.is_leaf(x):

@@ -22,7 +22,7 @@ backward does too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -151,6 +151,17 @@ def _hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def _versions(program: GradProgram, saved: Sequence[torch.Tensor]) -> list[int]:
+    """The version counters of the values saved for backward, to refuse a backward after they changed in place."""
+    for name, tensor in zip(program.saved_names, saved):
+        if tensor.is_inference():  # it tracks no version, and eager refuses to save it
+            raise RuntimeError(f"Inference tensors cannot be saved for backward: the backward of the jitted function "
+                               f"needs {name}, a tensor created under torch.inference_mode() (or a view of one). "
+                               "Make a clone of it to get a normal tensor, or use torch.no_grad() instead of "
+                               "torch.inference_mode()")
+    return [t._version for t in saved]
+
+
 class FulmenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -173,7 +184,7 @@ class FulmenFunction(torch.autograd.Function):
             ctx.save_for_backward(*saved)
         else:
             ctx.saved = list(saved)
-            ctx.versions = [t._version for t in saved]
+            ctx.versions = _versions(program, saved)
         ctx.set_materialize_grads(False)
         if program.non_differentiable:
             ctx.mark_non_differentiable(*(outputs[i] for i in program.non_differentiable))

@@ -57,7 +57,8 @@ class CacheEntry:
     check: Callable[[], bool] | None = None  # all guards, compiled
     storage: tuple[int, ...] | None = None  # the inputs' storage groups, for a trace that updates an input
     offsets: tuple[int, ...] | None = None  # the inputs' storage offsets, for a trace that depends on them
-    leaves: tuple[tuple[int, bool], ...] | None = None  # (input, is_leaf) the program read (autograd_facts.py)
+    # (input, "is_leaf" or "is_inference", its value) the program read (autograd_facts.py)
+    facts: tuple[tuple[int, str, bool], ...] | None = None
     aliases: AliasPlan | None = None
     module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
     writes: tuple[Write | ContainerWrite, ...] = ()  # the Python state the program stores, stored again by every call
@@ -68,16 +69,20 @@ class CacheEntry:
             return False
         if self.offsets is not None and storage_offsets([*tensors, *module_tensors, *self.constants]) != self.offsets:
             return False
-        if self.leaves is not None and changed_leaf(self.leaves, [*tensors, *module_tensors]) is not None:
+        if self.facts is not None and changed_fact(self.facts, [*tensors, *module_tensors]) is not None:
             return False
         return self.storage is None or storage_groups([*tensors, *module_tensors, *self.constants]) == self.storage
 
 
-def changed_leaf(leaves: Sequence[tuple[int, bool]], inputs: Sequence[torch.Tensor]) -> int | None:
-    """The first input whose `is_leaf` differs from what the trace read."""
-    for position, leaf in leaves:
-        if inputs[position].is_leaf is not leaf:
-            return position
+def _fact(tensor: torch.Tensor, fact: str) -> bool:
+    return tensor.is_leaf if fact == "is_leaf" else tensor.is_inference()
+
+
+def changed_fact(facts: Sequence[tuple[int, str, bool]], inputs: Sequence[torch.Tensor]) -> tuple[int, str] | None:
+    """The first input whose `is_leaf` or `is_inference` differs from what the trace read, and which."""
+    for position, fact, value in facts:
+        if _fact(inputs[position], fact) is not value:
+            return position, fact
     return None
 
 
@@ -133,11 +138,15 @@ class Cache:
             if failed >= 0:
                 return entry.guards[failed].describe()
         inputs = [*tensors, *module_tensors, *entry.constants]
-        changed = changed_leaf(entry.leaves, inputs) if entry.leaves is not None else None
+        changed = changed_fact(entry.facts, inputs) if entry.facts is not None else None
         if changed is not None:
-            which = names[changed] if changed < len(names) else f"module tensor #{changed - len(names)}"
-            now = "a leaf" if inputs[changed].is_leaf else "not a leaf (it has a grad_fn)"
-            return f"tensor {which} is {now}; the program read is_leaf or grad_fn of it, traced with the other"
+            position, fact = changed
+            which = names[position] if position < len(names) else f"module tensor #{position - len(names)}"
+            if fact == "is_leaf":
+                now = "a leaf" if inputs[position].is_leaf else "not a leaf (it has a grad_fn)"
+                return f"tensor {which} is {now}; the program read is_leaf or grad_fn of it, traced with the other"
+            now = "an inference tensor" if inputs[position].is_inference() else "not an inference tensor"
+            return f"tensor {which} is {now}; the program read is_inference() of it, traced with the other"
         if entry.offsets is not None and storage_offsets(inputs) != entry.offsets:
             return (f"the inputs' storage offsets {storage_offsets(inputs)}, traced with {entry.offsets} (the program "
                     "reads them, or updates inputs that share memory)")

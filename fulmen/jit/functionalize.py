@@ -158,6 +158,14 @@ class Functionalizer:
             value = link[1]
         return True
 
+    def root(self, obj: TensorProxy) -> TensorProxy:
+        """The tensor `obj` is a view of, through any chain of views (`obj` itself when it is none)."""
+        info = self._views.get(id(obj))
+        while info is not None:
+            obj = info.base
+            info = self._views.get(id(obj))
+        return obj
+
     def view_path(self, obj: TensorProxy, roots: dict[int, int]) -> tuple[int, list[ViewInfo]] | None:
         """When `obj` is a view of the object at `roots[id(base)]` (through any chain of views), that root and the
         views from it to `obj`, outermost first; None when it is not, or a view takes a traced tensor argument."""

@@ -167,13 +167,14 @@ def _module_proxy(builder: TraceBuilder, interpreter: Interpreter, tensor: torch
     return proxy
 
 
-def _leaves_read(acquisition: Acquisition) -> tuple[tuple[int, bool], ...] | None:
-    """The inputs whose `is_leaf` (or `grad_fn`) the program read, by position, with what it read."""
+def _facts_read(acquisition: Acquisition) -> tuple[tuple[int, str, bool], ...] | None:
+    """The inputs whose `is_leaf` (or `grad_fn`) or `is_inference` the program read, by position, with what it
+    read."""
     read = acquisition.interpreter.autograd.read
     if not read:
         return None
     position = {id(p): i for i, p in enumerate(acquisition.inputs)}
-    return tuple(sorted((position[id(proxy)], leaf) for proxy, leaf in read.values()))
+    return tuple(sorted((position[id(proxy)], fact, value) for proxy, fact, value in read.values()))
 
 
 class JittedFunction:
@@ -451,7 +452,7 @@ class JittedFunction:
             storage=storage_groups(real_inputs) if written else None,
             offsets=storage_offsets(real_inputs) if interpreter.reads_storage_offset or aliases is not None else None,
             module_inputs=tuple(module_inputs),
-            leaves=_leaves_read(acquisition),
+            facts=_facts_read(acquisition),
             aliases=aliases,
             writes=acquisition.observer.writes,
             retained=acquisition.retained,

@@ -194,3 +194,56 @@ def test_reading_autograd_state_of_one_call_is_refused_naming_the_line(fn, what,
     fn(*args)
     with pytest.raises(TraceError, match=rf"(?s)reading {what} .*test_autograd_metadata\.py.*{line}"):
         fulmen.jit(fn)(*args)
+
+
+# --- is_inference: a fact of the tensor (made under inference mode or not), not of the mode it is read in ---------
+
+
+def _argument_is_inference(t: torch.Tensor) -> torch.Tensor:
+    return t * 2 if t.is_inference() else t * 3
+
+
+def _view_is_inference(t: torch.Tensor) -> torch.Tensor:
+    v = t.detach()[:2]
+    return v * 2 if torch.is_inference(v) else v * 3
+
+
+def _computed_is_inference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode():
+        made = t * 1  # an inference tensor, and so is its view taken outside inference mode
+        viewed = t[:1]  # a view of a normal tensor stays normal; of an inference tensor, stays one
+    later = made[:1]
+    return (later * 2 if later.is_inference() else later * 3), (viewed * 2 if viewed.is_inference() else viewed * 3)
+
+
+@pytest.mark.parametrize("fn", [_argument_is_inference, _view_is_inference, _computed_is_inference])
+def test_reading_is_inference_answers_as_eager_in_every_mode(fn):
+    normal = torch.arange(3.0)
+    with torch.inference_mode():
+        inference = torch.arange(3.0)
+    jitted = fulmen.jit(fn)
+    for x, mode in [(normal, False), (inference, False), (normal, True), (inference, True), (normal, False)]:
+        with torch.inference_mode(mode):
+            got, want = jitted(x), fn(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_miss_for_is_inference_says_so():
+    jitted = fulmen.jit(_argument_is_inference)
+    jitted(torch.ones(3))
+    with torch.inference_mode():
+        inference = torch.ones(3)
+    torch.testing.assert_close(jitted(inference), inference * 2, rtol=0, atol=0)
+    assert "tensor t is an inference tensor; the program read is_inference() of it" in core(jitted).last_miss_reasons[0]
+
+
+def test_an_inference_tensor_the_backward_needs_is_refused_as_in_eager():
+    with torch.inference_mode():
+        w = torch.randn(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    fn = lambda x, w: (x @ w).sum()  # noqa: E731
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        fn(x, w)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward: .* needs w, a tensor "
+                                           r"created under torch\.inference_mode\(\)"):
+        fulmen.jit(fn)(x, w)
