@@ -139,6 +139,13 @@ def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ..
     """Runs `program` through `FulmenFunction`. An input that requires grad but gets none from the backward (state
     the program holds but does not differentiate through) enters detached: autograd would otherwise run its old
     history's nodes with no grad, which fails once that history was freed by an earlier backward."""
+    transform = torch._C._functorch.peek_interpreter_stack()
+    if transform is not None:  # FulmenFunction keeps state on ctx, which functorch's transforms do not support
+        raise RuntimeError(
+            f"a fulmen-jitted function that computes grads cannot run inside a torch.func transform (here "
+            f"{transform.key().name.lower()}): differentiate with fulmen's own transforms instead, "
+            "fulmen.grad / fulmen.vjp / fulmen.jvp / fulmen.vmap applied to the function itself, or call the function "
+            "without fulmen.jit inside torch.func")
     if program.no_grad_inputs:
         inputs = list(inputs)
         for i in program.no_grad_inputs:

@@ -101,3 +101,25 @@ def test_a_hook_on_an_output_without_a_grad_is_not_called():
         calls.append(seen)
     assert calls[0] == []  # eager never runs a's node
     assert calls[1] == calls[0]
+
+
+def _sin_times(x: torch.Tensor) -> torch.Tensor:
+    return (x.sin() * x).sum()
+
+
+@pytest.mark.parametrize("transform", [torch.func.grad, torch.func.jacrev,
+                                       lambda fn: torch.func.vmap(torch.func.grad(fn))])
+def test_torch_func_differentiating_a_jitted_function_is_refused_pointing_to_fulmens_own(transform):
+    x = torch.randn(4, 3, dtype=torch.float64)
+    transform(_sin_times)(x)  # eager's works
+    with pytest.raises(RuntimeError, match=r"cannot run inside a torch\.func transform \(here grad\).*fulmen\.grad"):
+        transform(fulmen.jit(_sin_times))(x)
+
+
+def test_torch_func_vmap_and_jvp_of_a_jitted_function_without_grads_are_eagers():
+    x = torch.randn(4, 3, dtype=torch.float64)
+    jitted = fulmen.jit(_sin_times)
+    torch.testing.assert_close(torch.func.vmap(jitted)(x), torch.func.vmap(_sin_times)(x), rtol=0, atol=0)
+    got = torch.func.jvp(jitted, (x,), (torch.ones_like(x),))
+    want = torch.func.jvp(_sin_times, (x,), (torch.ones_like(x),))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
