@@ -73,6 +73,26 @@ DATA_DEPENDENT: frozenset = frozenset(
 )
 
 
+def _is_tensor_scalar(item: Any) -> bool:
+    """A 0-dim integer tensor, which eager's indexing reads as a Python int (not a mask: bool and uint8 are)."""
+    return (isinstance(item, torch.Tensor) and item.dim() == 0 and item.dtype not in (torch.bool, torch.uint8)
+            and not item.dtype.is_floating_point and not item.dtype.is_complex)
+
+
+def _indexed_dims(items: tuple, ndim: int) -> list[int]:
+    """The dim of the indexed tensor each index item stands at (None and `...` take none themselves)."""
+    consumed = [0 if item is None or item is Ellipsis or isinstance(item, bool) else
+                item.dim() if isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8) else 1
+                for item in items]
+    if Ellipsis in items:
+        consumed[items.index(Ellipsis)] = ndim - sum(consumed)
+    dims, dim = [], 0
+    for taken in consumed:
+        dims.append(dim)
+        dim += taken
+    return dims
+
+
 def _is_value(obj: Any) -> bool:
     """A tensor, or a NumPy scalar (read as the Python number it holds)."""
     return isinstance(obj, torch.Tensor) or (type(obj).__module__ == "numpy" and hasattr(obj, "item"))
@@ -342,6 +362,10 @@ class Interpreter(TorchFunctionMode):
         if type(x) is not TensorProxy:
             raise TraceError("in-place __setitem__ on a tensor created outside the program is not supported",
                              self.builder.source)
+        x, index = self._select_at_scalars(x, index)
+        if index == ():  # `x[i] = v`: eager copies into the selected view
+            self.functional.write(x, shape.copy(self.functional.resolve(x), self._values(value)))
+            return
         current = self.functional.resolve(x)
         new = shape.setitem(current, self._values(index), self._values(value))
         self.functional.write(x, new)
@@ -354,7 +378,21 @@ class Interpreter(TorchFunctionMode):
 
     def _getitem(self, x: TensorProxy, index: Any) -> Any:
         self._check_index(index)
-        return self._record(shape.getitem, (x, index), {})
+        x, index = self._select_at_scalars(x, index)
+        return x if index == () else self._record(shape.getitem, (x, index), {})
+
+    def _select_at_scalars(self, x: TensorProxy, index: Any) -> tuple[TensorProxy, Any]:
+        """Eager reads the value of a 0-dim integer tensor in an index and selects with it before anything else (so
+        `x[i]` is a view of `x`, and `z[i, :, j]` puts j's dims where `z[1, :, j]` does): `x` after those selects,
+        and the rest of the index."""
+        items = index if isinstance(index, tuple) else (index,)
+        scalars = [p for p, item in enumerate(items) if _is_tensor_scalar(item)]
+        if not scalars:
+            return x, index
+        dims = _indexed_dims(items, x.dim())
+        for p in sorted(scalars, key=lambda p: -dims[p]):  # the highest dim first keeps the others' numbers
+            x = self._record(shape.select_at, (x, dims[p], items[p]), {})
+        return x, tuple(item for p, item in enumerate(items) if p not in scalars)
 
     def _check_index(self, index: Any) -> None:
         items = index if isinstance(index, tuple) else (index,)

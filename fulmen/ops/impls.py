@@ -24,6 +24,13 @@ def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
     return out
 
 
+def select_at(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """`x[index]` along `dim` for a 0-dim integer tensor `index`, as eager does it: it reads the index's value and
+    selects, so the result is a view of `x` (a write into it must reach `x`). Meta tensors select position 0, which
+    gives the view's shape and strides."""
+    return x.select(dim, 0 if index.is_meta else int(index))
+
+
 def copy(dst: torch.Tensor, src: Any) -> torch.Tensor:
     """The value `dst` holds after `dst.copy_(src)`."""
     if not isinstance(src, torch.Tensor):

@@ -119,6 +119,15 @@ def getitem_decomposition(x: torch.Tensor, index: Any) -> Any:
 getitem = torch_symbol(torch.Tensor.__getitem__, decomposition=getitem_decomposition)
 
 
+def _select_at_decomposition(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    size = x.shape[dim]
+    position = prims.where(prims.lt(index, 0), prims.add(index, size), index)  # select's negative positions
+    return prims.squeeze(prims.take(x, prims.reshape(position, (1,)), dim), (dim,))
+
+
+select_at = impl_symbol(impls.select_at, decomposition=_select_at_decomposition)
+
+
 def _pieces_decomposition(fn):
     def decomposition(x, *args, **kwargs):
         outs = fn(x.meta, *args, **kwargs)
