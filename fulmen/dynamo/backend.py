@@ -28,6 +28,7 @@ from torch import nn
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import Trace
+from fulmen.dynamo.hops import as_torch_calls
 from fulmen.dynamo.splitter import CALLS, first_line, refused_nodes, split, static_reason
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import resolve
@@ -86,7 +87,8 @@ class FallbackPiece(nn.Module):
             from torch._inductor import compile as inductor_compile  # heavy: only when a piece needs it
 
             flat, spec = _flat_outputs(self.module)
-            compiled = inductor_compile(flat, list(args))
+            # fallback_random: random ops draw from torch's generator as eager does (Inductor's own draws differ)
+            compiled = inductor_compile(flat, list(args), options={"fallback_random": True})
             self._compiled = lambda *inputs: pytree.tree_unflatten(list(compiled(*inputs)), spec)
         return self._compiled(*args)
 
@@ -159,7 +161,7 @@ class _SplitProgram:
             else:
                 self.run = self._keep("graph", graph, whole, []).runner
                 return out
-        refused = refused_nodes(graph, args, backend.options.decompose)
+        refused = refused_nodes(graph, args, backend.options.decompose, backend.executors)
         if not refused:  # acquired, then refused by a later pass (autodiff, executors): the graph falls back whole
             self.run = self._keep("graph", graph, FallbackPiece(graph, backend.fallback), [refusal]).runner
         else:
@@ -201,7 +203,7 @@ class FulmenBackend:
         new = sorted(reason.split("\n", 1)[0] for reason, count in breaks.items()
                      if count > self._breaks_seen.get(reason, 0))
         self._breaks_seen = breaks
-        record = GraphRecord(len(self.graphs), graph, new)
+        record = GraphRecord(len(self.graphs), as_torch_calls(graph), new)
         self.graphs.append(record)
         return _SplitProgram(self, record)
 

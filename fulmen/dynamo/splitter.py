@@ -19,9 +19,11 @@ from torch.fx.passes.split_module import split_module
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import TraceBuilder
+from fulmen.dynamo.hops import checkpoint_reason
 from fulmen.jit.acquire import DATA_DEPENDENT, Interpreter
 from fulmen.jit.frames import CallTap
-from fulmen.jit.function_apply import APPLY_CODE, FunctionApplyRegion, function_apply_recorded
+from fulmen.jit.function_apply import function_apply_recorded
+from fulmen.jit.replacements import call_table
 from fulmen.transforms.distribution import logical_meta
 
 CALLS = ("call_function", "call_method", "call_module")
@@ -43,6 +45,8 @@ def static_reason(node: torch.fx.Node) -> str | None:
     if (node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
             and node.target.name() not in ACQUIRED_HIGHER_ORDER):
         return f"{node.target.name()} is a higher-order op (a nested graph); fulmen acquires plain torch calls"
+    if (reason := checkpoint_reason(node)) is not None:
+        return reason
     target = getattr(torch.Tensor, node.target, None) if node.op == "call_method" else node.target
     if node.op in ("call_function", "call_method") and target in DATA_DEPENDENT:
         return f"{_target_name(node)} reads tensor values"
@@ -99,7 +103,8 @@ def _concrete(value: Any) -> Any:
     return value
 
 
-def refused_nodes(module: torch.fx.GraphModule, args: tuple, decompose: bool) -> dict[torch.fx.Node, str]:
+def refused_nodes(module: torch.fx.GraphModule, args: tuple, decompose: bool,
+                  executors: tuple[Any, ...]) -> dict[torch.fx.Node, str]:
     """The nodes of `module` fulmen refuses for these inputs, each with its reason (acquired as the pieces will be:
     a symbol fulmen records may still fail in its decomposition)."""
     reasons = {node: reason for node in module.graph.nodes if (reason := static_reason(node)) is not None}
@@ -108,7 +113,7 @@ def refused_nodes(module: torch.fx.GraphModule, args: tuple, decompose: bool) ->
     inputs = [builder.make_proxy(logical_meta(a), a.device, a.requires_grad) if isinstance(a, torch.Tensor) else a
               for a in args]
     with (_global_state_kept(), builder, interpreter, function_apply_recorded(interpreter),
-          CallTap({APPLY_CODE: FunctionApplyRegion()})):
+          CallTap(call_table(executors, interpreter).regions)):
         _Probe(module, builder, reasons).run(*inputs)
     return reasons
 
