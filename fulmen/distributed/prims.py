@@ -68,6 +68,34 @@ def _wait_impl(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _check_plan_impl(group: str, what: str, digest: int, plan: tuple[str, ...]) -> None:
+    """Raises on every rank unless all ranks of `group` are about to run the same collectives (`digest`).
+
+    A program whose path depends on rank-local data (a branch on the batch) would otherwise pair one rank's
+    collective with another's of a different parameter: equal shapes sum or gather unrelated tensors silently."""
+    process_group = _group(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl" else None
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=process_group)
+    high, low = extremes.tolist()
+    if high == digest and low == -digest:
+        return
+    plans: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(plans, plan, group=process_group)
+    raise RuntimeError(f"the ranks ran different programs, so their {what} collectives do not match: "
+                       f"{_first_difference(plans)}. The program's path depends on data that differs between ranks "
+                       "(a branch on the batch, a rank-dependent argument): every rank must read the same distributed "
+                       "parameters in the same order")
+
+
+def _first_difference(plans: list[tuple[str, ...]]) -> str:
+    for index in range(max(len(plan) for plan in plans)):
+        seen = [plan[index] if index < len(plan) else "nothing" for plan in plans]
+        if len(set(seen)) > 1:
+            return f"collective {index}: " + ", ".join(f"rank {rank} {item}" for rank, item in enumerate(seen))
+    return "the ranks' collectives differ in shape or dtype"
+
+
 def _like(builder: TraceBuilder, x: Any, shape: tuple[int, ...]) -> Any:
     return builder.make_proxy(torch.empty(shape, dtype=x.dtype, device="meta"), x.device)
 
@@ -83,5 +111,8 @@ reduce_scatter = _symbol("reduce_scatter", _reduce_scatter_impl,
                          lambda b, x, group, world: _like(b, x, (x.shape[0] // world, *x.shape[1:])))
 all_reduce = _symbol("all_reduce", _all_reduce_impl, lambda b, x, group: _like(b, x, tuple(x.shape)))
 wait = _symbol("wait", _wait_impl, lambda b, x: _like(b, x, tuple(x.shape)))
+
+# Returns nothing: a check the transforms put before a trace's first collective.
+check_plan = _symbol("check_plan", _check_plan_impl, lambda b, group, what, digest, plan: None)
 
 COLLECTIVES = (all_gather, reduce_scatter, all_reduce)

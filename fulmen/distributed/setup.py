@@ -8,6 +8,7 @@ themselves are inserted into the traces when the module (or a function that call
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -48,6 +49,32 @@ def _state(kind: str, process_group: dist.ProcessGroup | None, **options) -> Dis
                             **options)
 
 
+def _check_same_model(module: nn.Module, state: DistributedState) -> None:
+    """Raises on every rank unless every rank distributes the same parameters and buffers (names, shapes, dtypes).
+
+    Nothing else would notice: gloo broadcasts and gathers tensors of different sizes without an error, and each
+    rank would train its own model with the others' gradients mixed in."""
+    mine = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t in itertools.chain(module.named_parameters(), module.named_buffers())]
+    everyone: list = [None] * state.world
+    dist.all_gather_object(everyone, mine, group=state.group)
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for index in range(max(len(everyone[0]), len(theirs))):
+            first = everyone[0][index] if index < len(everyone[0]) else None
+            other = theirs[index] if index < len(theirs) else None
+            if first != other:
+                raise ValueError(f"fulmen.distributed.{state.kind}: the ranks' models differ, rank 0 has "
+                                 f"{_describe(first)} where rank {rank} has {_describe(other)}; every rank must "
+                                 "build the same model")
+
+
+def _describe(entry: tuple[str, tuple[int, ...], str] | None) -> str:
+    if entry is None:
+        return "nothing"
+    name, shape, dtype = entry
+    return f"{name!r} of shape {shape} and dtype {dtype}"
+
+
 def _broadcast(tensor: torch.Tensor, state: DistributedState, source: int) -> None:
     dist.broadcast(tensor, src=dist.get_global_rank(state.group, source), group=state.group)
 
@@ -65,6 +92,7 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
     if bucket_size_in_mb < 0:
         raise ValueError(f"bucket_size_in_mb must be >= 0, got {bucket_size_in_mb}")
     state = _state("ddp", process_group, bucket_bytes=int(bucket_size_in_mb * 2**20))
+    _check_same_model(module, state)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if broadcast_from is not None:
@@ -127,6 +155,7 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     state = _state("fsdp", process_group, sharding=sharding, bucketing=bucketing, max_in_flight=max_in_flight)
+    _check_same_model(module, state)
     device = torch.device(device) if device is not None else None
     keys = _bucket_keys(module, bucketing)
     with torch.no_grad():

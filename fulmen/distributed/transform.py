@@ -20,6 +20,7 @@ fulmen.jit sees.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,25 @@ if TYPE_CHECKING:  # specs.py builds programs of this class
     from fulmen.distributed.specs import ParamSpec
 
 __all__ = ["DistributedProgram", "GradSync"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Collective:
+    """What one collective carries, for checking that every rank runs the same ones (`dist.check_plan`)."""
+
+    group: str
+    label: str  # what the error names: the kind and the parameters ("reduce_scatter a.weight,a.bias")
+    key: str  # everything that must agree between ranks: the label, the shape and the dtype
+
+
+def _collective(kind: str, specs: Sequence[ParamSpec], value: TensorProxy) -> _Collective:
+    label = f"{kind} {','.join(spec.name for spec in specs)}"
+    return _Collective(specs[0].state.group_name, label, f"{label} {tuple(value.shape)} {value.dtype}")
+
+
+def _digest(keys: Sequence[str]) -> int:
+    """The same on every process (unlike `hash`, which is seeded per process), and within int64."""
+    return int.from_bytes(hashlib.blake2b("\n".join(keys).encode(), digest_size=8).digest(), "big") >> 2
 
 
 @dataclass(slots=True)
@@ -135,13 +155,24 @@ class DistributedProgram:
             if type(out) is TensorProxy and out.pname in self.sharded and self.sharded[out.pname].state.zero3:
                 outputs[i] = self.shard(out)
         full = {p.pname: p for p in trace.inputs if p.pname in self.sharded}
-        bsyms = self._with_gathers(trace.bound_symbols, outputs, full)
+        plan: dict[int, _Collective] = {}
+        bsyms = self._checked(self._with_gathers(trace.bound_symbols, outputs, full, plan), plan, "forward")
         inputs = [self.shard(p) if p.pname in self.sharded else p for p in trace.inputs]
         return trace.from_trace("FSDP: shards gathered before use", inputs=inputs, bound_symbols=bsyms,
                                 output=tuple(outputs))
 
-    def _with_gathers(self, bsyms: list[BoundSymbol], outputs: Sequence, full: dict[str, TensorProxy]
-                      ) -> list[BoundSymbol]:
+    def _checked(self, bsyms: list[BoundSymbol], plan: dict[int, _Collective], what: str) -> list[BoundSymbol]:
+        """`bsyms` after one `dist.check_plan` per process group: every rank must be about to start the same
+        collectives (`plan`: each collective's start by `id`), or every rank raises before the first."""
+        ordered = [plan[id(bsym)] for bsym in bsyms if id(bsym) in plan]
+        with TraceBuilder(self.namespace) as builder:
+            for group in dict.fromkeys(c.group for c in ordered):
+                mine = [c for c in ordered if c.group == group]
+                collectives.check_plan(group, what, _digest([c.key for c in mine]), tuple(c.label for c in mine))
+        return builder.bound_symbols + bsyms
+
+    def _with_gathers(self, bsyms: list[BoundSymbol], outputs: Sequence, full: dict[str, TensorProxy],
+                      plan: dict[int, _Collective]) -> list[BoundSymbol]:
         first = _first_uses(bsyms, outputs, set(full))
         groups: dict[tuple, list[str]] = {}
         for name in sorted(first, key=first.__getitem__):
@@ -150,6 +181,8 @@ class DistributedProgram:
         buckets = sorted((_Bucket(names, first[names[0]]) for names in groups.values()), key=lambda b: b.ready)
         for bucket in buckets:
             self._gather(bucket, [full[name] for name in bucket.names])
+            plan[id(bucket.start[-1])] = _collective("all_gather", [self.sharded[n] for n in bucket.names],
+                                                     bucket.start[-1].args[0])
         in_flight = self.sharded[buckets[0].names[0]].state.max_in_flight if buckets else 1
         result: list[BoundSymbol] = []
         started = 0
@@ -210,21 +243,22 @@ class DistributedProgram:
                     if p.pname in self.sharded and self.sharded[p.pname].state.zero3}
         bsyms = list(trace.bound_symbols)
         inputs = list(trace.inputs)
+        plan: dict[int, _Collective] = {}
         if regather:
-            bsyms = self._with_gathers(bsyms, trace.output, regather)
+            bsyms = self._with_gathers(bsyms, trace.output, regather, plan)
             inputs = [self.shard(p) if p.pname in regather else p for p in inputs]
         groups = tuple(trace.input_groups)
         output = list(trace.output)
         provenance = "FSDP: ZeRO-3 gathers" if regather else trace.provenance
         if mode is not GradSync.LOCAL:
             pending = self._pending_inputs() if mode is GradSync.PENDING else {}
-            bsyms, output = self._reduce_grads(bsyms, output, pending)
+            bsyms, output = self._reduce_grads(bsyms, output, pending, plan)
             if pending:
                 inputs += list(pending.values())
                 groups += (("pending", len(pending)),)
             provenance = "Distributed: gradients reduced across ranks"
-        return trace.from_trace(provenance, inputs=inputs, bound_symbols=bsyms, output=tuple(output),
-                                input_groups=groups)
+        return trace.from_trace(provenance, inputs=inputs, bound_symbols=self._checked(bsyms, plan, "backward"),
+                                output=tuple(output), input_groups=groups)
 
     def _pending_inputs(self) -> dict[int, TensorProxy]:
         pending = {}
@@ -234,8 +268,8 @@ class DistributedProgram:
             pending[i] = TensorProxy(self.namespace.create(f"pending_{full.pname}"), meta, full.device)
         return pending
 
-    def _reduce_grads(self, bsyms: list[BoundSymbol], grads: list, pending: dict[int, TensorProxy]
-                      ) -> tuple[list[BoundSymbol], list]:
+    def _reduce_grads(self, bsyms: list[BoundSymbol], grads: list, pending: dict[int, TensorProxy],
+                      plan: dict[int, _Collective]) -> tuple[list[BoundSymbol], list]:
         producer = {name: index for index, bsym in enumerate(bsyms) for name in bsym.output_names()}
         after: dict[int, list[BoundSymbol]] = {}
         ready: dict[int, int] = {}
@@ -256,6 +290,8 @@ class DistributedProgram:
         finish: list[BoundSymbol] = []
         for owners in buckets:
             start, end = self._reduce(owners, values, grads)
+            kind = "reduce_scatter" if self.specs[owners[0]].sharded else "all_reduce"
+            plan[id(start[-1])] = _collective(kind, [self.specs[i] for i in owners], start[-1].args[0])
             after.setdefault(max(ready[i] for i in owners), []).extend(start)
             finish.extend(end)
         result = list(after.get(-1, ()))

@@ -62,3 +62,64 @@ def test_bad_arguments_are_named():
     assert errors["after_run"].startswith("RuntimeError: fulmen.distributed.ddp must be applied before the jitted "
                                           "module first runs")
     assert errors["scalar"] == "ValueError: fsdp cannot shard the 0-dimensional parameter 'w'"
+
+
+class _Branchy(torch.nn.Module):
+    """Two alternative layers of the same shape: a rank-dependent branch pairs one rank's collective for `a` with
+    the other's for `b`, which gloo runs without complaint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(5, 4)
+        self.b = torch.nn.Linear(5, 4)
+        self.c = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(x) if use_b else self.a(x))).sum()
+
+
+def _diverging_branches(rank: int, world: int, mode: str) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = fd.ddp(_Branchy()) if mode == "ddp" else fd.fsdp(_Branchy(), sharding_strategy=mode)
+    jitted = fulmen.jit(model)
+    x = torch.randn(3, 5)
+    jitted(x, False).backward()  # the same branch everywhere: runs
+    try:
+        jitted(x, rank == 1).backward()
+    except RuntimeError as error:
+        return {"error": str(error), "grads": {n: p.grad is not None for n, p in model.named_parameters()}}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero2", "zero3"])
+def test_ranks_running_different_programs_are_refused(mode):
+    results = values(run_ranks(_diverging_branches, 2, mode))
+    if mode == "ddp":  # the forward has no collective: the backward's gradient reduction is refused
+        expected = ("the ranks ran different programs, so their backward collectives do not match: collective 0: "
+                    "rank 0 all_reduce c.weight,c.bias,a.weight,a.bias, rank 1 all_reduce c.weight,c.bias,b.weight,"
+                    "b.bias")
+    else:  # before the forward gathers a's shards on one rank and b's on the other
+        expected = ("the ranks ran different programs, so their forward collectives do not match: collective 0: "
+                    "rank 0 all_gather a.weight, rank 1 all_gather b.weight")
+    for result in results:
+        assert result["error"] is not None and result["error"].startswith(expected), result["error"]
+        assert "every rank must read the same distributed parameters" in result["error"]
+
+
+def _mismatched_models(rank: int, world: int, kind: str) -> str:
+    model = torch.nn.Linear(4, 3 + rank)  # a config value that differs between ranks
+    before = model.weight.detach().clone()
+    try:
+        fd.ddp(model) if kind == "ddp" else fd.fsdp(model)
+    except ValueError as error:
+        assert torch.equal(model.weight, before)  # refused before anything was broadcast or sharded
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_ranks_with_different_models_are_refused_before_any_change(kind):
+    for message in values(run_ranks(_mismatched_models, 2, kind)):
+        assert message == (f"fulmen.distributed.{kind}: the ranks' models differ, rank 0 has 'weight' of shape (3, 4) "
+                           "and dtype float32 where rank 1 has 'weight' of shape (4, 4) and dtype float32; every rank "
+                           "must build the same model")
