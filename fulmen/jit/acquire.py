@@ -358,7 +358,7 @@ class Interpreter(TorchFunctionMode):
 
     # --- special cases -------------------------------------------------------------------------------------------
     def _setitem(self, x: TensorProxy, index: Any, value: Any) -> None:
-        self._check_index(index)
+        self._check_index(index, masks=True)  # a write through a mask keeps x's shape: nothing depends on values
         if type(x) is not TensorProxy:
             raise TraceError("in-place __setitem__ on a tensor created outside the program is not supported",
                              self.builder.source)
@@ -394,7 +394,7 @@ class Interpreter(TorchFunctionMode):
             x = self._record(shape.select_at, (x, dims[p], items[p]), {})
         return x, tuple(item for p, item in enumerate(items) if p not in scalars)
 
-    def _check_index(self, index: Any) -> None:
+    def _check_index(self, index: Any, masks: bool = False) -> None:
         items = index if isinstance(index, tuple) else (index,)
         for item in items:
             if isinstance(item, slice) and any(isinstance(b, torch.Tensor) for b in (item.start, item.stop, item.step)):
@@ -402,7 +402,7 @@ class Interpreter(TorchFunctionMode):
                     "fulmen cannot trace slicing with tensor bounds: the result's shape depends on tensor values",
                     self.builder.source,
                 )
-            if isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8):
+            if not masks and isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8):
                 raise DataDependentError(
                     "fulmen cannot trace indexing with a boolean mask: the result's shape depends on tensor "
                     "values. Use torch.where(mask, x, other) or multiply by the mask instead.",

@@ -20,6 +20,9 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
     """`x` with `x[index] = value` applied, leaving `x` untouched."""
     out = x.clone()
+    if out.is_meta and any(isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8)
+                           for item in (index if isinstance(index, tuple) else (index,))):
+        return out  # a mask's count of true elements is a value (the call checks it against `value`'s shape)
     out[index] = value
     return out
 

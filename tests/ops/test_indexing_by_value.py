@@ -1,8 +1,12 @@
-"""Indexing with a 0-dim integer tensor (`x[i]`, `x[i, :, j] = v`) against eager.
+"""Indexing whose meaning depends on an index tensor's values, against eager.
 
-Eager reads such an index's value and selects before anything else: `x[i]` is a view of `x`, a write through it
-reaches `x`, and mixed with advanced indices it places dims as `x[1, :, j]` does (not as a broadcast index would).
-Oracle: eager on the same inputs (values, grads, the inputs after the call, the aliasing of the result).
+- A 0-dim integer tensor (`x[i]`, `x[i, :, j] = v`): eager reads its value and selects before anything else, so
+  `x[i]` is a view of `x`, a write through it reaches `x`, and mixed with advanced indices it places dims as
+  `x[1, :, j]` does (not as a broadcast index would).
+- A write through a boolean mask (`x[mask] = 0`): the result has `x`'s shape whatever the mask holds, so it is
+  traced; a read through one (`x[mask]`) has a shape set by the values and stays refused.
+
+Oracle: eager on the same inputs (values, grads, the inputs after the call, the aliasing of the result, errors).
 """
 
 from __future__ import annotations
@@ -117,3 +121,80 @@ def test_vmap_and_jvp_see_the_select_as_a_gather():
     got = fulmen.jvp(lambda x: fn(x, torch.tensor(-1)), (x[0],), (tangent,))
     want = torch.func.jvp(lambda x: fn(x, torch.tensor(-1)), (x[0],), (tangent,))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# --- writes through a boolean mask ---------------------------------------------------------------------------------
+
+
+def _mask_scalar(x, m, v):
+    y = x.clone()
+    y[m] = 0.5
+    return y.exp()
+
+
+def _mask_neg_inf_softmax(x, m, v):
+    y = x * 1
+    y[~m] = float("-inf")
+    return y.softmax(-1)
+
+
+def _mask_rows(x, m, v):
+    y = x * 2
+    y[m[:, 0]] = v  # a mask over the leading dim, a value broadcast to each chosen row
+    return y
+
+
+def _mask_after_slice(x, m, v):
+    y = x * 2
+    y[:, m[0]] = v[0, :1]
+    return y
+
+
+def _mask_by_values(x, m, v):
+    y = x.clone()
+    y[y < 0] = v[0, 0]
+    return y
+
+
+@pytest.mark.parametrize("fn", [_mask_scalar, _mask_neg_inf_softmax, _mask_rows, _mask_after_slice, _mask_by_values])
+def test_a_write_through_a_boolean_mask_gives_eagers_values_and_grads(fn):
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(4, 5, dtype=torch.float64, generator=g).requires_grad_()
+        v = torch.randn(1, 5, dtype=torch.float64, generator=g).requires_grad_()
+        return x, (x.detach() > 0), v
+
+    (xe, m, ve), (xj, _, vj) = inputs(), inputs()
+    want, got = fn(xe, m, ve), fulmen.jit(fn)(xj, m, vj)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(fulmen.jit(fn)(xj, ~m, vj), fn(xe, ~m, ve), rtol=0, atol=0)  # another mask, a hit
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(xj.grad, xe.grad, rtol=0, atol=0)
+    assert (vj.grad is None) == (ve.grad is None)
+    if ve.grad is not None:
+        torch.testing.assert_close(vj.grad, ve.grad, rtol=0, atol=0)
+
+
+def test_a_write_through_a_mask_with_one_value_per_true_element_checks_the_count_as_eager():
+    def scatter(x, m, values):
+        x[m] = values
+        return x * 1
+
+    x = torch.zeros(3, 4)
+    m = torch.tensor([[True, False, True, False]] * 3)
+    values = torch.arange(6.0)
+    jitted = fulmen.jit(scatter)
+    torch.testing.assert_close(jitted(x.clone(), m, values), scatter(x.clone(), m, values), rtol=0, atol=0)
+    fewer = m.clone()
+    fewer[0, 0] = False  # 5 true elements for 6 values
+    with pytest.raises(RuntimeError) as eager:
+        scatter(x.clone(), fewer, values)
+    with pytest.raises(RuntimeError) as ours:
+        jitted(x.clone(), fewer, values)
+    assert str(ours.value) == str(eager.value)
+
+
+def test_reading_through_a_mask_is_refused_naming_the_line():
+    with pytest.raises(fulmen.DataDependentError, match=r"(?s)boolean mask.*test_indexing_by_value\.py"):
+        fulmen.jit(lambda x: x[x > 0].sum())(torch.randn(3))
