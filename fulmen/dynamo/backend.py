@@ -28,7 +28,7 @@ from torch import nn
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import Trace
-from fulmen.dynamo.hops import as_torch_calls
+from fulmen.dynamo.hops import as_torch_calls, with_context_calls
 from fulmen.dynamo.splitter import CALLS, first_line, refused_nodes, split, static_reason
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import resolve
@@ -122,7 +122,7 @@ class FulmenPiece(nn.Module):
                  fallback: Fallback) -> None:
         super().__init__()
         self.module = module
-        self.jitted = JittedModule(module, options, executors)
+        self.jitted = JittedModule(with_context_calls(module), options, executors)
         self._fallback_kind = fallback
         self.fallback: FallbackPiece | None = None
         self.record: Piece | None = None

@@ -19,7 +19,7 @@ from torch.fx.passes.split_module import split_module
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import TraceBuilder
-from fulmen.dynamo.hops import checkpoint_reason
+from fulmen.dynamo.hops import CONTEXT_CALLS, checkpoint_reason
 from fulmen.jit.acquire import DATA_DEPENDENT, Interpreter
 from fulmen.jit.frames import CallTap
 from fulmen.jit.function_apply import function_apply_recorded
@@ -72,6 +72,9 @@ class _Probe(torch.fx.Interpreter):
         super().__init__(module)
         self.builder = builder
         self.reasons = reasons
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return super().call_function(CONTEXT_CALLS.get(target, target), args, kwargs)
 
     def run_node(self, node: torch.fx.Node) -> Any:
         if node.op in CALLS:

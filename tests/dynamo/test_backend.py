@@ -131,3 +131,22 @@ def test_bad_arguments_are_refused_up_front():
         fulmen.dynamo.backend(options={"cse": False})
     with pytest.raises(ValueError, match="unknown executor"):
         fulmen.dynamo.backend(executors=["no_such_executor"])
+
+
+def mixed_precision(x, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.relu(x @ w)
+        with torch.autocast("cpu", enabled=False):
+            z = y.float() @ w.T  # float32 again
+        h = torch.cond(z.sum() > 0, lambda t: t * 2, lambda t: t - 1, (z @ w,))
+    return y.float().sum(0) + h.float().sum(0)
+
+
+def test_autocast_regions_run_through_fulmen_also_around_a_refused_node():
+    # Dynamo's _enter_autocast / _exit_autocast nodes were refused: the whole region ran by the fallback
+    backend = fulmen.dynamo.backend(fallback="eager")
+    _compare(mixed_precision, backend, torch.randn(4, 3), torch.randn(3, 5, requires_grad=True), calls=2)
+    kinds = [(piece.by_fulmen, piece.reasons) for piece in backend.pieces]
+    assert kinds == [(True, []), (False, ["cond is a higher-order op (a nested graph); fulmen acquires plain torch "
+                                          "calls"]), (True, [])]
+    assert "bfloat16" in str(fulmen.last_traces(backend)[0])
