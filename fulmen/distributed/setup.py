@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -97,7 +98,7 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
         for name, param in module.named_parameters():
             if broadcast_from is not None:
                 _broadcast(param.data, state, broadcast_from)
-            setattr(param, DISTRIBUTED_INPUT, ParamSpec(state, name, None, name))
+            setattr(param, DISTRIBUTED_INPUT, ParamSpec(state, name, None, name, weakref.ref(param)))
         if broadcast_from is not None:
             for buffer in module.buffers():
                 _broadcast(buffer, state, broadcast_from)
@@ -205,8 +206,11 @@ def distributed_state(model: nn.Module) -> DistributedState:
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Gradient accumulation: forwards run inside skip gradient communication in their backward.
 
-    The local gradients are held back (not added to `.grad`) and folded into the next synced backward's
-    reduction, so the gradient after it is exactly the average over ranks of the sum over micro-batches.
+    The local gradients of replicated (`ddp`) parameters accumulate in `.grad`, as with torch's DDP, and the next
+    synced backward reduces what `.grad` holds with its own: `zero_grad()` in between discards them. Those of sharded
+    (`fsdp`) parameters, full-shaped, are held back (`.grad` holds the shard) and folded into the next synced
+    reduction, as torch's FSDP2 keeps them (`zero_grad()` does not reach them). Either way the gradient after the
+    synced backward is the average over ranks of the sum over micro-batches.
     """
     state = distributed_state(model)
     previous, state.sync = state.sync, False

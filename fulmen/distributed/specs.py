@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,9 +55,12 @@ class DistributedState:
     bucket_bytes: int = 0  # DDP: gradients per all_reduce
     max_in_flight: int = 2  # FSDP: all-gathers started ahead of their first use
     sync: bool = True  # False inside no_sync(): the backward skips gradient communication
-    # Gradients accumulated under no_sync (full shape), folded into the next synced reduction; shared by every
-    # program (cache entry, jitted function) that reads these parameters.
+    # Sharded parameters' gradients accumulated under no_sync (full shape), folded into the next synced reduction;
+    # shared by every program (cache entry, jitted function) that reads these parameters.
     pending: dict[ParamSpec, torch.Tensor] = field(default_factory=dict)
+    # Replicated parameters whose `.grad` has taken local gradients under no_sync since the last synced backward,
+    # which reduces `.grad` (what is left of it: zero_grad may have discarded them, as in torch's DDP).
+    accumulated: set[ParamSpec] = field(default_factory=set)
 
     @property
     def zero3(self) -> bool:
@@ -69,6 +73,7 @@ class ParamSpec:
     name: str  # qualified name in the distributed model
     full_shape: torch.Size | None  # None: replicated
     bucket: str  # FSDP: the collective this parameter travels in
+    param: weakref.ref[torch.Tensor] | None = None  # the parameter itself (replicated ones: its `.grad` under no_sync)
 
     def program(self, trace: Trace, tensors: Sequence[torch.Tensor]) -> DistributedProgram:
         """The distribution of `trace`'s inputs `tensors` (fulmen.transforms.distribution's DistributedInput)."""

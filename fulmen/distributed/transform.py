@@ -10,9 +10,10 @@ gradient outputs), so changes to autodiff cannot silently move or drop a collect
   are packed per bucket and their reduction (all_reduce for DDP, reduce_scatter for FSDP) starts right after the
   bucket's last gradient is computed; all waits sit at the end, so communication overlaps the rest of the
   backward. Gradients are divided by the world size before the reduction (an average, as torch's DDP computes).
-- under `no_sync` (GradSync.LOCAL) the backward keeps its full local gradients; `hold_back` keeps them in the
-  parameters' `DistributedState` and the next synced backward (GradSync.PENDING) takes them (`take_pending`) as a
-  `pending` input group and adds them before the reduction.
+- under `no_sync` (GradSync.LOCAL) the backward keeps its full local gradients: a replicated parameter's go to
+  `.grad`, as in torch's DDP, a sharded one's are held back (`hold_back`) in the parameters' `DistributedState`;
+  the next synced backward (GradSync.PENDING) takes either (`take_pending`: `.grad` as it is then) as a `pending`
+  input group and adds them before the reduction.
 
 `DistributedProgram` implements fulmen.transforms.distribution's `DistributionTransform`, the only surface
 fulmen.jit sees.
@@ -89,6 +90,15 @@ def _shard_layout(spec: ParamSpec) -> tuple[int, int, int]:
     return rows, rows * rest, rows * spec.state.world - spec.full_shape[0]
 
 
+def _take_grad(spec: ParamSpec) -> torch.Tensor | None:
+    spec.state.accumulated.discard(spec)
+    param = spec.param() if spec.param is not None else None
+    if param is None:
+        return None
+    grad, param.grad = param.grad, None
+    return grad
+
+
 class DistributedProgram:
     """The distribution of one jitted program's inputs and the transforms that follow from it."""
 
@@ -107,13 +117,16 @@ class DistributedProgram:
     def sync(self) -> bool:
         return all(state.sync for state in self.states)
 
-    # --- gradients held back under no_sync (kept in each parameter's DistributedState) ---------------------------
+    # --- gradients accumulated under no_sync (in .grad, or held in each parameter's DistributedState) -----------
     def hold_back(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-        """A LOCAL backward's grads, the distributed parameters' gradients added to those held back (not to
-        `.grad`): the next synced backward reduces their sum."""
+        """A LOCAL backward's grads: a replicated parameter's go to `.grad` (where zero_grad can discard them, as in
+        torch's DDP), a sharded one's are added to those held back. The next synced backward reduces their sum."""
         grads = list(grads)
         for i in self.grad_owners:
             spec, grad = self.specs[i], grads[i]
+            if not spec.sharded:
+                spec.state.accumulated.add(spec)
+                continue
             if grad is not None:
                 held = spec.state.pending.get(spec)
                 spec.state.pending[spec] = grad if held is None else held + grad
@@ -121,15 +134,16 @@ class DistributedProgram:
         return tuple(grads)
 
     def take_pending(self) -> list[torch.Tensor] | None:
-        """The held-back gradients, one per gradient owner (zeros where none was held), released; None when none
-        of this program's parameters has any."""
+        """The gradients accumulated under no_sync, one per gradient owner (zeros where there are none), released;
+        None when none of this program's parameters has any. A replicated parameter's are its `.grad`, taken
+        (autograd then sets it to the reduced sum)."""
         specs = [self.specs[i] for i in self.grad_owners]
-        if not any(spec in spec.state.pending for spec in specs):
+        if not any(spec in spec.state.pending or spec in spec.state.accumulated for spec in specs):
             return None
         pending = []
         for i, spec in zip(self.grad_owners, specs):
             full = self.inputs[i]
-            held = spec.state.pending.pop(spec, None)
+            held = _take_grad(spec) if spec in spec.state.accumulated else spec.state.pending.pop(spec, None)
             pending.append(held if held is not None else
                            torch.zeros(full.shape, dtype=full.dtype, device=full.device))
         return pending

@@ -84,7 +84,8 @@ class Training:
     forward_and_loss: Callable[..., torch.Tensor]
     losses: list[float] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
-    grads_held_back: list[bool] = field(default_factory=list)  # .grad empty after each no_sync micro-batch
+    # after each no_sync micro-batch: .grad holds the local gradients (DDP, as torch's) or nothing (FSDP: held back)
+    local_grads_as_torch: list[bool] = field(default_factory=list)
     created_on_meta: bool = False
 
 
@@ -132,7 +133,8 @@ def train(run: Training, steps: range, world: int) -> None:
                 loss = run.forward_and_loss(run.model, xs, ys) / case.accumulate
                 fabric.backward(loss)
             if not syncing:
-                run.grads_held_back.append(all(p.grad is None for p in run.model.parameters()))
+                run.local_grads_as_torch.append(all((p.grad is None) == (case.strategy == "fsdp" or not p.requires_grad)
+                                                    for p in run.model.parameters()))
             total += loss.detach()
         if case.clip == "norm":
             run.norms.append(fabric.clip_gradients(run.model, run.optimizer, max_norm=MAX_NORM).item())
@@ -148,7 +150,7 @@ def summary(run: Training) -> dict[str, Any]:
     return {
         "losses": run.losses,
         "norms": run.norms,
-        "grads_held_back": run.grads_held_back,
+        "local_grads_as_torch": run.local_grads_as_torch,
         "created_on_meta": run.created_on_meta,
         "params": checkpoint.get_model_state_dict(run.model, checkpoint.FULL),
         "forward": count_collectives(fulmen.last_traces(jitted)[-1]),
