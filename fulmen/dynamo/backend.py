@@ -88,9 +88,16 @@ class FallbackPiece(nn.Module):
 
             flat, spec = _flat_outputs(self.module)
             # fallback_random: random ops draw from torch's generator as eager does (Inductor's own draws differ)
-            compiled = inductor_compile(flat, list(args), options={"fallback_random": True})
+            compiled = inductor_compile(flat, _example_inputs(flat, args), options={"fallback_random": True})
             self._compiled = lambda *inputs: pytree.tree_unflatten(list(compiled(*inputs)), spec)
         return self._compiled(*args)
+
+
+def _example_inputs(module: torch.fx.GraphModule, args: tuple) -> list[Any]:
+    """The values Dynamo recorded for `module`'s inputs (fake tensors, SymInts of dynamic sizes), else `args`: the
+    graph's own metadata holds Dynamo's symbolic shapes, which Inductor cannot reconcile with concrete inputs."""
+    placeholders = [node for node in module.graph.nodes if node.op == "placeholder"]
+    return [node.meta.get("example_value", arg) for node, arg in zip(placeholders, args)]
 
 
 def _flat_outputs(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, pytree.TreeSpec]:

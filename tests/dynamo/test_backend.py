@@ -150,3 +150,20 @@ def test_autocast_regions_run_through_fulmen_also_around_a_refused_node():
     assert kinds == [(True, []), (False, ["cond is a higher-order op (a nested graph); fulmen acquires plain torch "
                                           "calls"]), (True, [])]
     assert "bfloat16" in str(fulmen.last_traces(backend)[0])
+
+
+@pytest.mark.parametrize("dynamic", [True, None])  # None: Dynamo makes the size dynamic once it changes
+def test_inductor_compiles_refused_pieces_with_dynamic_shapes(dynamic):
+    # Inductor was handed the concrete inputs of a graph whose metadata holds Dynamo's symbolic sizes: it failed
+    backend = fulmen.dynamo.backend(fallback="inductor")
+    compiled = torch.compile(lambda x, w: with_cond(x, w) * x.shape[0], backend=backend, dynamic=dynamic)
+    w = torch.randn(3, 5, requires_grad=True)
+    for rows in (2, 4, 6):
+        x = torch.randn(rows, 3)
+        got = compiled(x, w)
+        (got_grad,) = torch.autograd.grad(got.sum(), w)
+        want = with_cond(x, w) * rows
+        (want_grad,) = torch.autograd.grad(want.sum(), w)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grad, want_grad)
+    assert [piece.by_fulmen for piece in backend.graphs[-1].pieces] == [True, False, True]
