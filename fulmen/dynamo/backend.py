@@ -29,7 +29,7 @@ from torch import nn
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import Trace
 from fulmen.dynamo.hops import as_torch_calls, with_context_calls
-from fulmen.dynamo.splitter import CALLS, first_line, refused_nodes, split, static_reason
+from fulmen.dynamo.splitter import CALLS, first_line, refused_nodes, refused_under_autocast, split, static_reason
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import resolve
 from fulmen.jit.jitted import JittedModule
@@ -169,8 +169,11 @@ class _SplitProgram:
                 self.run = self._keep("graph", graph, whole, []).runner
                 return out
         refused = refused_nodes(graph, args, backend.options.decompose, backend.executors)
-        if not refused:  # acquired, then refused by a later pass (autodiff, executors): the graph falls back whole
-            self.run = self._keep("graph", graph, FallbackPiece(graph, backend.fallback), [refusal]).runner
+        # acquired, then refused by a later pass (autodiff, executors), or refused inside an autocast region: the
+        # graph falls back whole
+        whole_reason = refusal if not refused else refused_under_autocast(graph, refused)
+        if whole_reason is not None:
+            self.run = self._keep("graph", graph, FallbackPiece(graph, backend.fallback), [whole_reason]).runner
         else:
             result, reasons = split(graph, refused)
             for name, why in reasons.items():

@@ -121,6 +121,21 @@ def refused_nodes(module: torch.fx.GraphModule, args: tuple, decompose: bool,
     return reasons
 
 
+def refused_under_autocast(module: torch.fx.GraphModule, refused: dict[torch.fx.Node, str]) -> str | None:
+    """The reason of the first refused node inside a `torch.autocast` region, or None. Split there, the region
+    becomes one per piece, and autocast's cache of cast weights (one bf16 copy of a weight per region in eager)
+    ends with each: a weight used on both sides is cast twice and its grad sums differently."""
+    depth = 0
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target is torch.amp._enter_autocast:
+            depth += 1
+        elif node.op == "call_function" and node.target is torch.amp._exit_autocast:
+            depth -= 1
+        elif depth and node in refused:
+            return f"{refused[node]} (inside torch.autocast, which a split would cut)"
+    return None
+
+
 def split(module: torch.fx.GraphModule, refused: dict[torch.fx.Node, str]) -> tuple[torch.fx.GraphModule, dict]:
     """`module` as consecutive pieces (`submod_0`, `submod_1`, ...), each all taken or all refused by fulmen;
     returns it with, per piece name, the reasons of its refused nodes (an empty list for a piece fulmen takes)."""

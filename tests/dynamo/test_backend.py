@@ -138,18 +138,32 @@ def mixed_precision(x, w):
         y = torch.relu(x @ w)
         with torch.autocast("cpu", enabled=False):
             z = y.float() @ w.T  # float32 again
-        h = torch.cond(z.sum() > 0, lambda t: t * 2, lambda t: t - 1, (z @ w,))
+        z = z @ w
+    h = torch.cond(z.sum() > 0, lambda t: t * 2, lambda t: t - 1, (z,))
     return y.float().sum(0) + h.float().sum(0)
 
 
-def test_autocast_regions_run_through_fulmen_also_around_a_refused_node():
-    # Dynamo's _enter_autocast / _exit_autocast nodes were refused: the whole region ran by the fallback
+def test_autocast_regions_run_through_fulmen():
+    # Dynamo's _enter_autocast / _exit_autocast nodes were refused: the region ran by the fallback, in pieces
     backend = fulmen.dynamo.backend(fallback="eager")
     _compare(mixed_precision, backend, torch.randn(4, 3), torch.randn(3, 5, requires_grad=True), calls=2)
-    kinds = [(piece.by_fulmen, piece.reasons) for piece in backend.pieces]
-    assert kinds == [(True, []), (False, ["cond is a higher-order op (a nested graph); fulmen acquires plain torch "
-                                          "calls"]), (True, [])]
+    assert [(piece.by_fulmen, bool(piece.reasons)) for piece in backend.pieces] == [(True, False), (False, True),
+                                                                                   (True, False)]
     assert "bfloat16" in str(fulmen.last_traces(backend)[0])
+
+
+def weight_on_both_sides_of_a_cond(x, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x @ w,))
+        return (h @ w).float()  # eager casts w to bfloat16 once for the region, and sums its grad in bfloat16
+
+
+def test_a_node_refused_inside_an_autocast_region_makes_the_graph_fall_back_whole():
+    # split there, w was cast once per piece and its grad differed from eager's
+    backend = fulmen.dynamo.backend(fallback="eager")
+    _compare(weight_on_both_sides_of_a_cond, backend, torch.randn(16, 16), torch.randn(16, 16, requires_grad=True))
+    (piece,) = backend.pieces
+    assert not piece.by_fulmen and "inside torch.autocast" in piece.reasons[0]
 
 
 @pytest.mark.parametrize("dynamic", [True, None])  # None: Dynamo makes the size dynamic once it changes
