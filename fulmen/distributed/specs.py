@@ -61,6 +61,9 @@ class DistributedState:
     # Replicated parameters whose `.grad` has taken local gradients under no_sync since the last synced backward,
     # which reduces `.grad` (what is left of it: zero_grad may have discarded them, as in torch's DDP).
     accumulated: set[ParamSpec] = field(default_factory=set)
+    # Parameters read by forwards run outside no_sync whose backward has not run yet: what this round of synced
+    # backwards will reduce. Gradients accumulated for any other are left out of it (`DistributedProgram.take_pending`).
+    synced_forward: set[ParamSpec] = field(default_factory=set)
 
     @property
     def zero3(self) -> bool:

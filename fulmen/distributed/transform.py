@@ -112,10 +112,23 @@ class DistributedProgram:
         self.states = tuple({id(s.state): s.state for s in self.by_name.values()}.values())
         # The gradient outputs that belong to distributed parameters requiring grad.
         self.grad_owners = [i for i, (p, spec) in enumerate(zip(inputs, specs)) if spec is not None and p.requires_grad]
+        # Those the backward gives a gradient (from the first synced backward trace, every output differentiated);
+        # fulmen.jit passes the others in detached, so a gradient added to theirs would be dropped.
+        self.differentiated: list[int] | None = None
 
     @property
     def sync(self) -> bool:
-        return all(state.sync for state in self.states)
+        """Read once by each forward (fulmen.jit's autograd bridge): False inside no_sync. A synced forward also
+        records the parameters its backward will reduce, so a synced backward can tell gradients accumulated under
+        no_sync that no backward of this round reduces (`take_pending` refuses them)."""
+        synced = all(state.sync for state in self.states)
+        if synced:
+            for i in self._reducing():
+                self.specs[i].state.synced_forward.add(self.specs[i])
+        return synced
+
+    def _reducing(self) -> list[int]:
+        return self.grad_owners if self.differentiated is None else self.differentiated
 
     # --- gradients accumulated under no_sync (in .grad, or held in each parameter's DistributedState) -----------
     def hold_back(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
@@ -137,16 +150,37 @@ class DistributedProgram:
         """The gradients accumulated under no_sync, one per gradient owner (zeros where there are none), released;
         None when none of this program's parameters has any. A replicated parameter's are its `.grad`, taken
         (autograd then sets it to the reduced sum)."""
-        specs = [self.specs[i] for i in self.grad_owners]
+        self._refuse_left_out()
+        specs = [self.specs[i] for i in self._reducing()]
+        for spec in specs:
+            spec.state.synced_forward.discard(spec)
         if not any(spec in spec.state.pending or spec in spec.state.accumulated for spec in specs):
             return None
         pending = []
-        for i, spec in zip(self.grad_owners, specs):
-            full = self.inputs[i]
-            held = _take_grad(spec) if spec in spec.state.accumulated else spec.state.pending.pop(spec, None)
+        for i in self.grad_owners:
+            spec, full = self.specs[i], self.inputs[i]
+            held = None
+            if spec in specs:
+                held = _take_grad(spec) if spec in spec.state.accumulated else spec.state.pending.pop(spec, None)
             pending.append(held if held is not None else
                            torch.zeros(full.shape, dtype=full.dtype, device=full.device))
         return pending
+
+    def _refuse_left_out(self) -> None:
+        """Raises, before any reduction, when gradients accumulated under no_sync belong to parameters no forward of
+        this synced round differentiates: no backward would reduce them (fulmen.jit drops a gradient it adds to a
+        parameter the program does not differentiate), and the optimizer would step without them."""
+        for state in self.states:
+            left = [spec.name for spec in state.pending if spec not in state.synced_forward]
+            left += [spec.name for spec in state.accumulated if spec not in state.synced_forward
+                     and spec.param is not None and (param := spec.param()) is not None and param.grad is not None]
+            if left:
+                raise RuntimeError(
+                    f"the gradients of {', '.join(sorted(left))} were accumulated under no_sync, but the forward run "
+                    "outside no_sync does not use these parameters, so no synced backward reduces them and they "
+                    "would be lost (torch's DDP needs find_unused_parameters=True here, which fulmen does not "
+                    "offer): use them in the synced micro-batch's jitted forward too (even as `0 * p.sum()`), "
+                    "or discard them with zero_grad() before it (DDP)")
 
     def shard(self, full: TensorProxy) -> TensorProxy:
         """The trace input holding `full`'s local shard (one proxy per parameter, shared by forward and backward)."""
@@ -252,6 +286,8 @@ class DistributedProgram:
     # --- backward --------------------------------------------------------------------------------------------
     def backward(self, trace: Trace, mode: GradSync) -> Trace:
         """The backward trace with ZeRO-3's gathers and, unless `mode` is LOCAL, the gradient reduction."""
+        if self.differentiated is None and mode is GradSync.SYNC:
+            self.differentiated = [i for i in self.grad_owners if trace.output[i] is not None]
         saved_count = trace.input_groups[0][1] if trace.input_groups else 0
         regather = {p.pname: p for p in trace.inputs[:saved_count]
                     if p.pname in self.sharded and self.sharded[p.pname].state.zero3}

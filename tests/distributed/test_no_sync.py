@@ -89,3 +89,49 @@ def test_uneven_micro_batches_accumulate_to_the_single_process_training(mode):
     got = values(run_ranks(_uneven_accumulation, 2, mode))[0]
     for name, want in copy.deepcopy(single).state_dict().items():
         torch.testing.assert_close(got[name], want, msg=name)
+
+
+class _TwoBranches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(5, 4)
+        self.b = torch.nn.Linear(5, 4)
+        self.c = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool, keep_a: bool = False) -> torch.Tensor:
+        out = self.c(torch.tanh(self.b(x) if use_b else self.a(x))).sum()
+        return out + 0 * (self.a.weight.sum() + self.a.bias.sum()) if keep_a else out
+
+
+def _left_out_of_the_synced_micro_batch(rank: int, world: int, mode: str, use_a: bool) -> object:
+    """The no_sync micro-batch uses `a`, the synced one `b` (`use_a`: and `a` as `0 * a.sum()`, in the program)."""
+    model = _TwoBranches()
+    if mode == "ddp":
+        fd.ddp(model)
+    else:
+        fd.fsdp(model, sharding_strategy=mode)
+    jitted = fulmen.jit(model)
+    with fd.no_sync(jitted):
+        jitted(_batch(rank, 0), False).backward()
+    try:
+        jitted(_batch(rank, 1), True, use_a).backward()
+    except RuntimeError as error:
+        return str(error)
+    return {name: checkpoint._gather(p.grad, spec) if (spec := checkpoint._sharded_spec(p)) else p.grad
+            for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero2", "zero3"])
+def test_gradients_the_synced_micro_batch_leaves_out_are_refused_not_lost(mode):
+    for error in values(run_ranks(_left_out_of_the_synced_micro_batch, 2, mode, False)):
+        assert isinstance(error, str) and error.startswith(
+            "the gradients of a.bias, a.weight were accumulated under no_sync, but the forward run outside no_sync "
+            "does not use these parameters, so no synced backward reduces them and they would be lost"), error
+    single = _TwoBranches()  # what the workaround the error names gives: single-process eager's gradients
+    for rank in range(2):
+        for micro, use_b in ((0, False), (1, True)):
+            (single(_batch(rank, micro), use_b) / 2).backward()
+    for grads in values(run_ranks(_left_out_of_the_synced_micro_batch, 2, mode, True)):
+        for name, p in single.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
