@@ -363,6 +363,11 @@ def read_sharded(path: str | os.PathLike, owners: dict[tuple, Any], group: dist.
             target = resolvers[prefix](place[len(prefix):], info)
             if target is None and isinstance(owners[prefix], nn.Module):
                 continue  # the live model has no such entry
+            if target is not None and tuple(target.shape) != tuple(info.size):
+                # DCP would raise a CheckpointException (a BaseException, past `except Exception`) from its planner
+                raise ValueError(f"the checkpoint {path} holds {key!r} of shape {tuple(info.size)}, the live "
+                                 f"{type(owners[prefix]).__name__}'s has {tuple(target.shape)}: it was saved from "
+                                 "another model configuration")
         if target is None:
             target = torch.empty(tuple(info.size), dtype=info.properties.dtype)
         targets[key], places[key] = target, place

@@ -178,3 +178,31 @@ def test_loading_checks_the_manifest(tmp_path, kind):
     manifest.manifest_path(path).unlink()  # written by another tool: loads, unverified
     assert not checkpoint.verify(path)
     checkpoint.load(workers.make_model(seed=4), path)
+
+
+def _load_into_another_config(rank: int, world: int, directory: str) -> dict[str, str]:
+    """Sharded and full checkpoints of the test model loaded into one with another vocabulary size."""
+    model = workers.distribute(workers.make_model(), "zero3-none")
+    checkpoint.save(model, f"{directory}/sharded")
+    checkpoint.save(model, f"{directory}/full.pt", checkpoint.StateDictOptions(full_state_dict=True))
+    errors = {}
+    for name in ("sharded", "full.pt"):
+        torch.manual_seed(1)
+        other = workers.distribute(workers.GPT(workers.Config(**{**workers.CONFIG, "padded_vocab_size": 71})),
+                                   "zero3-none")
+        before = {key: p.detach().clone() for key, p in other.named_parameters()}
+        try:
+            checkpoint.load(other, f"{directory}/{name}")
+        except ValueError as error:  # a ValueError, not DCP's CheckpointException (a BaseException)
+            errors[name] = str(error)
+        assert all(torch.equal(p, before[key]) for key, p in other.named_parameters())  # nothing was loaded
+    return errors
+
+
+def test_a_checkpoint_of_another_configuration_is_refused_by_name(tmp_path):
+    for errors in values(run_ranks(_load_into_another_config, 2, str(tmp_path))):
+        assert errors["sharded"] == (f"the checkpoint {tmp_path}/sharded holds 'lm_head.weight' of shape "
+                                     "(67, 32), the live GPT's has (71, 32): it was saved from another model "
+                                     "configuration")
+        assert errors["full.pt"] == ("state dict entry 'lm_head.weight' has shape (67, 32), the model's parameter "
+                                     "'lm_head.weight' has (71, 32)")
