@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import weakref
 from collections.abc import Iterator
 
@@ -48,6 +49,14 @@ def _state(kind: str, process_group: dist.ProcessGroup | None, **options) -> Dis
     group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
     return DistributedState(kind, group, group_name(group), dist.get_world_size(group), dist.get_rank(group),
                             **options)
+
+
+def _check_broadcast_from(broadcast_from: int | None, state: DistributedState) -> None:
+    # bool is an int; a rank outside the group fails in the first broadcast, after other checks passed
+    if broadcast_from is not None and (isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int)
+                                       or not 0 <= broadcast_from < state.world):
+        raise ValueError(f"broadcast_from must be None or a rank of the process group (0 to {state.world - 1}), got "
+                         f"{broadcast_from!r}")
 
 
 def _check_same_model(module: nn.Module, state: DistributedState) -> None:
@@ -90,9 +99,11 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
     per parameter.
     """
     module = _unwrap(model, "ddp")
-    if bucket_size_in_mb < 0:
-        raise ValueError(f"bucket_size_in_mb must be >= 0, got {bucket_size_in_mb}")
+    if (isinstance(bucket_size_in_mb, bool) or not isinstance(bucket_size_in_mb, int | float)
+            or not 0 <= bucket_size_in_mb < math.inf):
+        raise ValueError(f"bucket_size_in_mb must be a number >= 0, got {bucket_size_in_mb!r}")
     state = _state("ddp", process_group, bucket_bytes=int(bucket_size_in_mb * 2**20))
+    _check_broadcast_from(broadcast_from, state)
     _check_same_model(module, state)
     with torch.no_grad():
         for name, param in module.named_parameters():
@@ -153,9 +164,10 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
     module = _unwrap(model, "fsdp")
     sharding = parse_enum(sharding_strategy, FSDPType, "sharding_strategy")
     bucketing = parse_enum(bucketing_strategy, FSDPBucketingStrategy, "bucketing_strategy")
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
     state = _state("fsdp", process_group, sharding=sharding, bucketing=bucketing, max_in_flight=max_in_flight)
+    _check_broadcast_from(broadcast_from, state)
     _check_same_model(module, state)
     device = torch.device(device) if device is not None else None
     keys = _bucket_keys(module, bucketing)

@@ -38,6 +38,11 @@ def _misuse(rank: int, world: int) -> dict[str, str]:
     record("bucketing", lambda: fd.fsdp(model, bucketing_strategy="blocks"))
     record("in_flight", lambda: fd.fsdp(model, max_in_flight=0))
     record("bucket_size", lambda: fd.ddp(model, bucket_size_in_mb=-1))
+    record("bucket_nan", lambda: fd.ddp(model, bucket_size_in_mb=float("nan")))
+    record("bucket_str", lambda: fd.ddp(model, bucket_size_in_mb="25"))
+    record("in_flight_float", lambda: fd.fsdp(model, max_in_flight=1.5))
+    record("broadcast_rank", lambda: fd.ddp(model, broadcast_from=1))
+    record("broadcast_str", lambda: fd.fsdp(model, broadcast_from="0"))
     record("not_module", lambda: fd.ddp(torch.ones(2)))
     fd.fsdp(model, sharding_strategy="zero3")  # names are accepted in any case
     record("twice", lambda: fd.ddp(model))
@@ -55,8 +60,14 @@ def test_bad_arguments_are_named():
     errors = values(run_ranks(_misuse, 1))[0]
     assert errors["sharding"] == "ValueError: sharding_strategy must be one of ZERO2, ZERO3, got 'ZERO4'"
     assert errors["bucketing"] == "ValueError: bucketing_strategy must be one of NONE, LAYER, BLOCK, got 'blocks'"
-    assert errors["in_flight"] == "ValueError: max_in_flight must be >= 1, got 0"
-    assert errors["bucket_size"] == "ValueError: bucket_size_in_mb must be >= 0, got -1"
+    assert errors["in_flight"] == "ValueError: max_in_flight must be an integer >= 1, got 0"
+    assert errors["in_flight_float"] == "ValueError: max_in_flight must be an integer >= 1, got 1.5"
+    assert errors["bucket_size"] == "ValueError: bucket_size_in_mb must be a number >= 0, got -1"
+    assert errors["bucket_nan"] == "ValueError: bucket_size_in_mb must be a number >= 0, got nan"
+    assert errors["bucket_str"] == "ValueError: bucket_size_in_mb must be a number >= 0, got '25'"
+    for name, value in (("broadcast_rank", "1"), ("broadcast_str", "'0'")):
+        assert errors[name] == ("ValueError: broadcast_from must be None or a rank of the process group (0 to 0), "
+                                f"got {value}")
     assert errors["not_module"] == "TypeError: fulmen.distributed.ddp expects an nn.Module, got Tensor"
     assert errors["twice"] == "RuntimeError: this module is already distributed with fulmen.distributed.fsdp"
     assert errors["after_run"].startswith("RuntimeError: fulmen.distributed.ddp must be applied before the jitted "
