@@ -93,7 +93,9 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
         process_group: dist.ProcessGroup | None = None) -> nn.Module:
     """Data parallelism: every rank holds the whole model and gradients are averaged with bucketed all_reduce.
 
-    Parameters and buffers are broadcast from rank `broadcast_from` of the group (None: already equal). The
+    Parameters and buffers are broadcast from rank `broadcast_from` of the group (None: already equal), once, here:
+    buffers a forward updates (BatchNorm's running statistics) then evolve on each rank from its own batches, as with
+    torch's `DistributedDataParallel(broadcast_buffers=False)` (its default broadcasts them before each forward). The
     backward starts each bucket's all_reduce as soon as its last gradient is computed and waits for all of them
     at its end, so communication overlaps the rest of the backward. `bucket_size_in_mb=0` gives one all_reduce
     per parameter.
