@@ -138,7 +138,8 @@ class DistributedProgram:
         for i in self.grad_owners:
             spec, grad = self.specs[i], grads[i]
             if not spec.sharded:
-                spec.state.accumulated.add(spec)
+                if grad is not None:  # (not a parameter this program leaves out, whose .grad may be older)
+                    spec.state.accumulated.add(spec)
                 continue
             if grad is not None:
                 held = spec.state.pending.get(spec)

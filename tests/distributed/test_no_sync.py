@@ -135,3 +135,24 @@ def test_gradients_the_synced_micro_batch_leaves_out_are_refused_not_lost(mode):
     for grads in values(run_ranks(_left_out_of_the_synced_micro_batch, 2, mode, True)):
         for name, p in single.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def _older_gradient_left_alone(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Gradients never zeroed: `b` has one from a synced step, then micro-batches through `a` only."""
+    model = fd.ddp(_TwoBranches())
+    jitted = fulmen.jit(model)
+    jitted(_batch(rank, 0), True).backward()
+    with fd.no_sync(jitted):
+        jitted(_batch(rank, 1), False).backward()
+    jitted(_batch(rank, 2), False).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_an_older_gradient_of_a_parameter_the_micro_batches_leave_out_is_not_refused():
+    single = _TwoBranches()
+    for rank in range(2):
+        for micro, use_b in ((0, True), (1, False), (2, False)):
+            (single(_batch(rank, micro), use_b) / 2).backward()
+    for grads in values(run_ranks(_older_gradient_left_alone, 2)):
+        for name, p in single.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
