@@ -23,6 +23,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
+from fulmen.jit import torch_python
 from fulmen.jit.autograd_facts import AutogradFacts
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.jit.lookasides import is_fabric_backward_check
@@ -113,6 +114,7 @@ class Interpreter(TorchFunctionMode):
         self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
         self._constant_ids: dict[int, TensorProxy] = {}
         self.ops_seen: list[str] = []
+        self._inlining: set[Callable[..., Any]] = set()  # torch's Python functions running inline (torch_python.py)
         self._pinned: list[Any] = []  # while a grad rule runs, its ops carry the differentiated op's source line
         self.replaced: dict[Callable[..., Any], Symbol] = {}  # torch callables an active executor replaces
         self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()  # see observe.Observer.quiet
@@ -188,6 +190,8 @@ class Interpreter(TorchFunctionMode):
         if special is not None:
             return special(*args, **kwargs)
         binding = lookup(func)
+        if binding is None and torch_python.inlinable(func):  # torch's Python: trace the calls it makes
+            return self._inline(func, args, kwargs)
         replacement = self.replaced.get(func)
         if replacement is not None and binding is not None and not binding.inplace:
             return self.record_replacement(replacement, lambda: self._dispatch(func, binding, args, kwargs),
@@ -210,6 +214,18 @@ class Interpreter(TorchFunctionMode):
         if binding.inplace:
             return self._inplace(binding.symbol, args, kwargs)
         return self._record(binding.symbol, args, kwargs)
+
+    def _inline(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        inner = torch_python.target(func, args, kwargs)
+        if inner in self._inlining:  # handed back by a function of its own body: none of them has a symbol
+            raise UnsupportedOpError(f"fulmen does not support {_describe(func)} (no symbol for it)",
+                                     self.builder.source)
+        self._inlining.add(inner)
+        try:
+            with self:
+                return torch_python.body(inner)(*args, **kwargs)
+        finally:
+            self._inlining.discard(inner)
 
     def record_replacement(self, sym: Symbol, call_original: Callable[[], Any], args: tuple,
                            kwargs: dict[str, Any]) -> Any:

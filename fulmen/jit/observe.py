@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from fulmen.core.errors import TraceError
+from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import frame_location
 from fulmen.jit import reads
 from fulmen.jit.containers import MUTATORS, ContainerLog, ContainerWrite
@@ -373,6 +374,10 @@ class Observer:
         to redo, and lands on the shadow only."""
         if self.active and observed(writer.f_code, writer.f_globals):
             self._stores.module(shadow, original, name, frame_location(writer), deleted)
+
+    def module_tensor(self, proxy: TensorProxy, tensor: torch.Tensor) -> None:
+        """`proxy` stands for the module's `tensor` while the program runs (a store of it stores `tensor`)."""
+        self._stores.stands_for[id(proxy)] = tensor
 
     def tied(self, place: Place, first: Place) -> None:
         """`place` holds the tensor found first at `first` (tied weights): the trace takes it as one input, fetched

@@ -150,6 +150,7 @@ def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], Te
             first[id(tensor)] = where
             tree.inputs.append(where)
             tree.proxies.append(proxy)
+            observer.module_tensor(proxy, tensor)
         else:  # fetched only where it was first found: the trace holds while both places hold one tensor
             observer.tied(where, first[id(tensor)])
         return proxy

@@ -24,6 +24,7 @@ outside a shadow.
 from __future__ import annotations
 
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,7 @@ class WriteLog:
 
     def __init__(self) -> None:
         self._stores: dict[tuple[int, str], _Store] = {}
+        self.stands_for: dict[int, torch.Tensor] = {}  # id(proxy) -> the module tensor it stands for
 
     def attribute(self, obj: Any, name: str, frame: types.FrameType) -> None:
         """The frame is about to store `obj.name` (an object that is not a shadow)."""
@@ -104,7 +106,8 @@ class WriteLog:
             if id(store.target) in created:
                 continue
             final = self._final(store)
-            if final is store.before or (immutable(final) and same_value(final, store.before)):
+            if final is store.before or (immutable(final) and same_value(final, store.before)) \
+                    or self._restores(final, store.before):
                 continue  # stored what was there
             if store.shadow is None:
                 # the store happened: an object that is not replayable may well be one the call created
@@ -136,6 +139,22 @@ class WriteLog:
                     delattr(store.target, store.name)
             else:
                 setattr(store.target, store.name, store.before)
+
+    def _restores(self, final: Any, before: Any) -> bool:
+        """A new list or tuple of what `before` holds, the module's tensors given as the proxies that stand for them
+        (nn.RNNBase refreshes `_flat_weights`, and weak references to them, with its parameters whenever they are not
+        the ones it holds, and the program's parameters are proxies)."""
+        if type(final) not in (list, tuple) or type(before) is not type(final) or len(final) != len(before):
+            return False
+        return all(self._same_item(new, old) for new, old in zip(final, before))
+
+    def _same_item(self, new: Any, old: Any) -> bool:
+        if type(new) is weakref.ref and type(old) is weakref.ref:  # and its `_flat_weight_refs`
+            new, old = new(), old()
+            if new is None or old is None:
+                return False
+        return (new is old or type(new) is TensorProxy and self.stands_for.get(id(new)) is old
+                or immutable(new) and same_value(new, old))
 
     @staticmethod
     def _final(store: _Store) -> Any:

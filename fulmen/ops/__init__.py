@@ -3,7 +3,17 @@
 Importing this package registers every supported torch callable (see `registry.TORCH_BINDINGS`).
 """
 
-from fulmen.ops import backward_kernels, elementwise, factories, fused_loss, nn, reductions, shape  # noqa: F401  (registration side effects)
+from fulmen.ops import (  # noqa: F401  (registration side effects)
+    backward_kernels,
+    elementwise,
+    factories,
+    fused_loss,
+    nn,
+    recurrent,
+    reductions,
+    shape,
+    vision,
+)
 from fulmen.ops.registry import TORCH_BINDINGS, TorchBinding, lookup
 
 __all__ = ["TORCH_BINDINGS", "TorchBinding", "lookup"]

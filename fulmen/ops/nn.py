@@ -14,6 +14,7 @@ import torch._meta_registrations
 import torch.nn.functional as F
 
 from fulmen.ops import impls, prims
+from fulmen.ops.eager_grads import eager_op, nn_op
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, method, torch_symbol
 from fulmen.ops.utils import canonical_dim, compute_dtype, convert, expand_to, keepdim_shape, to_float
 
@@ -272,3 +273,30 @@ torch_symbol(F.conv1d)
 torch_symbol(F.conv2d)
 torch_symbol(F.unfold)
 torch_symbol(F.fold)
+
+
+# --- with eager's grads (eager_grads.py): less common activations, distances and losses, and the dropouts and
+# rrelu where they draw nothing (out of training, or p=0) ------------------------------------------------------------
+for _fn in (F.prelu, F.hardshrink, F.softshrink, F.bilinear, F.cosine_similarity, F.pairwise_distance,
+            torch.margin_ranking_loss, torch.hinge_embedding_loss, torch.cosine_embedding_loss, torch.poisson_nll_loss,
+            torch.triplet_margin_loss, torch.cdist):
+    eager_op(_fn)
+for _name in ("huber_loss", "soft_margin_loss", "multi_margin_loss", "multilabel_margin_loss"):
+    nn_op(_name)
+
+
+def _draws(name: str) -> Any:
+    def refuse(x, p: float, training: bool) -> str | None:
+        if training and p > 0:
+            return (f"fulmen does not support torch.{name} drawing in training (p={p}): only torch.dropout's draws are "
+                    "replayed for the backward; use nn.Dropout, or keep the module outside the jitted function")
+        return None
+
+    return refuse
+
+
+for _fn in (torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout):
+    eager_op(_fn, refuse=_draws(_fn.__name__))
+eager_op(torch.rrelu, refuse=lambda x, lower=1 / 8, upper=1 / 3, training=False, generator=None: (
+    "fulmen does not support torch.rrelu in training: its slopes are drawn at random, and only torch.dropout's draws "
+    "are replayed for the backward; use leaky_relu, or evaluate the module in eval()") if training else None)

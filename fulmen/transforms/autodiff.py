@@ -155,13 +155,61 @@ def _fallback_rule(bsym: BoundSymbol) -> GradRule:
     return eager_grad_rule(bsym.sym)
 
 
+def reached_inputs(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], wrt: tuple[int, ...]
+                   ) -> tuple[int, ...]:
+    """The inputs among `wrt` (positions among the proxies) that eager's autograd reaches from `fn`'s outputs: the
+    others get no grad in eager (None, not zeros, which an optimizer would step on). Read off the graph `fn` builds
+    on meta tensors; all of `wrt` where `fn` cannot run on them."""
+    position = iter(range(len(list(iter_proxies((args, kwargs))))))
+    leaves: dict[int, int] = {}  # id(meta leaf) -> its position
+
+    def leaf(proxy: TensorProxy) -> torch.Tensor:
+        meta = proxy.meta.detach()
+        i = next(position)
+        if i in wrt:
+            meta.requires_grad_(True)
+            leaves[id(meta)] = i
+        return meta
+
+    with torch._C.DisableTorchFunction(), torch.enable_grad():  # fulmen's own computation, not the program's
+        meta_args, meta_kwargs = pytree.tree_map(leaf, (args, kwargs), lambda obj: type(obj) is TensorProxy)
+        try:
+            out = fn(*meta_args, **meta_kwargs)
+        except Exception:  # noqa: BLE001  (no meta kernel: assume every input is reached)
+            return wrt
+        return tuple(i for i in wrt if i in _leaves_reached(out, leaves))
+
+
+def _leaves_reached(out: Any, leaves: dict[int, int]) -> set[int]:
+    """The positions of the `leaves` (id -> position) that the autograd graph of `out` reaches."""
+    found: set[int] = set()
+    nodes = []
+    for o in pytree.leaves(out, lambda obj: isinstance(obj, torch.Tensor)):
+        if id(o) in leaves:  # an input returned as it is
+            found.add(leaves[id(o)])
+        nodes.append(o.grad_fn)
+    seen: set[int] = set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf the graph reaches
+        if variable is not None and id(variable) in leaves:
+            found.add(leaves[id(variable)])
+        nodes.extend(child for child, _ in node.next_functions)
+    return found
+
+
 def eager_grad_rule(sym: Symbol) -> GradRule:
     """The grad rule that runs eager's own backward of `sym` (torch autograd on its callable, in the backward)."""
 
     def rule(*args: Any, **kwargs: Any) -> Any:
         out = sym(*args, **kwargs)
         flat = list(iter_proxies((args, kwargs)))
-        wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
+        wrt = reached_inputs(sym.impl, args, kwargs, tuple(i for i, p in enumerate(flat) if p.requires_grad))
+        if not wrt:
+            return out
         outs = [o for o in iter_proxies(out) if o.dtype.is_floating_point or o.dtype.is_complex]
         grads = torch_vjp(sym, args, kwargs, wrt, tuple(get_grad(o) for o in outs))
         for i, grad in zip(wrt, grads):
@@ -273,7 +321,7 @@ class GradTransform:
         _refuse_complex(bsym)
         if any(self._apply(rule, bsym, forward, chunks) for rule in self._rules(bsym)):
             return
-        if bsym.subsymbols and not _draws_random(bsym):
+        if bsym.subsymbols and not bsym.draws_random():
             # Differentiate through the decomposition, keeping the composite itself in the forward.
             sub_forward: list[BoundSymbol] = []
             children: list[Chunk] = []
@@ -313,10 +361,6 @@ def _refuse_complex(bsym: BoundSymbol) -> None:
             "call it under torch.no_grad() or on .detach()",
             bsym.source,
         )
-
-
-def _draws_random(bsym: BoundSymbol) -> bool:
-    return bool(bsym.sym.tags & Tag.RANDOM) or any(_draws_random(s) for s in bsym.subsymbols)
 
 
 # --- backward assembly ---------------------------------------------------------------------------------------------

@@ -1,0 +1,47 @@
+"""Registration helpers for torch ops whose grad is eager's own backward.
+
+fulmen has no grad rule of its own for these ops (pooling, upsampling, recurrent layers, less common losses):
+autodiff's fallback differentiates them with torch autograd on the op itself in the backward (recomputing its
+forward there), which gives eager's grads wherever the op is deterministic. An op whose call changes state or
+draws random numbers would change or draw again when recomputed, so such calls are refused while tracing, naming
+the user's line (`refuse`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fulmen.core.errors import UnsupportedOpError
+from fulmen.core.symbol import Symbol, iter_proxies, map_proxies
+from fulmen.core.trace import TraceBuilder, infer_device
+from fulmen.ops.registry import torch_symbol
+
+# Why a call cannot be traced exactly, or None when it can.
+Refusal = Callable[..., str | None]
+
+
+def _checked_meta(fn: Callable[..., Any], refuse: Refusal) -> Callable[..., Any]:
+    def meta(builder: TraceBuilder, *args: Any, **kwargs: Any) -> Any:
+        reason = refuse(*args, **kwargs)
+        if reason is not None:
+            raise UnsupportedOpError(reason, builder.source)
+        meta_args, meta_kwargs = map_proxies(args, lambda p: p.meta), map_proxies(kwargs, lambda p: p.meta)
+        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in iter_proxies((args, kwargs)))
+        return builder.wrap_outputs(fn(*meta_args, **meta_kwargs), infer_device(args, kwargs), requires_grad)
+
+    return meta
+
+
+def eager_op(fn: Callable[..., Any], printed: str | None = None, refuse: Refusal | None = None,
+             aliases: tuple[Callable[..., Any], ...] = ()) -> Symbol:
+    """`fn` as a torch-level symbol without a decomposition, differentiated by eager's backward."""
+    meta = None if refuse is None else _checked_meta(fn, refuse)
+    return torch_symbol(fn, printed=printed, meta=meta, aliases=aliases)
+
+
+def nn_op(name: str, refuse: Refusal | None = None) -> Symbol:
+    """`torch._C._nn.<name>`, which torch.overrides cannot name."""
+    return eager_op(getattr(torch._C._nn, name), printed=f"torch._C._nn.{name}", refuse=refuse)

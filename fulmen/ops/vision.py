@@ -1,0 +1,36 @@
+"""Convolutions beyond conv1d/conv2d, pooling, upsampling, pixel shuffles and instance norm, with eager's grads
+(`eager_grads`). `F.interpolate`, `F.max_pool2d` and the like are torch's Python: they run inline
+(fulmen/jit/torch_python.py) and reach these ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fulmen.ops.eager_grads import eager_op, nn_op
+
+for _fn in (F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.pixel_shuffle, F.pixel_unshuffle,
+            F.channel_shuffle, F.avg_pool1d, F.adaptive_avg_pool1d, torch.adaptive_max_pool1d, torch.max_pool1d,
+            torch.max_pool2d, torch.max_pool3d, torch.max_pool1d_with_indices):
+    eager_op(_fn)
+
+for _name in ("avg_pool2d", "avg_pool3d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
+              "adaptive_max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices", "upsample_nearest1d",
+              "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+              "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
+              "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"):
+    nn_op(_name)
+
+
+def _instance_norm_refusal(x, weight, bias, running_mean, running_var, use_input_stats, *rest: Any) -> str | None:
+    if use_input_stats and (running_mean is not None or running_var is not None):
+        return ("fulmen cannot trace instance_norm updating running statistics (InstanceNorm with "
+                "track_running_stats=True in training): the update is made in place by the op itself; use "
+                "track_running_stats=False, or keep the module outside the jitted function")
+    return None
+
+
+eager_op(torch.instance_norm, refuse=_instance_norm_refusal)
