@@ -119,6 +119,10 @@ class BoundSymbol:
     def proxy_outputs(self) -> list[TensorProxy]:
         return list(self._outputs())
 
+    def draws_random(self) -> bool:
+        """Whether the call, or any part of its decomposition, draws random numbers."""
+        return bool(self.sym.tags & Tag.RANDOM) or any(sub.draws_random() for sub in self.subsymbols)
+
     def arg_names(self) -> set[str]:
         return {p.pname for p in self._args()}
 

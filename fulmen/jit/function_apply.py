@@ -48,9 +48,17 @@ class _Recorded(_SingleLevelFunction):
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         original, interpreter = cls._fulmen_function, _RECORDING.get()
         if original is torch.utils.checkpoint.CheckpointFunction:  # checkpoint(use_reentrant=True)
-            function, _, *inputs = args
+            function, preserve_rng_state, *inputs = args
+            recorded = interpreter.builder.scopes[-1]
+            start = len(recorded)
             with checkpoint_region(interpreter.builder):
-                return function(*inputs)
+                out = function(*inputs)
+            if not preserve_rng_state and any(bsym.draws_random() for bsym in recorded[start:]):
+                raise TraceError("fulmen cannot trace checkpoint(preserve_rng_state=False) around random draws: eager "
+                                 "draws them anew when it recomputes the function in the backward (its grads are "
+                                 "for other draws than its forward's), fulmen replays the forward's draws; use "
+                                 "preserve_rng_state=True", user_location())
+            return out
         return record_function(interpreter, original, args, kwargs)
 
 

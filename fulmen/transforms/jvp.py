@@ -97,7 +97,7 @@ class JvpTransform:
         rule = JVP_RULES.get(bsym.sym)
         if rule is not None and self._apply(bsym, lambda: rule(self.dot, args, kwargs)):
             return
-        if bsym.subsymbols and not _draws_random(bsym):
+        if bsym.subsymbols and not bsym.draws_random():
             self.run(bsym.subsymbols)
         else:
             self.fallbacks.append(bsym.sym.printed)
@@ -146,7 +146,3 @@ def _flat_tangents(out: Any, tangents: Any) -> list[TensorProxy | None]:
 
 def _is_proxy(obj: Any) -> bool:
     return type(obj) is TensorProxy
-
-
-def _draws_random(bsym: BoundSymbol) -> bool:
-    return bool(bsym.sym.tags & Tag.RANDOM) or any(_draws_random(s) for s in bsym.subsymbols)

@@ -86,7 +86,7 @@ register_batching = rule_registrar(BATCH_RULES, "a batching rule")
 
 
 def draws_random(bsyms: list[BoundSymbol]) -> bool:
-    return any(bsym.sym.tags & Tag.RANDOM or draws_random(bsym.subsymbols) for bsym in bsyms)
+    return any(bsym.draws_random() for bsym in bsyms)
 
 
 class BatchTransform:

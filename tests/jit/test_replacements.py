@@ -225,3 +225,24 @@ def test_litgpts_mixture_of_experts_trains_when_the_program_receives_the_model()
     for got, want in zip(grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert litgpt.model.LLaMAMoE.__dict__["forward"] is original
+
+
+def _checkpointed_dropout(x: torch.Tensor, preserve: bool) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(lambda a: torch.nn.functional.dropout(a, 0.5) * 2, x,
+                                             use_reentrant=False, preserve_rng_state=preserve)
+
+
+def test_checkpoint_without_preserving_the_rng_state_around_draws_is_refused_naming_the_line():
+    x = torch.randn(50, requires_grad=True)
+    for preserve in (True, False):  # eager runs both; without the state its backward draws other masks
+        _checkpointed_dropout(x, preserve).sum().backward()
+    torch.manual_seed(0)
+    want = _checkpointed_dropout(x, True)
+    torch.manual_seed(0)
+    torch.testing.assert_close(fulmen.jit(_checkpointed_dropout)(x, True), want, rtol=0, atol=0)
+    with pytest.raises(fulmen.TraceError, match=r"(?s)preserve_rng_state=False\) around random draws.*"
+                                                r"test_replacements\.py.*torch\.utils\.checkpoint\.checkpoint"):
+        fulmen.jit(_checkpointed_dropout)(x, False)
+    without_draws = lambda x: torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False,  # noqa: E731
+                                                                preserve_rng_state=False)
+    torch.testing.assert_close(fulmen.jit(without_draws)(x), x.sin(), rtol=0, atol=0)
