@@ -30,8 +30,14 @@ def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
 def select_at(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """`x[index]` along `dim` for a 0-dim integer tensor `index`, as eager does it: it reads the index's value and
     selects, so the result is a view of `x` (a write into it must reach `x`). Meta tensors select position 0, which
-    gives the view's shape and strides."""
-    return x.select(dim, 0 if index.is_meta else int(index))
+    gives the view's shape and strides. A compiler's fake tensors (a fusion region, which is pure: no write goes
+    through it) gather instead, which reads no value on the host."""
+    if index.is_meta:
+        return x.select(dim, 0)
+    if type(index) is not torch.Tensor:
+        position = torch.where(index < 0, index + x.shape[dim], index)
+        return x.index_select(dim, position.reshape(1)).squeeze(dim)
+    return x.select(dim, int(index))
 
 
 def copy(dst: torch.Tensor, src: Any) -> torch.Tensor:

@@ -198,3 +198,17 @@ def test_a_write_through_a_mask_with_one_value_per_true_element_checks_the_count
 def test_reading_through_a_mask_is_refused_naming_the_line():
     with pytest.raises(fulmen.DataDependentError, match=r"(?s)boolean mask.*test_indexing_by_value\.py"):
         fulmen.jit(lambda x: x[x > 0].sum())(torch.randn(3))
+
+
+def test_a_fusion_region_holding_the_select_gathers_and_gives_eagers_values_and_grads():
+    from fulmen.executors.torch_compile import TorchCompileExecutor
+
+    fn = lambda x, i: (x[i] * 2).sin() + x[:, i].sum()  # noqa: E731
+    i = torch.tensor(-1)
+    eager, jitted = _leaf(), _leaf()
+    want = fn(eager, i)
+    got = fulmen.jit(fn, executors=[TorchCompileExecutor(), "torch"])(jitted, i)
+    torch.testing.assert_close(got, want)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(jitted.grad, eager.grad)
