@@ -91,7 +91,7 @@ def supported_opinfos() -> list:
         # some OpInfos run their op through a wrapper (F.embedding's takes (weight, index)): the wrapper is traced,
         # so the op its name spells is what they test
         binding = lookup(opinfo.op) or lookup(_named_callable(opinfo.name))
-        if binding is None and not _inlined(opinfo.name) or binding is not None and binding.symbol.tags & Tag.RANDOM:
+        if binding is None or binding.symbol.tags & Tag.RANDOM:
             continue
         if torch.float32 not in opinfo.supported_dtypes("cpu"):
             continue
