@@ -25,6 +25,15 @@ def _batch(rank: int, micro: int, rows: int = 3) -> torch.Tensor:
     return torch.randn(rows, 5, generator=torch.Generator().manual_seed(10 * rank + micro))
 
 
+def _jitted(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """`model` distributed by "ddp", or by fsdp with that sharding strategy, and jitted."""
+    if mode == "ddp":
+        fd.ddp(model)
+    else:
+        fd.fsdp(model, sharding_strategy=mode)
+    return fulmen.jit(model)
+
+
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
@@ -61,11 +70,7 @@ def _uneven_accumulation(rank: int, world: int, mode: str) -> dict[str, torch.Te
     """3 micro-batches per step of 2, 3, 4 rows (plus the rank): each micro-batch's mean loss over 3, for 3 SGD
     steps with momentum."""
     model = _model()
-    if mode == "ddp":
-        fd.ddp(model)
-    else:
-        fd.fsdp(model, sharding_strategy=mode)
-    jitted = fulmen.jit(model)
+    jitted = _jitted(model, mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
         for micro in range(3):
@@ -107,11 +112,7 @@ class _TwoBranches(torch.nn.Module):
 def _left_out_of_the_synced_micro_batch(rank: int, world: int, mode: str, use_a: bool) -> object:
     """The no_sync micro-batch uses `a`, the synced one `b` (`use_a`: and `a` as `0 * a.sum()`, in the program)."""
     model = _TwoBranches()
-    if mode == "ddp":
-        fd.ddp(model)
-    else:
-        fd.fsdp(model, sharding_strategy=mode)
-    jitted = fulmen.jit(model)
+    jitted = _jitted(model, mode)
     with fd.no_sync(jitted):
         jitted(_batch(rank, 0), False).backward()
     try:
