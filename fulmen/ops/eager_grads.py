@@ -4,7 +4,8 @@ fulmen has no grad rule of its own for these ops (pooling, upsampling, recurrent
 autodiff's fallback differentiates them with torch autograd on the op itself in the backward (recomputing its
 forward there), which gives eager's grads wherever the op is deterministic. An op whose call changes state or
 draws random numbers would change or draw again when recomputed, so such calls are refused while tracing, naming
-the user's line (`refuse`).
+the user's line (`refuse`). Under torch.autocast they are refused too: autocast converts values inside some of them
+(`F.bilinear`'s `_trilinear`, the cuDNN RNN), which the trace, run with autocast off, would not do.
 """
 
 from __future__ import annotations
@@ -21,25 +22,31 @@ from fulmen.ops.registry import torch_symbol
 
 # Why a call cannot be traced exactly, or None when it can.
 Refusal = Callable[..., str | None]
+EAGER_OPS: set[Symbol] = set()  # the symbols registered here
 
 
-def _checked_meta(fn: Callable[..., Any], refuse: Refusal) -> Callable[..., Any]:
+def _checked_meta(fn: Callable[..., Any], refuse: Refusal | None) -> Callable[..., Any]:
     def meta(builder: TraceBuilder, *args: Any, **kwargs: Any) -> Any:
-        reason = refuse(*args, **kwargs)
+        device = infer_device(args, kwargs)
+        if torch.is_autocast_enabled(device.type):
+            raise UnsupportedOpError(f"fulmen cannot trace {fn.__name__} under torch.autocast: its grads are eager's "
+                                     "backward, and autocast may convert values inside it that the trace would not; "
+                                     "call it outside the autocast region", builder.source)
+        reason = None if refuse is None else refuse(*args, **kwargs)
         if reason is not None:
             raise UnsupportedOpError(reason, builder.source)
         meta_args, meta_kwargs = map_proxies(args, lambda p: p.meta), map_proxies(kwargs, lambda p: p.meta)
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in iter_proxies((args, kwargs)))
-        return builder.wrap_outputs(fn(*meta_args, **meta_kwargs), infer_device(args, kwargs), requires_grad)
+        return builder.wrap_outputs(fn(*meta_args, **meta_kwargs), device, requires_grad)
 
     return meta
 
 
-def eager_op(fn: Callable[..., Any], printed: str | None = None, refuse: Refusal | None = None,
-             aliases: tuple[Callable[..., Any], ...] = ()) -> Symbol:
+def eager_op(fn: Callable[..., Any], printed: str | None = None, refuse: Refusal | None = None) -> Symbol:
     """`fn` as a torch-level symbol without a decomposition, differentiated by eager's backward."""
-    meta = None if refuse is None else _checked_meta(fn, refuse)
-    return torch_symbol(fn, printed=printed, meta=meta, aliases=aliases)
+    sym = torch_symbol(fn, printed=printed, meta=_checked_meta(fn, refuse))
+    EAGER_OPS.add(sym)
+    return sym
 
 
 def nn_op(name: str, refuse: Refusal | None = None) -> Symbol:

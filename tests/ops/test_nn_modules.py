@@ -160,3 +160,11 @@ def test_an_unused_input_of_an_op_with_eagers_grad_gets_none_as_in_eager():
     a, b = V.clone().requires_grad_(), V.flip(0).clone().requires_grad_()
     fulmen.jit(fn)(a, b).backward()
     assert a.grad is not None and b.grad is None
+
+
+def test_a_layer_with_eagers_grads_is_refused_under_autocast():
+    layer = nn.Bilinear(4, 4, 3)  # eager's autocast converts inside F.bilinear (its _trilinear): the trace would not
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(V.float(), V.float())
+        with pytest.raises(UnsupportedOpError, match=r"(?s)bilinear under torch\.autocast.*test_nn_modules\.py"):
+            fulmen.jit(layer)(V.float(), V.float())
