@@ -14,7 +14,6 @@ from torch.testing._internal.common_methods_invocations import op_db
 import fulmen
 from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.executors.base import Executor, Implementation
-from fulmen.jit import torch_python
 from fulmen.ops import lookup
 from fulmen.ops.eager_grads import EAGER_OPS
 
@@ -25,20 +24,6 @@ UNINITIALIZED = {"empty", "empty_like", "new_empty", "empty_strided"}
 # for the samples that pass a tensor where the op reads its value to decide the output shape.
 XFAIL: dict[str, str] = {
     "__getitem__-14": "indexing with a boolean mask is data-dependent (fulmen raises DataDependentError)",
-}
-# torch.nn.functional's Python run inline: the ops it reaches that fulmen refuses, by OpInfo name (prefix).
-XFAIL_INLINED: dict[str, str] = {
-    "nn.functional.max_unpool": "no symbol for max_unpool (UnsupportedOpError)",
-    "nn.functional.fractional_max_pool": "fractional_max_pool draws its windows: no symbol (UnsupportedOpError)",
-    "nn.functional.embedding_bag": "no symbol for embedding_bag (UnsupportedOpError)",
-    "nn.functional.grid_sample": "no symbol for grid_sampler (UnsupportedOpError)",
-    "nn.functional.ctc_loss": "no symbol for ctc_loss (UnsupportedOpError)",
-    "nn.functional.gaussian_nll_loss": "it checks `torch.any(var < 0)` in Python, a value read (DataDependentError)",
-    "nn.functional.instance_norm": "updating running statistics is made in place by the op (UnsupportedOpError)",
-    "nn.functional.dropout": "feature dropout draws in training, replayed only for torch.dropout (UnsupportedOpError)",
-    "nn.functional.alpha_dropout": "alpha dropout draws in training (UnsupportedOpError)",
-    "nn.functional.feature_alpha_dropout": "feature alpha dropout draws in training (UnsupportedOpError)",
-    "nn.functional.rrelu": "rrelu draws its slopes in training (UnsupportedOpError)",
 }
 XFAIL_TENSOR_ARGUMENT: dict[str, str] = {
     "narrow": "a start given as a tensor is data-dependent (its value sets the output shape)",
@@ -62,9 +47,6 @@ class Case:
     def xfail_reason(self) -> str | None:
         if self.id in XFAIL:
             return XFAIL[self.id]
-        inlined = next((why for name, why in XFAIL_INLINED.items() if self.op_name.startswith(name)), None)
-        if inlined is not None:
-            return inlined
         values = (*self.sample.args, *self.sample.kwargs.values())
         if self.op_name in XFAIL_TENSOR_ARGUMENT and "output_size" not in self.sample.kwargs and any(
             isinstance(v, torch.Tensor) for v in values
@@ -81,11 +63,6 @@ def _named_callable(name: str):
     return target
 
 
-def _inlined(name: str) -> bool:
-    """torch.nn.functional's Python, which runs inline (fulmen/jit/torch_python.py): the ops it calls are traced."""
-    return name.startswith("nn.functional.") and torch_python.inlinable(_named_callable(name))
-
-
 def supported_opinfos() -> list:
     chosen = []
     for opinfo in op_db:
@@ -100,13 +77,6 @@ def supported_opinfos() -> list:
     return chosen
 
 
-def _draws(name: str, sample) -> bool:
-    """The sample draws random numbers: attention dropout (positional in multi_head_attention_forward)."""
-    if name == "nn.functional.multi_head_attention_forward":
-        return bool(sample.kwargs.get("training", True)) and sample.args[9] > 0
-    return sample.kwargs.get("dropout_p", 0.0) > 0
-
-
 def _samples(opinfos, dtype: torch.dtype, requires_grad: bool, limit: int) -> Iterator[Case]:
     for opinfo in opinfos:
         name = opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
@@ -114,7 +84,7 @@ def _samples(opinfos, dtype: torch.dtype, requires_grad: bool, limit: int) -> It
         for index, sample in enumerate(samples):
             if index >= limit:
                 break
-            if _draws(opinfo.name, sample):  # no value to compare with eager's
+            if sample.kwargs.get("dropout_p", 0.0) > 0:  # a random draw: no value to compare with eager's
                 continue
             yield Case(name, opinfo, index, sample)
 
@@ -174,9 +144,7 @@ def run_case(case: Case) -> None:
     def program(inp, args, kwargs):
         return op(inp, *args, **kwargs)
 
-    torch.manual_seed(0)  # torch's Python run inline may draw (attention dropout): the same draws as eager's
     expected = program(sample.input, sample.args, sample.kwargs)
-    torch.manual_seed(0)
     actual = fulmen.jit(program, executors=executors)(sample.input, sample.args, sample.kwargs)
     if case.opinfo.name in UNINITIALIZED:  # values are undefined: compare what is defined
         assert (actual.shape, actual.dtype, actual.device) == (expected.shape, expected.dtype, expected.device)
