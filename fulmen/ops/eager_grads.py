@@ -25,7 +25,7 @@ Refusal = Callable[..., str | None]
 EAGER_OPS: set[Symbol] = set()  # the symbols registered here
 
 
-def _checked_meta(fn: Callable[..., Any], refuse: Refusal | None) -> Callable[..., Any]:
+def _checked_meta(fn: Callable[..., Any], refuse: Refusal | None, like: Callable[..., Any]) -> Callable[..., Any]:
     def meta(builder: TraceBuilder, *args: Any, **kwargs: Any) -> Any:
         device = infer_device(args, kwargs)
         if torch.is_autocast_enabled(device.type):
@@ -37,14 +37,16 @@ def _checked_meta(fn: Callable[..., Any], refuse: Refusal | None) -> Callable[..
             raise UnsupportedOpError(reason, builder.source)
         meta_args, meta_kwargs = map_proxies(args, lambda p: p.meta), map_proxies(kwargs, lambda p: p.meta)
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in iter_proxies((args, kwargs)))
-        return builder.wrap_outputs(fn(*meta_args, **meta_kwargs), device, requires_grad)
+        return builder.wrap_outputs(like(*meta_args, **meta_kwargs), device, requires_grad)
 
     return meta
 
 
-def eager_op(fn: Callable[..., Any], printed: str | None = None, refuse: Refusal | None = None) -> Symbol:
-    """`fn` as a torch-level symbol without a decomposition, differentiated by eager's backward."""
-    sym = torch_symbol(fn, printed=printed, meta=_checked_meta(fn, refuse))
+def eager_op(fn: Callable[..., Any], printed: str | None = None, refuse: Refusal | None = None,
+             like: Callable[..., Any] | None = None) -> Symbol:
+    """`fn` as a torch-level symbol without a decomposition, differentiated by eager's backward (`like`: what gives
+    its outputs on meta tensors, where `fn` has no meta kernel)."""
+    sym = torch_symbol(fn, printed=printed, meta=_checked_meta(fn, refuse, like or fn))
     EAGER_OPS.add(sym)
     return sym
 

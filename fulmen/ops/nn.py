@@ -285,6 +285,34 @@ for _name in ("huber_loss", "soft_margin_loss", "multi_margin_loss", "multilabel
     nn_op(_name)
 
 
+def _ctc_loss_like(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
+    """ctc_loss's output on meta tensors: torch has no meta kernel for lengths given as tensors (its CPU and CUDA
+    kernels read their values), and the output's shape does not depend on them."""
+    batched = log_probs.dim() == 3
+    shape = (log_probs.shape[1],) if batched and reduction == 0 else ()
+    return log_probs.new_empty(shape)
+
+
+eager_op(torch.ctc_loss, like=_ctc_loss_like)
+
+
+def _embedding_bag_refusal(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
+                           mode="mean", sparse=False, *rest: Any, **kwargs: Any) -> str | None:
+    if max_norm is not None:
+        return ("fulmen cannot trace F.embedding_bag with max_norm: it renormalises the weight's rows in place, which "
+                "recomputing it for the backward would do again; renormalise outside the jitted function "
+                "(torch.embedding_renorm_ under torch.no_grad)")
+    if sparse:
+        return ("fulmen cannot trace F.embedding_bag with sparse=True: its grad is a sparse tensor, which fulmen's "
+                "backward does not produce; use sparse=False")
+    return None
+
+
+# F.embedding_bag as a whole: the op it calls (torch.embedding_bag) returns bookkeeping tensors whose shapes torch's
+# meta kernel does not give as the CPU kernel does; F.embedding_bag returns only the bags.
+eager_op(F.embedding_bag, refuse=_embedding_bag_refusal)
+
+
 def _draws(name: str) -> Any:
     def refuse(x, p: float, training: bool) -> str | None:
         if training and p > 0:

@@ -1,6 +1,10 @@
-"""Convolutions beyond conv1d/conv2d, pooling, upsampling, pixel shuffles and instance norm, with eager's grads
-(`eager_grads`). `F.interpolate`, `F.max_pool2d` and the like are torch's Python: they run inline
-(fulmen/jit/torch_python.py) and reach these ops.
+"""Convolutions beyond conv1d/conv2d, pooling and unpooling, upsampling, sampling grids, pixel shuffles and instance
+norm, with eager's grads (`eager_grads`). `F.interpolate`, `F.max_pool2d`, `F.grid_sample` and the like are torch's
+Python: they run inline (fulmen/jit/torch_python.py) and reach these ops.
+
+`F.fractional_max_pool2d/3d` draw their pooling regions with `torch.rand` in that Python (unless `_random_samples` is
+given), which is traced as a draw of its own: the pooling op takes the samples as an input, so recomputing it for the
+backward draws nothing, and the draw consumes the RNG as eager's does.
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ from fulmen.ops.eager_grads import eager_op, nn_op
 
 for _fn in (F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.pixel_shuffle, F.pixel_unshuffle,
             F.channel_shuffle, F.avg_pool1d, F.adaptive_avg_pool1d, torch.adaptive_max_pool1d, torch.max_pool1d,
-            torch.max_pool2d, torch.max_pool3d, torch.max_pool1d_with_indices):
+            torch.max_pool2d, torch.max_pool3d, torch.max_pool1d_with_indices, torch.grid_sampler,
+            torch.affine_grid_generator):
     eager_op(_fn)
 
 for _name in ("avg_pool2d", "avg_pool3d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
               "adaptive_max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices", "upsample_nearest1d",
               "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
               "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
-              "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"):
+              "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "max_unpool2d",
+              "max_unpool3d", "fractional_max_pool2d", "fractional_max_pool3d"):
     nn_op(_name)
 
 

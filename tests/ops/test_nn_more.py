@@ -1,0 +1,207 @@
+"""More torch.nn ops against eager: embedding bags, sampling grids, CTC loss, unpooling, fractional max pooling,
+in-place random fills and torch.distributions.
+
+Oracle: eager on the same inputs in float64 (outputs, grads of every floating input and parameter, which grads are
+None), over two calls (the second one a cache hit), each call after the same `torch.manual_seed` in eager and in
+fulmen, so ops that draw must draw eager's values.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fulmen
+from fulmen.core.errors import UnsupportedOpError
+
+G = torch.Generator().manual_seed(0)
+X1 = torch.randn(2, 4, 10, dtype=torch.float64, generator=G)
+X2 = torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=G)
+X3 = torch.randn(2, 3, 4, 6, 6, dtype=torch.float64, generator=G)
+GRID2 = torch.rand(2, 5, 7, 2, dtype=torch.float64, generator=G) * 2.4 - 1.2  # some points outside [-1, 1]
+GRID3 = torch.rand(2, 3, 4, 5, 3, dtype=torch.float64, generator=G) * 2.4 - 1.2
+THETA2 = torch.eye(2, 3, dtype=torch.float64).expand(2, 2, 3) + 0.2 * torch.randn(2, 2, 3, dtype=torch.float64,
+                                                                                   generator=G)
+THETA3 = torch.eye(3, 4, dtype=torch.float64).expand(2, 3, 4) + 0.2 * torch.randn(2, 3, 4, dtype=torch.float64,
+                                                                                   generator=G)
+BAG_1D = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 0, 0])
+BAG_OFFSETS = torch.tensor([0, 2, 2, 6])  # the second bag is empty
+BAG_2D = torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9], [0, 1, 1, 7]])
+BAG_WEIGHTS = torch.rand(10, dtype=torch.float64, generator=G)
+LOG_PROBS = torch.randn(12, 3, 5, dtype=torch.float64, generator=G).log_softmax(2)  # (T, N, C)
+TARGETS = torch.tensor([[1, 2, 2, 4], [3, 1, 0, 0], [4, 4, 4, 4]])  # padded (N, S)
+TARGET_LENGTHS = torch.tensor([4, 2, 4])
+INPUT_LENGTHS = torch.tensor([12, 9, 6])  # the third can't align its 4 repeated labels within 6 steps: infinite loss
+
+
+class Fn(nn.Module):
+    """A function of tensors (and a layer with parameters, when given) as a module."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], layer: nn.Module | None = None) -> None:
+        super().__init__()
+        self.fn, self.layer = fn, layer
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.layer, *args) if self.layer is not None else self.fn(*args)
+
+
+def _unpool(pool: Callable[..., tuple[torch.Tensor, torch.Tensor]], unpool: Callable[..., torch.Tensor],
+            **kwargs: object) -> Fn:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out, indices = pool(x, 2, return_indices=True)
+        return unpool(out * 2, indices, 2, **kwargs)
+
+    return Fn(fn)
+
+
+def _ctc(reduction: str, zero_infinity: bool, lengths_as_lists: bool = False, batch: int = 3) -> Fn:
+    input_lengths, target_lengths = INPUT_LENGTHS[:batch], TARGET_LENGTHS[:batch]
+    if lengths_as_lists:
+        input_lengths, target_lengths = input_lengths.tolist(), target_lengths.tolist()
+
+    def fn(log_probs: torch.Tensor) -> torch.Tensor:
+        return F.ctc_loss(log_probs[:, :batch], TARGETS[:batch], input_lengths, target_lengths, reduction=reduction,
+                          zero_infinity=zero_infinity)
+
+    return Fn(fn)
+
+
+CONCATENATED_TARGETS = torch.cat([t[:n] for t, n in zip(TARGETS, TARGET_LENGTHS)])
+
+
+def _concatenated_ctc(log_probs: torch.Tensor) -> torch.Tensor:
+    loss = nn.CTCLoss(blank=0, reduction="sum", zero_infinity=True)
+    return loss(log_probs, CONCATENATED_TARGETS, INPUT_LENGTHS, TARGET_LENGTHS)
+
+
+SAMPLES = torch.rand(2, 3, 2, dtype=torch.float64, generator=G)
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], tuple[torch.Tensor, ...]]] = {
+    # embedding bags
+    "EmbeddingBag sum 2-D": (lambda: nn.EmbeddingBag(10, 3, mode="sum"), (BAG_2D,)),
+    "EmbeddingBag mean offsets": (lambda: Fn(lambda e, i: e(i, BAG_OFFSETS), nn.EmbeddingBag(10, 3)), (BAG_1D,)),
+    "EmbeddingBag max last offset": (lambda: Fn(lambda e, i: e(i, torch.tensor([0, 2, 2, 6, 10])),
+                                                nn.EmbeddingBag(10, 3, mode="max", include_last_offset=True)),
+                                     (BAG_1D,)),
+    "EmbeddingBag per-sample weights": (lambda: Fn(lambda e, i, w: e(i, BAG_OFFSETS, per_sample_weights=w),
+                                                   nn.EmbeddingBag(10, 3, mode="sum")), (BAG_1D, BAG_WEIGHTS)),
+    "EmbeddingBag padding_idx": (lambda: Fn(lambda e, i: e(i, BAG_OFFSETS), nn.EmbeddingBag(10, 3, padding_idx=4)),
+                                 (BAG_1D,)),
+    "EmbeddingBag scale_grad_by_freq": (lambda: nn.EmbeddingBag(10, 3, mode="sum", scale_grad_by_freq=True),
+                                        (BAG_2D,)),
+    "embedding_bag weight": (lambda: Fn(lambda w: F.embedding_bag(BAG_1D, w, BAG_OFFSETS, mode="max")),
+                             (torch.randn(10, 3, dtype=torch.float64, generator=G),)),
+    # sampling grids
+    "grid_sample bilinear zeros": (lambda: Fn(lambda x, g: F.grid_sample(x, g, align_corners=False)), (X2, GRID2)),
+    "grid_sample bilinear border corners": (
+        lambda: Fn(lambda x, g: F.grid_sample(x, g, padding_mode="border", align_corners=True)), (X2, GRID2)),
+    "grid_sample nearest reflection": (
+        lambda: Fn(lambda x, g: F.grid_sample(x, g, mode="nearest", padding_mode="reflection", align_corners=False)),
+        (X2, GRID2)),
+    "grid_sample bicubic zeros corners": (
+        lambda: Fn(lambda x, g: F.grid_sample(x, g, mode="bicubic", align_corners=True)), (X2, GRID2)),
+    "grid_sample bicubic reflection": (
+        lambda: Fn(lambda x, g: F.grid_sample(x, g, mode="bicubic", padding_mode="reflection", align_corners=False)),
+        (X2, GRID2)),
+    "grid_sample 3-D": (lambda: Fn(lambda x, g: F.grid_sample(x, g, padding_mode="border", align_corners=False)),
+                        (X3, GRID3)),
+    "affine_grid 2-D": (lambda: Fn(lambda t: F.affine_grid(t, [2, 3, 5, 7], align_corners=False)), (THETA2,)),
+    "spatial transformer": (lambda: Fn(lambda x, t: F.grid_sample(
+        x, F.affine_grid(t, list(x.shape), align_corners=True), align_corners=True)), (X2, THETA2)),
+    "spatial transformer 3-D": (lambda: Fn(lambda x, t: F.grid_sample(
+        x, F.affine_grid(t, [2, 3, 3, 4, 5], align_corners=False), mode="nearest", align_corners=False)),
+        (X3, THETA3)),
+    # CTC
+    "ctc mean": (lambda: _ctc("mean", zero_infinity=True), (LOG_PROBS,)),
+    "ctc sum": (lambda: _ctc("sum", zero_infinity=True), (LOG_PROBS,)),
+    "ctc none lists": (lambda: _ctc("none", zero_infinity=True, lengths_as_lists=True), (LOG_PROBS,)),
+    "ctc finite without zero_infinity": (lambda: _ctc("mean", zero_infinity=False, batch=2), (LOG_PROBS,)),
+    "CTCLoss concatenated targets": (lambda: Fn(_concatenated_ctc), (LOG_PROBS,)),
+    # unpooling (indices from max pooling with return_indices)
+    "max_unpool1d": (lambda: _unpool(F.max_pool1d, F.max_unpool1d), (X1,)),
+    "max_unpool2d": (lambda: _unpool(F.max_pool2d, F.max_unpool2d), (X2,)),
+    "max_unpool2d output_size": (lambda: _unpool(F.max_pool2d, F.max_unpool2d, output_size=[7, 7]),
+                                 (X2[..., :-1, :-1].contiguous(),)),
+    "max_unpool3d": (lambda: _unpool(F.max_pool3d, F.max_unpool3d), (X3,)),
+    "MaxUnpool2d indices as input": (lambda: Fn(lambda x, i: nn.MaxUnpool2d(2)(x, i)),
+                                     F.max_pool2d(X2, 2, return_indices=True)),
+    # fractional max pooling: its regions are drawn (unless given)
+    "FractionalMaxPool2d output_size": (lambda: nn.FractionalMaxPool2d(3, output_size=5), (X2,)),
+    "FractionalMaxPool2d output_ratio": (lambda: nn.FractionalMaxPool2d(2, output_ratio=0.5), (X2,)),
+    "fractional_max_pool2d unbatched indices": (
+        lambda: Fn(lambda x: F.fractional_max_pool2d(x, 2, output_size=4, return_indices=True)[0]), (X2[0],)),
+    "fractional_max_pool2d given samples": (
+        lambda: Fn(lambda x: F.fractional_max_pool2d(x, 2, output_size=4, _random_samples=SAMPLES)), (X2,)),
+    "FractionalMaxPool3d": (lambda: nn.FractionalMaxPool3d(2, output_size=(2, 4, 4)), (X3,)),
+}
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    return t.requires_grad_() if t.is_floating_point() else t
+
+
+def _grads(module: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [t.grad for t in inputs if t.is_floating_point()] + [p.grad for p in module.parameters()]
+
+
+def _check_against_eager(make: Callable[[], nn.Module], inputs: tuple[torch.Tensor, ...]) -> None:
+    torch.manual_seed(0)
+    eager = make().double()
+    ours = copy.deepcopy(eager)
+    jitted = fulmen.jit(ours)
+    for call in range(2):
+        want_in, got_in = [_leaf(t) for t in inputs], [_leaf(t) for t in inputs]
+        torch.manual_seed(call)
+        want = eager(*want_in)
+        torch.manual_seed(call)
+        got = jitted(*got_in)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        cotangent = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(call))
+        (want * cotangent).sum().backward()
+        (got * cotangent).sum().backward()
+        for g, w in zip(_grads(ours, got_in), _grads(eager, want_in), strict=True):
+            assert (g is None) == (w is None)  # None stays None, as in eager
+            if w is not None:
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert fulmen.cache_misses(jitted) == 1
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_an_op_gives_eagers_outputs_and_grads(name):
+    _check_against_eager(*CASES[name])
+
+
+def test_fractional_max_pooling_draws_eagers_regions_under_the_same_seed():
+    # the regions differ from seed to seed: equal outputs under each seed are not a coincidence
+    pool = fulmen.jit(nn.FractionalMaxPool2d(3, output_size=5))
+    outs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        want = nn.FractionalMaxPool2d(3, output_size=5)(X2)
+        want_next = torch.rand(())
+        torch.manual_seed(seed)
+        outs.append(pool(X2))
+        torch.testing.assert_close(outs[-1], want, rtol=0, atol=0)
+        assert torch.rand(()) == want_next  # the RNG moved on as far as in eager
+    assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(
+    ("fn", "inputs", "message"),
+    [(lambda w: F.embedding_bag(BAG_1D, w, BAG_OFFSETS, max_norm=1.0), (torch.randn(10, 3),),
+      r"embedding_bag with max_norm"),
+     (lambda w: F.embedding_bag(BAG_1D, w, BAG_OFFSETS, sparse=True), (torch.randn(10, 3),),
+      r"embedding_bag with sparse=True")],
+    ids=["embedding_bag max_norm", "embedding_bag sparse"],
+)
+def test_a_call_fulmen_cannot_trace_exactly_is_refused_naming_the_line(fn, inputs, message):
+    fn(*[t.clone() for t in inputs])  # eager runs it
+    with pytest.raises(UnsupportedOpError, match=rf"(?s){message}.*test_nn_more\.py"):
+        fulmen.jit(fn)(*inputs)
