@@ -74,17 +74,10 @@ def _is_hop(node: torch.fx.Node, name: str) -> bool:
 
 
 def as_torch_calls(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """`module` with its `tag_activation_checkpoint` nodes calling `torch.utils.checkpoint.checkpoint` (in place),
-    its code and its nested graphs' compiled now."""
+    """`module` with its `tag_activation_checkpoint` nodes calling `torch.utils.checkpoint.checkpoint` (in place)."""
     nodes = [node for node in module.graph.nodes if _is_hop(node, "tag_activation_checkpoint")]
     for node in nodes:
         node.target = checkpoint
     if nodes:
         module.recompile()
-    for graph in module.modules():
-        # Reading `code` compiles a lazy GraphModule: compiled on its first call instead, inside fulmen's
-        # acquisition, it would compile on fulmen's stand-in for the module (a subclass of its class), whose
-        # `_WrappedCall` then calls itself without end.
-        if isinstance(graph, torch.fx.GraphModule):
-            graph.code  # noqa: B018
     return module

@@ -45,14 +45,27 @@ def litgpt_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-# "module.Class" -> {method name: replacement}
+def rnn_flatten_parameters(self) -> None:
+    """Nothing, inside a trace. Eager calls it when the weights changed, which the trace's proxies always look like:
+    it reads where the weights live (`data_ptr`) to copy them into one cuDNN buffer. The real module's weights were
+    flattened by `.cuda()`, and cuDNN copies weights that are not, so the values are eager's either way."""
+
+
+# "module.Class" -> {method name: replacement}, for the class and its subclasses that keep its method
 METHOD_LOOKASIDES: dict[str, dict[str, Callable[..., Any]]] = {
     "litgpt.model.LLaMAMoE": {"forward": litgpt_moe_forward},
+    "torch.nn.modules.rnn.RNNBase": {"flatten_parameters": rnn_flatten_parameters},
 }
 
 
 def method_lookasides(cls: type) -> dict[str, Callable[..., Any]]:
-    return METHOD_LOOKASIDES.get(f"{cls.__module__}.{cls.__qualname__}", {})
+    found: dict[str, Callable[..., Any]] = {}
+    for base in cls.__mro__:
+        for name, replacement in METHOD_LOOKASIDES.get(f"{base.__module__}.{base.__qualname__}", {}).items():
+            # a subclass's own method is the user's, not the one the lookaside stands for
+            if name not in found and getattr(cls, name, None) is base.__dict__.get(name):
+                found[name] = replacement
+    return found
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.nn.modules import module as torch_module
 from torch.nn.utils import parametrize
 
@@ -172,6 +173,10 @@ def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], Te
                 "a backward hook (register_full_backward_hook / register_full_backward_pre_hook): register it on "
                 "the module fulmen.jit returned (its hooks run around the compiled call), or a hook on a tensor "
                 "(tensor.register_hook)", None)
+        # A lazy GraphModule (what Dynamo hands a backend) compiles its code on its next call, patching its class: on
+        # the shadow that would patch the shadow class, whose call then calls itself without end. Eager compiles it
+        # at that call too.
+        _LazyGraphModule.force_recompile(original)
         shadow = object.__new__(_shadow_class(type(original)))
         shadows[id(original)] = shadow
         state = dict(original.__dict__)

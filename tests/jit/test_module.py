@@ -251,3 +251,43 @@ def test_a_parametrized_module_inside_parametrize_cached_is_refused():
     with parametrize.cached(), pytest.raises(fulmen.TraceError, match=r"parametrize.cached\(\)"):
         fulmen.jit(model)(x)
     torch.testing.assert_close(fulmen.jit(model)(x), model(x), rtol=0, atol=0)
+
+
+class HoldsLazyGraph(nn.Module):
+    """A submodule that is a torch.fx lazy GraphModule with its code pending (as Dynamo hands a backend)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+
+        traced = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+        self.body = _LazyGraphModule(traced, traced.graph)
+        self.body(torch.randn(2, 3))  # compiled on its first call
+        self.body.recompile()  # a graph edit: compiled again on its next call
+
+    def forward(self, x):
+        return self.body(x) * 2
+
+
+def test_a_lazy_graph_module_compiled_on_its_next_call_gives_eagers_result():
+    # Compiled on fulmen's stand-in for it, its call used to call itself without end (RecursionError)
+    model = HoldsLazyGraph()
+    x = torch.randn(2, 3)
+    jitted = fulmen.jit(model)
+    for _ in range(2):
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+    assert fulmen.cache_misses(jitted) == 1
+
+
+class OwnFlatten(nn.GRU):
+    def flatten_parameters(self) -> None:
+        self.flattened = getattr(self, "flattened", 0) + 1
+        super().flatten_parameters()
+
+
+def test_a_method_lookaside_stands_for_torchs_method_not_a_subclass_override():
+    from fulmen.jit.lookasides import method_lookasides, rnn_flatten_parameters
+
+    assert method_lookasides(nn.LSTM) == {"flatten_parameters": rnn_flatten_parameters}
+    assert method_lookasides(OwnFlatten) == {}
+    assert method_lookasides(nn.Linear) == {}

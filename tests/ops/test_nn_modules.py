@@ -168,3 +168,38 @@ def test_a_layer_with_eagers_grads_is_refused_under_autocast():
         layer(V.float(), V.float())
         with pytest.raises(UnsupportedOpError, match=r"(?s)bilinear under torch\.autocast.*test_nn_modules\.py"):
             fulmen.jit(layer)(V.float(), V.float())
+
+
+class Flattening(nn.Module):
+    """Older code calls `flatten_parameters` in its forward (after DataParallel replicas, or to silence its warning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(8, 16, num_layers=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rnn.flatten_parameters()
+        return self.rnn(x)[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN's recurrent kernels)")
+@pytest.mark.parametrize("name", ["LSTM", "LSTM projections", "GRU bidirectional", "RNN relu", "flatten in forward"])
+def test_a_recurrent_layer_on_cuda_gives_eager_cudnns_outputs_and_grads(name):
+    # torch's flatten_parameters reads where the weights live (data_ptr): inside a trace it is skipped (lookasides.py)
+    make = Flattening if name == "flatten in forward" else CASES[name][0]
+    torch.manual_seed(0)
+    eager = make().cuda()
+    ours = copy.deepcopy(eager)
+    ours.apply(lambda m: m.flatten_parameters() if isinstance(m, nn.RNNBase) else None)  # as `.cuda()` leaves it
+    jitted = fulmen.jit(ours)
+    for _ in range(2):
+        x = SEQ.float().cuda()
+        want_in, got_in = x.clone().requires_grad_(), x.clone().requires_grad_()
+        want, got = eager(want_in), jitted(got_in)
+        torch.testing.assert_close(got, want)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        for g, w in zip(_grads(ours, [got_in]), _grads(eager, [want_in])):
+            torch.testing.assert_close(g, w)
+    assert fulmen.cache_misses(jitted) == 1
