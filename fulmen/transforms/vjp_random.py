@@ -1,7 +1,8 @@
 """Grad rules of the random draws eager's autograd records (derivatives.yaml): each gives the tensors it reads a
 zero grad. There is no reparameterisation: `torch.normal(mean, std)` gives `mean` and `std` zeros, as eager does.
 The other draws (`rand_like`, `randn_like`, `randint_like`, `multinomial`...) give outputs that never require grad
-(`fulmen.ops.factories`), so they need no rule. `bernoulli(input, p)` with a float p is recorded without a
+(`fulmen.ops.factories`), so they need no rule. The in-place fills (`x.exponential_()`...) give `x` (and a tensor
+`p`) zeros, as eager does. `bernoulli(input, p)` with a float p is recorded without a
 derivative: its backward raises eager's error when a grad reaches it. Each rule draws once, in the forward.
 """
 
@@ -13,6 +14,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import iter_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops import impls
+from fulmen.ops.factories import RANDOM_FILLS
 from fulmen.ops.registry import impl_symbol
 from fulmen.transforms.autodiff import differentiated_call, get_grad, put_grad, register_grad, wants_grad
 
@@ -53,3 +55,16 @@ def bernoulli_grad(x, *args, **kwargs):
     else:
         _zero_grads(out, (x,), kwargs)
     return out
+
+
+def _fill_grad(fill):
+    def rule(x, *args, **kwargs):
+        out = fill(x, *args, **kwargs)
+        _zero_grads(out, (x, *args), kwargs)
+        return out
+
+    return rule
+
+
+for _fill in RANDOM_FILLS.values():
+    register_grad(_fill)(_fill_grad(_fill))

@@ -139,6 +139,19 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[torch.Tensor, ...]]] = {
     "fractional_max_pool2d given samples": (
         lambda: Fn(lambda x: F.fractional_max_pool2d(x, 2, output_size=4, _random_samples=SAMPLES)), (X2,)),
     "FractionalMaxPool3d": (lambda: nn.FractionalMaxPool3d(2, output_size=(2, 4, 4)), (X3,)),
+    # in-place random fills: eager's draws, zero grads for the filled tensor (and a tensor p)
+    "uniform_": (lambda: Fn(lambda x: (x * 2).uniform_(-1, 2) * x), (X2,)),
+    "normal_": (lambda: Fn(lambda x: (x * 2).normal_(1.0, 0.5) * x), (X2,)),
+    "bernoulli_ float p": (lambda: Fn(lambda x: (x * 2).bernoulli_(0.3) * x), (X2,)),
+    "bernoulli_ tensor p": (lambda: Fn(lambda x, p: (x * 2).bernoulli_(p) * x), (X2, X2[0, 0].sigmoid())),
+    "exponential_": (lambda: Fn(lambda x: (x * 2).exponential_(2.0) * x), (X2,)),
+    "geometric_": (lambda: Fn(lambda x: (x * 2).geometric_(0.3) * x), (X2,)),
+    "cauchy_": (lambda: Fn(lambda x: (x * 2).cauchy_(0.5, 2.0) * x), (X2,)),
+    "log_normal_": (lambda: Fn(lambda x: (x * 2).log_normal_(0.5, 0.25) * x), (X2,)),
+    "random_": (lambda: Fn(lambda x: (x * 2).random_(0, 10) * x), (X2,)),
+    "fill of a new tensor": (lambda: Fn(lambda x: x * torch.empty(x.shape[-1], dtype=x.dtype).exponential_()), (X2,)),
+    "gumbel_softmax": (lambda: Fn(lambda x: F.gumbel_softmax(x, tau=0.5)), (X2,)),
+    "gumbel_softmax hard": (lambda: Fn(lambda x: F.gumbel_softmax(x, hard=True, dim=1)), (X2,)),
 }
 
 
@@ -160,8 +173,10 @@ def _check_against_eager(make: Callable[[], nn.Module], inputs: tuple[torch.Tens
         want_in, got_in = [_leaf(t) for t in inputs], [_leaf(t) for t in inputs]
         torch.manual_seed(call)
         want = eager(*want_in)
+        want_next = torch.rand(())
         torch.manual_seed(call)
         got = jitted(*got_in)
+        assert torch.rand(()) == want_next  # the program drew as much as in eager
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         cotangent = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(call))
         (want * cotangent).sum().backward()
@@ -193,13 +208,29 @@ def test_fractional_max_pooling_draws_eagers_regions_under_the_same_seed():
     assert not torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("method", ["normal_", "uniform_", "exponential_", "bernoulli_"])
+def test_a_fill_of_a_float32_tensor_draws_eagers_values(method):
+    # CPU normal_ draws a contiguous float32 tensor of 16 elements or more in batches, others one by one
+    fn = lambda x: getattr(x * 1, method)()  # noqa: E731
+    x = torch.randn(5, 7)
+    jitted = fulmen.jit(fn)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        want = fn(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(jitted(x), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("fn", "inputs", "message"),
     [(lambda w: F.embedding_bag(BAG_1D, w, BAG_OFFSETS, max_norm=1.0), (torch.randn(10, 3),),
       r"embedding_bag with max_norm"),
      (lambda w: F.embedding_bag(BAG_1D, w, BAG_OFFSETS, sparse=True), (torch.randn(10, 3),),
-      r"embedding_bag with sparse=True")],
-    ids=["embedding_bag max_norm", "embedding_bag sparse"],
+      r"embedding_bag with sparse=True"),
+     (lambda x: (x * 1).t().normal_(), (torch.randn(5, 7),), r"Tensor\.normal_ on a non-contiguous tensor"),
+     (lambda x: (x * 1).exponential_(generator=torch.Generator()), (torch.randn(5, 7),),
+      r"Tensor\.exponential_\(generator=\.\.\.\): fulmen draws from the default generator only")],
+    ids=["embedding_bag max_norm", "embedding_bag sparse", "normal_ non-contiguous", "exponential_ generator"],
 )
 def test_a_call_fulmen_cannot_trace_exactly_is_refused_naming_the_line(fn, inputs, message):
     fn(*[t.clone() for t in inputs])  # eager runs it
