@@ -23,11 +23,12 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
-from fulmen.jit import torch_python
+from fulmen.jit import torch_python, validation
 from fulmen.jit.autograd_facts import AutogradFacts
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.jit.lookasides import is_fabric_backward_check
 from fulmen.ops import lookup, shape
+from fulmen.ops.checks import check_all_true
 from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.autocast import PARTS as AUTOCAST_PARTS
@@ -160,6 +161,7 @@ class Interpreter(TorchFunctionMode):
             F.batch_norm: self._batch_norm,
             T.storage_offset: self._storage_offset,
             T.register_hook: self._register_hook,
+            torch._is_all_true: self._is_all_true,
         }
         for name, dtype in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
                             ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64),
@@ -385,6 +387,17 @@ class Interpreter(TorchFunctionMode):
         current = self.functional.resolve(x)
         new = shape.setitem(current, self._values(index), self._values(value))
         self.functional.write(x, new)
+
+    def _is_all_true(self, valid: Any) -> bool:
+        """torch.distributions' validation: true now, checked when the trace runs (validation.py)."""
+        location = self.builder.source
+        text = validation.message(validation.caller())
+        if text is None:
+            raise DataDependentError("fulmen cannot trace torch._is_all_true: it reads tensor values, which are "
+                                     "unknown while tracing", location)
+        where = f"\n  (validated by fulmen's trace, for {location.describe()})" if location is not None else ""
+        self._record(check_all_true, (valid, text + where), {})
+        return True
 
     def _detach(self, x: Any, data: bool = False) -> Any:
         detach = lookup(torch.detach).symbol

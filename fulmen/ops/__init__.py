@@ -5,6 +5,7 @@ Importing this package registers every supported torch callable (see `registry.T
 
 from fulmen.ops import (  # noqa: F401  (registration side effects)
     backward_kernels,
+    checks,
     elementwise,
     factories,
     fused_loss,

@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from fulmen.core.errors import UnsupportedOpError
+from fulmen.core.source import user_location
 from fulmen.core.symbol import Symbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import impls, prims
-from fulmen.ops.registry import TorchBinding, bind, impl_symbol, method, torch_symbol
+from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
 from fulmen.ops.utils import shape_arg
 
 
@@ -51,6 +52,20 @@ torch_symbol(torch.full_like)
 torch_symbol(torch.empty_like)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     torch_symbol(method(_name))
+
+
+def _legacy_new_sizes(x: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+    """`x.new(*sizes)` or `x.new(torch.Size(...))`, the legacy constructor (torch.distributions draws into one), as
+    `x.new_empty(sizes)`. Its other forms (`x.new([1.0])` holds that data; `x.new(t)` shares t's storage) are
+    refused: a trace prints a torch.Size as a tuple, which `new` would read as data."""
+    sizes = args[0] if len(args) == 1 and isinstance(args[0], torch.Size) else args
+    if not all(type(size) is int for size in sizes) or set(kwargs) - {"device"}:
+        raise UnsupportedOpError("fulmen supports Tensor.new(*sizes) only (a new uninitialised tensor); for data use "
+                                 "x.new_tensor(data)", user_location())
+    return (x, tuple(sizes)), kwargs
+
+
+bind(method("new"), TorchBinding(lookup(method("new_empty")).symbol, normalize=_legacy_new_sizes))
 
 def _draw_meta(fn, differentiable: bool):
     """The outputs of a draw, found without drawing. With no tensor argument (`torch.randn(3)`) the default meta

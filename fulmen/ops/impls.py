@@ -93,6 +93,12 @@ def random_fill(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return _fresh(x).random_(*args, **kwargs)
 
 
+def check_all_true(valid: torch.Tensor, message: str) -> None:
+    """Raises ValueError(`message`) unless every element of `valid` is true (`fulmen.ops.checks`)."""
+    if not bool(valid.all()):
+        raise ValueError(message)
+
+
 def keep_history(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """`new`, as the next value of a tensor that held `old` and whose autograd history the update leaves alone (an
     in-place update under `torch.no_grad()`, or through `.detach()` / `.data`): its grad goes to `old` only."""

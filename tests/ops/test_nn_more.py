@@ -1,5 +1,5 @@
 """More torch.nn ops against eager: embedding bags, sampling grids, CTC loss, unpooling, fractional max pooling,
-in-place random fills and torch.distributions.
+in-place random fills and torch.distributions (whose argument validation the trace repeats when it runs).
 
 Oracle: eager on the same inputs in float64 (outputs, grads of every floating input and parameter, which grads are
 None), over two calls (the second one a cache hit), each call after the same `torch.manual_seed` in eager and in
@@ -13,11 +13,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributions as D
 import torch.nn.functional as F
 from torch import nn
 
 import fulmen
-from fulmen.core.errors import UnsupportedOpError
+from fulmen.core.errors import DataDependentError, UnsupportedOpError
 
 G = torch.Generator().manual_seed(0)
 X1 = torch.randn(2, 4, 10, dtype=torch.float64, generator=G)
@@ -80,6 +81,11 @@ def _concatenated_ctc(log_probs: torch.Tensor) -> torch.Tensor:
 
 
 SAMPLES = torch.rand(2, 3, 2, dtype=torch.float64, generator=G)
+MU = torch.randn(4, dtype=torch.float64, generator=G)
+SIGMA = torch.rand(4, dtype=torch.float64, generator=G) + 0.5
+VALUE = torch.randn(4, dtype=torch.float64, generator=G)
+LOGITS = torch.randn(4, 5, dtype=torch.float64, generator=G)
+CLASSES = torch.tensor([0, 4, 2, 2])
 
 
 CASES: dict[str, tuple[Callable[[], nn.Module], tuple[torch.Tensor, ...]]] = {
@@ -152,6 +158,27 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[torch.Tensor, ...]]] = {
     "fill of a new tensor": (lambda: Fn(lambda x: x * torch.empty(x.shape[-1], dtype=x.dtype).exponential_()), (X2,)),
     "gumbel_softmax": (lambda: Fn(lambda x: F.gumbel_softmax(x, tau=0.5)), (X2,)),
     "gumbel_softmax hard": (lambda: Fn(lambda x: F.gumbel_softmax(x, hard=True, dim=1)), (X2,)),
+    # torch.distributions, validating its arguments and samples (validate_args, on by default)
+    "Normal log_prob": (lambda: Fn(lambda m, s, v: D.Normal(m, s).log_prob(v)), (MU, SIGMA, VALUE)),
+    "Normal rsample": (lambda: Fn(lambda m, s: D.Normal(m, s).rsample((3,))), (MU, SIGMA)),
+    "Normal sample": (lambda: Fn(lambda m, s: D.Normal(m, s).sample() * m), (MU, SIGMA)),
+    "Normal entropy and KL": (lambda: Fn(lambda m, s: D.Normal(m, s).entropy()
+                                         + D.kl_divergence(D.Normal(m, s), D.Normal(m.flip(0), s.flip(0)))),
+                              (MU, SIGMA)),
+    "Normal without validation": (lambda: Fn(lambda m, s, v: D.Normal(m, s, validate_args=False).log_prob(v)),
+                                  (MU, SIGMA, VALUE)),
+    "Categorical logits": (lambda: Fn(lambda logits: D.Categorical(logits=logits).log_prob(CLASSES)
+                                      + D.Categorical(logits=logits).entropy()), (LOGITS,)),
+    "Categorical probs": (lambda: Fn(lambda logits: D.Categorical(probs=logits.softmax(-1)).log_prob(CLASSES)),
+                          (LOGITS,)),
+    "Categorical sample": (lambda: Fn(lambda logits: logits.log_softmax(-1).gather(
+        -1, D.Categorical(logits=logits).sample().unsqueeze(-1))), (LOGITS,)),
+    "Bernoulli log_prob": (lambda: Fn(lambda m: D.Bernoulli(logits=m).log_prob((VALUE > 0).double())), (MU,)),
+    "Laplace rsample": (lambda: Fn(lambda m, s: D.Laplace(m, s).rsample()), (MU, SIGMA)),
+    "Exponential rsample": (lambda: Fn(lambda s: D.Exponential(s).rsample((2,))), (SIGMA,)),
+    "Cauchy rsample": (lambda: Fn(lambda m, s: D.Cauchy(m, s).rsample()), (MU, SIGMA)),
+    "Independent TanhTransform": (lambda: Fn(lambda m, s: D.Independent(D.TransformedDistribution(
+        D.Normal(m, s), [D.transforms.TanhTransform()]), 1).log_prob(VALUE.tanh() * 0.5)), (MU, SIGMA)),
 }
 
 
@@ -208,6 +235,35 @@ def test_fractional_max_pooling_draws_eagers_regions_under_the_same_seed():
     assert not torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize(
+    ("fn", "bad", "message"),
+    [(lambda m, s: D.Normal(m, s).log_prob(VALUE), (MU, -SIGMA),
+      r"Expected parameter scale \(Tensor of shape \(4,\)\) of distribution Normal.* to satisfy the constraint "
+      r"GreaterThan\(lower_bound=0\.0\), but found invalid values"),
+     (lambda logits, classes: D.Categorical(logits=logits).log_prob(classes), (LOGITS, CLASSES + 1),
+      r"Expected value argument \(Tensor of shape \(4,\)\) to be within the support \(IntegerInterval\(lower_bound=0, "
+      r"upper_bound=4\)\) of the distribution Categorical.*, but found invalid values")],
+    ids=["argument", "sample"],
+)
+def test_a_distributions_validation_raises_eagers_error_when_the_trace_runs_on_invalid_values(fn, bad, message):
+    good = (MU, SIGMA) if bad[0] is MU else (LOGITS, CLASSES)
+    with pytest.raises(ValueError, match=rf"(?s){message}"):
+        fn(*bad)  # eager
+    jitted = fulmen.jit(fn)
+    torch.testing.assert_close(jitted(*good), fn(*good), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=rf"(?s){message}.*test_nn_more\.py"):  # the same trace, checking again
+        jitted(*bad)
+    assert fulmen.cache_misses(jitted) == 1
+
+
+def test_reading_is_all_true_outside_a_distributions_validation_is_refused_naming_the_line():
+    def fn(x):
+        return x * 2 if torch._is_all_true(x > 0) else x
+
+    with pytest.raises(DataDependentError, match=r"(?s)torch\._is_all_true: it reads tensor values.*test_nn_more\.py"):
+        fulmen.jit(fn)(SIGMA)
+
+
 @pytest.mark.parametrize("method", ["normal_", "uniform_", "exponential_", "bernoulli_"])
 def test_a_fill_of_a_float32_tensor_draws_eagers_values(method):
     # CPU normal_ draws a contiguous float32 tensor of 16 elements or more in batches, others one by one
@@ -229,8 +285,10 @@ def test_a_fill_of_a_float32_tensor_draws_eagers_values(method):
       r"embedding_bag with sparse=True"),
      (lambda x: (x * 1).t().normal_(), (torch.randn(5, 7),), r"Tensor\.normal_ on a non-contiguous tensor"),
      (lambda x: (x * 1).exponential_(generator=torch.Generator()), (torch.randn(5, 7),),
-      r"Tensor\.exponential_\(generator=\.\.\.\): fulmen draws from the default generator only")],
-    ids=["embedding_bag max_norm", "embedding_bag sparse", "normal_ non-contiguous", "exponential_ generator"],
+      r"Tensor\.exponential_\(generator=\.\.\.\): fulmen draws from the default generator only"),
+     (lambda x: x.new([1.0, 2.0]) * 2, (torch.randn(5, 7),), r"Tensor\.new\(\*sizes\) only")],
+    ids=["embedding_bag max_norm", "embedding_bag sparse", "normal_ non-contiguous", "exponential_ generator",
+         "Tensor.new data"],
 )
 def test_a_call_fulmen_cannot_trace_exactly_is_refused_naming_the_line(fn, inputs, message):
     fn(*[t.clone() for t in inputs])  # eager runs it
