@@ -188,12 +188,14 @@ def _leaves_reached(out: Any, leaves: dict[int, int]) -> set[int]:
         if id(o) in leaves:  # an input returned as it is
             found.add(leaves[id(o)])
         nodes.append(o.grad_fn)
-    seen: set[int] = set()
+    # Held, not just their ids: the Python object of a node can be freed once it is let go, and a node met later
+    # can get its id (torch 2.11 does): taken as seen, its part of the graph was skipped and its leaves got no grad.
+    seen: dict[int, Any] = {}
     while nodes:
         node = nodes.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf the graph reaches
         if variable is not None and id(variable) in leaves:
             found.add(leaves[id(variable)])
