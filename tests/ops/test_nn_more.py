@@ -165,8 +165,6 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[torch.Tensor, ...]]] = {
     "Normal entropy and KL": (lambda: Fn(lambda m, s: D.Normal(m, s).entropy()
                                          + D.kl_divergence(D.Normal(m, s), D.Normal(m.flip(0), s.flip(0)))),
                               (MU, SIGMA)),
-    "Normal without validation": (lambda: Fn(lambda m, s, v: D.Normal(m, s, validate_args=False).log_prob(v)),
-                                  (MU, SIGMA, VALUE)),
     "Categorical logits": (lambda: Fn(lambda logits: D.Categorical(logits=logits).log_prob(CLASSES)
                                       + D.Categorical(logits=logits).entropy()), (LOGITS,)),
     "Categorical probs": (lambda: Fn(lambda logits: D.Categorical(probs=logits.softmax(-1)).log_prob(CLASSES)),
