@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fulmen.distributed import arrivals
 from fulmen.distributed.prims import group_name
 from fulmen.distributed.specs import (
     DistributedState,
@@ -98,7 +99,8 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
     torch's `DistributedDataParallel(broadcast_buffers=False)` (its default broadcasts them before each forward). The
     backward starts each bucket's all_reduce as soon as its last gradient is computed and waits for all of them
     at its end, so communication overlaps the rest of the backward. `bucket_size_in_mb=0` gives one all_reduce
-    per parameter.
+    per parameter. Only the jitted programs' gradients are reduced, so a gradient term computed outside them (a
+    regulariser on a parameter) is refused with the parameter's name (fulmen.distributed.arrivals); so under fsdp.
     """
     module = _unwrap(model, "ddp")
     if (isinstance(bucket_size_in_mb, bool) or not isinstance(bucket_size_in_mb, int | float)
@@ -111,7 +113,9 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
         for name, param in module.named_parameters():
             if broadcast_from is not None:
                 _broadcast(param.data, state, broadcast_from)
-            setattr(param, DISTRIBUTED_INPUT, ParamSpec(state, name, None, name, weakref.ref(param)))
+            spec = ParamSpec(state, name, None, name, weakref.ref(param))
+            setattr(param, DISTRIBUTED_INPUT, spec)
+            arrivals.watch(param, spec)
         if broadcast_from is not None:
             for buffer in module.buffers():
                 _broadcast(buffer, state, broadcast_from)
@@ -192,7 +196,9 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
                 shape = full.shape
                 param.data = local_shard(full, state.rank, state.world)
                 del full
-                setattr(param, DISTRIBUTED_INPUT, ParamSpec(state, name, shape, keys[name]))
+                spec = ParamSpec(state, name, shape, keys[name])
+                setattr(param, DISTRIBUTED_INPUT, spec)
+                arrivals.watch(param, spec)
             for bname, buffer in sub._buffers.items():
                 if buffer is None:
                     continue

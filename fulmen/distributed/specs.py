@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fulmen.core.trace import Trace
+from fulmen.distributed import arrivals
 from fulmen.distributed.transform import DistributedProgram
 from fulmen.transforms.distribution import DISTRIBUTED_INPUT
 
@@ -64,6 +65,10 @@ class DistributedState:
     # Parameters read by forwards run outside no_sync whose backward has not run yet: what this round of synced
     # backwards will reduce. Gradients accumulated for any other are left out of it (`DistributedProgram.take_pending`).
     synced_forward: set[ParamSpec] = field(default_factory=set)
+    # What the programs' backwards delivered to each parameter in the backward pass `arrivals_task` (autograd's
+    # graph task id): the parameters' hooks refuse a gradient computed outside every program (distributed.arrivals).
+    arrivals: dict[ParamSpec, object] = field(default_factory=dict)
+    arrivals_task: int = -1
 
     @property
     def zero3(self) -> bool:
@@ -77,10 +82,15 @@ class ParamSpec:
     full_shape: torch.Size | None  # None: replicated
     bucket: str  # FSDP: the collective this parameter travels in
     param: weakref.ref[torch.Tensor] | None = None  # the parameter itself (replicated ones: its `.grad` under no_sync)
+    watched: bool = False  # its hook refuses gradients computed outside the programs (fulmen.distributed.arrivals)
 
     def program(self, trace: Trace, tensors: Sequence[torch.Tensor]) -> DistributedProgram:
         """The distribution of `trace`'s inputs `tensors` (fulmen.transforms.distribution's DistributedInput)."""
-        return DistributedProgram(trace.inputs, [spec_of(t) for t in tensors], trace.namespace)
+        specs = [spec_of(t) for t in tensors]
+        for tensor, spec in zip(tensors, specs):
+            if spec is not None:  # a parameter made to require grad after ddp / fsdp
+                arrivals.watch(tensor, spec)
+        return DistributedProgram(trace.inputs, specs, trace.namespace)
 
     @property
     def sharded(self) -> bool:

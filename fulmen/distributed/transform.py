@@ -33,6 +33,7 @@ import fulmen.torch as ft
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Namespace, Trace, TraceBuilder
+from fulmen.distributed import arrivals
 from fulmen.distributed import prims as collectives
 from fulmen.transforms.distribution import GradSync
 
@@ -140,11 +141,20 @@ class DistributedProgram:
             if not spec.sharded:
                 if grad is not None:  # (not a parameter this program leaves out, whose .grad may be older)
                     spec.state.accumulated.add(spec)
+                grads[i] = arrivals.deliver(spec, grad, synced=False)
                 continue
             if grad is not None:
                 held = spec.state.pending.get(spec)
                 spec.state.pending[spec] = grad if held is None else held + grad
             grads[i] = None
+        return tuple(grads)
+
+    def deliver(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """A synced backward's grads as autograd is to take them: the parameters' hooks refuse any other gradient
+        (fulmen.distributed.arrivals)."""
+        grads = list(grads)
+        for i in self.grad_owners:
+            grads[i] = arrivals.deliver(self.specs[i], grads[i], synced=True)
         return tuple(grads)
 
     def take_pending(self) -> list[torch.Tensor] | None:

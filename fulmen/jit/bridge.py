@@ -131,8 +131,8 @@ class GradProgram:
             return self.distributed.hold_back(self.backward_fn(present, GradSync.LOCAL)(saved, cotangents))
         pending = self.distributed.take_pending()
         if pending is None:
-            return self.backward_fn(present)(saved, cotangents)
-        return self.backward_fn(present, GradSync.PENDING)(saved, cotangents, pending)
+            return self.distributed.deliver(self.backward_fn(present)(saved, cotangents))
+        return self.distributed.deliver(self.backward_fn(present, GradSync.PENDING)(saved, cotangents, pending))
 
 
 def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

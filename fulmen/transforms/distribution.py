@@ -43,6 +43,9 @@ class DistributionTransform(Protocol):
     def backward(self, trace: Trace, mode: GradSync) -> Trace:
         """The backward trace for `mode`; PENDING takes the held-back gradients as a last input group."""
 
+    def deliver(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """A synced (or pending) backward's grads as autograd is to take them."""
+
     def hold_back(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """A LOCAL backward's grads with the distributed inputs' gradients kept for the next synced backward."""
 

@@ -31,6 +31,10 @@ class ToyProgram:
         self.calls.append(("backward", mode))
         return trace
 
+    def deliver(self, grads):
+        self.calls.append(("deliver",))
+        return grads
+
     def hold_back(self, grads):
         self.calls.append(("hold_back",))
         grads = list(grads)
@@ -66,7 +70,7 @@ def test_jit_runs_the_distribution_passes_and_lets_it_hold_back_no_sync_gradient
     assert program is not None
     want = x * w.detach().cos()
     torch.testing.assert_close(w.grad, want)
-    assert program.calls == [("forward", 1), ("backward", GradSync.SYNC), ("take_pending",)]
+    assert program.calls == [("forward", 1), ("backward", GradSync.SYNC), ("take_pending",), ("deliver",)]
 
     w.grad = None
     program.calls.clear()
