@@ -17,6 +17,9 @@ from fulmen.core.symbol import Symbol, Tag
 from fulmen.core.trace import TraceBuilder
 
 GROUPS: dict[str, dist.ProcessGroup] = {}
+# Group name -> the group `check_plan` communicates on: one whose tensors live on the host (gloo), so that reading
+# the answer does not wait for the device to finish the work queued before it (`prepare_checks`).
+_CHECKERS: dict[str, Any] = {}
 
 # torch 2.13 renamed the single-tensor collectives; earlier versions have only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -68,18 +71,50 @@ def _wait_impl(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def prepare_checks(name: str) -> None:
+    """Sets up where the plan checks of group `name` run; on every rank of the group, at the same point (ddp / fsdp:
+    a gloo group connects its ranks when it is made)."""
+    if name in _CHECKERS:
+        return
+    group = _group(name)
+    if dist.get_backend(group) == "gloo":
+        _CHECKERS[name] = group
+    elif dist.is_gloo_available():  # (else the checks run on the group's device, reading back as they wait)
+        _CHECKERS[name] = host_group(group)
+
+
+def host_group(group: dist.ProcessGroup) -> Any:
+    """A gloo group of `group`'s ranks (a backend, not registered with torch.distributed: only these ranks make it,
+    and nothing else can pair a collective with its own)."""
+    store = dist.PrefixStore(f"fulmen/check_plan/{group.group_name}", dist.distributed_c10d._get_default_store())
+    return dist.ProcessGroupGloo(store, group.rank(), group.size(), dist.default_pg_timeout)
+
+
+def _max(tensor: torch.Tensor, group: str) -> torch.Tensor:
+    checker = _CHECKERS.get(group)
+    if checker is None:  # no gloo in this build
+        process_group = _group(group)
+        if dist.get_backend(process_group) == "nccl":
+            tensor = tensor.cuda()
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=process_group)
+        return tensor
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    checker.allreduce([tensor], options).wait()
+    return tensor
+
+
 def _check_plan_impl(group: str, what: str, digest: int, plan: tuple[str, ...]) -> None:
     """Raises on every rank unless all ranks of `group` are about to run the same collectives (`digest`).
 
     A program whose path depends on rank-local data (a branch on the batch) would otherwise pair one rank's
-    collective with another's of a different parameter: equal shapes sum or gather unrelated tensors silently."""
-    process_group = _group(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl" else None
-    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=process_group)
-    high, low = extremes.tolist()
+    collective with another's of a different parameter: equal shapes sum or gather unrelated tensors silently. The
+    digests meet on the host (`prepare_checks`): a device all_reduce read back on the host would wait, on every call,
+    for all the work queued before it, and the host could no longer run ahead of the device."""
+    high, low = _max(torch.tensor([digest, -digest], dtype=torch.int64), group).tolist()
     if high == digest and low == -digest:
         return
+    process_group = _group(group)
     plans: list = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(plans, plan, group=process_group)
     raise RuntimeError(f"the ranks ran different programs, so their {what} collectives do not match: "

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fulmen.distributed import arrivals
-from fulmen.distributed.prims import group_name
+from fulmen.distributed.prims import group_name, prepare_checks
 from fulmen.distributed.specs import (
     DistributedState,
     FSDPBucketingStrategy,
@@ -48,8 +48,9 @@ def _state(kind: str, process_group: dist.ProcessGroup | None, **options) -> Dis
         raise RuntimeError(f"fulmen.distributed.{kind} needs an initialized process group "
                            "(torch.distributed.init_process_group) or a process_group argument")
     group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-    return DistributedState(kind, group, group_name(group), dist.get_world_size(group), dist.get_rank(group),
-                            **options)
+    name = group_name(group)
+    prepare_checks(name)
+    return DistributedState(kind, group, name, dist.get_world_size(group), dist.get_rank(group), **options)
 
 
 def _check_broadcast_from(broadcast_from: int | None, state: DistributedState) -> None:

@@ -7,6 +7,7 @@ import torch
 
 import fulmen
 import fulmen.distributed as fd
+from fulmen.distributed import prims as dist_prims
 from tests.distributed import workers
 from tests.distributed.launch import run_ranks, values
 
@@ -89,9 +90,12 @@ class _Branchy(torch.nn.Module):
         return self.c(torch.tanh(self.b(x) if use_b else self.a(x))).sum()
 
 
-def _diverging_branches(rank: int, world: int, mode: str) -> dict[str, object]:
+def _diverging_branches(rank: int, world: int, mode: str, host_group: bool = False) -> dict[str, object]:
     torch.manual_seed(0)
     model = fd.ddp(_Branchy()) if mode == "ddp" else fd.fsdp(_Branchy(), sharding_strategy=mode)
+    if host_group:  # the gloo group of its own that a group of another backend (NCCL) checks on
+        state = fd.distributed_state(model)
+        dist_prims._CHECKERS[state.group_name] = dist_prims.host_group(state.group)
     jitted = fulmen.jit(model)
     x = torch.randn(3, 5)
     jitted(x, False).backward()  # the same branch everywhere: runs
@@ -102,9 +106,10 @@ def _diverging_branches(rank: int, world: int, mode: str) -> dict[str, object]:
     return {"error": None}
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero2", "zero3"])
-def test_ranks_running_different_programs_are_refused(mode):
-    results = values(run_ranks(_diverging_branches, 2, mode))
+@pytest.mark.parametrize("mode, host_group", [("ddp", False), ("zero2", False), ("zero3", False), ("ddp", True),
+                                              ("zero3", True)])
+def test_ranks_running_different_programs_are_refused(mode, host_group):
+    results = values(run_ranks(_diverging_branches, 2, mode, host_group))
     if mode == "ddp":  # the forward has no collective: the backward's gradient reduction is refused
         expected = ("the ranks ran different programs, so their backward collectives do not match: collective 0: "
                     "rank 0 all_reduce c.weight,c.bias,a.weight,a.bias, rank 1 all_reduce c.weight,c.bias,b.weight,"
