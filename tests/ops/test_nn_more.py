@@ -189,21 +189,22 @@ def _grads(module: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor |
     return [t.grad for t in inputs if t.is_floating_point()] + [p.grad for p in module.parameters()]
 
 
-def _check_against_eager(make: Callable[[], nn.Module], inputs: tuple[torch.Tensor, ...]) -> None:
+def _check_against_eager(make: Callable[[], nn.Module], inputs: tuple[torch.Tensor, ...], device: str = "cpu"
+                         ) -> None:
     torch.manual_seed(0)
-    eager = make().double()
+    eager = make().double().to(device)
     ours = copy.deepcopy(eager)
     jitted = fulmen.jit(ours)
     for call in range(2):
-        want_in, got_in = [_leaf(t) for t in inputs], [_leaf(t) for t in inputs]
+        want_in, got_in = [_leaf(t.to(device)) for t in inputs], [_leaf(t.to(device)) for t in inputs]
         torch.manual_seed(call)
         want = eager(*want_in)
-        want_next = torch.rand(())
+        want_next = torch.rand((), device=device)
         torch.manual_seed(call)
         got = jitted(*got_in)
-        assert torch.rand(()) == want_next  # the program drew as much as in eager
+        assert torch.rand((), device=device) == want_next  # the program drew as much as in eager
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        cotangent = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(call))
+        cotangent = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(call)).to(device)
         (want * cotangent).sum().backward()
         (got * cotangent).sum().backward()
         for g, w in zip(_grads(ours, got_in), _grads(eager, want_in), strict=True):
@@ -216,6 +217,20 @@ def _check_against_eager(make: Callable[[], nn.Module], inputs: tuple[torch.Tens
 @pytest.mark.parametrize("name", CASES)
 def test_an_op_gives_eagers_outputs_and_grads(name):
     _check_against_eager(*CASES[name])
+
+
+DRAWING = ["FractionalMaxPool2d output_size", "FractionalMaxPool3d", "uniform_", "normal_", "bernoulli_ float p",
+           "bernoulli_ tensor p", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
+           "fill of a new tensor", "gumbel_softmax", "gumbel_softmax hard", "Normal rsample", "Normal sample",
+           "Categorical sample", "Laplace rsample", "Exponential rsample", "Cauchy rsample", "Normal log_prob",
+           "Categorical logits"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (its generator and kernels)")
+@pytest.mark.parametrize("name", DRAWING)
+def test_an_op_on_cuda_draws_and_validates_as_eager(name):
+    _check_against_eager(*CASES[name], device="cuda")
 
 
 def test_fractional_max_pooling_draws_eagers_regions_under_the_same_seed():
