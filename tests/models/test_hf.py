@@ -23,7 +23,8 @@ from tests.models.hf_configs import Family, batch, build, families, why_not_buil
 FAMILIES = families()
 _BY_NAME = {family.name: family for family in FAMILIES}
 
-# Families fulmen.jit refuses, with the reason its error gives. Each must raise a fulmen error (strict xfail).
+# Families fulmen.jit refuses, with the reason its error gives (an xfail). A family that some other transformers
+# release builds differently, so that it is not refused, is checked against eager as the others are.
 JIT_REFUSED = {
     "afmoe": "routing reads tensor values (torch.unique_consecutive)",
     "aria_text": "experts slice tokens with tensor bounds (data-dependent shapes)",
@@ -132,10 +133,12 @@ def test_trains_through_jit(family):
     model = _model(family)
     module_form = fulmen.jit(model)
     if family.name in JIT_REFUSED:
-        with pytest.raises(fulmen.FulmenError):
+        try:
             module_form(**batch(padded=True))
-        RESULTS["jit refused"] += 1
-        pytest.xfail(JIT_REFUSED[family.name])
+        except fulmen.FulmenError:
+            RESULTS["jit refused"] += 1
+            pytest.xfail(JIT_REFUSED[family.name])
+        # (another transformers release may no longer do what was refused: then it must train as eager)
     for padded in (False, True):
         inputs = batch(padded)
         expected = _step(model, lambda i: model(**i), inputs)
