@@ -8,9 +8,16 @@ dispatcher: every operation on it is intercepted by the acquisition mode first.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from fulmen.core.dtypes import short_name
+from fulmen.core.errors import UnsupportedOpError
+from fulmen.core.source import frame_location
+
+_FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class ProxyDispatchError(RuntimeError):
@@ -84,6 +91,11 @@ class TensorProxy(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        caller = sys._getframe(1)
+        if not caller.f_code.co_filename.startswith(_FULMEN_DIR):
+            # The program called a tensor method that torch runs without a torch-function call (Tensor.set_)
+            raise UnsupportedOpError(f"fulmen does not support {func}: torch runs it without a call fulmen can trace",
+                                     frame_location(caller))
         raise ProxyDispatchError(
             f"internal error: {func} reached the dispatcher with a fulmen proxy; "
             "proxies are only valid inside fulmen's acquisition"

@@ -65,6 +65,18 @@ def test_unsupported_op_names_op_and_line():
     assert "torch.fft.fft" in message and "return torch.fft.fft(x)" in message and __file__ in message
 
 
+def _sets_storage(x, z):
+    y = x * 1
+    y.set_(z)  # the user's line
+    return y + 1
+
+
+def test_a_method_torch_runs_without_a_torch_function_call_is_refused_naming_it_and_the_line():
+    # Tensor.set_ reaches the dispatcher directly: it was reported as an internal error of fulmen's
+    with pytest.raises(fulmen.UnsupportedOpError, match=r"(?s)aten\.set_.*test_errors\.py.*# the user's line"):
+        fulmen.jit(_sets_storage)(torch.randn(2, 3), torch.randn(4))
+
+
 def test_examine_lists_ops_and_support():
     report = fulmen.examine(calls_unsupported, torch.randn(4))
     assert report.unsupported == ["torch.fft.fft"]
