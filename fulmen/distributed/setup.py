@@ -167,6 +167,10 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
     to `device` shard by shard; parameters on the meta device are materialised module by module with
     `reset_parameters()` and sharded at once, so no rank ever holds the whole model. `broadcast_from` broadcasts
     each full parameter from that rank before sharding it (None: every rank already has the same values).
+
+    Outside the jitted program each parameter and its `.grad` hold this rank's shard, so a computation over the
+    whole model made there needs every rank's part: clip with `fulmen.distributed.clip_grad_norm_` (or
+    `fabric.clip_gradients`), not `torch.nn.utils.clip_grad_norm_`, which would scale each rank by its own shard's norm.
     """
     module = _unwrap(model, "fsdp")
     sharding = parse_enum(sharding_strategy, FSDPType, "sharding_strategy")
