@@ -62,7 +62,8 @@ def _legacy_new_sizes(x: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict[st
     if not all(type(size) is int for size in sizes) or set(kwargs) - {"device"}:
         raise UnsupportedOpError("fulmen supports Tensor.new(*sizes) only (a new uninitialised tensor); for data use "
                                  "x.new_tensor(data)", user_location())
-    return (x, tuple(sizes)), kwargs
+    # `x.new()` is an empty 1-D tensor, where `x.new(torch.Size([]))` is 0-D
+    return (x, tuple(sizes) if args else (0,)), kwargs
 
 
 bind(method("new"), TorchBinding(lookup(method("new_empty")).symbol, normalize=_legacy_new_sizes))

@@ -307,3 +307,11 @@ def test_a_call_fulmen_cannot_trace_exactly_is_refused_naming_the_line(fn, input
     fn(*[t.clone() for t in inputs])  # eager runs it
     with pytest.raises(UnsupportedOpError, match=rf"(?s){message}.*test_nn_more\.py"):
         fulmen.jit(fn)(*inputs)
+
+
+@pytest.mark.parametrize("sizes", [(), (torch.Size([]),), (torch.Size([2, 3]),), (2, 3), (0,)],
+                         ids=["no sizes", "0-D Size", "Size", "ints", "zero"])
+def test_tensor_new_gives_eagers_shape(sizes):
+    fn = lambda x: x.new(*sizes).zero_() + x.sum()  # noqa: E731
+    x = torch.randn(5, 7)
+    torch.testing.assert_close(fulmen.jit(fn)(x), fn(x), rtol=0, atol=0)
