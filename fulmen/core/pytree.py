@@ -308,6 +308,45 @@ def flatten(obj: Any, leaves: list[torch.Tensor], kept: dict[int, Any] | None = 
     return _const(obj, kept)
 
 
+def spec_difference(old: Any, new: Any, path: str = "") -> tuple[str, str, str] | None:
+    """Where two specs first differ: (the path from the root, `[0]['key']`, the item there in `old`, in `new`)."""
+    if old == new:
+        return None
+    if (_is_container_spec(old) and _is_container_spec(new) and old[:2] == new[:2]
+            and len(old[2]) == len(new[2])):
+        keys = old[1] if old[0] is dict else range(len(old[2]))
+        for key, was, now in zip(keys, old[2], new[2], strict=True):
+            found = spec_difference(was, now, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+    return path, _describe_spec(old), _describe_spec(new)
+
+
+def _is_container_spec(spec: Any) -> bool:
+    return type(spec) is tuple and len(spec) == 3 and isinstance(spec[0], type)
+
+
+def _describe_spec(spec: Any) -> str:
+    if spec == TENSOR:
+        return "a tensor"
+    if _is_container_spec(spec) and spec[0] is dict:
+        return f"a dict with keys {list(spec[1])}"
+    if _is_container_spec(spec):
+        return f"a {spec[0].__qualname__} of {len(spec[2])} items"
+    kind = spec[0] if type(spec) is tuple and spec else None
+    if kind == "v":
+        return repr(spec[2])[:80]
+    if kind == "f":
+        return repr(float.fromhex(spec[1]))
+    if kind == "c":
+        return repr(complex(float.fromhex(spec[1]), float.fromhex(spec[2])))
+    if kind == "id":
+        return f"a {spec[2]} (by identity)"
+    if kind == OBJECT:
+        return f"an object holding tensors in {', '.join(spec[2])}"
+    return f"{spec} tensors"  # the spec of a call with tensor arguments only (their count)
+
+
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, torch.nn.Module,
            str, bytes, int, float, bool, complex, torch.dtype, torch.device)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core import pytree
 from fulmen.jit.values import compile_statements, immutable
 
 
@@ -72,8 +73,24 @@ def key_difference(old: tuple | None, new: tuple | None, names: Sequence[str]) -
                         which = names[i] if part == 1 and i < len(names) else f"#{i}"
                         kind = "tensor argument" if part == 1 else "module tensor"
                         return f"{kind} {which}: {name} {_short(b)}, traced with {_short(a)}"
+        if part == 0:
+            return _arguments_difference(was, now)
         return f"{KEY_PARTS[part]} changed"
     return "the key matched"
+
+
+def _arguments_difference(old: Any, new: Any) -> str:
+    """Which Python value or structure of the arguments changed, from the specs of `(args, kwargs)`."""
+    path, was, now = pytree.spec_difference(old, new)
+    if not path:
+        return f"the arguments: {now}, traced with {was}"
+    # "[0][2]..." is positional argument 2, "[1]['name']..." the keyword argument `name`
+    keyword, inner = path.startswith("[1]"), path[3:]
+    if not inner:
+        return f"the {'keyword' if keyword else 'positional'} arguments: {now}, traced with {was}"
+    where, _, rest = inner[1:].partition("]")
+    argument = f"argument {where.strip(chr(39))}" if keyword else f"positional argument {where}"
+    return f"{argument}{rest}: {now}, traced with {was}"
 
 
 def _short(value: Any) -> str:

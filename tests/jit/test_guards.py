@@ -636,3 +636,23 @@ def test_python_attributes_of_a_tensor_argument_are_read_and_guarded():
     clashing.meta = "mine"  # a name fulmen's stand-in for the tensor uses itself
     with pytest.raises(fulmen.TraceError, match=r"Python attributes \['meta'\]"):
         fulmen.jit(f)(clashing)
+
+
+def test_a_miss_on_a_python_value_of_the_arguments_names_where_it_changed():
+    # LitGPT's generate passes input_pos_maxp1 as an int growing by one per token: each token traces anew (eager
+    # from the cache limit on), and the reason says which argument did it
+    def f(x, n, scale=1.0, opts=None):
+        return x * n * scale
+
+    fn = fulmen.jit(f)
+    x = torch.randn(3)
+    reasons = []
+    for args, kwargs in [((x, 2), {}), ((x, 3), {}), ((x, 2), {"scale": 0.5}), ((x, 2, 1.0, {"a": [1, 2]}), {}),
+                         ((x, 2, 1.0, {"a": [1, 3]}), {}), ((x, 2, 1.0, {"a": [1, 3, 4]}), {})]:
+        torch.testing.assert_close(fn(*args, **kwargs), f(*args, **kwargs), rtol=0, atol=0)
+        reasons.append(fulmen.last_cache_miss_reasons(fn))
+    assert reasons[1] == ["trace 0: positional argument 1: 3, traced with 2"]
+    assert reasons[2][0] == ("trace 0: the keyword arguments: a dict with keys ['scale'], traced with a dict with "
+                             "keys []")
+    assert reasons[4][-1] == "trace 3: positional argument 3['a'][1]: 3, traced with 2"
+    assert reasons[5][-1] == "trace 4: positional argument 3['a']: a list of 3 items, traced with a list of 2 items"
