@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from fulmen.core.errors import TraceError
@@ -59,6 +60,12 @@ class ExamineReport:
         return "\n".join(lines)
 
 
+def _torch_name(func: Callable[..., Any]) -> str | None:
+    """`torch.<name>` for a function of torch's namespace that torch.overrides does not name (`torch._is_all_true`)."""
+    name = getattr(func, "__name__", None)
+    return f"torch.{name}" if name is not None and getattr(torch, name, None) is func else None
+
+
 def _supported(func: Callable[..., Any]) -> bool:
     if func in DATA_DEPENDENT:
         return False
@@ -80,7 +87,7 @@ def examine(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExamineReport:
         fn(*args, **kwargs)
     report = ExamineReport()
     for func, count in recorder.calls.items():
-        name = resolve_name(func) or repr(func)
+        name = resolve_name(func) or _torch_name(func) or repr(func)
         report.ops[name] = (count, _supported(func))
     jitted = jit(fn)
     try:

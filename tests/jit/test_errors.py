@@ -90,6 +90,12 @@ def test_examine_lists_ops_and_support():
     assert report.ops["torch.nn.functional.gelu"] == (1, True)
     assert "2 ops, 0 unsupported" in str(report)
 
+    def validates(m, s, v):
+        return torch.distributions.Normal(m, s).log_prob(v)  # checks its arguments with torch._is_all_true
+
+    report = fulmen.examine(validates, torch.randn(4), torch.rand(4) + 0.5, torch.randn(4))
+    assert report.ops["torch._is_all_true"] == (3, True) and report.error is None
+
 
 class _KeepsHistory(torch.nn.Module):
     def __init__(self):
