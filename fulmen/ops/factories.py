@@ -10,7 +10,7 @@ import torch
 
 from fulmen.core.errors import UnsupportedOpError
 from fulmen.core.source import user_location
-from fulmen.core.symbol import Symbol, Tag, iter_proxies, map_proxies
+from fulmen.core.symbol import Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
@@ -107,36 +107,36 @@ torch_symbol(torch.nn.functional.dropout, tags=Tag.RANDOM)
 torch_symbol(torch.dropout, tags=Tag.RANDOM)
 
 
-def _fill_meta(fill: Callable[..., Any], method_name: str) -> Callable[..., Any]:
-    draw = _draw_meta(fill, differentiable=True)  # derivatives.yaml gives the filled tensor (and a tensor p) zeros
+# derivatives.yaml gives the filled tensor (and a tensor p) zeros
+_draw_fill_meta = _draw_meta(impls.random_fill, differentiable=True)
 
-    def meta(builder: TraceBuilder, x: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("generator") is not None:
-            raise UnsupportedOpError(
-                f"Tensor.{method_name}(generator=...): fulmen draws from the default generator only; seed it with "
-                "torch.manual_seed instead, or draw outside the jitted function and pass the tensor in",
-                builder.source)
-        if not x.meta.is_contiguous():
-            # eager's kernels place their draws by the layout (CPU normal_ draws in batches of 16 into a contiguous
-            # float tensor, one by one into any other): the trace, which fills a fresh contiguous tensor, would differ
-            raise UnsupportedOpError(
-                f"fulmen cannot trace Tensor.{method_name} on a non-contiguous tensor: where eager's kernel puts its "
-                "draws depends on the layout; fill a contiguous tensor and copy it in (`x.copy_(torch.empty_like(x, "
-                f"memory_format=torch.contiguous_format).{method_name}(...))`)", builder.source)
-        return draw(builder, x, *args, **kwargs)
 
-    return meta
+def _fill_meta(builder: TraceBuilder, x: Any, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    if kwargs.get("generator") is not None:
+        raise UnsupportedOpError(
+            f"Tensor.{method_name}(generator=...): fulmen draws from the default generator only; seed it with "
+            "torch.manual_seed instead, or draw outside the jitted function and pass the tensor in", builder.source)
+    if not x.meta.is_contiguous():
+        # eager's kernels place their draws by the layout (CPU normal_ draws in batches of 16 into a contiguous
+        # float tensor, one by one into any other): the trace, which fills a fresh contiguous tensor, would differ
+        raise UnsupportedOpError(
+            f"fulmen cannot trace Tensor.{method_name} on a non-contiguous tensor: where eager's kernel puts its "
+            "draws depends on the layout; fill a contiguous tensor and copy it in (`x.copy_(torch.empty_like(x, "
+            f"memory_format=torch.contiguous_format).{method_name}(...))`)", builder.source)
+    return _draw_fill_meta(builder, x, method_name, *args, **kwargs)
 
 
 # `x.exponential_()` and the other in-place fills record the values `x` holds afterwards (drawn into a fresh tensor)
-# and rebind `x`, as other in-place updates do (acquire.py).
-_FILLS: dict[str, Callable[..., Any]] = {
-    "uniform_": impls.uniform_fill, "normal_": impls.normal_fill, "bernoulli_": impls.bernoulli_fill,
-    "exponential_": impls.exponential_fill, "geometric_": impls.geometric_fill, "cauchy_": impls.cauchy_fill,
-    "log_normal_": impls.log_normal_fill, "random_": impls.random_fill,
-}
-RANDOM_FILLS: dict[str, Symbol] = {  # by the name of the Tensor method
-    name: impl_symbol(fill, tags=Tag.RANDOM, meta=_fill_meta(fill, name)) for name, fill in _FILLS.items()
-}
-for _name, _sym in RANDOM_FILLS.items():
-    bind(method(_name), TorchBinding(_sym, inplace=True))
+# and rebind `x`, as other in-place updates do (acquire.py): one symbol, the method's name its second argument.
+RANDOM_FILL = impl_symbol(impls.random_fill, tags=Tag.RANDOM, meta=_fill_meta)
+
+
+def _fill_arguments(method_name: str) -> Callable[..., tuple[tuple, dict[str, Any]]]:
+    def normalize(x: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+        return (x, method_name, *args), kwargs
+
+    return normalize
+
+
+for _name in ("uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_"):
+    bind(method(_name), TorchBinding(RANDOM_FILL, inplace=True, normalize=_fill_arguments(_name)))

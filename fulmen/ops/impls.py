@@ -54,43 +54,11 @@ def fill(x: torch.Tensor, value: Any) -> torch.Tensor:
     return torch.full_like(x, value)
 
 
-def _fresh(x: torch.Tensor) -> torch.Tensor:
-    # contiguous, as the updated tensor is (factories.py refuses a fill of any other layout, whose draws eager's
-    # kernels would place otherwise)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-# The values `x` holds after an in-place random fill: the same draws from the default generator as eager's fill.
-def uniform_fill(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _fresh(x).uniform_(*args, **kwargs)
-
-
-def normal_fill(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _fresh(x).normal_(*args, **kwargs)
-
-
-def bernoulli_fill(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _fresh(x).bernoulli_(*args, **kwargs)
-
-
-def exponential_fill(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _fresh(x).exponential_(*args, **kwargs)
-
-
-def geometric_fill(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _fresh(x).geometric_(*args, **kwargs)
-
-
-def cauchy_fill(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _fresh(x).cauchy_(*args, **kwargs)
-
-
-def log_normal_fill(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _fresh(x).log_normal_(*args, **kwargs)
-
-
-def random_fill(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _fresh(x).random_(*args, **kwargs)
+def random_fill(x: torch.Tensor, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The values `x` holds after the in-place random fill `x.<method>(*args, **kwargs)`: the same draws from the
+    default generator as eager's fill. They are drawn into a fresh contiguous tensor, as the updated tensor is
+    (factories.py refuses a fill of any other layout, whose draws eager's kernels would place otherwise)."""
+    return getattr(torch.empty(x.shape, dtype=x.dtype, device=x.device), method)(*args, **kwargs)
 
 
 def check_all_true(valid: torch.Tensor, message: str) -> None:

@@ -14,7 +14,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import iter_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops import impls
-from fulmen.ops.factories import RANDOM_FILLS
+from fulmen.ops.factories import RANDOM_FILL
 from fulmen.ops.registry import impl_symbol
 from fulmen.transforms.autodiff import differentiated_call, get_grad, put_grad, register_grad, wants_grad
 
@@ -57,14 +57,8 @@ def bernoulli_grad(x, *args, **kwargs):
     return out
 
 
-def _fill_grad(fill):
-    def rule(x, *args, **kwargs):
-        out = fill(x, *args, **kwargs)
-        _zero_grads(out, (x, *args), kwargs)
-        return out
-
-    return rule
-
-
-for _fill in RANDOM_FILLS.values():
-    register_grad(_fill)(_fill_grad(_fill))
+@register_grad(RANDOM_FILL)
+def random_fill_grad(x, method_name, *args, **kwargs):
+    out = RANDOM_FILL(x, method_name, *args, **kwargs)
+    _zero_grads(out, (x, *args), kwargs)
+    return out
