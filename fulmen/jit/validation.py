@@ -31,6 +31,9 @@ def message(frame: FrameType | None) -> str | None:
     if frame is None or frame.f_code not in (_ARGUMENTS, _SAMPLE):
         return None
     local = frame.f_locals
+    needed = ("self", "value", "param", "constraint") if frame.f_code is _ARGUMENTS else ("self", "value", "support")
+    if not all(name in local for name in needed):
+        return None  # a torch release that words its checks otherwise: refused as any other read of the value
     shape, name = tuple(local["value"].shape), type(local["self"]).__name__
     if frame.f_code is _ARGUMENTS:
         return (f"Expected parameter {local['param']} (Tensor of shape {shape}) of distribution {name} to satisfy the "

@@ -285,7 +285,8 @@ for _name in ("huber_loss", "soft_margin_loss", "multi_margin_loss", "multilabel
     nn_op(_name)
 
 
-def _ctc_loss_like(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
+def _ctc_loss_like(log_probs: torch.Tensor, targets: Any, input_lengths: Any, target_lengths: Any, blank: int = 0,
+                   reduction: int = 1, zero_infinity: bool = False) -> torch.Tensor:
     """ctc_loss's output on meta tensors: torch has no meta kernel for lengths given as tensors (its CPU and CUDA
     kernels read their values), and the output's shape does not depend on them."""
     batched = log_probs.dim() == 3
@@ -296,8 +297,9 @@ def _ctc_loss_like(log_probs, targets, input_lengths, target_lengths, blank=0, r
 eager_op(torch.ctc_loss, like=_ctc_loss_like)
 
 
-def _embedding_bag_refusal(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
-                           mode="mean", sparse=False, *rest: Any, **kwargs: Any) -> str | None:
+def _embedding_bag_refusal(input: Any, weight: Any, offsets: Any = None, max_norm: float | None = None,
+                           norm_type: float = 2, scale_grad_by_freq: bool = False, mode: str = "mean",
+                           sparse: bool = False, *rest: Any, **kwargs: Any) -> str | None:
     if max_norm is not None:
         return ("fulmen cannot trace F.embedding_bag with max_norm: it renormalises the weight's rows in place, which "
                 "recomputing it for the backward would do again; renormalise outside the jitted function "
