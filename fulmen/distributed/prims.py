@@ -8,6 +8,8 @@ groups appear by name (`GROUPS`), so printed traces stay readable and re-runnabl
 
 from __future__ import annotations
 
+import datetime
+import weakref
 from typing import Any
 
 import torch
@@ -16,10 +18,9 @@ import torch.distributed as dist
 from fulmen.core.symbol import Symbol, Tag
 from fulmen.core.trace import TraceBuilder
 
-GROUPS: dict[str, dist.ProcessGroup] = {}
-# Group name -> the group `check_plan` communicates on: one whose tensors live on the host (gloo), so that reading
-# the answer does not wait for the device to finish the work queued before it (`prepare_checks`).
-_CHECKERS: dict[str, Any] = {}
+# Process groups by the names traces give them, and the gloo groups `check_plan` runs on (`make_checker`): a
+# `DistributedState` names its checker here and unregisters it when it dies.
+GROUPS: dict[str, Any] = {}
 
 # torch 2.13 renamed the single-tensor collectives; earlier versions have only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -31,12 +32,15 @@ def group_name(group: dist.ProcessGroup) -> str:
     for name, known in GROUPS.items():
         if known is group:
             return name
-    name = f"pg{len(GROUPS)}"
+    index = len(GROUPS)
+    while f"pg{index}" in GROUPS:  # (a released checker's name may be free below)
+        index += 1
+    name = f"pg{index}"
     GROUPS[name] = group
     return name
 
 
-def _group(name: str) -> dist.ProcessGroup:
+def _group(name: str) -> Any:
     group = GROUPS.get(name)
     if group is None:
         raise RuntimeError(f"process group {name!r} is not registered in this process (traces with collectives run "
@@ -71,47 +75,81 @@ def _wait_impl(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def prepare_checks(name: str) -> None:
-    """Sets up where the plan checks of group `name` run; on every rank of the group, at the same point (ddp / fsdp:
-    a gloo group connects its ranks when it is made)."""
-    if name in _CHECKERS:
-        return
-    group = _group(name)
-    if dist.get_backend(group) == "gloo":
-        _CHECKERS[name] = group
-    elif dist.is_gloo_available():  # (else the checks run on the group's device, reading back as they wait)
-        _CHECKERS[name] = host_group(group)
+def make_checker(owner: object, group: dist.ProcessGroup, host: bool | None = None) -> str | None:
+    """The name of the group `check_plan` runs `group`'s checks on, for as long as `owner` (a `DistributedState`)
+    lives: one whose tensors live on the host (gloo), so that reading the answer does not wait for the device to
+    finish the work queued before it. None where gloo is missing: the checks then run on `group` itself, read back as
+    they wait. Called on every rank of the group at the same point (a gloo group connects its ranks when made).
+
+    `host`: make a gloo group of `group`'s ranks (True) or use `group` itself (False); None: only when `group` is not
+    gloo already."""
+    if host is None:
+        host = dist.get_backend(group) != "gloo"
+    if not host:
+        return group_name(group)
+    if not dist.is_gloo_available():
+        return None
+    checker = _host_group(group)
+    name = group_name(checker)
+    # Not registered with torch.distributed, so destroy_process_group does not reach it: it lives as long as the state
+    # whose traces name it (a DistributedProgram holds its specs, so its traces cannot outlive the state).
+    weakref.finalize(owner, _release, name)
+    return name
 
 
-def host_group(group: dist.ProcessGroup) -> Any:
+def _release(name: str) -> None:
+    checker = GROUPS.pop(name, None)
+    if checker is not None:
+        checker.shutdown()
+
+
+def _host_group(group: dist.ProcessGroup) -> Any:
     """A gloo group of `group`'s ranks (a backend, not registered with torch.distributed: only these ranks make it,
-    and nothing else can pair a collective with its own)."""
-    store = dist.PrefixStore(f"fulmen/check_plan/{group.group_name}", dist.distributed_c10d._get_default_store())
-    return dist.ProcessGroupGloo(store, group.rank(), group.size(), dist.default_pg_timeout)
+    and nothing else can pair a collective with its own), with `group`'s timeout."""
+    store = dist.distributed_c10d._get_default_store()
+    # Each rank counts the checkers it made for `group` (every rank makes the same ones, in the same order), so each
+    # gets a rendezvous prefix of its own, the same on every rank.
+    made = store.add(f"fulmen/check_plan/{group.group_name}/made/{group.rank()}", 1)
+    prefixed = dist.PrefixStore(f"fulmen/check_plan/{group.group_name}/{made}", store)
+    return dist.ProcessGroupGloo(prefixed, group.rank(), group.size(), _timeout(group))
 
 
-def _max(tensor: torch.Tensor, group: str) -> torch.Tensor:
-    checker = _CHECKERS.get(group)
+def _timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """`group`'s own timeout (init_process_group's or new_group's `timeout`), else torch's default. torch has no
+    public way to read it: this reads its backend's private `options._timeout` and falls back if that moves."""
+    try:
+        device = group._device_types[0]
+        timeout = group._get_backend(torch.device(device)).options._timeout
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        return dist.default_pg_timeout
+    return timeout if isinstance(timeout, datetime.timedelta) else dist.default_pg_timeout
+
+
+def _max(tensor: torch.Tensor, group: str, checker: str | None) -> torch.Tensor:
     if checker is None:  # no gloo in this build
         process_group = _group(group)
         if dist.get_backend(process_group) == "nccl":
             tensor = tensor.cuda()
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=process_group)
         return tensor
+    on = _group(checker)
+    if isinstance(on, dist.ProcessGroup):  # the group itself (gloo)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=on)
+        return tensor
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
-    checker.allreduce([tensor], options).wait()
+    on.allreduce([tensor], options).wait()
     return tensor
 
 
-def _check_plan_impl(group: str, what: str, digest: int, plan: tuple[str, ...]) -> None:
+def _check_plan_impl(group: str, checker: str | None, what: str, digest: int, plan: tuple[str, ...]) -> None:
     """Raises on every rank unless all ranks of `group` are about to run the same collectives (`digest`).
 
     A program whose path depends on rank-local data (a branch on the batch) would otherwise pair one rank's
     collective with another's of a different parameter: equal shapes sum or gather unrelated tensors silently. The
-    digests meet on the host (`prepare_checks`): a device all_reduce read back on the host would wait, on every call,
-    for all the work queued before it, and the host could no longer run ahead of the device."""
-    high, low = _max(torch.tensor([digest, -digest], dtype=torch.int64), group).tolist()
+    digests meet on the host (on `checker`, `make_checker`): a device all_reduce read back on the host would wait, on
+    every call, for all the work queued before it, and the host could no longer run ahead of the device."""
+    high, low = _max(torch.tensor([digest, -digest], dtype=torch.int64), group, checker).tolist()
     if high == digest and low == -digest:
         return
     process_group = _group(group)
@@ -148,6 +186,6 @@ all_reduce = _symbol("all_reduce", _all_reduce_impl, lambda b, x, group: _like(b
 wait = _symbol("wait", _wait_impl, lambda b, x: _like(b, x, tuple(x.shape)))
 
 # Returns nothing: a check the transforms put before a trace's first collective.
-check_plan = _symbol("check_plan", _check_plan_impl, lambda b, group, what, digest, plan: None)
+check_plan = _symbol("check_plan", _check_plan_impl, lambda b, group, checker, what, digest, plan: None)
 
 COLLECTIVES = (all_gather, reduce_scatter, all_reduce)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fulmen.distributed import arrivals
-from fulmen.distributed.prims import group_name, prepare_checks
+from fulmen.distributed.prims import group_name, make_checker
 from fulmen.distributed.specs import (
     DistributedState,
     FSDPBucketingStrategy,
@@ -48,9 +48,10 @@ def _state(kind: str, process_group: dist.ProcessGroup | None, **options) -> Dis
         raise RuntimeError(f"fulmen.distributed.{kind} needs an initialized process group "
                            "(torch.distributed.init_process_group) or a process_group argument")
     group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-    name = group_name(group)
-    prepare_checks(name)
-    return DistributedState(kind, group, name, dist.get_world_size(group), dist.get_rank(group), **options)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    state = DistributedState(kind, group, group_name(group), world, rank, **options)
+    state.checker = make_checker(state, group)
+    return state
 
 
 def _check_broadcast_from(broadcast_from: int | None, state: DistributedState) -> None:

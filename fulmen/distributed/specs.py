@@ -51,6 +51,10 @@ class DistributedState:
     group_name: str
     world: int
     rank: int
+    # The group (by its name in prims.GROUPS) whose ranks check they run the same collectives (`dist.check_plan`):
+    # `group` itself under gloo, a gloo group of its ranks kept as long as this state under another backend, None where
+    # gloo is missing (prims.make_checker).
+    checker: str | None = None
     sharding: FSDPType | None = None
     bucketing: FSDPBucketingStrategy | None = None
     bucket_bytes: int = 0  # DDP: gradients per all_reduce

@@ -48,13 +48,15 @@ class _Collective:
     """What one collective carries, for checking that every rank runs the same ones (`dist.check_plan`)."""
 
     group: str
+    checker: str | None  # the group its plan check runs on (the state's)
     label: str  # what the error names: the kind and the parameters ("reduce_scatter a.weight,a.bias")
     key: str  # everything that must agree between ranks: the label, the shape and the dtype
 
 
 def _collective(kind: str, specs: Sequence[ParamSpec], value: TensorProxy) -> _Collective:
     label = f"{kind} {','.join(spec.name for spec in specs)}"
-    return _Collective(specs[0].state.group_name, label, f"{label} {tuple(value.shape)} {value.dtype}")
+    state = specs[0].state
+    return _Collective(state.group_name, state.checker, label, f"{label} {tuple(value.shape)} {value.dtype}")
 
 
 def _digest(keys: Sequence[str]) -> int:
@@ -227,7 +229,8 @@ class DistributedProgram:
         with TraceBuilder(self.namespace) as builder:
             for group in dict.fromkeys(c.group for c in ordered):
                 mine = [c for c in ordered if c.group == group]
-                collectives.check_plan(group, what, _digest([c.key for c in mine]), tuple(c.label for c in mine))
+                collectives.check_plan(group, mine[0].checker, what, _digest([c.key for c in mine]),
+                                       tuple(c.label for c in mine))
         return builder.bound_symbols + bsyms
 
     def _with_gathers(self, bsyms: list[BoundSymbol], outputs: Sequence, full: dict[str, TensorProxy],

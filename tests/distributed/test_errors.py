@@ -95,7 +95,7 @@ def _diverging_branches(rank: int, world: int, mode: str, host_group: bool = Fal
     model = fd.ddp(_Branchy()) if mode == "ddp" else fd.fsdp(_Branchy(), sharding_strategy=mode)
     if host_group:  # the gloo group of its own that a group of another backend (NCCL) checks on
         state = fd.distributed_state(model)
-        dist_prims._CHECKERS[state.group_name] = dist_prims.host_group(state.group)
+        state.checker = dist_prims.make_checker(state, state.group, host=True)
     jitted = fulmen.jit(model)
     x = torch.randn(3, 5)
     jitted(x, False).backward()  # the same branch everywhere: runs
