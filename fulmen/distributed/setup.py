@@ -40,6 +40,13 @@ def _unwrap(model: nn.Module, what: str) -> nn.Module:
         raise TypeError(f"fulmen.distributed.{what} expects an nn.Module, got {type(model).__name__}")
     if getattr(model, "_fulmen_dist", None) is not None:
         raise RuntimeError(f"this module is already distributed with fulmen.distributed.{model._fulmen_dist.kind}")
+    # A parameter shared with a module distributed earlier would get a second hook and spec: each backward would then
+    # be refused as computed outside the programs. Refused here, before anything is broadcast or sharded.
+    for name, param in model.named_parameters():
+        if (spec := spec_of(param)) is not None:
+            raise RuntimeError(f"fulmen.distributed.{what}: parameter {name!r} is already distributed with "
+                               f"fulmen.distributed.{spec.state.kind} (shared with another module, as {spec.name!r}); "
+                               f"apply {what} once, to a module that holds every module sharing it")
     return model
 
 

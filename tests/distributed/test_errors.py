@@ -8,6 +8,7 @@ import torch
 import fulmen
 import fulmen.distributed as fd
 from fulmen.distributed import prims as dist_prims
+from fulmen.distributed.specs import spec_of
 from tests.distributed import workers
 from tests.distributed.launch import run_ranks, values
 
@@ -54,6 +55,16 @@ def _misuse(rank: int, world: int) -> dict[str, str]:
     scalar = torch.nn.Module()
     scalar.w = torch.nn.Parameter(torch.tensor(1.0))
     record("scalar", lambda: fd.fsdp(scalar))
+    for kind in ("ddp", "fsdp"):  # a parameter shared with a module distributed earlier
+        first = torch.nn.Linear(4, 4)
+        fd.ddp(first)
+        second = torch.nn.Module()
+        second.own = torch.nn.Linear(4, 4)
+        second.tied = first.weight
+        before = second.own.weight.detach().clone()
+        record(f"shared_{kind}", lambda second=second, kind=kind: getattr(fd, kind)(second))
+        errors[f"shared_{kind} unchanged"] = (torch.equal(second.own.weight, before)
+                                              and spec_of(second.own.weight) is None)
     return errors
 
 
@@ -74,6 +85,12 @@ def test_bad_arguments_are_named():
     assert errors["after_run"].startswith("RuntimeError: fulmen.distributed.ddp must be applied before the jitted "
                                           "module first runs")
     assert errors["scalar"] == "ValueError: fsdp cannot shard the 0-dimensional parameter 'w'"
+    for kind in ("ddp", "fsdp"):
+        assert errors[f"shared_{kind}"] == (
+            f"RuntimeError: fulmen.distributed.{kind}: parameter 'tied' is already distributed with "
+            f"fulmen.distributed.ddp (shared with another module, as 'weight'); apply {kind} once, to a module that "
+            "holds every module sharing it")
+        assert errors[f"shared_{kind} unchanged"] is True
 
 
 class _Branchy(torch.nn.Module):
