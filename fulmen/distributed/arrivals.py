@@ -30,13 +30,19 @@ _NOTHING = object()
 
 
 def _pass_arrivals(spec: ParamSpec) -> dict[ParamSpec, object]:
-    """What the programs delivered in the current backward pass (older passes' records are dropped)."""
-    state = spec.state
+    """What the programs delivered in the current backward pass (autograd graph task), dropped when it ends.
+
+    Keyed by task, so that a pass nested in another (a reentrant checkpoint's backward, one in another thread) keeps
+    the outer pass's records; dropped at the pass's end, so that a delivered gradient whose hook did not fire
+    (torch.autograd.grad over some of the parameters) is not kept alive."""
+    passes = spec.state.arrivals
     task = torch._C._current_graph_task_id()
-    if state.arrivals_task != task:
-        state.arrivals.clear()
-        state.arrivals_task = task
-    return state.arrivals
+    arrivals = passes.get(task)
+    if arrivals is None:
+        arrivals = passes[task] = {}
+        if task != -1:  # (always inside a backward: deliveries come from programs' backwards, checks from hooks)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(passes.pop, task, None))
+    return arrivals
 
 
 def deliver(spec: ParamSpec, grad: torch.Tensor | None, synced: bool) -> torch.Tensor | None:

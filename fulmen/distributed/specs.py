@@ -69,10 +69,9 @@ class DistributedState:
     # Parameters read by forwards run outside no_sync whose backward has not run yet: what this round of synced
     # backwards will reduce. Gradients accumulated for any other are left out of it (`DistributedProgram.take_pending`).
     synced_forward: set[ParamSpec] = field(default_factory=set)
-    # What the programs' backwards delivered to each parameter in the backward pass `arrivals_task` (autograd's
-    # graph task id): the parameters' hooks refuse a gradient computed outside every program (distributed.arrivals).
-    arrivals: dict[ParamSpec, object] = field(default_factory=dict)
-    arrivals_task: int = -1
+    # What the programs' backwards delivered to each parameter, by backward pass (autograd's graph task id) while it
+    # runs: the parameters' hooks refuse a gradient computed outside every program (distributed.arrivals).
+    arrivals: dict[int, dict[ParamSpec, object]] = field(default_factory=dict)
 
     @property
     def zero3(self) -> bool:

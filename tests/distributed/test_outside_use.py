@@ -6,13 +6,16 @@ a parameter in one backward (two calls of the model, no_sync micro-batches) are 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import fulmen
 import fulmen.distributed as fd
-from fulmen.distributed import checkpoint
+from fulmen.distributed import arrivals, checkpoint
 from tests.distributed.launch import run_ranks, values
 
 
@@ -126,3 +129,51 @@ def test_programs_sharing_a_parameter_in_one_backward_are_not_refused(mode):
         if mode == "ddp":
             for name, want in result["torch no_sync"].items():
                 torch.testing.assert_close(result["no_sync"][name], want, msg=name)
+
+
+def _grad_of_some(rank: int, world: int) -> dict[str, bool]:
+    """torch.autograd.grad over one parameter: the program still delivers every gradient, and the hooks of those not
+    asked for do not fire; what was delivered must not outlive the pass."""
+    net = fd.ddp(_Net())
+    jitted = fulmen.jit(net)
+    delivered: list[weakref.ref] = []
+    deliver = arrivals.deliver
+
+    def recording(spec, grad, synced):
+        if grad is not None:
+            delivered.append(weakref.ref(grad))
+        return deliver(spec, grad, synced)
+
+    arrivals.deliver = recording
+    try:
+        (grad,) = torch.autograd.grad(jitted(_batch(rank)).sum(), [net.a.weight])
+    finally:
+        arrivals.deliver = deliver
+    gc.collect()
+    return {"delivered": len(delivered) > 1, "released": all(ref() is None or ref() is grad for ref in delivered)}
+
+
+def test_gradients_delivered_in_a_pass_are_released_at_its_end():
+    for result in values(run_ranks(_grad_of_some, 2)):
+        assert result == {"delivered": True, "released": True}
+
+
+def _nested_pass(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Three calls of the model in one backward, the middle one under a reentrant checkpoint: its backward is a
+    pass of its own, run between the outer calls' (autograd runs the latest node first)."""
+    net = fd.ddp(_Net())
+    jitted = fulmen.jit(net)
+    later = jitted(_batch(rank, 0)).sum()
+    middle = torch.utils.checkpoint.checkpoint(jitted, _batch(rank, 1).requires_grad_(), use_reentrant=True).sum()
+    first = jitted(_batch(rank, 2)).sum()
+    (first + middle + later).backward()
+    return _full_grads(net)
+
+
+def test_a_nested_backward_pass_keeps_the_outer_passs_deliveries():
+    single = _Net()
+    for rank in range(2):
+        (sum(single(_batch(rank, micro)).sum() for micro in range(3)) / 2).backward()
+    for grads in values(run_ranks(_nested_pass, 2)):
+        for name, p in single.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
