@@ -66,6 +66,9 @@ def deliver(spec: ParamSpec, grad: torch.Tensor | None, synced: bool) -> torch.T
 def watch(param: torch.Tensor, spec: ParamSpec) -> None:
     """Puts the check on `param` (once; a parameter that does not require grad gets none)."""
     if not spec.watched and param.requires_grad:
+        # Hooks run in registration order: one of the user's registered earlier may hand ours a tensor of its own.
+        # (`_backward_hooks` is torch's private record of them; only the error message reads this.)
+        spec.hooked_before = bool(getattr(param, "_backward_hooks", None))
         param.register_hook(functools.partial(_check, spec))
         spec.watched = True
 
@@ -77,7 +80,18 @@ def _check(spec: ParamSpec, grad: torch.Tensor | None) -> None:
     delivered = arrivals.pop(spec, _NOTHING)
     if delivered is grad or (delivered is _LOCAL and not spec.sharded):
         return
+    if delivered is not _NOTHING and spec.hooked_before:
+        raise RuntimeError(_replaced_message(spec))
     raise RuntimeError(_outside_message(spec, delivered is not _NOTHING))
+
+
+def _replaced_message(spec: ParamSpec) -> str:
+    return (f"the gradient of {spec.name} (distributed by fulmen.distributed.{spec.state.kind}) is not the one the "
+            "jitted program delivered: a hook registered on the parameter before "
+            f"fulmen.distributed.{spec.state.kind} returned a new gradient (or a part was computed outside the "
+            "program). The program delivers a gradient already reduced across ranks, so the hook would change the "
+            "reduced gradient, where torch's DDP runs it on each rank's local gradient before reducing. Apply it "
+            "inside the jitted function, or to `.grad` after the backward")
 
 
 def _outside_message(spec: ParamSpec, also_inside: bool) -> str:

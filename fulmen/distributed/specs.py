@@ -86,6 +86,7 @@ class ParamSpec:
     bucket: str  # FSDP: the collective this parameter travels in
     param: weakref.ref[torch.Tensor] | None = None  # the parameter itself (replicated ones: its `.grad` under no_sync)
     watched: bool = False  # its hook refuses gradients computed outside the programs (fulmen.distributed.arrivals)
+    hooked_before: bool = False  # the parameter had hooks of its own before that one (named when it refuses)
 
     def program(self, trace: Trace, tensors: Sequence[torch.Tensor]) -> DistributedProgram:
         """The distribution of `trace`'s inputs `tensors` (fulmen.transforms.distribution's DistributedInput)."""

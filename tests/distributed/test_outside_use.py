@@ -177,3 +177,24 @@ def test_a_nested_backward_pass_keeps_the_outer_passs_deliveries():
     for grads in values(run_ranks(_nested_pass, 2)):
         for name, p in single.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def _clamping_hook(rank: int, world: int, mode: str) -> str | None:
+    net = _Net()
+    net.head.weight.register_hook(lambda g: g.clamp(-0.1, 0.1))
+    jitted = fulmen.jit(_distribute(net, mode))
+    try:
+        jitted(_batch(rank)).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_a_hook_replacing_the_delivered_gradient_is_named(mode):
+    kind = "ddp" if mode == "ddp" else "fsdp"
+    for message in values(run_ranks(_clamping_hook, 2, mode)):
+        assert message is not None and message.startswith(
+            f"the gradient of head.weight (distributed by fulmen.distributed.{kind}) is not the one the jitted program "
+            f"delivered: a hook registered on the parameter before fulmen.distributed.{kind} returned a new gradient"
+        ), message
