@@ -8,16 +8,13 @@ dispatcher: every operation on it is intercepted by the acquisition mode first.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
 from fulmen.core.dtypes import short_name
 from fulmen.core.errors import UnsupportedOpError
-from fulmen.core.source import frame_location
-
-_FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+from fulmen.core.source import frame_location, is_fulmens
 
 
 class ProxyDispatchError(RuntimeError):
@@ -92,7 +89,7 @@ class TensorProxy(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         caller = sys._getframe(1)
-        if not caller.f_code.co_filename.startswith(_FULMEN_DIR):
+        if not is_fulmens(caller):
             # The program called a tensor method that torch runs without a torch-function call (Tensor.set_)
             raise UnsupportedOpError(f"fulmen does not support {func}: torch runs it without a call fulmen can trace",
                                      frame_location(caller))

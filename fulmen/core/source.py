@@ -10,9 +10,10 @@ from types import FrameType, TracebackType
 
 import torch
 
+_FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # Frames inside these folders are library frames, never "the user's line".
 _LIBRARY_DIRS: tuple[str, ...] = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # fulmen/
+    _FULMEN_DIR,
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,  # torch/
     os.path.dirname(os.path.abspath(__import__("contextlib").__file__)) + os.sep + "contextlib.py",
 )
@@ -37,6 +38,11 @@ class SourceLocation:
 
 def _is_library(filename: str) -> bool:
     return filename.startswith(_LIBRARY_DIRS)
+
+
+def is_fulmens(frame: FrameType) -> bool:
+    """Whether `frame` runs fulmen's own code."""
+    return frame.f_code.co_filename.startswith(_FULMEN_DIR)
 
 
 def user_location(skip: int = 1) -> SourceLocation | None:
@@ -66,7 +72,7 @@ def library_location(skip: int = 1) -> SourceLocation | None:
     frame: FrameType | None = sys._getframe(skip)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((_LIBRARY_DIRS[0], *_DISPATCH_FILES)):
+        if not filename.startswith((_FULMEN_DIR, *_DISPATCH_FILES)):
             if not _is_library(filename):
                 return None
             return SourceLocation(filename, frame.f_lineno, frame.f_code.co_name)

@@ -79,9 +79,7 @@ def _check_same_model(module: nn.Module, state: DistributedState) -> None:
     everyone: list = [None] * state.world
     dist.all_gather_object(everyone, mine, group=state.group)
     for rank, theirs in enumerate(everyone[1:], start=1):
-        for index in range(max(len(everyone[0]), len(theirs))):
-            first = everyone[0][index] if index < len(everyone[0]) else None
-            other = theirs[index] if index < len(theirs) else None
+        for first, other in itertools.zip_longest(everyone[0], theirs):
             if first != other:
                 raise ValueError(f"fulmen.distributed.{state.kind}: the ranks' models differ, rank 0 has "
                                  f"{_describe(first)} where rank {rank} has {_describe(other)}; every rank must "

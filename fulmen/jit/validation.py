@@ -14,6 +14,8 @@ from types import FrameType
 
 from torch.distributions import Distribution
 
+from fulmen.core.source import is_fulmens
+
 _ARGUMENTS = Distribution.__init__.__code__
 _SAMPLE = Distribution._validate_sample.__code__
 
@@ -21,7 +23,7 @@ _SAMPLE = Distribution._validate_sample.__code__
 def caller() -> FrameType | None:
     """The innermost frame outside fulmen: the one that called the torch function being handled."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").split(".", 1)[0] == "fulmen":
+    while frame is not None and is_fulmens(frame):
         frame = frame.f_back
     return frame
 

@@ -68,6 +68,7 @@ def _legacy_new_sizes(x: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict[st
 
 bind(method("new"), TorchBinding(lookup(method("new_empty")).symbol, normalize=_legacy_new_sizes))
 
+
 def _draw_meta(fn, differentiable: bool):
     """The outputs of a draw, found without drawing. With no tensor argument (`torch.randn(3)`) the default meta
     path would run the draw for real on the default device, consuming the RNG once more than eager while tracing:

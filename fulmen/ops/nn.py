@@ -316,7 +316,7 @@ eager_op(F.embedding_bag, refuse=_embedding_bag_refusal)
 
 
 def _draws(name: str) -> Any:
-    def refuse(x, p: float, training: bool) -> str | None:
+    def refuse(x: Any, p: float, training: bool) -> str | None:
         if training and p > 0:
             return (f"fulmen does not support torch.{name} drawing in training (p={p}): only torch.dropout's draws are "
                     "replayed for the backward; use nn.Dropout, or keep the module outside the jitted function")

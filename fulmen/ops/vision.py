@@ -31,7 +31,8 @@ for _name in ("avg_pool2d", "avg_pool3d", "adaptive_avg_pool2d", "adaptive_avg_p
     nn_op(_name)
 
 
-def _instance_norm_refusal(x, weight, bias, running_mean, running_var, use_input_stats, *rest: Any) -> str | None:
+def _instance_norm_refusal(x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
+                           use_input_stats: bool, *rest: Any) -> str | None:
     if use_input_stats and (running_mean is not None or running_var is not None):
         return ("fulmen cannot trace instance_norm updating running statistics (InstanceNorm with "
                 "track_running_stats=True in training): the update is made in place by the op itself; use "

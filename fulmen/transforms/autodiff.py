@@ -22,6 +22,7 @@ without a rule falls back to torch autograd on its own callable (`impls.torch_vj
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -160,7 +161,7 @@ def reached_inputs(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], 
     """The inputs among `wrt` (positions among the proxies) that eager's autograd reaches from `fn`'s outputs: the
     others get no grad in eager (None, not zeros, which an optimizer would step on). Read off the graph `fn` builds
     on meta tensors; all of `wrt` where `fn` cannot run on them."""
-    position = iter(range(len(list(iter_proxies((args, kwargs))))))
+    position = itertools.count()
     leaves: dict[int, int] = {}  # id(meta leaf) -> its position
 
     def leaf(proxy: TensorProxy) -> torch.Tensor:
