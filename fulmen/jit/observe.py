@@ -24,13 +24,13 @@ draws and clocks (refused), and a function the program runs is guarded on its co
 Python attributes set on a tensor argument (`x.scale = 2.0`) are copied onto its proxy and held by the cache key
 (guards.argument_key). Known limits, with no cheap guard: the content of a mutable value such an attribute holds,
 and of a NumPy array over 64 KiB (values.py); a change made between an autograd.Function's forward and its backward
-(function_apply.py); writes no bytecode of the program makes (writes.py); `fn.__code__ = ...` on the very function
-handed to fulmen.jit.
+(function_apply.py); writes no bytecode of the program makes (writes.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import random
@@ -97,7 +97,7 @@ class Observer:
         # what the program stored, to store again on every call (writes.py, containers.py)
         self.writes: tuple[Write | ContainerWrite, ...] = ()
         for fn in functions:
-            self._note_function(fn, entry=True)
+            self._note_entry(fn)
 
     def arguments(self, names: list[str], values: list[Any]) -> None:
         """The program's arguments, as it receives them: their containers are watched (containers.py)."""
@@ -106,7 +106,7 @@ class Observer:
     def guards(self) -> tuple[Guard, ...]:
         found = [self._unset[key[1]].guard() if key[0] == "unset" else guard for key, guard in self._guards.items()]
         callees = (callee.guard() for callee in self._callees.values() if callee.code in self._entered)
-        return (*found, *(guard for guard in callees if guard is not None))
+        return (*found, *callees)
 
     def entered(self, code: types.CodeType) -> None:
         self._entered.add(code)
@@ -138,10 +138,19 @@ class Observer:
             emit = Emitter()
             self._guards[key] = Guard(what, source(emit), emit.bindings)
 
-    def _note_function(self, value: Any, entry: bool = False) -> None:
-        """Closures, to find their cells (read_cell); the code and defaults of functions the program may call. The
-        jitted function itself (`entry`) keeps its code unchecked: a check every call would pay for, guarding against
-        `fn.__code__ = ...` on the function the user handed to fulmen.jit."""
+    def _note_entry(self, fn: Callable[..., Any]) -> None:
+        """The function handed to fulmen.jit: its code and defaults are checked like those of any function the
+        program calls (IPython's autoreload assigns `fn.__code__` in place); a `functools.partial` also keeps what it
+        binds (C code reads it, no read site sees it)."""
+        while type(fn) is functools.partial:
+            what = f"what functools.partial binds to {getattr(fn.func, '__qualname__', 'its function')}"
+            self._add(("partial", id(fn)), what, lambda e, p=fn: f"({(b := e.bind(p))}.func, {b}.args, {b}.keywords)",
+                      (fn.func, fn.args, fn.keywords))
+            fn = fn.func
+        self._note_function(fn)
+
+    def _note_function(self, value: Any) -> None:
+        """Closures, to find their cells (read_cell); the code and defaults of functions the program may call."""
         kind = type(value)
         fn = value.__func__ if kind is types.MethodType or kind is staticmethod or kind is classmethod else value
         if type(fn) is not types.FunctionType:
@@ -157,7 +166,6 @@ class Observer:
             for i, default in enumerate(fn.__defaults__ or ()):  # checked by the callee's guard, once it runs
                 self._containers.watch(default, f"default {i} of function {fn.__qualname__}",
                                        lambda e, i=i: f"{e.bind(fn)}.__defaults__[{i}]")
-        callee.check_code = callee.check_code or not entry
 
     def dict_entry(self, namespace: Any, name: str, what: str, owner: Any = None) -> None:
         """`namespace[name]` (a dict, or a class's mapping proxy with its class as `owner`) keeps its value, or stays
@@ -496,7 +504,6 @@ class _Callee:
     def __init__(self, fn: types.FunctionType) -> None:
         self.fn = fn
         self.code = fn.__code__
-        self.check_code = False
         self.emit = Emitter()
         self.terms: list[str] = []  # the defaults' checks, made now: before the program changes them
         bound = self.emit.bind(fn)
@@ -510,12 +517,8 @@ class _Callee:
                       if not immutable(item)] if name == "__defaults__" else [value_check(defaults, given, self.emit)]
             self.terms += [check for check in checks if check is not None]
 
-    def guard(self) -> Guard | None:
-        terms = list(self.terms)
-        if self.check_code:
-            terms.insert(0, f"{self.emit.bind(self.fn)}.__code__ is {self.emit.bind(self.code)}")
-        if not terms:
-            return None
+    def guard(self) -> Guard:
+        terms = [f"{self.emit.bind(self.fn)}.__code__ is {self.emit.bind(self.code)}", *self.terms]
         return Guard(f"the code or defaults of function {self.fn.__qualname__}", " and ".join(terms),
                      self.emit.bindings)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import warnings
 
@@ -563,6 +564,36 @@ def test_defaults_and_code_of_a_called_function_are_guarded():
         assert "code or defaults of function _scaled" in fulmen.last_cache_miss_reasons(fn)[0]
     finally:
         _scaled.__defaults__, _scaled.__kwdefaults__, _scaled.__code__ = saved
+
+
+def test_code_and_defaults_of_the_jitted_function_itself_are_guarded():
+    """IPython's autoreload assigns `__code__` of the functions it reloads in place."""
+    def program(x, k=2):
+        return x * k
+
+    fn, x = fulmen.jit(program), torch.ones(2)
+    fn(x)
+    program.__code__ = (lambda x, k=2: x - k).__code__
+    torch.testing.assert_close(fn(x), x - 2)
+    program.__defaults__ = (5,)
+    torch.testing.assert_close(fn(x), x - 5)
+    assert _misses(fn) == 3
+    assert "code or defaults of function test_code_and_defaults" in fulmen.last_cache_miss_reasons(fn)[0]
+
+
+def test_what_a_jitted_partial_binds_is_guarded():
+    scale = torch.ones(2)
+    bound = functools.partial(_scaled, shift=1.0, k=scale)
+    fn, x = fulmen.jit(bound), torch.ones(2)
+    torch.testing.assert_close(fn(x), bound(x))
+    scale.mul_(3)  # read on every call: no retrace
+    torch.testing.assert_close(fn(x), bound(x))
+    bound.keywords["shift"] = 4.0
+    torch.testing.assert_close(fn(x), bound(x))
+    bound.keywords["k"] = torch.full((2,), 5.0)
+    torch.testing.assert_close(fn(x), bound(x))
+    assert _misses(fn) == 3
+    assert "what functools.partial binds to _scaled changed" in fulmen.last_cache_miss_reasons(fn)[0]
 
 
 class _Doubled(nn.Linear):
