@@ -34,6 +34,7 @@ _MEMORY_FORMATS = {
     torch.contiguous_format: "torch.contiguous_format",
     torch.preserve_format: "torch.preserve_format",
     torch.channels_last: "torch.channels_last",
+    torch.channels_last_3d: "torch.channels_last_3d",
 }
 
 

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, resolve_name
+from torch._prims_common import suggest_memory_format
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, resolve_name
 
 from fulmen.core import pytree
 from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
-from fulmen.core.proxies import TensorProxy
+from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
@@ -167,7 +168,8 @@ class Interpreter(TorchFunctionMode):
                             ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64),
                             ("short", torch.int16), ("char", torch.int8), ("byte", torch.uint8),
                             ("bool", torch.bool)):
-            self.special[getattr(T, name)] = lambda x, memory_format=None, dtype=dtype: self._convert(x, dtype=dtype)
+            self.special[getattr(T, name)] = lambda x, memory_format=None, dtype=dtype: self._convert(
+                x, dtype=dtype, memory_format=memory_format)
 
     # --- the entry point -----------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -309,6 +311,9 @@ class Interpreter(TorchFunctionMode):
             if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
                 raise UnsupportedOpError("fulmen cannot trace torch.vmap and the other torch.func transforms (a "
                                          "batched tensor reached it)", self.builder.source)
+            if (why := unproxyable(tensor)) is not None:
+                raise UnsupportedOpError(f"fulmen cannot trace a {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
+                                         f"the program reads: {why}", self.builder.source)
             # Outside __torch_function__ (a replaced function's arguments) this mode would see the meta's creation.
             with torch._C.DisableTorchFunction():
                 meta = logical_meta(tensor)
@@ -522,12 +527,13 @@ class Interpreter(TorchFunctionMode):
     def _contiguous(self, x: TensorProxy, memory_format: torch.memory_format = torch.contiguous_format) -> Any:
         if self._values(x).meta.is_contiguous(memory_format=memory_format):
             return x  # eager returns the tensor itself
-        return self._record(lookup(T.contiguous).symbol, (x,), {})
+        kwargs = {} if memory_format is torch.contiguous_format else {"memory_format": memory_format}
+        return self._record(lookup(T.contiguous).symbol, (x,), kwargs)
 
     def _to(self, x: TensorProxy, *args: Any, **kwargs: Any) -> Any:
         copy = kwargs.pop("copy", False)
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        return self._convert(x, device=device, dtype=dtype, copy=copy)
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        return self._convert(x, device=device, dtype=dtype, copy=copy, memory_format=memory_format)
 
     def _type(self, x: TensorProxy, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
         if dtype is None:
@@ -539,12 +545,17 @@ class Interpreter(TorchFunctionMode):
         return self._convert(x, dtype=dtype)
 
     def _convert(
-        self, x: TensorProxy, device: torch.device | None = None, dtype: torch.dtype | None = None, copy: bool = False
+        self, x: TensorProxy, device: torch.device | None = None, dtype: torch.dtype | None = None, copy: bool = False,
+        memory_format: torch.memory_format | None = None
     ) -> Any:
         current = self._values(x)  # a captured real tensor becomes a constant
         same_device = device is None or _same_device(torch.device(device), current.device)
         same_dtype = dtype is None or dtype == current.dtype
-        if same_device and same_dtype and not copy:
+        if memory_format is torch.preserve_format:
+            memory_format = None
+        # eager's rule (aten's to_will_alias): the layout torch suggests for the tensor, not is_contiguous
+        same_format = memory_format is None or suggest_memory_format(current.meta) == memory_format
+        if same_device and same_dtype and same_format and not copy:
             return x  # eager returns the tensor itself, so later in-place updates alias it
         kwargs: dict[str, Any] = {}
         if not same_device:
@@ -553,9 +564,20 @@ class Interpreter(TorchFunctionMode):
             kwargs["dtype"] = dtype
         if copy:
             kwargs["copy"] = True
+        if memory_format is not None:
+            kwargs["memory_format"] = memory_format
         return SYMBOLS["torch.Tensor.to"](current, **kwargs)
 
 
 def _same_device(wanted: torch.device, have: torch.device) -> bool:
     return wanted.type == have.type and (wanted.index is None or wanted.index == have.index)
 
+
+def current_interpreter() -> Interpreter | None:
+    """The acquisition running now, if any (its torch-function mode is on torch's mode stack)."""
+    if not torch._C._len_torch_function_stack():  # the common case, without building the stack's list
+        return None
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, Interpreter):
+            return mode
+    return None

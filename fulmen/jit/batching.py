@@ -16,12 +16,11 @@ from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_le
 import fulmen.transforms.batching_random  # noqa: F401  (registers the batching rules)
 import fulmen.transforms.batching_torch  # noqa: F401  (registers the batching rules)
 from fulmen.core.proxies import TensorProxy
-from fulmen.jit.acquire import Interpreter
+from fulmen.jit.acquire import Interpreter, current_interpreter
 from fulmen.jit.functional import (
     Acquired,
     FunctionalTransform,
     acquire,
-    current_interpreter,
     fresh_proxy,
     name_of,
     transforming,

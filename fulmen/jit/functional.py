@@ -25,7 +25,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.trace import Trace
 from fulmen.executors.registry import resolve
-from fulmen.jit.acquire import Interpreter
+from fulmen.jit.acquire import Interpreter, current_interpreter
 from fulmen.jit.jitted import JittedFunction
 from fulmen.ops import prims
 from fulmen.options import JitOptions
@@ -50,14 +50,6 @@ class FunctionalTransform(JittedFunction):
 
     def __repr__(self) -> str:
         return f"<fulmen {self.__name__}>"
-
-
-def current_interpreter() -> Interpreter | None:
-    """The acquisition running now, if any (its torch-function mode is on torch's mode stack)."""
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, Interpreter):
-            return mode
-    return None
 
 
 def transforming(interpreter: Interpreter) -> Any:

@@ -15,11 +15,11 @@ from torch import nn
 
 from fulmen.core import pytree
 from fulmen.core.errors import CacheLimitError, CacheLimitWarning, DataDependentError, TraceError
-from fulmen.core.proxies import TensorProxy
+from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.base import Executor
-from fulmen.jit.acquire import Interpreter
+from fulmen.jit.acquire import Interpreter, current_interpreter
 from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
 from fulmen.jit.autograd_facts import refuse_returned_nodes
 from fulmen.jit.bridge import UpdatedInput, apply
@@ -161,6 +161,12 @@ def _carry_attributes(tensor: torch.Tensor, proxy: TensorProxy, name: str) -> No
     proxy.__dict__.update(tensor.__dict__)
 
 
+def _refuse_unproxyable(tensors: list[torch.Tensor], names: list[str]) -> None:
+    for tensor, name in zip(tensors, names):
+        if (why := unproxyable(tensor)) is not None:
+            raise TraceError(f"fulmen cannot trace the tensor argument {name}: {why}", None)
+
+
 def _module_proxy(builder: TraceBuilder, interpreter: Interpreter, tensor: torch.Tensor, name: str) -> TensorProxy:
     proxy = builder.make_proxy(logical_meta(tensor), tensor.device, tensor.requires_grad, name=name)
     interpreter.autograd.add_input(proxy, proxy, tensor)
@@ -195,6 +201,8 @@ class JittedFunction:
         self._warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if current_interpreter() is not None:  # called by a program another fulmen.jit acquires: part of its trace
+            return (self._fn if self._module is None else self._module)(*args, **kwargs)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             tensors, spec = list(args), len(args)
         else:
@@ -206,6 +214,9 @@ class JittedFunction:
             key = (spec, argument_key(tensors), tensor_key(module_tensors), state)
         except AttributeError:  # a module tensor was removed or replaced by a non-tensor: trace anew
             key = None
+        except RuntimeError:  # a tensor without strides (nested): refused, named
+            _refuse_unproxyable(tensors, self._names(args, kwargs, len(tensors)))
+            raise
         entry = self._cache.lookup(key, tensors, module_tensors)
         if entry is None and len(self._cache.layouts) > 1:
             entry, module_tensors = self._other_layouts(spec, tensors, state, module_tensors)
@@ -294,6 +305,7 @@ class JittedFunction:
         builder = TraceBuilder(decompose=self._options.decompose)
         interpreter = Interpreter(builder)
         observer = Observer((self._fn,))
+        _refuse_unproxyable(tensors, names)
         proxies = [builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=hint)
                    for t, hint in zip(tensors, names)]
         visible, storage = self._shared_storage(builder, interpreter, proxies, aliases, real_inputs, names)
@@ -530,9 +542,15 @@ class JittedModule(nn.Module):
         return self._jit.stats.misses > 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if current_interpreter() is not None:
+            # Inside a program another fulmen.jit acquires (self is then its stand-in, see overrides.py), the
+            # wrapped module is traced as part of it, with its parameters as that trace's module inputs.
+            return self._model(*args, **kwargs)
         return self._jit(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if current_interpreter() is not None:
+            return super().__call__(*args, **kwargs)  # its hooks and forward, traced as eager runs them
         # The trace holds the wrapped module's call, global module hooks included: they must not run here again.
         if not (self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks):
             return self._jit(*args, **kwargs)

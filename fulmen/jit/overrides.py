@@ -24,7 +24,7 @@ from torch.nn.modules import module as torch_module
 from torch.nn.utils import parametrize
 
 from fulmen.core.errors import TraceError
-from fulmen.core.proxies import TensorProxy
+from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.jit.lookasides import method_lookasides
 from fulmen.jit.observe import Observer
 
@@ -146,6 +146,8 @@ def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], Te
     def proxy_for(tensor: torch.Tensor, qualified: str, where: ModuleInput) -> TensorProxy:
         proxy = by_tensor.get(id(tensor))
         if proxy is None:
+            if (why := unproxyable(tensor)) is not None:
+                raise TraceError(f"fulmen cannot trace the module's tensor {qualified}: {why}", None)
             proxy = make_proxy(tensor, "t_" + qualified.replace(".", "_"))
             by_tensor[id(tensor)] = proxy
             first[id(tensor)] = where

@@ -51,7 +51,8 @@ convert_element_type = _prim("convert_element_type", lambda x, dtype: x.to(dtype
 device_put = _prim("device_put", lambda x, device: x.to(device), meta=lambda builder, x, device: builder.make_proxy(
     torch.empty_like(x.meta), torch.device(device), x.requires_grad and torch.is_grad_enabled()))
 alias = _listed(ALIAS)  # core's: a trace builder records it where a call returns one of its inputs
-clone = _prim("clone", lambda x: x.clone())
+# memory_format: the strides of the copy (eager's `clone(memory_format=...)`; preserved by default)
+clone = _prim("clone", lambda x, memory_format=torch.preserve_format: x.clone(memory_format=memory_format))
 
 # Reductions over explicit dims.
 sum = _prim("sum", lambda x, dims: torch.sum(x, dims))  # noqa: A001

@@ -157,8 +157,14 @@ torch_symbol(torch.diagonal, aliases=(method("diagonal"),))
 torch_symbol(torch.as_strided, aliases=(method("as_strided"),))
 torch_symbol(method("unfold"))
 torch_symbol(torch.detach, decomposition=lambda x: prims.alias(x), aliases=(method("detach"),), tags=Tag.NO_GRAD)
-torch_symbol(torch.clone, decomposition=lambda x, memory_format=None: prims.clone(x), aliases=(method("clone"),))
-torch_symbol(method("contiguous"), decomposition=lambda x, memory_format=None: prims.clone(x))
+def _clone_decomposition(x, memory_format=torch.preserve_format):
+    return prims.clone(x) if memory_format is torch.preserve_format else prims.clone(x, memory_format)
+
+
+torch_symbol(torch.clone, decomposition=_clone_decomposition, aliases=(method("clone"),))
+# recorded only where `x` is not in `memory_format` already (eager returns `x` itself there)
+torch_symbol(method("contiguous"), decomposition=lambda x, memory_format=torch.contiguous_format: prims.clone(
+    x, memory_format))
 
 # --- joining -------------------------------------------------------------------------------------------------------
 
@@ -264,7 +270,8 @@ keep_history = impl_symbol(impls.keep_history, meta=lambda builder, old, new: bu
     torch.empty_strided(new.shape, new.stride(), dtype=new.dtype, device="meta"), new.device, old.requires_grad))
 
 
-def to_decomposition(x, device=None, dtype=None, non_blocking=False, copy=False) -> Any:
+def to_decomposition(x, device=None, dtype=None, non_blocking=False, copy=False,
+                     memory_format=torch.preserve_format) -> Any:
     if isinstance(device, torch.dtype):  # to(dtype) positionally
         device, dtype = None, device
     out = x
@@ -272,6 +279,8 @@ def to_decomposition(x, device=None, dtype=None, non_blocking=False, copy=False)
         out = prims.convert_element_type(out, dtype)
     if device is not None and torch.device(device) != x.device:
         out = prims.device_put(out, torch.device(device))
+    if memory_format is not torch.preserve_format:
+        return prims.clone(out, memory_format)
     return out if out is not x else prims.clone(x)
 
 

@@ -64,8 +64,10 @@ def _same_call(prim):
     return rule
 
 
-for _name in ("convert_element_type", "device_put", "alias", "clone", "pad"):
+for _name in ("convert_element_type", "device_put", "alias", "pad"):
     BATCH_RULES[prims.PRIMS[_name]] = _same_call(prims.PRIMS[_name])
+# a memory format names the layout of one example's dims: a batch has one more (the values are the same)
+BATCH_RULES[prims.clone] = lambda batch, args, kwargs: prims.clone(args[0])
 
 
 # --- reductions and scans over explicit dims -----------------------------------------------------------------------

@@ -186,8 +186,8 @@ def _alias(x):
 
 
 @register_grad(prims.clone)
-def _clone(x):
-    y = prims.clone(x)
+def _clone(x, memory_format=torch.preserve_format):
+    y = prims.clone(x, memory_format)
     put_grad(x, get_grad(y))
     return y
 
