@@ -189,6 +189,9 @@ class JittedFunction:
     def __init__(self, fn: Callable[..., Any], options: JitOptions, module: nn.Module | None = None,
                  executors: tuple[Executor, ...] = ()) -> None:
         self._fn = fn
+        # inspect.signature(jitted) is fn's: libraries choose the arguments they pass by it (transformers' generate
+        # computes position_ids from the attention mask only for a forward that names them)
+        self.__wrapped__ = fn
         self._module = module
         self._options = options
         self.executors = executors

@@ -16,9 +16,11 @@ Writes to the jitted module's tree land on its shadow (overrides.py), which repo
 makes (frames.observed: not torch's internals, such as a lazily compiled GraphModule storing its code); writes to
 other objects happen for real, seen by the frame tap before they run (reads.AttrWrite, reads.GlobalWrite), and are
 stored again when their value is immutable (any other value may be an object the call created, which fulmen cannot
-tell from one that existed before). Lists, dicts and sets changed in place are containers.py's. Known limits: writes
-that no bytecode of the program makes (`setattr(obj, ...)` outside a shadow, C code) are not seen, nor are deletions
-outside a shadow.
+tell from one that existed before); one holding a tensor the program computed is refused, and the stores undone,
+where the object held state before the store (the trace's stand-in would stay there: a KV cache extended in place),
+or left to the check of the program's arguments (jitted.py) where it did not. Lists, dicts and sets changed in
+place are containers.py's. Known limits: writes that no bytecode of the program makes (`setattr(obj, ...)` outside a
+shadow, C code) are not seen, nor are deletions outside a shadow.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from torch import nn
 
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.pytree import find
 from fulmen.core.source import SourceLocation, frame_location
-from fulmen.jit.lookup import MODULE_SLOTS, attribute_value, owner_name
+from fulmen.jit.lookup import MODULE_SLOTS, attribute_value, instance_dict, owner_name
 from fulmen.jit.values import MISSING, describe, immutable, same_value
 
 
@@ -63,6 +66,7 @@ class _Store:
     shadow: nn.Module | None = None  # the shadow the write landed on
     is_global: bool = False
     deleted: bool = False
+    existed: bool = True  # held state before the call's first store to it (see WriteLog._existed)
 
 
 def _module_value(state: dict, name: str) -> Any:
@@ -79,11 +83,16 @@ class WriteLog:
     def __init__(self) -> None:
         self._stores: dict[tuple[int, str], _Store] = {}
         self.stands_for: dict[int, torch.Tensor] = {}  # id(proxy) -> the module tensor it stands for
+        # id(obj) -> whether the object held state at the program's first store to it. An object the program made
+        # without an `__init__` the observer saw (`Box()` of a class with none) is still empty then.
+        self._existed: dict[int, bool] = {}
 
     def attribute(self, obj: Any, name: str, frame: types.FrameType) -> None:
         """The frame is about to store `obj.name` (an object that is not a shadow)."""
         if (id(obj), name) not in self._stores:
-            self._stores[(id(obj), name)] = _Store(obj, name, attribute_value(obj, name), frame_location(frame))
+            before = attribute_value(obj, name)
+            existed = self._existed.setdefault(id(obj), before is not MISSING or bool(instance_dict(obj)))
+            self._stores[(id(obj), name)] = _Store(obj, name, before, frame_location(frame), existed=existed)
 
     def global_(self, namespace: dict, name: str, frame: types.FrameType) -> None:
         if (id(namespace), name) not in self._stores:
@@ -113,13 +122,17 @@ class WriteLog:
                 # the store happened: an object that is not replayable may well be one the call created
                 if final is not MISSING and immutable(final):
                     writes.append(Write(store.target, store.name, final, store.is_global))
+                elif store.existed and (path := find(final, _is_traced, modules=False)) is not None:
+                    # the trace's stand-in would stay there after the call, where eager leaves a real tensor
+                    held = f"{_kind(final)} holding one (`.{store.name}{path}`)" if path else "a tensor"
+                    self._refuse(store, f"stores {held} computed by the program in it", _TRACED_HINT)
                 continue
             if type(final) is TensorProxy and isinstance(store.before, torch.Tensor):
                 continue  # a rebind: the trace returns it
             if store.deleted or final is MISSING:
-                _refuse(store, "deletes it", "")
+                self._refuse(store, "deletes it", "")
             if not immutable(final):
-                _refuse(store, f"stores {_kind(final)} in it", _hint(store, final))
+                self._refuse(store, f"stores {_kind(final)} in it", _hint(store, final))
             writes.append(Write(store.target, store.name, final))
         return tuple(writes)
 
@@ -139,6 +152,10 @@ class WriteLog:
                     delattr(store.target, store.name)
             else:
                 setattr(store.target, store.name, store.before)
+
+    def _refuse(self, store: _Store, what: str, hint: str) -> None:
+        self.undo()  # the call fails, as if it never ran: the objects it stored into hold what they held
+        _refuse(store, what, hint)
 
     def _restores(self, final: Any, before: Any) -> bool:
         """A new list or tuple of what `before` holds, the module's tensors given as the proxies that stand for them
@@ -163,6 +180,13 @@ class WriteLog:
         if store.is_global:
             return store.target.get(store.name, MISSING)
         return attribute_value(store.target, store.name)
+
+
+_TRACED_HINT = "Return the tensor from the program instead, and store it outside the jitted function"
+
+
+def _is_traced(obj: Any) -> bool:
+    return type(obj) is TensorProxy
 
 
 def _hint(store: _Store, final: Any) -> str:

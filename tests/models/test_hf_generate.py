@@ -1,0 +1,99 @@
+"""Hugging Face inference and generation through fulmen, against the same model run eagerly.
+
+Tiny Llama and GPT-2 (tests/models/hf_configs.py's sizes). `model.generate` runs with the model's forward jitted;
+greedy decoding must give eager's token ids and scores. A KV cache the model returns is checked in test_hf.py; a
+cache the program is given and extends in place is refused (fulmen cannot store the tensors it computes into
+Python objects), and must be left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, DynamicCache
+
+import fulmen
+from tests.models.hf_configs import SMALL
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+def _build(family: str, **settings) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **{**SMALL, **settings})
+    return getattr(transformers, CLASSES[family])._from_config(config).eval()
+
+
+def _prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts, the first left-padded by two tokens."""
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("beams", [1, 2], ids=["greedy", "beams"])
+@pytest.mark.parametrize("family", list(CLASSES))
+def test_generate_with_a_jitted_forward_gives_eagers_tokens_and_scores(family, beams):
+    """generate reads the forward's signature to choose its arguments: the jitted forward showed (*args, **kwargs),
+    so GPT-2 got no position_ids from the attention mask, and the left-padded row gave other scores and tokens."""
+    eager = _build(family)
+    model = copy.deepcopy(eager)
+    model.forward = fulmen.jit(model.forward)
+    ids, mask = _prompt()
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, num_beams=beams,
+                    pad_token_id=0, use_cache=False, return_dict_in_generate=True, output_scores=True)
+    want, got = eager.generate(**settings), model.generate(**settings)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == 4
+    for step, (mine, theirs) in enumerate(zip(got.scores, want.scores)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=lambda m, s=step: f"step {s}: {m}")
+    if beams > 1:
+        torch.testing.assert_close(got.sequences_scores, want.sequences_scores)
+        assert torch.equal(got.beam_indices, want.beam_indices)
+    # one trace per prompt length (each step's input is one token longer), none reused
+    assert fulmen.cache_misses(model.forward) == 4 and fulmen.cache_hits(model.forward) == 0
+
+
+class _Decoder(torch.nn.Module):
+    """Keeps its KV cache between calls, as a chat loop would."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.cache = DynamicCache()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, past_key_values=self.cache, use_cache=True).logits
+
+
+def _same_cache(mine: DynamicCache, theirs: DynamicCache) -> None:
+    assert len(mine.layers) == len(theirs.layers)
+    for layer, (a, b) in enumerate(zip(mine.layers, theirs.layers)):
+        assert type(a.keys) is torch.Tensor and type(a.values) is torch.Tensor, f"layer {layer} holds {type(a.keys)}"
+        torch.testing.assert_close(a.keys, b.keys, msg=lambda m, i=layer: f"layer {i} keys: {m}")
+        torch.testing.assert_close(a.values, b.values, msg=lambda m, i=layer: f"layer {i} values: {m}")
+
+
+def test_a_kv_cache_the_program_extends_in_place_is_refused_and_left_as_it_was():
+    """DynamicLayer.update stores `torch.cat([self.keys, new])` into the cache. The cache here is no argument but a
+    module's plain attribute: the store happened while acquiring, the trace's stand-ins stayed in the cache, and the
+    next call (any use of the cache after it) failed or read them."""
+    eager = _Decoder(_build("llama"))
+    mine = _Decoder(copy.deepcopy(eager.lm))
+    ids, _ = _prompt()
+    prefill = eager(ids)
+    mine(ids)  # the prefill runs eagerly: the jitted call finds a cache with tensors in it
+    token = prefill[:, -1:].argmax(-1)
+    jitted = fulmen.jit(mine)
+    with pytest.raises(fulmen.FulmenError, match=r"attribute `keys` of DynamicLayer object \(cache_utils.py:\d+ in "
+                                                 r"update\): it stores a tensor computed by the program"):
+        jitted(token)
+    _same_cache(mine.cache, eager.cache)  # as the prefill left it
+    torch.testing.assert_close(mine(token), eager(token))  # and eager can go on with it
+    _same_cache(mine.cache, eager.cache)
