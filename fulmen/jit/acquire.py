@@ -101,6 +101,15 @@ def _is_value(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor) or (type(obj).__module__ == "numpy" and hasattr(obj, "item"))
 
 
+def _captured(tensor: torch.Tensor) -> str:
+    """The refusal of an in-place update of a real tensor the program read (a global's, an object's attribute)."""
+    with torch._C.DisableTorchFunction():  # this mode would see the shape read
+        what = f"a captured {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+    return (f"{what} (created outside the program: not an argument, nor a parameter or buffer of the jitted module) "
+            "is not supported: fulmen writes updates back only to those. Pass it as an argument, or update it outside "
+            "the jitted function")
+
+
 def _describe(func: Callable[..., Any]) -> str:
     return resolve_name(func) or getattr(func, "__qualname__", repr(func))
 
@@ -359,8 +368,7 @@ class Interpreter(TorchFunctionMode):
     def _inplace(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         target = args[0]
         if type(target) is not TensorProxy:
-            raise TraceError(f"in-place {sym.printed} on a tensor created outside the program is not supported",
-                             self.builder.source)
+            raise TraceError(f"in-place {sym.printed} on {_captured(target)}", self.builder.source)
         out = self._record(sym, args, kwargs)
         return self._assign(target, out, sym.printed)
 
@@ -383,8 +391,7 @@ class Interpreter(TorchFunctionMode):
     def _setitem(self, x: TensorProxy, index: Any, value: Any) -> None:
         self._check_index(index, masks=True)  # a write through a mask keeps x's shape: nothing depends on values
         if type(x) is not TensorProxy:
-            raise TraceError("in-place __setitem__ on a tensor created outside the program is not supported",
-                             self.builder.source)
+            raise TraceError(f"in-place __setitem__ on {_captured(x)}", self.builder.source)
         x, index = self._select_at_scalars(x, index)
         if index == ():  # `x[i] = v`: eager copies into the selected view
             self.functional.write(x, shape.copy(self.functional.resolve(x), self._values(value)))

@@ -182,7 +182,8 @@ class WriteLog:
         return attribute_value(store.target, store.name)
 
 
-_TRACED_HINT = "Return the tensor from the program instead, and store it outside the jitted function"
+_TRACED_HINT = ("Return the tensor from the program instead, and store it outside the jitted function (for a Hugging "
+                "Face KV cache: use_cache=False, or a cache the model creates and returns)")
 
 
 def _is_traced(obj: Any) -> bool:

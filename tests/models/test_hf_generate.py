@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import transformers
-from transformers import AutoConfig, DynamicCache
+from transformers import AutoConfig, DynamicCache, StaticCache
 
 import fulmen
 from tests.models.hf_configs import SMALL
@@ -97,3 +97,42 @@ def test_a_kv_cache_the_program_extends_in_place_is_refused_and_left_as_it_was()
     _same_cache(mine.cache, eager.cache)  # as the prefill left it
     torch.testing.assert_close(mine(token), eager(token))  # and eager can go on with it
     _same_cache(mine.cache, eager.cache)
+
+
+def test_generate_with_a_kv_cache_is_refused_naming_the_cache_and_the_line():
+    """generate gives the forward a DynamicCache to extend in place: refused (it was, naming the argument but no
+    line), with the way out."""
+    model = _build("llama")
+    model.forward = fulmen.jit(model.forward)
+    ids, mask = _prompt()
+    with pytest.raises(fulmen.FulmenError, match=r"attribute `keys` of DynamicLayer object \(cache_utils.py:\d+ in "
+                                                 r"lazy_initialization\).* use_cache=False"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_a_returned_kv_cache_given_back_is_refused_and_left_as_eager_returned_it():
+    eager = _build("llama")
+    jitted = fulmen.jit(copy.deepcopy(eager))
+    ids, mask = _prompt()
+    want, got = eager(input_ids=ids, attention_mask=mask), jitted(input_ids=ids, attention_mask=mask)
+    _same_cache(got.past_key_values, want.past_key_values)
+    token, mask = want.logits[:, -1:].argmax(-1), torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    with pytest.raises(fulmen.FulmenError, match=r"attribute `keys` of DynamicLayer object \(cache_utils.py:\d+ in "
+                                                 r"update\)"):
+        jitted(input_ids=token, attention_mask=mask, past_key_values=got.past_key_values)
+    _same_cache(got.past_key_values, want.past_key_values)
+
+
+def test_a_static_cache_updated_in_place_is_refused_naming_the_tensor_and_the_line():
+    """StaticLayer.update copies into the cache's preallocated tensors, which the program captured: fulmen writes
+    in-place updates back only to arguments, parameters and buffers."""
+    model = _build("llama")
+    jitted = fulmen.jit(model)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    cache.early_initialization(2, 2, 8, torch.float32, torch.device("cpu"))
+    ids, _ = _prompt()
+    with pytest.raises(fulmen.FulmenError, match=r"index_copy on a captured torch.float32 tensor of shape "
+                                                 r"\(2, 2, 16, 8\)") as error:
+        jitted(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(6))
+    assert error.value.location.line == "self.keys.index_copy_(2, cache_position, key_states)"
+    assert all(not layer.keys.any() and not layer.values.any() for layer in cache.layers)
