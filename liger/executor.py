@@ -231,10 +231,16 @@ liger_ex.register_implementation(
 # ---- LitGPT's apply_rope -------------------------------------------------------------------------------------------
 liger_litgpt_apply_rope = register("liger_litgpt_apply_rope", fn=litgpt.model.apply_rope,
                                    replaces=litgpt.model.apply_rope)
-liger_apply_rope = register("liger_apply_rope", like=lambda x, cos, sin: TensorProxy(like=x),
-                            fn=_kernel("apply_rope"))
-liger_apply_rope_backward = register("liger_apply_rope_backward", like=lambda grad, cos, sin: TensorProxy(like=grad),
-                                     fn=_kernel("apply_rope_backward"))
+
+
+def _heads_last(x: TensorProxy, cos: TensorProxy, sin: TensorProxy) -> torch.Tensor:
+    """Liger rotates a (B, T, heads, dim) copy in place and returns it as the (B, heads, T, dim) view."""
+    batch, heads, time, dim = x.shape
+    return torch.empty(batch, time, heads, dim, dtype=x.dtype, device="meta").transpose(1, 2)
+
+
+liger_apply_rope = register("liger_apply_rope", like=_heads_last, fn=_kernel("apply_rope"))
+liger_apply_rope_backward = register("liger_apply_rope_backward", like=_heads_last, fn=_kernel("apply_rope_backward"))
 
 
 def _apply_rope_checker(x, cos, sin) -> bool:

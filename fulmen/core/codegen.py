@@ -20,6 +20,7 @@ from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import IMPORTS, BoundSymbol, Symbol, iter_proxies
 from fulmen.core.trace import Trace
+from fulmen.core.verify import check_first_runs
 
 # Custom printers: symbol -> (bsym, rendered outputs) -> the statement (without the type comment).
 Printer = Callable[[BoundSymbol], str]
@@ -189,7 +190,8 @@ _counter = itertools.count()
 
 def compile_trace(trace: Trace) -> Callable[..., Any]:
     """Executes the printed trace and returns the function it defines."""
-    source = trace_source(trace, include_sources=False).source
+    printed = trace_source(trace, include_sources=False)
+    source = printed.source
     filename = f"<fulmen trace {next(_counter)}: {trace.provenance}>"
     # Registered so tracebacks through the generated code show its lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
@@ -197,5 +199,6 @@ def compile_trace(trace: Trace) -> Callable[..., Any]:
     namespace: dict[str, Any] = {
         bsym.sym.printed: bsym.sym.impl for bsym in trace.bound_symbols if bsym.sym.executor is not None
     }
+    check_first_runs(trace, printed.line_map, namespace)
     exec(compile(source, filename, "exec"), namespace)
     return namespace[trace.name]

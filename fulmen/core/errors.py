@@ -26,6 +26,11 @@ class UnsupportedOpError(TraceError):
     """The program calls a torch operation fulmen has no symbol for."""
 
 
+class ExecutorContractError(TraceError):
+    """An executor's callable broke what its symbol declares (outputs other than its like=/meta= gives, an argument
+    modified in place, an argument's memory returned); found on the call's first run, located at the user's line."""
+
+
 class CacheLimitError(FulmenError):
     """A call needed a new trace past `JitOptions.cache_limit` with `cache_limit_action="error"`."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.source import SourceLocation
+from fulmen.core.source import SourceLocation, user_location
 
 
 class Tag(enum.Flag):
@@ -31,6 +31,9 @@ class Tag(enum.Flag):
     # op may not (Inductor computes aten.tanh_backward in float32 and rounds once; eager's CUDA kernel rounds each
     # step in bfloat16): fusion regions compile the decomposition.
     EAGER_ROUNDING = enum.auto()
+    # Runs a kernel an executor registered (fulmen.extend's register_operator): declared functional, its outputs new
+    # tensors of the declared layout; the first run of each call checks that (fulmen.core.verify.check_first_runs).
+    KERNEL = enum.auto()
 
 
 # How the printed callee's root name is imported, so a printed trace executes as it stands.
@@ -67,6 +70,9 @@ class Symbol:
         builder = current_builder()
         if builder is None:
             return self.impl(*args, **kwargs)
+        if self.executor is not None and not builder.rules_running:
+            # the program calls an executor's operator itself: no torch call precedes it to say where
+            builder.source = user_location() or builder.source
         return builder.bind(self, args, kwargs)
 
     def __repr__(self) -> str:
@@ -146,6 +152,9 @@ def map_proxies(obj: Any, fn: Callable[[TensorProxy], Any]) -> Any:
 
 class Builder:
     """Receives bound symbols while a trace is being built (see fulmen.core.trace.TraceBuilder)."""
+
+    source: SourceLocation | None = None  # the user's line the calls bound now come from
+    rules_running = 0  # > 0 while a grad rule or an execution transform runs: its calls keep their call's line
 
     def bind(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:  # pragma: no cover - interface
         raise NotImplementedError

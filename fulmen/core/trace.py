@@ -166,6 +166,9 @@ class TraceBuilder(Builder):
         self._metas: dict[tuple, Any] = {}
         self.scopes: list[list[BoundSymbol]] = [[]]
         self.source: SourceLocation | None = None
+        # > 0 while a grad rule or an execution transform runs (fulmen.transforms.recording): its calls keep the line
+        # of the call it stands for
+        self.rules_running = 0
         self.decompose = decompose
         self.checkpoint_region = 0  # the torch.utils.checkpoint.checkpoint call being traced (0: none)
         self.checkpoint_regions = 0

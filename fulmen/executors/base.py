@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
-from fulmen.core.trace import TraceBuilder
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
+from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import lookup
 
 
@@ -67,17 +68,25 @@ DIRECT = Implementation()
 _OPERATOR_NAMES: dict[str, Symbol] = {}
 
 
+def _is_template(obj: Any) -> bool:
+    return isinstance(obj, TensorProxy) or (isinstance(obj, torch.Tensor) and obj.device.type == "meta")
+
+
 def _template_meta(name: str, like: Callable[..., Any]) -> Callable[..., Any]:
-    """A symbol meta from a `like` function that returns TensorProxy templates."""
+    """A symbol meta from a `like` function that returns TensorProxy templates, or meta tensors where the layout
+    is not contiguous."""
 
     def meta(builder: TraceBuilder, *args: Any, **kwargs: Any) -> Any:
         templates = like(*args, **kwargs)
-        proxies = list(iter_proxies(templates))
-        if not proxies:
-            raise TypeError(f"the like= function of operator {name} must return TensorProxy templates, "
-                            f"got {templates!r}")
+        found = list(pytree.leaves(templates, _is_template))
+        if not found:
+            raise TypeError(f"the like= function of operator {name} must return TensorProxy templates (or meta "
+                            f"tensors), got {templates!r}")
+        proxies = [t for t in found if isinstance(t, TensorProxy)]
+        device = proxies[0].device if proxies else infer_device(args, kwargs)
         requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in iter_proxies((args, kwargs)))
-        return builder.wrap_outputs(map_proxies(templates, lambda p: p.meta), proxies[0].device, requires_grad)
+        metas = pytree.tree_map(lambda t: t.meta if isinstance(t, TensorProxy) else t, templates, _is_template)
+        return builder.wrap_outputs(metas, device, requires_grad)
 
     return meta
 
@@ -107,8 +116,14 @@ class OperatorExecutor(Executor):
         scratch: Callable[..., int] | None = None,
     ) -> Symbol:
         """A new symbol run by this executor with `fn`; its outputs are described by `like` (or `meta`), a function
-        of the symbol's arguments returning `TensorProxy(like=x, shape=..., dtype=...)` templates (without either,
-        `fn` runs on meta tensors to find them).
+        of the symbol's arguments returning `TensorProxy(like=x, shape=..., dtype=...)` templates, which are
+        contiguous, or meta tensors of the layout `fn` returns (`torch.empty_strided(..., device="meta")`); without
+        either, `fn` runs on meta tensors to find them.
+
+        The trace after the call relies on that description (it drops a conversion to the declared dtype, bakes in
+        shapes, drops a `.contiguous()` of a contiguous value), so the first run of each call checks that `fn`
+        returned what it declares, and that it neither wrote into its tensor arguments nor returned their memory: an
+        operator is functional (fulmen.ExecutorContractError says which call broke this, at the user's line).
 
         `recomputable=True` says the operator is cheap next to its outputs' bytes (an elementwise kernel): where the
         backward needs its outputs, fulmen may rerun it there instead of saving them, as it does for torch's
@@ -147,9 +162,9 @@ class OperatorExecutor(Executor):
             self._check_unreplaced(replaces)
         shapes = like or meta
         # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
+        tags = Tag.KERNEL | (Tag.RECOMPUTABLE if recomputable else Tag.NONE) | (Tag.RANDOM if random else Tag.NONE)
         sym = Symbol(name=name, printed=name, impl=fn, meta=_template_meta(name, shapes) if shapes else None,
-                     tags=(Tag.RECOMPUTABLE if recomputable else Tag.NONE) | (Tag.RANDOM if random else Tag.NONE),
-                     executor=self, scratch=scratch)
+                     tags=tags, executor=self, scratch=scratch)
         _OPERATOR_NAMES[name] = sym
         self.operators[name] = sym
         if replaces is not None:

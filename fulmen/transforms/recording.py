@@ -15,10 +15,12 @@ def run_recorded(run: Callable[[], Any], builder: TraceBuilder, interpreter: Any
     result; the calls it recorded join the current scope unless it declines (returns NotImplemented)."""
     builder.source = source
     builder.scopes.append([])
+    builder.rules_running += 1
     try:
         with interpreter.rule_mode(source):
             result = run()
     finally:
+        builder.rules_running -= 1
         recorded = builder.scopes.pop()
     if result is not NotImplemented:
         builder.scopes[-1].extend(recorded)
@@ -35,6 +37,7 @@ def record_call(fn: Callable[..., Any], bsym: BoundSymbol, builder: TraceBuilder
     builder.scopes.append([])
     builder.source = bsym.source
     builder.checkpoint_region = bsym.checkpoint_region  # a checkpointed op's replacement stays checkpointed
+    builder.rules_running += 1
     try:
         with interpreter.rule_mode(bsym.source):
             result = fn(*bsym.args, **bsym.kwargs)
@@ -43,6 +46,7 @@ def record_call(fn: Callable[..., Any], bsym: BoundSymbol, builder: TraceBuilder
     except Exception as error:
         raise TraceError(f"{what} failed: {type(error).__name__}: {error}", bsym.source) from error
     finally:
+        builder.rules_running -= 1
         recorded = builder.scopes.pop()
         builder.checkpoint_region = 0
     if result is NotImplemented:
