@@ -58,6 +58,10 @@ def _unary_decomposition(prim: Symbol, kind: str) -> Callable[..., Any]:
             x = convert(x, to_float(x.dtype))
         if prim is prims.bitwise_not and x.dtype == torch.bool:
             return prims.logical_not(x)
+        if prim is prims.bitwise_not and (x.dtype.is_floating_point or x.dtype.is_complex):
+            # torch's meta kernel accepts it; a fusion compiler could compile it to bits eager never computes
+            raise TypeError(f"bitwise_not (~) is only implemented on integer and bool tensors, got {x.dtype} (as "
+                            "in eager)")
         return prim(x)
 
     return decomposition
@@ -96,19 +100,47 @@ def _binary_operands(a: Any, b: Any, kind: str) -> tuple[Any, Any, torch.dtype]:
 
 
 def _binary_decomposition(prim: Symbol, kind: str) -> Callable[..., Any]:
-    def decomposition(a: Any, b: Any) -> Any:
-        a, b, _ = _binary_operands(a, b, kind)
+    # parameters named as torch's, which programs may pass by keyword (torch.mul(x, other=y))
+    def decomposition(input: Any, other: Any) -> Any:  # noqa: A002
+        a, b, _ = _binary_operands(input, other, kind)
         return prim(a, b)
 
     return decomposition
 
 
+def _wrapped(value: int, dtype: torch.dtype) -> int | bool:
+    """A Python integer as `dtype` holds it: two's complement wrapping, as eager's integer kernels wrap."""
+    if dtype == torch.bool:
+        return bool(value)
+    info = torch.iinfo(dtype)
+    return (value - info.min) % (info.max - info.min + 1) + info.min
+
+
+def _scaled(b: Any, alpha: Any, dtype: torch.dtype) -> Any:
+    """`alpha * b` for an integer or bool result, `b` already promoted: eager computes it in the result dtype, where
+    integers wrap (uint8 254 * 3 is 250, not 762)."""
+    if is_tensor(b):
+        return prims.mul(b, _wrapped(int(alpha), dtype))
+    return _wrapped(b * alpha, dtype)
+
+
+def _alpha_operands(a: Any, b: Any, alpha: Any) -> tuple[Any, Any] | None:
+    """The operands of `a + alpha * b` (or `a - alpha * b`), promoted as eager promotes them, without alpha; None where
+    the prims cannot round as eager's kernel does: for floating results it computes a + alpha * b with one rounding
+    (a fused multiply-add where vectorized, in float32 for half precision), which a product and a sum, each rounded
+    to the dtype, are not. The executors then run eager's kernel."""
+    a, b, dtype = _binary_operands(a, b, "DEFAULT")
+    if alpha is None or (alpha == 1 and not isinstance(alpha, complex)):
+        return a, b
+    if dtype.is_floating_point or dtype.is_complex:
+        return None
+    return a, _scaled(b, alpha, dtype)
+
+
 def _with_alpha(prim: Symbol) -> Callable[..., Any]:
-    def decomposition(a: Any, b: Any, *, alpha: Any = None) -> Any:
-        if alpha is not None and alpha != 1:
-            b = prims.mul(b, alpha) if is_tensor(b) else b * alpha
-        a, b, _ = _binary_operands(a, b, "DEFAULT")
-        return prim(a, b)
+    def decomposition(input: Any, other: Any, *, alpha: Any = None) -> Any:  # noqa: A002
+        operands = _alpha_operands(input, other, alpha)
+        return NotImplemented if operands is None else prim(*operands)
 
     return decomposition
 
@@ -144,10 +176,10 @@ INPLACE_DUNDERS = {"mul": "__imul__", "remainder": "__imod__", "bitwise_and": "_
 
 
 def _logical_decomposition(prim: Symbol) -> Callable[..., Any]:
-    def decomposition(a: Any, b: Any) -> Any:
-        shape = broadcast_shape(a, b)
-        a = expand_to(convert(a, torch.bool), shape)
-        b = expand_to(convert(b, torch.bool), shape)
+    def decomposition(input: Any, other: Any) -> Any:  # noqa: A002
+        shape = broadcast_shape(input, other)
+        a = expand_to(convert(input, torch.bool), shape)
+        b = expand_to(convert(other, torch.bool), shape)
         return prim(a, b)
 
     return decomposition
@@ -180,17 +212,16 @@ torch_symbol(
 )
 
 
-def rsub_decomposition(a: Any, b: Any, *, alpha: Any = None) -> Any:
-    if alpha is not None and alpha != 1:
-        a = prims.mul(a, alpha)
-    b_, a_, _ = _binary_operands(b, a, "DEFAULT")
-    return prims.sub(b_, a_)
+def rsub_decomposition(input: Any, other: Any, *, alpha: Any = None) -> Any:  # noqa: A002
+    operands = _alpha_operands(other, input, alpha)
+    return NotImplemented if operands is None else prims.sub(*operands)
 
 
 torch_symbol(torch.rsub, decomposition=rsub_decomposition, aliases=methods("__rsub__"))
 
 
-def div_decomposition(a: Any, b: Any, *, rounding_mode: str | None = None) -> Any:
+def div_decomposition(input: Any, other: Any, *, rounding_mode: str | None = None) -> Any:  # noqa: A002
+    a, b = input, other
     if rounding_mode is None:
         a, b, _ = _binary_operands(a, b, "INT_TO_FLOAT")
         return prims.div(a, b)
@@ -211,7 +242,7 @@ torch_symbol(
 )
 torch_symbol(
     torch.floor_divide,
-    decomposition=lambda a, b: div_decomposition(a, b, rounding_mode="floor"),
+    decomposition=lambda input, other: div_decomposition(input, other, rounding_mode="floor"),
     aliases=methods("floor_divide", "__floordiv__"),
     inplace=methods("floor_divide_", "__ifloordiv__"),
 )
@@ -224,7 +255,29 @@ torch_symbol(torch.Tensor.__rfloordiv__)
 torch_symbol(torch.Tensor.__rmod__)
 
 
-def pow_decomposition(a: Any, b: Any) -> Any:
+def _is_bool(x: Any) -> bool:
+    return x.dtype == torch.bool if is_tensor(x) else isinstance(x, bool)
+
+
+def pow_meta(builder: Any, input: Any, exponent: Any) -> Any:  # noqa: A002 - torch's keyword names
+    """torch's meta kernel gives pow of two bools int64 (its reference promotes bool to long); eager's kernels keep a
+    bool tensor to a bool number's power bool (x ** True is x, x ** False all True) and refuse the other bool pairs."""
+    a, b = input, exponent
+    operands = [x.meta if is_tensor(x) else x for x in (a, b)]
+    if _is_bool(a) and _is_bool(b):
+        if not (is_tensor(a) and not is_tensor(b)):
+            raise NotImplementedError("\"pow\" not implemented for 'Bool'")
+        out = torch.empty_like(operands[0])
+    else:
+        out = torch.pow(*operands)
+    requires_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (a, b) if is_tensor(x))
+    return builder.wrap_outputs(out, infer_device((a, b), {}), requires_grad)
+
+
+def pow_decomposition(input: Any, exponent: Any) -> Any:  # noqa: A002 - torch's keyword names
+    a, b = input, exponent
+    if is_tensor(a) and a.dtype == torch.bool and isinstance(b, bool):  # pow_meta's one bool case
+        return a if b else prims.full(tuple(a.shape), True, dtype=torch.bool, device=a.device)
     if not is_tensor(b) and b == 2 and is_tensor(a):
         return prims.mul(a, a)
     if is_tensor(a) and a.dtype.is_floating_point and is_real_number(b):
@@ -247,9 +300,10 @@ def _pow_by_number(a: Any, b: float) -> Any:
     return prims.pow(a, exponent)
 
 
-torch_symbol(torch.pow, decomposition=pow_decomposition, aliases=methods("pow", "__pow__"),
+torch_symbol(torch.pow, decomposition=pow_decomposition, meta=pow_meta, aliases=methods("pow", "__pow__"),
              inplace=methods("pow_", "__ipow__"), tags=Tag.EAGER_ROUNDING)
-torch_symbol(torch.Tensor.__rpow__, decomposition=lambda a, b: pow_decomposition(b, a))
+torch_symbol(torch.Tensor.__rpow__, decomposition=lambda a, b: pow_decomposition(b, a),
+             meta=lambda builder, a, b: pow_meta(builder, b, a))
 torch_symbol(torch.float_power, aliases=methods("float_power"))
 torch_symbol(torch.fmax)
 torch_symbol(torch.fmin)

@@ -65,7 +65,16 @@ def _softmax_parts(x, dim, dtype):
     return x, dim, shifted
 
 
+def _refuse_integral(name: str, x: Any, dtype: torch.dtype | None) -> None:
+    """Eager's kernels refuse integer and bool inputs unless dtype= names a floating one; torch's meta kernel gives
+    them the input's dtype, so without this the trace would hold a value eager never computes."""
+    if dtype is None and not (x.dtype.is_floating_point or x.dtype.is_complex):
+        raise NotImplementedError(f"{name} is not implemented for {x.dtype} inputs (as in eager); pass dtype= a "
+                                  "floating dtype, or convert the input")
+
+
 def softmax_decomposition(x, dim=None, _stacklevel=3, dtype=None) -> Any:
+    _refuse_integral("softmax", x, dtype)
     if dim is None or x.numel() == 0:
         return NotImplemented
     x, dim, shifted = _softmax_parts(x, dim, dtype)
@@ -75,6 +84,7 @@ def softmax_decomposition(x, dim=None, _stacklevel=3, dtype=None) -> Any:
 
 
 def log_softmax_decomposition(x, dim=None, _stacklevel=3, dtype=None) -> Any:
+    _refuse_integral("log_softmax", x, dtype)
     if dim is None or x.numel() == 0:
         return NotImplemented
     x, dim, shifted = _softmax_parts(x, dim, dtype)
