@@ -99,9 +99,21 @@ def _binary_operands(a: Any, b: Any, kind: str) -> tuple[Any, Any, torch.dtype]:
     return expand_to(convert(a, compute), shape), expand_to(convert(b, compute), shape), dtype
 
 
+def _reads_scalar_unrounded(a: Any, b: Any) -> bool:
+    """Whether eager's kernel reads a one-element operand of another dtype unrounded: for a float16 or bfloat16
+    result, mul and div (on CUDA also add and sub) take such an operand's own value at float32 (a half tensor times a
+    float32 0-dim tensor multiplies by the float32 value), where the prims, whose operands have the result's dtype,
+    would round it to half first. Those calls run eager's kernel."""
+    dtype = result_dtype(a, b)
+    return dtype in (torch.float16, torch.bfloat16) and any(
+        is_tensor(x) and x.numel() == 1 and x.dtype != dtype for x in (a, b))
+
+
 def _binary_decomposition(prim: Symbol, kind: str) -> Callable[..., Any]:
     # parameters named as torch's, which programs may pass by keyword (torch.mul(x, other=y))
     def decomposition(input: Any, other: Any) -> Any:  # noqa: A002
+        if prim is prims.mul and _reads_scalar_unrounded(input, other):
+            return NotImplemented
         a, b, _ = _binary_operands(input, other, kind)
         return prim(a, b)
 
@@ -129,6 +141,8 @@ def _alpha_operands(a: Any, b: Any, alpha: Any) -> tuple[Any, Any] | None:
     the prims cannot round as eager's kernel does: for floating results it computes a + alpha * b with one rounding
     (a fused multiply-add where vectorized, in float32 for half precision), which a product and a sum, each rounded
     to the dtype, are not. The executors then run eager's kernel."""
+    if _reads_scalar_unrounded(a, b):
+        return None
     a, b, dtype = _binary_operands(a, b, "DEFAULT")
     if alpha is None or (alpha == 1 and not isinstance(alpha, complex)):
         return a, b
@@ -222,6 +236,8 @@ torch_symbol(torch.rsub, decomposition=rsub_decomposition, aliases=methods("__rs
 
 def div_decomposition(input: Any, other: Any, *, rounding_mode: str | None = None) -> Any:  # noqa: A002
     a, b = input, other
+    if _reads_scalar_unrounded(a, b):
+        return NotImplemented
     if rounding_mode is None:
         a, b, _ = _binary_operands(a, b, "INT_TO_FLOAT")
         return prims.div(a, b)
@@ -230,6 +246,11 @@ def div_decomposition(input: Any, other: Any, *, rounding_mode: str | None = Non
         # Integer division, and floor division, stay with torch: eager floors Python's way (through fmod), which
         # floor(a / b) is not where a / b rounds up to an integer (0.9 // 0.1 is 8, floor(0.9 / 0.1) is 9) or b is
         # infinite (1 // -inf is -1).
+        return NotImplemented
+    if dtype in (torch.float16, torch.bfloat16):
+        # eager's CPU kernel rounds the quotient to half before truncating where it vectorizes and not in its scalar
+        # tail, and reads a number divisor rounded to half where div reads it at float32: no prims agree with it on
+        # every element, so eager's kernel runs
         return NotImplemented
     return prims.trunc(prims.div(a, b))
 
