@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fulmen.core import pytree
+from fulmen.core.errors import ExecutorContractError, TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
@@ -58,8 +59,27 @@ class Implementation:
     execution_transform: Callable[..., Any] | None = None
     grad_transform: Callable[..., Any] | None = None
 
-    def accepts(self, bsym: BoundSymbol) -> bool:
-        return self.checker is None or bool(self.checker(*bsym.args, **bsym.kwargs))
+    def accepts(self, bsym: BoundSymbol, executor: Executor | None = None) -> bool:
+        """Whether the checker accepts `bsym`'s arguments. A checker that fails, or answers other than True or False
+        (a tensor, whose truth is data-dependent, or None from a missing return), is the user's mistake: refused,
+        naming the symbol, `executor` and the user's line."""
+        if self.checker is None:
+            return True
+        owner = f" (executor {executor.name!r})" if executor is not None else ""
+        try:
+            verdict = self.checker(*bsym.args, **bsym.kwargs)
+        except Exception as error:
+            # fulmen's own errors too: a checker computing with its arguments meets "fulmen does not support"
+            hint = " (a checker reads its arguments' metadata; it cannot compute with them)" if isinstance(
+                error, TraceError) else ""
+            raise ExecutorContractError(f"the checker of {bsym.sym.printed}{owner} failed{hint}: "
+                                        f"{type(error).__name__}: {error}", bsym.source) from error
+        if not isinstance(verdict, bool):
+            got = f"a tensor {verdict.type_string()}" if isinstance(verdict, TensorProxy) else type(verdict).__name__
+            raise ExecutorContractError(f"the checker of {bsym.sym.printed}{owner} returned {got}, not a bool: a "
+                                        "checker answers from its arguments' metadata (shape, dtype, device, "
+                                        "requires_grad) with True or False", bsym.source)
+        return verdict
 
 
 DIRECT = Implementation()
@@ -211,7 +231,13 @@ class OperatorExecutor(Executor):
     ) -> None:
         """Lets this executor run `sym` (a symbol, e.g. `fulmen.torch.softmax`, or a torch callable) when `checker`
         accepts the call's arguments: by `execution_transform` (a program of other symbols with the same signature)
-        or, without one, by the symbol's own callable; `grad_transform` is then its grad rule."""
+        or, without one, by the symbol's own callable; `grad_transform` is then its grad rule.
+
+        `grad_transform` takes the symbol's arguments, computes its result, and hands back the grad of each floating
+        input whose `.requires_grad` is True with `fulmen.put_grad(x, grad)` (reading the outputs' grads with
+        `fulmen.get_grad(out)`). A rule that puts no grad for such an input is refused
+        (fulmen.core.errors.ExecutorContractError, at the user's line): fulmen would take that grad as zero. Where
+        the grad really is zero, put it explicitly: `put_grad(x, torch.zeros_like(x))`."""
         if not isinstance(sym, Symbol):
             binding = lookup(sym)
             if binding is None:
@@ -223,16 +249,16 @@ class OperatorExecutor(Executor):
     def claims(self, bsym: BoundSymbol) -> Implementation | None:
         impl = self.implementations.get(bsym.sym)
         if impl is not None and impl.execution_transform is not None:
-            return impl if impl.accepts(bsym) else None
+            return impl if impl.accepts(bsym, self) else None
         # Its own kernels run directly. A replacing operator (it has the original's ops as parts) descends to
         # them instead: its `fn` is the user's function, which may take objects a trace cannot pass.
         if bsym.sym.executor is self and not bsym.subsymbols:
-            return DIRECT if impl is None or impl.accepts(bsym) else None
+            return DIRECT if impl is None or impl.accepts(bsym, self) else None
         return None
 
     def grad_rule(self, bsym: BoundSymbol) -> Callable[..., Any] | None:
         impl = self.implementations.get(bsym.sym)
-        if impl is None or impl.grad_transform is None or not impl.accepts(bsym):
+        if impl is None or impl.grad_transform is None or not impl.accepts(bsym, self):
             return None
         return impl.grad_transform
 

@@ -22,8 +22,9 @@ without a rule falls back to torch autograd on its own callable (`impls.torch_vj
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from fulmen.core import pytree
-from fulmen.core.errors import TraceError
+from fulmen.core.errors import ExecutorContractError, TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.core.trace import Trace, TraceBuilder
@@ -287,15 +288,17 @@ class GradTransform:
         self.trace = trace
         self.executors = executors
 
-    def _rules(self, bsym: BoundSymbol):
-        """The grad rules to try for `bsym`: active executors' grad_transforms in priority order, then fulmen's."""
+    def _rules(self, bsym: BoundSymbol) -> Iterator[tuple[GradRule, Any]]:
+        """The grad rules to try for `bsym`, each with the executor whose user registered it (None for fulmen's
+        own): active executors' grad_transforms in priority order, then the registered rule."""
         for executor in self.executors:
             rule = executor.grad_rule(bsym)
             if rule is not None:
-                yield rule
+                yield rule, executor
         rule = GRAD_RULES.get(bsym.sym)
         if rule is not None:
-            yield rule
+            # register_grad on an operator of an executor (fulmen.extend): the user's rule too
+            yield rule, bsym.sym.executor
 
     def joint(self) -> Joint:
         forward: list[BoundSymbol] = []
@@ -322,7 +325,7 @@ class GradTransform:
             forward.append(bsym)
             return
         _refuse_complex(bsym)
-        if any(self._apply(rule, bsym, forward, chunks) for rule in self._rules(bsym)):
+        if any(self._apply(rule, bsym, forward, chunks, owner) for rule, owner in self._rules(bsym)):
             return
         if bsym.subsymbols and not bsym.draws_random():
             # Differentiate through the decomposition, keeping the composite itself in the forward.
@@ -339,15 +342,60 @@ class GradTransform:
             return
         self._apply(_fallback_rule(bsym), bsym, forward, chunks)
 
-    def _apply(self, rule: GradRule, bsym: BoundSymbol, forward: list[BoundSymbol], chunks: list[Chunk]) -> bool:
-        """Runs `rule` for `bsym`, adding its forward work and its chunk; False when the rule declines."""
+    def _apply(self, rule: GradRule, bsym: BoundSymbol, forward: list[BoundSymbol], chunks: list[Chunk],
+               owner: Any = None) -> bool:
+        """Runs `rule` for `bsym`, adding its forward work and its chunk; False when the rule declines. `owner` is the
+        executor of a user's rule (fulmen.extend), which must put a grad for each input that requires one."""
         recorded = _run_rule(rule, bsym, self.builder, self.interpreter)
         if recorded is None:
             return False
+        if owner is not None:
+            _refuse_missing_grads(rule, bsym, recorded, owner)
         fwd, chunk = _split(recorded, bsym)
         forward.extend(fwd)
         chunks.append(chunk)
         return True
+
+
+def _refuse_missing_grads(rule: GradRule, bsym: BoundSymbol, recorded: list[BoundSymbol], owner: Any) -> None:
+    """A user's rule that puts no grad for a floating input that requires grad: the backward would take that grad as
+    zero (or, with nothing else reaching the input, fail in torch with 'does not require grad'). fulmen's own rules
+    leave out only inputs eager gives no grad (integer or non-differentiable arguments), which are checked by
+    tests against eager; a user's rule is not, so a zero must be put explicitly."""
+    put = {b.args[0].pname for b in recorded if b.sym is PUT_GRAD}
+    missing = next((p for p in bsym.proxy_args() if _differentiable(p) and p.dtype.is_floating_point
+                    and p.pname not in put), None)
+    if missing is None:
+        return
+    name = _parameter_name(rule, bsym, missing)
+    x = name if name.isidentifier() else "x"
+    raise ExecutorContractError(
+        f"the grad_transform of {bsym.sym.printed} (executor {owner.name!r}) puts no grad for its input {name} "
+        f"({missing.type_string()}), which requires grad: fulmen would take that grad as zero. Call put_grad(x, "
+        f"grad) for each floating input x whose .requires_grad is True; where the grad is zero, say so: "
+        f"put_grad({x}, torch.zeros_like({x}))",
+        bsym.source,
+    )
+
+
+def _parameter_name(rule: GradRule, bsym: BoundSymbol, proxy: TensorProxy) -> str:
+    """The name `rule` gives the argument holding `proxy` (the user wrote the rule), else its position or keyword."""
+    try:
+        signature = inspect.signature(rule)
+        bound = signature.bind(*bsym.args, **bsym.kwargs).arguments
+    except (TypeError, ValueError):  # a builtin or a signature the call does not fit: the rule ran anyway
+        bound = {}
+    for name, value in bound.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            bound.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL and any(p is proxy for p in iter_proxies(value)):
+            return name
+    for key, value in bsym.kwargs.items():
+        if any(p is proxy for p in iter_proxies(value)):
+            return key
+    position = next(i for i, value in enumerate(bsym.args) if any(p is proxy for p in iter_proxies(value)))
+    return f"argument {position}"
 
 
 def _refuse_complex(bsym: BoundSymbol) -> None:

@@ -3,6 +3,7 @@ user's line, where fulmen would otherwise compute something other than eager doe
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -137,3 +138,97 @@ def test_calls_after_the_first_run_go_to_the_kernel_directly():
     for _ in range(2):
         torch.testing.assert_close(jitted(x), x * 2 + (x + 1) * 2)
     assert len(calls) == 4 and fulmen.cache_misses(jitted) == 1
+
+
+# --- grad rules that put no grad for an input ------------------------------------------------------------------------
+def _doubling(grad_transform, checker=None):
+    """An operator computing 2 * x (+ w), with the grad rule given, of a fresh executor."""
+    n = next(_names)
+    ex = OperatorExecutor(f"rule{n}")
+    op = ex.register_operator(f"double{n}", like=lambda x, w=None: TensorProxy(like=x),
+                              fn=lambda x, w=None: x * 2 if w is None else x * 2 + w)
+    ex.register_implementation(op, checker=checker, grad_transform=functools.partial(grad_transform, op))
+    return ex, op
+
+
+def test_a_grad_rule_putting_no_grad_is_refused():
+    # x.grad came out 1 (the op's grad taken as zero) where eager's is 2cos(2x) + 1
+    ex, op = _doubling(lambda op, x: op(x))
+    jitted = fulmen.jit(lambda x: op(x).sin() + x, executors=[ex])
+    with pytest.raises(ExecutorContractError, match=(
+            rf"(?s)the grad_transform of {op.name} \(executor '{ex.name}'\) puts no grad for its input x "
+            r"\(cpu f32\[4\]\), which requires grad.*put_grad\(x, torch.zeros_like\(x\)\)"
+            r".*test_extend_misuse.py:\d+ in <lambda>: "
+            r"\"jitted = fulmen.jit\(lambda x: op\(x\).sin\(\) \+ x")):
+        jitted(torch.randn(4, requires_grad=True))
+    # with nothing else reaching x: torch's "element 0 of tensors does not require grad" at backward before
+    with pytest.raises(ExecutorContractError, match=r"puts no grad for its input x"):
+        fulmen.jit(lambda x: op(x).sin(), executors=[ex])(torch.randn(4, requires_grad=True))
+
+
+def test_a_grad_rule_must_put_each_input_that_requires_grad():
+    def rule(op, x, w):  # puts x's grad, forgets w's
+        y = op(x, w)
+        put_grad(x, get_grad(y) * 2)
+        return y
+
+    ex, op = _doubling(rule)
+    jitted = fulmen.jit(lambda x, w: op(x, w).sum(), executors=[ex])
+    with pytest.raises(ExecutorContractError, match=r"puts no grad for its input w \(cpu f32\[3\]\)"):
+        jitted(torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True))
+    # an input that needs no grad needs none put; the program is eager's then
+    x = torch.randn(3, requires_grad=True)
+    jitted(x, torch.randn(3)).backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
+def test_a_grad_rule_says_a_zero_grad_with_zeros():
+    # a rounding kernel: eager's torch.round has a zero grad, which the rule puts explicitly
+    def rule(op, x):
+        y = op(x)
+        put_grad(x, torch.zeros_like(x))
+        return y
+
+    n = next(_names)
+    ex = OperatorExecutor(f"round{n}")
+    op = ex.register_operator(f"round{n}", like=lambda x: TensorProxy(like=x), fn=torch.round)
+    ex.register_implementation(op, grad_transform=lambda x: rule(op, x))
+    x = torch.randn(5, requires_grad=True)
+    leaf = x.detach().requires_grad_()
+    fulmen.jit(lambda x: op(x).sin() + x * 3, executors=[ex])(x).sum().backward()
+    (torch.round(leaf).sin() + leaf * 3).sum().backward()
+    torch.testing.assert_close(x.grad, leaf.grad)
+
+
+def test_fulmens_own_rules_may_leave_out_inputs_eager_gives_no_grad():
+    # torch.where's condition and an integer index get no grad in fulmen's rules, as in eager
+    x = torch.randn(5, requires_grad=True)
+    leaf = x.detach().requires_grad_()
+    program = lambda x: torch.where(x > 0, x, x * 2).gather(0, torch.tensor([4, 0])).sum()  # noqa: E731
+    fulmen.jit(program)(x).backward()
+    program(leaf).backward()
+    torch.testing.assert_close(x.grad, leaf.grad)
+
+
+# --- checkers that fail or answer other than a bool ------------------------------------------------------------------
+def test_a_failing_checker_is_named():
+    ex, op = _doubling(lambda op, x: op(x), checker=lambda x: {"a": 1}["b"])
+    with pytest.raises(ExecutorContractError, match=(
+            rf"(?s)the checker of {op.name} \(executor '{ex.name}'\) failed: KeyError: 'b'.*"
+            r"test_extend_misuse.py:\d+ in <lambda>")) as info:
+        fulmen.jit(lambda x: op(x) + 1, executors=[ex])(torch.randn(3))
+    assert type(info.value.__cause__) is KeyError
+    # computing with the arguments: a proxy has no values to compute with outside the trace
+    ex, op = _doubling(lambda op, x: op(x), checker=lambda x: bool(x.sum() > 0))
+    with pytest.raises(ExecutorContractError, match=r"the checker of .* failed \(a checker reads its arguments' "
+                       r"metadata; it cannot compute with them\): UnsupportedOpError"):
+        fulmen.jit(lambda x: op(x) + 1, executors=[ex])(torch.randn(3))
+
+
+@pytest.mark.parametrize("answer, got", [(lambda x: x, "a tensor cpu f32\\[3\\]"), (lambda x: None, "NoneType")])
+def test_a_checker_answering_other_than_a_bool_is_refused(answer, got):
+    # bool() of a tensor (an argument returned by mistake) is data-dependent; None (a missing return) declined silently
+    ex, op = _doubling(lambda op, x: op(x), checker=answer)
+    with pytest.raises(ExecutorContractError, match=rf"the checker of {op.name} \(executor '{ex.name}'\) returned "
+                       rf"{got}, not a bool"):
+        fulmen.jit(lambda x: op(x) + 1, executors=[ex])(torch.randn(3))
