@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import warnings
@@ -202,6 +203,12 @@ class JittedFunction:
         self.pipeline = Pipeline(options, executors, Interpreter)
         self.last_miss_reasons: list[str] = []  # why the last call that missed could not use each cached trace
         self._warned = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> JittedFunction:
+        """`fn` (and its module) copied, jitted anew with the same options and executors: the traces name the
+        original's tensors, and executors are registered by identity."""
+        module = copy.deepcopy(self._module, memo)
+        return JittedFunction(copy.deepcopy(self._fn, memo), self._options, module, self.executors)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if current_interpreter() is not None:  # called by a program another fulmen.jit acquires: part of its trace
@@ -534,6 +541,16 @@ class JittedModule(nn.Module):
         super().__init__()
         self._model = model
         self._jit = JittedFunction(model.forward, options, module=model, executors=executors)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> JittedModule:
+        """The wrapped module copied (an EMA or reference model), jitted anew with the same options and executors;
+        the hooks registered on this wrapper come along, as nn.Module's deepcopy copies them."""
+        copied = JittedModule(copy.deepcopy(self._model, memo), self._jit._options, self._jit.executors)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            if name not in ("_jit", "_modules"):
+                copied.__dict__[name] = copy.deepcopy(value, memo)
+        return copied
 
     # fulmen.transforms.distribution's ModuleWrapper: ddp / fsdp distribute the wrapped module
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -291,3 +293,28 @@ def test_a_method_lookaside_stands_for_torchs_method_not_a_subclass_override():
     assert method_lookasides(nn.LSTM) == {"flatten_parameters": rnn_flatten_parameters}
     assert method_lookasides(OwnFlatten) == {}
     assert method_lookasides(nn.Linear) == {}
+
+
+def test_a_deep_copy_is_its_own_jitted_module():
+    """`copy.deepcopy` of a jitted module that ran (an EMA or DPO reference model): the copy holds its own tensors
+    and traces anew; the original keeps training, the copy stays as it was. (It failed with 'aten.clone.default'.)"""
+    torch.manual_seed(0)
+    model = Net()
+    jitted = fulmen.jit(model, executors=["torch"])
+    jitted.register_forward_hook(lambda module, args, out: out * 2)
+    x = torch.randn(3, 4)
+    jitted(x).sum().backward()
+    reference = copy.deepcopy(jitted)
+    function = fulmen.jit(lambda t: jitted(t) + 1)
+    function(x)
+    function_copy = copy.deepcopy(function)
+    frozen = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert type(reference) is type(jitted) and reference._jit.executors == jitted._jit.executors
+    assert all(a is not b for a, b in zip(reference.parameters(), model.parameters()))
+    torch.testing.assert_close(reference(x), frozen(x) * 2)  # the hook came along
+    torch.testing.assert_close(jitted(x), model(x) * 2)
+    torch.testing.assert_close(function_copy(x), jitted(x) + 1)  # a function shares what it closes over
+    assert fulmen.cache_misses(reference) == 1
