@@ -28,7 +28,9 @@ class UnsupportedOpError(TraceError):
 
 class ExecutorContractError(TraceError):
     """An executor's callable broke what its symbol declares (outputs other than its like=/meta= gives, an argument
-    modified in place, an argument's memory returned); found on the call's first run, located at the user's line."""
+    modified in place, an argument's memory returned; found on the call's first run), or a user's executor rule
+    misbehaved (a checker failing or answering other than a bool, a grad_transform putting no grad for an input that
+    requires one); located at the user's line."""
 
 
 class CacheLimitError(FulmenError):

@@ -77,12 +77,21 @@ class _FirstRunCheck:
         kernel = Tag.KERNEL in bsym.sym.tags
         arguments = list(pytree.leaves((args, kwargs), _is_tensor)) if kernel else []
         versions = [_version(t) for t in arguments]
-        result = self.impl(*args, **kwargs)
+        owner = bsym.sym.executor.name if bsym.sym.executor is not None else None
+        try:
+            result = self.impl(*args, **kwargs)
+        except Exception as error:
+            # the traceback ends in the kernel, called from a line of generated code: name the program's call (on
+            # first runs only, where the check costs nothing more; a later run's failure goes without)
+            if hasattr(error, "add_note"):  # Python 3.11
+                where = f" at {bsym.source.describe()}" if bsym.source is not None else ""
+                error.add_note(f"fulmen: raised by {bsym.sym.printed} (executor {owner!r}), run for the program's "
+                               f"call{where}")
+            raise
         problem = _output_problem(bsym.output, result, kernel, "")
         if problem is None and kernel:
             problem = _argument_problem(arguments, versions, site.kept, result)
         if problem is not None:
-            owner = bsym.sym.executor.name if bsym.sym.executor is not None else None
             raise ExecutorContractError(f"{bsym.sym.printed} (executor {owner!r}) {problem}", bsym.source)
         for line in [line for line, other in self.pending.items() if other.bsym is bsym]:
             self.pending.pop(line, None)

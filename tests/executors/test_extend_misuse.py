@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 
 import pytest
 import torch
@@ -232,3 +233,23 @@ def test_a_checker_answering_other_than_a_bool_is_refused(answer, got):
     with pytest.raises(ExecutorContractError, match=rf"the checker of {op.name} \(executor '{ex.name}'\) returned "
                        rf"{got}, not a bool"):
         fulmen.jit(lambda x: op(x) + 1, executors=[ex])(torch.randn(3))
+
+
+# --- kernels that raise -----------------------------------------------------------------------------------------------
+def _failing(x):
+    raise IndexError("block size 37 unsupported")
+
+
+def test_a_kernel_raising_on_its_first_run_names_the_call():
+    # the traceback ended in the kernel, called from a line of generated code: which call of the program was it?
+    ex, op = _operator(_failing)
+
+    def program(x):
+        y = x + 1
+        return op(y) * 2
+
+    with pytest.raises(IndexError, match="block size 37") as info:
+        fulmen.jit(program, executors=[ex])(torch.randn(3))
+    assert len(info.value.__notes__) == 1
+    assert re.fullmatch(rf"fulmen: raised by {op.name} \(executor '{ex.name}'\), run for the program's call at "
+                        r".*test_extend_misuse.py:\d+ in program: \"return op\(y\) \* 2\"", info.value.__notes__[0])
