@@ -219,9 +219,9 @@ class Interpreter(TorchFunctionMode):
             raise UnsupportedOpError(f"fulmen cannot trace {_describe(func)}(..., requires_grad=True): a tensor the "
                                      "program creates as a leaf of autograd has no place in a trace; create it "
                                      "outside the jitted function and pass it in", location)
-        if kwargs.get("out") is not None:
-            raise UnsupportedOpError(f"fulmen does not support the out= argument of {_describe(func)}", location)
-        kwargs.pop("out", None)
+        out = kwargs.pop("out", None)
+        if out is not None:
+            return self._into(func, out, lambda: self._dispatch(func, binding, args, kwargs))
         if binding.normalize is not None:
             args, kwargs = binding.normalize(*args, **kwargs)
         if binding.inplace:
@@ -517,6 +517,23 @@ class Interpreter(TorchFunctionMode):
                                  "program; fulmen does not support that in-place update", self.builder.source)
             self._assign(stat, self._record(detach, (new,), {}), "batch_norm's running statistics")
         return out
+
+    def _into(self, func: Callable[..., Any], out: Any, compute: Callable[[], Any]) -> Any:
+        """`func(..., out=out)`: the result, computed out of place, copied into `out` (spectral_norm's power
+        iteration writes its buffers so). Only where eager writes it as it stands: an `out` of the result's shape
+        and dtype (eager would resize or convert it otherwise), outside autograd (where eager raises)."""
+        what = f"the out= argument of {_describe(func)}"
+        if type(out) is not TensorProxy:
+            raise UnsupportedOpError(f"fulmen supports {what} for a single tensor only", self.builder.source)
+        result = compute()
+        if type(result) is not TensorProxy or result.requires_grad or out.requires_grad:
+            raise UnsupportedOpError(f"fulmen supports {what} only for one result without grad (eager refuses "
+                                     "out= under autograd); assign the result instead", self.builder.source)
+        if tuple(result.shape) != tuple(out.shape) or result.dtype != out.dtype:
+            raise UnsupportedOpError(f"fulmen supports {what} only where out has the result's shape and dtype "
+                                     f"({result.type_string()}; out is {out.type_string()}): eager would resize "
+                                     "or convert it; assign the result instead", self.builder.source)
+        return self._copy_(out, result)
 
     def _copy_(self, dst: TensorProxy, src: Any, non_blocking: bool = False) -> TensorProxy:
         new = shape.copy(self.functional.resolve(dst), self._values(src))

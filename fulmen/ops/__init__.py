@@ -5,14 +5,18 @@ Importing this package registers every supported torch callable (see `registry.T
 
 from fulmen.ops import (  # noqa: F401  (registration side effects)
     backward_kernels,
+    builders,
     checks,
     elementwise,
     factories,
+    fft,
     fused_loss,
+    linalg,
     nn,
     recurrent,
     reductions,
     shape,
+    statistics,
     vision,
 )
 from fulmen.ops.registry import TORCH_BINDINGS, TorchBinding, lookup
