@@ -49,9 +49,22 @@ def _permute_like(fn):
 
 for _fn in (torch.permute, method("permute"), torch.transpose, method("transpose"), torch.swapaxes,
             method("swapaxes"), torch.swapdims, method("swapdims"), torch.t, method("t"), torch.movedim,
-            method("movedim"), torch.moveaxis, method("moveaxis"), torch.Tensor.mT.__get__, torch.Tensor.T.__get__,
-            torch.Tensor.mH.__get__, torch.adjoint, method("adjoint")):
+            method("movedim"), torch.moveaxis, method("moveaxis"), torch.Tensor.mT.__get__, torch.Tensor.T.__get__):
     torch_symbol(_fn, decomposition=_permute_like(_fn))
+
+
+def _real_permute_like(fn):
+    """The conjugate transposes: a permutation of a real tensor; a complex one's is conjugated too, left to torch."""
+    permute = _permute_like(fn)
+
+    def decomposition(x, *args, **kwargs):
+        return NotImplemented if x.dtype.is_complex else permute(x, *args, **kwargs)
+
+    return decomposition
+
+
+for _fn in (torch.Tensor.mH.__get__, torch.adjoint, method("adjoint")):
+    torch_symbol(_fn, decomposition=_real_permute_like(_fn))
 
 
 def _expand_decomposition(fn):

@@ -192,3 +192,15 @@ def test_complex_transforms_forward_only():
     with pytest.raises(fulmen.TraceError, match="complex") as caught:
         fulmen.jit(spectrum)(signal.clone().requires_grad_())
     assert f":{inspect.getsourcelines(spectrum)[1] + 1} in spectrum" in str(caught.value)
+
+
+@pytest.mark.parametrize("transpose", [lambda x: x.mH, torch.adjoint, lambda x: x.H], ids=["mH", "adjoint", "H"])
+def test_conjugate_transposes_conjugate_as_decompositions(transpose):
+    """A complex tensor's .mH/.H/adjoint are conjugated: run as decompositions (what fusion executors take) they
+    were plain permutations before, the imaginary parts' signs flipped against eager's."""
+    x = torch.randn(2, 3, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+
+    def program(x):
+        return transpose(x) * 1
+
+    torch.testing.assert_close(fulmen.jit(program, executors=[DECOMPOSED])(x), program(x), rtol=0, atol=0)
