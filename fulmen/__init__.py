@@ -56,10 +56,12 @@ def jit(fn: Callable[..., Any] | nn.Module, executors: Sequence[Executor | str] 
         offload: OffloadOptions | None = None) -> JittedFunction | JittedModule:
     """Acquires `fn` (a function or an `nn.Module`) into traces on its first call and runs them after.
 
-    `executors` is a priority list of executor objects or names (default: `get_default_executors()`); the torch
-    executor always comes last. `transforms` and `offload` set `JitOptions.transforms` and `JitOptions.offload`
-    (give them here or in `options`, not both): user trace transforms run at the pipeline's stages
-    (fulmen.jit.pipeline), and CPU offloading of the tensors saved for the backward.
+    `executors` is a priority list of executor objects or names (default: `get_default_executors()`, as it is when
+    `fulmen.jit` is called); the torch executor always comes last. A registration on one of them after this call
+    (`register_implementation`, ...) makes the next call trace again, as a fresh `fulmen.jit` would. `transforms`
+    and `offload` set `JitOptions.transforms` and `JitOptions.offload` (give them here or in `options`, not both):
+    user trace transforms run at the pipeline's stages (fulmen.jit.pipeline), and CPU offloading of the tensors
+    saved for the backward.
     """
     options = options or JitOptions()
     if isinstance(transforms, Transform):

@@ -30,9 +30,17 @@ from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import lookup
 
+# Counts every registration of any executor: a jitted callable compares this one number on each call, and recounts
+# its own executors' `registrations` only when it changed (fulmen.jit.jitted).
+REGISTRATIONS = 0
+
 
 class Executor:
     """An executor: a name, unique among registered executors."""
+
+    # How many registrations changed what this executor claims or replaces: part of each trace's cache key, so a
+    # trace built before one is built again (as a fresh fulmen.jit would), not reused with the old choices.
+    registrations = 0
 
     def __init__(self, name: str) -> None:
         if not isinstance(name, str) or not name:
@@ -49,6 +57,11 @@ class Executor:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+    def _registered(self) -> None:
+        global REGISTRATIONS
+        self.registrations += 1
+        REGISTRATIONS += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +202,7 @@ class OperatorExecutor(Executor):
         self.operators[name] = sym
         if replaces is not None:
             self.replacements[replaces] = sym
+        self._registered()
         return sym
 
     def register_lookaside(self, original: Callable[..., Any], replacement: Callable[..., Any]) -> None:
@@ -212,6 +226,7 @@ class OperatorExecutor(Executor):
             raise TypeError(f"register_lookaside: {original!r} is not a method of a module class; a function is "
                             "replaced with register_operator(replaces=)")
         self.lookasides[original] = replacement
+        self._registered()
 
     def _check_unreplaced(self, original: Callable[..., Any]) -> None:
         if original in self.replacements:
@@ -237,7 +252,13 @@ class OperatorExecutor(Executor):
         input whose `.requires_grad` is True with `fulmen.put_grad(x, grad)` (reading the outputs' grads with
         `fulmen.get_grad(out)`). A rule that puts no grad for such an input is refused
         (fulmen.core.errors.ExecutorContractError, at the user's line): fulmen would take that grad as zero. Where
-        the grad really is zero, put it explicitly: `put_grad(x, torch.zeros_like(x))`."""
+        the grad really is zero, put it explicitly: `put_grad(x, torch.zeros_like(x))`.
+
+        `checker` runs while a trace is built, on the trace's proxies (their shape, dtype, device and requires_grad;
+        no values), and answers True or False. Its answer is part of the trace, reused by every call the trace's
+        guards admit, so it must answer from its arguments alone: state of its own (a flag it reads) is not guarded.
+        After changing such state, register the implementation again: any registration on an executor makes the
+        callables jitted with it trace again on their next call."""
         if not isinstance(sym, Symbol):
             binding = lookup(sym)
             if binding is None:
@@ -245,6 +266,7 @@ class OperatorExecutor(Executor):
                                  "fulmen knows")
             sym = binding.symbol
         self.implementations[sym] = Implementation(checker, execution_transform, grad_transform)
+        self._registered()
 
     def claims(self, bsym: BoundSymbol) -> Implementation | None:
         impl = self.implementations.get(bsym.sym)

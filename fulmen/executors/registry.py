@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -11,7 +12,9 @@ from fulmen.executors.base import Executor
 from fulmen.executors.torch_eager import torch_executor
 
 EXECUTORS: dict[str, Executor] = {}
-_defaults: list[str] | None = None  # None: the built-in choice (see get_default_executors)
+_defaults: tuple[Executor, ...] | None = None  # None: the built-in choice (see get_default_executors)
+# whether a fulmen.jit took the default list: a later change of it does not reach that callable
+_defaults_taken = False
 
 
 def register_executor(executor: Executor) -> Executor:
@@ -55,20 +58,28 @@ def get_default_executors() -> tuple[Executor, ...]:
     available (on CPU, compiling C++ regions costs more than it saves for most programs; name "torchcompile" to
     have it), then torch."""
     if _defaults is not None:
-        return tuple(get_executor(name) for name in _defaults)
+        return _defaults
     names = ["sdpa", "torchcompile"] if torch.cuda.is_available() else ["sdpa"]
     return (*(get_executor(name) for name in names), torch_executor)
 
 
 def set_default_executors(executors: Sequence[Executor | str] | None) -> None:
-    """Replaces the default list (None restores the built-in one)."""
+    """Replaces the default list (None restores the built-in one) for the `fulmen.jit` calls made after: a jitted
+    callable keeps the executors it was jitted with (a warning says so when one took the list this replaces)."""
     global _defaults
-    _defaults = None if executors is None else [ex.name for ex in resolve(executors)]
+    before = get_default_executors() if _defaults_taken else None
+    # the objects, not their names: an executor need not be registered to be one of the defaults
+    _defaults = None if executors is None else resolve(executors)
+    if before is not None and before != get_default_executors():
+        warnings.warn("set_default_executors: callables fulmen.jit made earlier with the default executors keep "
+                      "the ones they were jitted with; jit them again to use the new list", stacklevel=2)
 
 
 def resolve(executors: Sequence[Executor | str] | None) -> tuple[Executor, ...]:
     """Executor objects in priority order, without repeats, torch last."""
+    global _defaults_taken
     if executors is None:
+        _defaults_taken = True
         return get_default_executors()
     if isinstance(executors, (str, Executor)):
         raise TypeError("executors must be a list of executors or names, e.g. ['sdpa', 'torchcompile']")

@@ -55,7 +55,9 @@ def global_state_key() -> tuple:
 
 
 KEY_PARTS = ("the inputs' structure or Python values", "argument tensor metadata", "module tensor metadata",
-             "grad mode, default dtype, attention switches or autocast")
+             "grad mode, default dtype, attention switches or autocast",
+             "its executors' registrations (register_implementation, register_operator or register_lookaside since "
+             "the trace was built)")
 TENSOR_FIELDS = ("shape", "strides", "dtype", "device", "requires_grad", "Python attributes")
 
 

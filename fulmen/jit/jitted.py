@@ -19,6 +19,7 @@ from fulmen.core.errors import CacheLimitError, CacheLimitWarning, DataDependent
 from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace, TraceBuilder
+from fulmen.executors import base as executor_base
 from fulmen.executors.base import Executor
 from fulmen.jit.acquire import Interpreter, current_interpreter
 from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
@@ -203,6 +204,8 @@ class JittedFunction:
         self.pipeline = Pipeline(options, executors, Interpreter)
         self.last_miss_reasons: list[str] = []  # why the last call that missed could not use each cached trace
         self._warned = False
+        self._registrations_seen = -1  # executor_base.REGISTRATIONS when _registrations_key was counted
+        self._registrations_key: tuple[int, ...] = ()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> JittedFunction:
         """`fn` (and its module) copied, jitted anew with the same options and executors: the traces name the
@@ -219,9 +222,11 @@ class JittedFunction:
             tensors = []
             spec = pytree.flatten((args, kwargs), tensors)
         module_tensors = [source.fetch() for source in self._module_inputs]
+        registrations = (self._registrations_key if executor_base.REGISTRATIONS == self._registrations_seen
+                         else self._recount_registrations())
         state = global_state_key()
         try:
-            key = (spec, argument_key(tensors), tensor_key(module_tensors), state)
+            key = (spec, argument_key(tensors), tensor_key(module_tensors), state, registrations)
         except AttributeError:  # a module tensor was removed or replaced by a non-tensor: trace anew
             key = None
         except RuntimeError:  # a tensor without strides (nested): refused, named
@@ -229,14 +234,14 @@ class JittedFunction:
             raise
         entry = self._cache.lookup(key, tensors, module_tensors)
         if entry is None and len(self._cache.layouts) > 1:
-            entry, module_tensors = self._other_layouts(spec, tensors, state, module_tensors)
+            entry, module_tensors = self._other_layouts(spec, tensors, (state, registrations), module_tensors)
         if entry is None:
             self.stats.misses += 1
             names = self._names(args, kwargs, len(tensors))
             self.last_miss_reasons = self._cache.miss_reasons(key, tensors, module_tensors, names, self._module_inputs)
             if self._cache.full:
                 return self._past_limit(args, kwargs)
-            entry, module_tensors = self._compile(args, kwargs, tensors, (spec, state), names)
+            entry, module_tensors = self._compile(args, kwargs, tensors, (spec, state, registrations), names)
             self._cache.add(entry)
         else:
             self.stats.hits += 1
@@ -244,14 +249,21 @@ class JittedFunction:
         outputs = entry.fn(*tensors, *module_tensors, *entry.constants)
         return self._finish(entry, outputs, tensors, module_tensors)
 
-    def _other_layouts(self, spec: Any, tensors: list, state: tuple, module_tensors: list) -> tuple:
+    def _recount_registrations(self) -> tuple[int, ...]:
+        """Its executors' registration counts, a part of the cache key: after a registration (an implementation, a
+        replacement) a fresh fulmen.jit would trace otherwise, so a trace built before is not reused."""
+        self._registrations_seen = executor_base.REGISTRATIONS
+        self._registrations_key = tuple(executor.registrations for executor in self.executors)
+        return self._registrations_key
+
+    def _other_layouts(self, spec: Any, tensors: list, tail: tuple, module_tensors: list) -> tuple:
         """A cached trace made when the module had other parameters or buffers (a ModuleList grew, then shrank)."""
         for layout in self._cache.layouts:
             if list(layout) == self._module_inputs:
                 continue
             other = [source.fetch() for source in layout]
             try:
-                key = (spec, argument_key(tensors), tensor_key(other), state)
+                key = (spec, argument_key(tensors), tensor_key(other), *tail)
             except AttributeError:
                 continue
             entry = self._cache.lookup(key, tensors, other)
@@ -468,7 +480,7 @@ class JittedFunction:
             constants=tuple(constants),
             backward_traces=tuple(program.backward_traces) if program is not None else (),
             program=program,
-            key=(key_parts[0], argument_key(tensors), tensor_key(module_tensors), key_parts[1]),
+            key=(key_parts[0], argument_key(tensors), tensor_key(module_tensors), *key_parts[1:]),
             guards=guards,
             check=compile_check(guards),
             storage=storage_groups(real_inputs) if written else None,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fulmen
+import fulmen.extend
 from fulmen import TensorProxy, get_grad, put_grad
 from fulmen.core.errors import ExecutorContractError
 from fulmen.extend import OperatorExecutor
@@ -253,3 +254,68 @@ def test_a_kernel_raising_on_its_first_run_names_the_call():
     assert len(info.value.__notes__) == 1
     assert re.fullmatch(rf"fulmen: raised by {op.name} \(executor '{ex.name}'\), run for the program's call at "
                         r".*test_extend_misuse.py:\d+ in program: \"return op\(y\) \* 2\"", info.value.__notes__[0])
+
+
+# --- registrations and defaults changing between calls ----------------------------------------------------------------
+def _counting_sin(calls):
+    n = next(_names)
+    ex = OperatorExecutor(f"late{n}")
+    op = ex.register_operator(f"counting_sin{n}", like=lambda x: TensorProxy(like=x),
+                              fn=lambda x: calls.append(1) or torch.sin(x))
+    return ex, op
+
+
+def test_a_registration_after_the_first_call_traces_again():
+    # the old trace was reused for this shape (the new implementation unused), a new shape took it: the callable
+    # answered as neither a fresh fulmen.jit nor consistently
+    calls = []
+    ex, op = _counting_sin(calls)
+    jitted = fulmen.jit(lambda x: torch.sin(x) * 2, executors=[ex])
+    x = torch.randn(3)
+    torch.testing.assert_close(jitted(x), torch.sin(x) * 2)
+    assert calls == []
+    ex.register_implementation(torch.sin, execution_transform=lambda x: op(x))
+    torch.testing.assert_close(jitted(x), torch.sin(x) * 2)
+    assert calls == [1] and fulmen.cache_misses(jitted) == 2
+    assert fulmen.last_cache_miss_reasons(jitted) == [
+        "trace 0: its executors' registrations (register_implementation, register_operator or register_lookaside "
+        "since the trace was built) changed"]
+    jitted(x)  # and it is cached again
+    assert calls == [1, 1] and fulmen.cache_misses(jitted) == 2
+
+
+def test_a_replacement_registered_after_the_first_call_traces_again():
+    ex, _ = _counting_sin([])
+
+    def helper(x):
+        return torch.sin(x)
+
+    jitted = fulmen.jit(lambda x: helper(x) + 1, executors=[ex])
+    x = torch.randn(3)
+    jitted(x)
+    # acquired as the operator from now on (the helper's ops are its parts, run when nothing claims it)
+    op = ex.register_operator(f"replacing{next(_names)}", like=lambda x: TensorProxy(like=x), fn=helper,
+                              replaces=helper)
+    torch.testing.assert_close(jitted(x), torch.sin(x) + 1)
+    assert fulmen.cache_misses(jitted) == 2 and f"= {op.name}(" in str(fulmen.last_traces(jitted)[0])
+
+
+def test_default_executors_are_taken_when_jitting():
+    calls = []
+    ex, op = _counting_sin(calls)  # not registered by name: set_default_executors looked it up by name and failed
+    ex.register_implementation(torch.sin, execution_transform=lambda x: op(x))
+    before = fulmen.jit(lambda x: torch.sin(x) + 1)
+    x = torch.randn(3)
+    before(x)
+    try:
+        with pytest.warns(UserWarning, match=r"callables fulmen.jit made earlier with the default executors keep the "
+                          r"ones they were jitted with; jit them again"):
+            fulmen.extend.set_default_executors([ex])
+        after = fulmen.jit(lambda x: torch.sin(x) + 1)
+        torch.testing.assert_close(after(x), torch.sin(x) + 1)
+        assert calls == [1]
+        torch.testing.assert_close(before(x), torch.sin(x) + 1)  # as the warning says: the list it was jitted with
+        assert calls == [1]
+    finally:
+        with pytest.warns(UserWarning, match="set_default_executors"):
+            fulmen.extend.set_default_executors(None)
