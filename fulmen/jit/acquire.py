@@ -102,12 +102,13 @@ def _is_value(obj: Any) -> bool:
 
 
 def _captured(tensor: torch.Tensor) -> str:
-    """The refusal of an in-place update of a real tensor the program read (a global's, an object's attribute)."""
+    """The refusal of an in-place update of a real tensor the program read (a global's, an object's attribute) that
+    autograd would see."""
     with torch._C.DisableTorchFunction():  # this mode would see the shape read
         what = f"a captured {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
-    return (f"{what} (created outside the program: not an argument, nor a parameter or buffer of the jitted module) "
-            "is not supported: fulmen writes updates back only to those. Pass it as an argument, or update it outside "
-            "the jitted function")
+    return (f"in-place update of {what} that requires grad, created outside the program (not an argument, nor a "
+            "parameter or buffer of the jitted module): fulmen gives a new autograd history to arguments, parameters "
+            "and buffers only. Pass it as an argument, or update it outside the jitted function")
 
 
 def _describe(func: Callable[..., Any]) -> str:
@@ -331,6 +332,19 @@ class Interpreter(TorchFunctionMode):
             self._constant_ids[id(tensor)] = proxy
         return proxy
 
+    def captured_inputs(self) -> list[TensorProxy]:
+        """The inputs standing for the real tensors the program captured, whose in-place updates are written back as
+        an argument's are (a KV cache held by an object, a counter in a global)."""
+        for tensor, proxy in self.constants:
+            if self.functional.was_written(proxy) and proxy.requires_grad:
+                raise TraceError(_captured(tensor), self.functional.written_at(proxy))
+        return [proxy for _, proxy in self.constants]
+
+    def _proxy(self, obj: torch.Tensor) -> TensorProxy:
+        """The proxy standing for `obj`: itself, or the input of a real tensor the program captured (a global's, an
+        object's attribute), whose in-place updates are copied back into it as an argument's are."""
+        return obj if type(obj) is TensorProxy else self._constant(obj)
+
     def seed_constant(self, tensor: torch.Tensor, value: TensorProxy) -> None:
         """The program reads the captured `tensor` as `value` (a view of a storage it shares with an updated input,
         see aliasing.py); the tensor stays a trace input of its own."""
@@ -362,15 +376,14 @@ class Interpreter(TorchFunctionMode):
         except Exception as error:
             raise TraceError(f"{sym.printed} failed while tracing: {type(error).__name__}: {error}",
                              self.builder.source) from error
-        self.functional.record_views(sym, args, kwvalues, values, output)
+        if args and isinstance(args[0], torch.Tensor):
+            self.functional.record_views(sym, self._proxy(args[0]), kwvalues, values, output)
         return output
 
     def _inplace(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
-        target = args[0]
-        if type(target) is not TensorProxy:
-            raise TraceError(f"in-place {sym.printed} on {_captured(target)}", self.builder.source)
         out = self._record(sym, args, kwargs)
-        return self._assign(target, out, sym.printed)
+        self._assign(self._proxy(args[0]), out, sym.printed)
+        return args[0]  # eager returns the updated tensor itself: `holder.steps += 1` stores it back unchanged
 
     def _assign(self, target: TensorProxy, value: TensorProxy, what: str) -> TensorProxy:
         if value.shape != target.shape:
@@ -390,9 +403,7 @@ class Interpreter(TorchFunctionMode):
     # --- special cases -------------------------------------------------------------------------------------------
     def _setitem(self, x: TensorProxy, index: Any, value: Any) -> None:
         self._check_index(index, masks=True)  # a write through a mask keeps x's shape: nothing depends on values
-        if type(x) is not TensorProxy:
-            raise TraceError(f"in-place __setitem__ on {_captured(x)}", self.builder.source)
-        x, index = self._select_at_scalars(x, index)
+        x, index = self._select_at_scalars(self._proxy(x), index)
         if index == ():  # `x[i] = v`: eager copies into the selected view
             self.functional.write(x, shape.copy(self.functional.resolve(x), self._values(value)))
             return
@@ -414,7 +425,7 @@ class Interpreter(TorchFunctionMode):
     def _detach(self, x: Any, data: bool = False) -> Any:
         detach = lookup(torch.detach).symbol
         out = self._record(detach, (x,), {})
-        self.functional.record_detached(detach, x, out, data)
+        self.functional.record_detached(detach, self._proxy(x), out, data)
         return out
 
     def _getitem(self, x: TensorProxy, index: Any) -> Any:
@@ -512,10 +523,7 @@ class Interpreter(TorchFunctionMode):
                                       {})
         detach = lookup(torch.detach).symbol
         for stat, new in ((running_mean, mean), (running_var, var)):
-            if type(stat) is not TensorProxy:
-                raise TraceError("batch_norm in training mode updates running statistics created outside the "
-                                 "program; fulmen does not support that in-place update", self.builder.source)
-            self._assign(stat, self._record(detach, (new,), {}), "batch_norm's running statistics")
+            self._assign(self._proxy(stat), self._record(detach, (new,), {}), "batch_norm's running statistics")
         return out
 
     def _into(self, func: Callable[..., Any], out: Any, compute: Callable[[], Any]) -> Any:
@@ -523,26 +531,26 @@ class Interpreter(TorchFunctionMode):
         iteration writes its buffers so). Only where eager writes it as it stands: an `out` of the result's shape
         and dtype (eager would resize or convert it otherwise), outside autograd (where eager raises)."""
         what = f"the out= argument of {_describe(func)}"
-        if type(out) is not TensorProxy:
+        if not isinstance(out, torch.Tensor):
             raise UnsupportedOpError(f"fulmen supports {what} for a single tensor only", self.builder.source)
-        result = compute()
-        if type(result) is not TensorProxy or result.requires_grad or out.requires_grad:
+        result, target = compute(), self._proxy(out)
+        if type(result) is not TensorProxy or result.requires_grad or target.requires_grad:
             raise UnsupportedOpError(f"fulmen supports {what} only for one result without grad (eager refuses "
                                      "out= under autograd); assign the result instead", self.builder.source)
-        if tuple(result.shape) != tuple(out.shape) or result.dtype != out.dtype:
+        if tuple(result.shape) != tuple(target.shape) or result.dtype != target.dtype:
             raise UnsupportedOpError(f"fulmen supports {what} only where out has the result's shape and dtype "
-                                     f"({result.type_string()}; out is {out.type_string()}): eager would resize "
+                                     f"({result.type_string()}; out is {target.type_string()}): eager would resize "
                                      "or convert it; assign the result instead", self.builder.source)
         return self._copy_(out, result)
 
-    def _copy_(self, dst: TensorProxy, src: Any, non_blocking: bool = False) -> TensorProxy:
-        new = shape.copy(self.functional.resolve(dst), self._values(src))
-        self.functional.write(dst, new)
+    def _copy_(self, dst: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
+        target = self._proxy(dst)
+        self.functional.write(target, shape.copy(self.functional.resolve(target), self._values(src)))
         return dst
 
-    def _fill_(self, x: TensorProxy, value: Any) -> TensorProxy:
-        new = shape.fill(self.functional.resolve(x), self._values(value))
-        self.functional.write(x, new)
+    def _fill_(self, x: torch.Tensor, value: Any) -> torch.Tensor:
+        target = self._proxy(x)
+        self.functional.write(target, shape.fill(self.functional.resolve(target), self._values(value)))
         return x
 
     def _zero_(self, x: TensorProxy) -> TensorProxy:

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import Symbol, iter_proxies, map_proxies
@@ -53,7 +52,6 @@ class Functionalizer:
         self._views: dict[int, ViewInfo] = {}
         self._versions: dict[int, int] = {}
         self._alive: list[TensorProxy] = []  # keeps ids unique while they are dictionary keys
-        self._outside: set[int] = set()  # aliases of tensors created outside the program
         self._kept: dict[int, tuple[TensorProxy, TensorProxy]] = {}  # keep_history's output -> (it, old value)
         self._written_at: dict[int, SourceLocation | None] = {}
         self._bumped: set[int] = set()  # objects whose version counter eager bumps (writes not only through .data)
@@ -74,19 +72,16 @@ class Functionalizer:
             return obj
         return map_proxies(obj, self.resolve)
 
-    def record_views(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], values: tuple, output: Any) -> None:
-        """Notes which outputs alias the first argument's storage (read off torch's meta view tracking)."""
-        if not args or not isinstance(args[0], torch.Tensor):
-            return
-        base_obj, base_meta = args[0], values[0].meta
+    def record_views(self, sym: Symbol, base_obj: TensorProxy, kwargs: dict[str, Any], values: tuple, output: Any
+                     ) -> None:
+        """Notes which outputs alias the storage of the first argument, `base_obj` (read off torch's meta view
+        tracking)."""
+        base_meta = values[0].meta
         root = base_meta._base if base_meta._is_view() else base_meta
         outputs = [output] if type(output) is TensorProxy else list(iter_proxies(output))
         for index, out in enumerate(outputs):
             meta = out.meta
             if not (meta._is_view() and meta._base is root):
-                continue
-            if type(base_obj) is not TensorProxy:
-                self._mark_outside(out)
                 continue
             self._alive.append(out)
             self._alive.append(base_obj)
@@ -99,27 +94,16 @@ class Functionalizer:
                 base_version=self._versions.get(id(base_obj), 0),
             )
 
-    def record_detached(self, detach: Symbol, base_obj: Any, out: TensorProxy, data: bool) -> None:
+    def record_detached(self, detach: Symbol, base_obj: TensorProxy, out: TensorProxy, data: bool) -> None:
         """`out` is `base_obj.detach()` (or `base_obj.data`, with a version counter of its own): the same memory,
         without its autograd history."""
-        if type(base_obj) is not TensorProxy:
-            self._mark_outside(out)
-            return
         self._alive += [out, base_obj]
         self._views[id(out)] = ViewInfo(base_obj, detach, (), {}, None, self._versions.get(id(base_obj), 0), True,
                                         data)
 
-    def _mark_outside(self, out: TensorProxy) -> None:
-        self._alive.append(out)
-        self._outside.add(id(out))
-
     def write(self, obj: TensorProxy, value: TensorProxy, hidden: bool = False) -> None:
         """`obj` now holds `value`; views propagate the update into their bases (`hidden`: through `.data`)."""
         key = id(obj)
-        if key in self._outside:
-            raise TraceError("in-place update of a view of a tensor created outside the program (a captured "
-                             "global or attribute) is not supported: update it outside the jitted function, or "
-                             "pass it as an argument", self._source())
         if not torch.is_grad_enabled():  # an update autograd does not see
             value = self._keep_history(self.resolve(obj), value)
         self._alive.append(obj)

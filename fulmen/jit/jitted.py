@@ -362,7 +362,8 @@ class JittedFunction:
         module_proxies = tree.proxies if tree else []
         with builder:
             values, out_spec, out_objects, returns_input, rebinds, dirty, retained = self._outputs(
-                result, visible + module_proxies, tree, interpreter, proxies + module_proxies + storage)
+                result, visible + module_proxies, tree, interpreter,
+                proxies + module_proxies + interpreter.captured_inputs() + storage)
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
         position = {id(p): i for i, p in enumerate(inputs)}
         values += [value for _, value in dirty]

@@ -2,8 +2,8 @@
 
 Tiny Llama and GPT-2 (tests/models/hf_configs.py's sizes). `model.generate` runs with the model's forward jitted;
 greedy decoding must give eager's token ids and scores. A KV cache the model returns is checked in test_hf.py; a
-cache the program is given and extends in place is refused (fulmen cannot store the tensors it computes into
-Python objects), and must be left as it was.
+cache the program extends by storing new tensors into Python objects (DynamicCache) is refused, and left as it was;
+a StaticCache, updated in place, decodes as eager.
 """
 
 from __future__ import annotations
@@ -123,16 +123,45 @@ def test_a_returned_kv_cache_given_back_is_refused_and_left_as_eager_returned_it
     _same_cache(got.past_key_values, want.past_key_values)
 
 
-def test_a_static_cache_updated_in_place_is_refused_naming_the_tensor_and_the_line():
-    """StaticLayer.update copies into the cache's preallocated tensors, which the program captured: fulmen writes
-    in-place updates back only to arguments, parameters and buffers."""
-    model = _build("llama")
-    jitted = fulmen.jit(model)
+def _static_cache(model: torch.nn.Module) -> StaticCache:
     cache = StaticCache(config=model.config, max_cache_len=16)
     cache.early_initialization(2, 2, 8, torch.float32, torch.device("cpu"))
+    return cache
+
+
+def test_a_static_cache_decodes_as_eager_with_one_trace_per_step_shape():
+    """StaticLayer.update copies each step's keys into the cache's preallocated tensors, which the program captured:
+    fulmen writes those in-place updates back as an argument's. Logits and the whole cache equal eager's at every
+    step, and the decoding steps share one trace (the positions are a tensor)."""
+    eager = _build("llama")
+    jitted = fulmen.jit(copy.deepcopy(eager))
+    caches = [_static_cache(eager), _static_cache(eager)]
     ids, _ = _prompt()
-    with pytest.raises(fulmen.FulmenError, match=r"index_copy on a captured torch.float32 tensor of shape "
-                                                 r"\(2, 2, 16, 8\)") as error:
-        jitted(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(6))
-    assert error.value.location.line == "self.keys.index_copy_(2, cache_position, key_states)"
-    assert all(not layer.keys.any() and not layer.values.any() for layer in cache.layers)
+    position = torch.arange(6)
+    for step in range(4):
+        want = eager(input_ids=ids, past_key_values=caches[0], use_cache=True, cache_position=position).logits
+        got = jitted(input_ids=ids, past_key_values=caches[1], use_cache=True, cache_position=position).logits
+        torch.testing.assert_close(got, want, msg=lambda m, s=step: f"step {s}: {m}")
+        for mine, theirs in zip(caches[1].layers, caches[0].layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=0)
+            torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=0)
+        ids, position = want[:, -1:].argmax(-1), position[-1:] + 1
+    assert fulmen.cache_misses(jitted) == 2 and fulmen.cache_hits(jitted) == 2  # the prefill, then one per token
+
+
+def test_generate_with_a_static_cache_gives_eagers_tokens():
+    """A StaticCache made ready before generate (`early_initialization`): one made by generate itself allocates its
+    tensors inside the first call, a store of new tensors into Python objects, which fulmen refuses."""
+    eager = _build("llama")
+    model = copy.deepcopy(eager)
+    model.forward = fulmen.jit(model.forward)
+    ids, mask = _prompt()
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                    return_dict_in_generate=True, output_scores=True)
+    want = eager.generate(**settings, past_key_values=_static_cache(eager))
+    got = model.generate(**settings, past_key_values=_static_cache(model))
+    assert torch.equal(got.sequences, want.sequences)
+    for mine, theirs in zip(got.scores, want.scores):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(got.past_key_values.layers, want.past_key_values.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=0)
