@@ -73,6 +73,7 @@ class Symbol:
         if self.executor is not None and not builder.rules_running:
             # the program calls an executor's operator itself: no torch call precedes it to say where
             builder.source = user_location() or builder.source
+            return builder.bind_operator(self, args, kwargs)
         return builder.bind(self, args, kwargs)
 
     def __repr__(self) -> str:
@@ -158,6 +159,10 @@ class Builder:
 
     def bind(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def bind_operator(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A call the program makes of an executor's operator itself, where a rule's call would be `bind`'s."""
+        return self.bind(sym, args, kwargs)
 
 
 # The builders receiving symbol calls, innermost last: per thread and per task (a ContextVar holding a tuple).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import keyword
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -172,6 +173,9 @@ class TraceBuilder(Builder):
         self.decompose = decompose
         self.checkpoint_region = 0  # the torch.utils.checkpoint.checkpoint call being traced (0: none)
         self.checkpoint_regions = 0
+        # Records the program's own calls of executors' operators where the program's state applies to them (its
+        # in-place updates, torch.autocast): fulmen.jit.acquire's interpreter sets it.
+        self.operator_calls: Callable[[Symbol, tuple, dict[str, Any]], Any] | None = None
 
     def __enter__(self) -> TraceBuilder:
         push_builder(self)
@@ -219,6 +223,9 @@ class TraceBuilder(Builder):
             self.scopes[-1].append(
                 BoundSymbol(sym, args, kwargs, output, subsymbols, self.source, self.checkpoint_region))
         return output
+
+    def bind_operator(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return (self.operator_calls or self.bind)(sym, args, kwargs)
 
     def _meta_outputs(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         try:

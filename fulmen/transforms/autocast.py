@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fulmen.core.errors import TraceError
+from fulmen.core.errors import TraceError, UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
@@ -73,6 +73,7 @@ class _Recorder(TorchDispatchMode):
         self.casts: dict[int, torch.dtype] = {}
         self.conflict: str | None = None
         self.computed: Computed = []
+        self.foreign: str | None = None  # the first op outside aten: what it computes inside is not seen here
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,6 +91,9 @@ class _Recorder(TorchDispatchMode):
                 self.alive.append(out)
         elif packet not in _METADATA and _dtypes(out):  # not a query (its device, its size)
             self.computed.append((packet, _dtypes((args, kwargs)), _dtypes(out)))
+        # (prim: TorchScript's queries, prim.device)
+        if getattr(func, "namespace", None) not in ("aten", "prim") and self.foreign is None:
+            self.foreign = str(packet)
         return out
 
 
@@ -102,6 +106,8 @@ class AutocastPlan:
     dtype: torch.dtype | None = None
     # Why autocast's conversions cannot be stated as conversions of the op's inputs (None: they can).
     unstated: str | None = None
+    # The dtypes of the op's tensor outputs under autocast (in pytree order), as eager returns them.
+    gives: tuple[torch.dtype, ...] = ()
 
 
 _NOTHING = AutocastPlan({})
@@ -112,8 +118,13 @@ def _probe(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
     conversions autocast made of them, then with the dtype argument autocast gives reductions on CUDA. The first
     that computes the same calls on the same dtypes is the plan (a conversion the op makes of its result only
     under autocast is stated after it). Conversions the op makes itself (sdpa's math upcast) happen in every run;
-    autocast's are the difference. None matching: the plan says why (`unstated`), and fulmen refuses the op."""
+    autocast's are the difference. None matching: the plan says why (`unstated`), and fulmen refuses the op.
+
+    An executor's operator (fulmen.extend) is refused also where its kernel cannot be seen whole: a kernel that
+    does not run on fake tensors, or calls an op outside aten (a torch.library op's fake runs in place of the code
+    autocast would convert in). Its plan must be exact, since its kernel runs with autocast off."""
     fakes: list[torch.Tensor] = []
+    operator = sym.executor is not None
 
     with torch._C.DisableTorchFunction(), FakeTensorMode(allow_non_fake_inputs=True):
         def fake(p: TensorProxy) -> torch.Tensor:
@@ -133,14 +144,22 @@ def _probe(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
 
         try:
             under, gives = run(None)
-        except Exception:  # noqa: BLE001 - an op the probe cannot run is left as it is
+        except Exception as error:  # noqa: BLE001 - a torch op the probe cannot run is left as it is
+            if operator:
+                return AutocastPlan({}, unstated=f"its fn does not run on fake tensors ({type(error).__name__}: "
+                                                 f"{error}), so what autocast converts inside it is unknown")
             return _NOTHING
         if under.conflict:
             return AutocastPlan({}, unstated=under.conflict)
+        if operator and under.foreign is not None:
+            return AutocastPlan({}, unstated=f"its fn calls {under.foreign}, inside which autocast's conversions "
+                                             "are not seen")
         differs = ""
         # autocast's conversions of the inputs; or the dtype argument it gives a reduction (sum, cumsum, softmax on
         # CUDA: accumulated and returned in float32)
-        dtype_argument = gives[0] if len(gives) == 1 and fake_kwargs.get("dtype") is None else None
+        # (torch's reductions take one; an operator's fn is called with the arguments the program gives it)
+        dtype_argument = (gives[0] if len(gives) == 1 and fake_kwargs.get("dtype") is None and not operator
+                          else None)
         options: list[tuple[dict[int, torch.dtype], torch.dtype | None]] = [({}, None)]
         if under.casts:
             options.append((under.casts, None))
@@ -154,9 +173,9 @@ def _probe(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
                 differs = differs or f" (with only its inputs converted it raises {type(error).__name__})"
                 continue
             if under.computed == stated.computed and gives == plain_gives:
-                return AutocastPlan(casts, dtype=dtype)
+                return AutocastPlan(casts, dtype=dtype, gives=gives)
             if under.computed == [*stated.computed, (aten._to_copy, plain_gives, gives)] and len(gives) == 1:
-                return AutocastPlan(casts, output=gives[0])
+                return AutocastPlan(casts, output=gives[0], gives=gives)
             differs = differs or _first_difference(under.computed, stated.computed)
     return AutocastPlan({}, unstated="autocast converts inside it" + differs)
 
@@ -203,6 +222,10 @@ def _cross_entropy_parts(call: Call, input: Any, target: Any, weight: Any = None
 PARTS: dict[str, Callable[..., Any]] = {"torch.nn.functional.cross_entropy": _cross_entropy_parts}
 
 
+class _Unkeyed(Exception):
+    """An operator's argument that a probe's key cannot describe: its fn may read more of it than its type."""
+
+
 def _signature(sym: Symbol, args: tuple, kwargs: dict[str, Any], device_type: str) -> Any:
     def describe(obj: Any) -> Any:
         if type(obj) is TensorProxy:
@@ -211,7 +234,11 @@ def _signature(sym: Symbol, args: tuple, kwargs: dict[str, Any], device_type: st
             return tuple(describe(item) for item in obj)
         if isinstance(obj, dict):
             return tuple((key, describe(value)) for key, value in obj.items())
-        return obj if isinstance(obj, (int, float, bool, str, torch.dtype, type(None))) else type(obj)
+        if isinstance(obj, (int, float, bool, str, torch.dtype, type(None))):
+            return obj
+        if sym.executor is not None:
+            raise _Unkeyed
+        return type(obj)
 
     return (sym, device_type, torch.get_autocast_dtype(device_type), describe(args), describe(kwargs))
 
@@ -221,7 +248,10 @@ def plan(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
     device_type = active_device_type((args, kwargs))
     if device_type is None:
         return _NOTHING
-    key = _signature(sym, args, kwargs, device_type)
+    try:
+        key = _signature(sym, args, kwargs, device_type)
+    except _Unkeyed:
+        return _probe(sym, args, kwargs)
     if key not in _PROBES:
         _PROBES[key] = _probe(sym, args, kwargs)
     return _PROBES[key]
@@ -282,6 +312,41 @@ def cast_output(autocast: AutocastPlan, output: Any) -> Any:
     if autocast.output is None or type(output) is not TensorProxy or output.dtype == autocast.output:
         return output
     return SYMBOLS["torch.Tensor.to"](output, dtype=autocast.output)
+
+
+def operator_refusal(sym: Symbol, why: str, device_type: str) -> str:
+    """Why the program's own call of an executor's operator under torch.autocast is refused, and what to do."""
+    return (f"operator {sym.name} of executor {sym.executor.name!r} is called under torch.autocast, but {why}; "
+            "fulmen runs kernels with autocast off, so it would not compute what eager does. Call it with autocast "
+            f"off (`with torch.autocast({device_type!r}, enabled=False):`, converting its inputs to the dtype you "
+            "want), or write its fn with torch ops that run on fake tensors (then fulmen states autocast's "
+            "conversions of its inputs)")
+
+
+def bind_operator(builder: TraceBuilder, sym: Symbol, args: tuple, kwargs: dict[str, Any], cache: CastCache,
+                  quiet: contextlib.AbstractContextManager) -> Any:
+    """The program's own call of an executor's operator (`args` its current values). Its kernel runs with autocast
+    off, as the whole trace does: under autocast, the conversions autocast makes inside it are stated in front of
+    it, as for a torch op (its like= then sees the converted inputs); where they are not known exactly, or its like=
+    declares other dtypes than eager returns, it is refused. Calls from grad rules and execution transforms are
+    bound plainly: fulmen's rules state their dtypes."""
+    device_type = active_device_type((args, kwargs))
+    if device_type is None:
+        return builder.bind(sym, args, kwargs)
+    with quiet:  # the probe runs the kernel's code on fake tensors: not a step of the program to observe
+        autocast = plan(sym, args, kwargs)
+    if autocast.unstated:
+        raise UnsupportedOpError(operator_refusal(sym, autocast.unstated, device_type), builder.source)
+    args, kwargs = cast_arguments(autocast, args, kwargs, cache)
+    output = cast_output(autocast, builder.bind(sym, args, kwargs))
+    declared = tuple(p.dtype for p in iter_proxies(output))
+    if declared != autocast.gives:
+        seen = _named(tuple(p.dtype for p in iter_proxies((args, kwargs))))
+        raise TraceError(operator_refusal(
+            sym, f"eager returns {_named(autocast.gives)} there while its like= says {_named(declared)} (for its "
+                 f"inputs as autocast converts them, {seen}); declare in like= the dtype its fn returns for those "
+                 "inputs", device_type), builder.source)
+    return output
 
 
 def autocast_enabled() -> bool:

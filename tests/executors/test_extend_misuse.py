@@ -319,3 +319,103 @@ def test_default_executors_are_taken_when_jitting():
     finally:
         with pytest.warns(UserWarning, match="set_default_executors"):
             fulmen.extend.set_default_executors(None)
+
+
+def _mm_operator(fn=lambda x, w: x @ w, dtype=None):
+    n = next(_names)
+    ex = OperatorExecutor(f"autocast{n}")
+    op = ex.register_operator(f"mm{n}", fn=fn,
+                              like=lambda x, w: TensorProxy(like=x, shape=(x.shape[0], w.shape[1]), dtype=dtype))
+    return ex, op
+
+
+_BF16 = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+
+
+def test_an_operator_called_under_autocast_computes_as_eager():
+    # autocast converts x and w inside the kernel eagerly: the trace converts them in front (the kernel runs with
+    # autocast off), and like= sees bf16 inputs; it ran on float32 and returned float32
+    ex, op = _mm_operator()
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    with _BF16():
+        got, want = fulmen.jit(lambda x, w: op(x, w) * 1, executors=[ex])(x, w), op(x, w) * 1
+        # autocast off inside the program: the kernel's float32 as eager's
+        off = fulmen.jit(lambda x, w: _without_autocast(op, x, w), executors=[ex])(x, w)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert off.dtype == torch.float32 and torch.equal(off, x @ w)
+    # like= declares float32 and eager returns it, of a bfloat16 matmul: so does the trace
+    ex, op = _mm_operator(lambda x, w: (x @ w).float(), dtype=torch.float32)
+    with _BF16():
+        got, want = fulmen.jit(lambda x, w: op(x, w) * 1, executors=[ex])(x, w), op(x, w) * 1
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want) and not torch.equal(got, x @ w)
+    # an operator autocast changes nothing in runs as declared
+    ex, scale = _operator(lambda x: x * 2)
+    with _BF16():
+        got = fulmen.jit(lambda x: scale(x) + 1, executors=[ex])(x)
+    assert got.dtype == torch.float32 and torch.equal(got, x * 2 + 1)
+
+
+def _without_autocast(op, x, w):
+    with torch.autocast("cpu", enabled=False):
+        return op(x, w)
+
+
+def test_an_operator_reads_its_arguments_after_in_place_updates():
+    # it read the value from before x.add_(1)
+    ex, op = _mm_operator()
+
+    def program(x, w):
+        x = x.clone()
+        x.add_(1)
+        return op(x, w)
+
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    torch.testing.assert_close(fulmen.jit(program, executors=[ex])(x, w), program(x, w))
+
+
+@torch.library.custom_op("fulmen_test::autocast_mm", mutates_args=())
+def _library_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w  # autocast converts here eagerly; the fake below is what fake tensors run
+
+
+@_library_mm.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@pytest.mark.parametrize("fn, why", [
+    (lambda x, w: torch.from_numpy(x.numpy() @ w.numpy()), r"its fn does not run on fake tensors"),
+    (_library_mm, r"its fn calls fulmen_test.autocast_mm, inside which autocast's conversions are not seen"),
+    (lambda x, w: x @ w, r"eager returns \(bfloat16\) there while its like= says \(float32\)"),
+])
+def test_an_operator_under_autocast_that_fulmen_cannot_state_is_refused(fn, why):
+    # each ran the kernel on float32 with autocast off, where eager gives bfloat16
+    ex, op = _mm_operator(fn, dtype=torch.float32)
+    jitted = fulmen.jit(lambda x, w: op(x, w) * 1, executors=[ex])
+    with _BF16(), pytest.raises(fulmen.core.errors.TraceError, match=(
+            rf"(?s)operator {op.name} of executor '{ex.name}' is called under torch.autocast, but {why}.*"
+            r"Call it with autocast off \(`with torch.autocast\('cpu', enabled=False\):`.*test_extend_misuse.py")):
+        jitted(torch.randn(4, 3), torch.randn(3, 5))
+
+
+def test_operators_in_rules_under_autocast_are_not_refused():
+    # a grad_transform or execution_transform is fulmen's rule, whose dtypes autocast does not change
+    n = next(_names)
+    ex = OperatorExecutor(f"rules{n}")
+    opaque = ex.register_operator(f"opaque{n}", like=lambda x: TensorProxy(like=x),
+                                  fn=lambda x: torch.from_numpy(x.detach().numpy() * 2))
+    op = ex.register_operator(f"double{n}", like=lambda x: TensorProxy(like=x), fn=lambda x: x * 2)
+
+    def grad(x):
+        y = op(x)
+        put_grad(x, opaque(get_grad(y)))
+        return y
+
+    ex.register_implementation(op, execution_transform=lambda x: opaque(x), grad_transform=grad)
+    x = torch.randn(4, 3, requires_grad=True)
+    with _BF16():
+        out = fulmen.jit(lambda x: op(x).sum(), executors=[ex])(x)
+    out.backward()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, (x * 2).sum())
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
