@@ -33,7 +33,7 @@ from fulmen.ops.checks import check_all_true
 from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.autocast import PARTS as AUTOCAST_PARTS
-from fulmen.transforms.autocast import CastCache, cast_arguments, cast_output
+from fulmen.transforms.autocast import CastCache, bind_operator, cast_arguments, cast_output
 from fulmen.transforms.autocast import plan as autocast_plan
 from fulmen.transforms.distribution import logical_meta
 
@@ -134,6 +134,7 @@ class Interpreter(TorchFunctionMode):
         # id -> the proxies the program called retain_grad() on: each call retains the grad of those it returns
         self.retained: dict[int, TensorProxy] = {}
         self.autocast_casts = CastCache(builder, self.autograd.is_leaf)
+        builder.operator_calls = self._operator
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
             T.__setitem__: self._setitem,
             T.copy_: self._copy_,
@@ -379,6 +380,12 @@ class Interpreter(TorchFunctionMode):
         if args and isinstance(args[0], torch.Tensor):
             self.functional.record_views(sym, self._proxy(args[0]), kwvalues, values, output)
         return output
+
+    def _operator(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The program calls an executor's operator itself: it reads its arguments' current values (after in-place
+        updates), and torch.autocast applies to it as eager's call would see it."""
+        return bind_operator(self.builder, sym, self._values(args), self._values(kwargs), self.autocast_casts,
+                             self.quiet)
 
     def _inplace(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         out = self._record(sym, args, kwargs)
