@@ -88,7 +88,10 @@ class _FirstRunCheck:
                 error.add_note(f"fulmen: raised by {bsym.sym.printed} (executor {owner!r}), run for the program's "
                                f"call{where}")
             raise
-        problem = _output_problem(bsym.output, result, kernel, "")
+        # A layout the operator declares (like=/meta=) is its promise; one learnt by running fn on meta tensors
+        # follows the arguments' layouts, which a fusion region before it may have chosen otherwise: not its fault.
+        declared = kernel and bsym.sym.meta is not None
+        problem = _output_problem(bsym.output, result, declared, "")
         if problem is None and kernel:
             problem = _argument_problem(arguments, versions, site.kept, result)
         if problem is not None:
@@ -148,7 +151,7 @@ def _storage(tensor: torch.Tensor) -> int:
         return 0
 
 
-def _output_problem(expected: Any, got: Any, kernel: bool, where: str) -> str | None:
+def _output_problem(expected: Any, got: Any, declared: bool, where: str) -> str | None:
     """How the value a call returned differs from the output its trace was built for, or None."""
     if isinstance(expected, TensorProxy):
         at = f" as output{where}" if where else ""
@@ -161,11 +164,12 @@ def _output_problem(expected: Any, got: Any, kernel: bool, where: str) -> str | 
         if want[:2] != have[:2] or (want[2] != have[2] and not scalar):
             return (f"returned {_type_string(got)}{at}, but the trace was built for {expected.type_string()} "
                     "(its like=/meta= function, or its fn run on meta tensors, says so)")
-        if kernel and want[3] != have[3]:
+        if declared and want[3] != have[3]:
             return (f"returned{at or ' its output'} with strides {tuple(got.stride())}, but the trace was built "
                     f"for strides {tuple(expected.stride())} (later calls rely on the layout: a .contiguous() of a "
-                    "contiguous value is dropped); return a tensor of that layout (e.g. out.contiguous()), or "
-                    "register the operator without like=/meta= so that fulmen runs fn on meta tensors to learn it")
+                    "contiguous value is dropped); return a tensor of that layout (e.g. out.contiguous()), or declare "
+                    "the layout in like= (a meta tensor), or register without like=/meta= so that fulmen runs fn on "
+                    "meta tensors to learn it")
         return None
     if isinstance(expected, (tuple, list)):
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
@@ -173,7 +177,7 @@ def _output_problem(expected: Any, got: Any, kernel: bool, where: str) -> str | 
             return (f"returned {_describe(got)}{' as output' + where if where else ''}, but the trace was built for "
                     f"a {type(expected).__name__} of {len(expected)} ({count} tensors)")
         for index, (want, have) in enumerate(zip(expected, got)):
-            problem = _output_problem(want, have, kernel, f"{where}[{index}]")
+            problem = _output_problem(want, have, declared, f"{where}[{index}]")
             if problem is not None:
                 return problem
     return None
