@@ -277,35 +277,54 @@ def _hashable(obj: Any) -> bool:
     return True
 
 
-def flatten(obj: Any, leaves: list[torch.Tensor], kept: dict[int, Any] | None = None, objects: bool = False) -> Any:
+def flatten(obj: Any, leaves: list[torch.Tensor], kept: dict[int, Any] | None = None, objects: bool = False,
+            given: frozenset[int] = frozenset()) -> Any:
     """Appends the tensors in `obj` to `leaves`; returns the spec. `kept` receives, by id, the objects the spec
     refers to by identity (unhashable values; with `objects`, other objects holding tensors in their attributes,
-    flattened too and kept as templates)."""
+    flattened too and kept as templates, except those in `given`, by id: returned as themselves)."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return TENSOR
     kind = type(obj)
     if kind is tuple or kind is list:
-        return (kind, None, tuple(flatten(item, leaves, kept, objects) for item in obj))
+        return (kind, None, tuple(flatten(item, leaves, kept, objects, given) for item in obj))
     if kind is dict:
-        return (kind, tuple(obj), tuple(flatten(value, leaves, kept, objects) for value in obj.values()))
+        return (kind, tuple(obj), tuple(flatten(value, leaves, kept, objects, given) for value in obj.values()))
     found = _NODES.of(obj)
     if found is not None and found.same_type:
         items, context = found.flatten(obj)
         context = _frozen(context)
         if _hashable(context):
-            return (kind, context, tuple(flatten(item, leaves, kept, objects) for item in items))
+            return (kind, context, tuple(flatten(item, leaves, kept, objects, given) for item in items))
     # kept by identity, its tensors would be captured as they are now and go stale on the next call
     refuse_tensors_kept_whole(obj, "fulmen.jit")
-    if objects and holds_tensors(obj):
+    if objects and holds_tensors(obj) and id(obj) not in given:
         assert kept is not None, "objects are kept as templates"
         if id(obj) in kept:
             raise TypeError(f"fulmen cannot return a {kind.__qualname__} (an object holding tensors) that appears "
                             "twice in the outputs or refers to itself")
         names = tuple(name for name, value in attributes(obj) if holds_tensors(value))
         kept[id(obj)] = obj
-        return (OBJECT, id(obj), names, tuple(flatten(getattr(obj, name), leaves, kept, objects) for name in names))
+        return (OBJECT, id(obj), names, tuple(flatten(getattr(obj, name), leaves, kept, objects, given)
+                                              for name in names))
     return _const(obj, kept)
+
+
+def identified(spec: Any) -> frozenset[int]:
+    """The ids of the objects `spec` holds by identity: an equal spec holds the very same objects (an object of a
+    class with an `__eq__` of its own may be equal to another)."""
+    if spec == TENSOR or type(spec) is not tuple or not spec:
+        return frozenset()
+    kind = spec[0]
+    if kind == "v":
+        return frozenset((id(spec[2]),)) if type(spec[2]).__eq__ is object.__eq__ else frozenset()
+    if kind == "id":
+        return frozenset((spec[1],))
+    if kind == OBJECT:
+        return frozenset().union(*(identified(item) for item in spec[3]))
+    if isinstance(kind, type) and len(spec) == 3 and type(spec[2]) is tuple:
+        return frozenset().union(*(identified(item) for item in spec[2]))
+    return frozenset()
 
 
 def spec_difference(old: Any, new: Any, path: str = "") -> tuple[str, str, str] | None:

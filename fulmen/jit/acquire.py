@@ -103,12 +103,12 @@ def _is_value(obj: Any) -> bool:
 
 def _captured(tensor: torch.Tensor) -> str:
     """The refusal of an in-place update of a real tensor the program read (a global's, an object's attribute) that
-    autograd would see."""
+    is a leaf requiring grad."""
     with torch._C.DisableTorchFunction():  # this mode would see the shape read
         what = f"a captured {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
-    return (f"in-place update of {what} that requires grad, created outside the program (not an argument, nor a "
-            "parameter or buffer of the jitted module): fulmen gives a new autograd history to arguments, parameters "
-            "and buffers only. Pass it as an argument, or update it outside the jitted function")
+    return (f"in-place update of {what}, a leaf of autograd that requires grad, created outside the program (not "
+            "an argument, nor a parameter or buffer of the jitted module): eager refuses it. Update it under "
+            "torch.no_grad(), outside the jitted function")
 
 
 def _describe(func: Callable[..., Any]) -> str:
@@ -337,7 +337,8 @@ class Interpreter(TorchFunctionMode):
         """The inputs standing for the real tensors the program captured, whose in-place updates are written back as
         an argument's are (a KV cache held by an object, a counter in a global)."""
         for tensor, proxy in self.constants:
-            if self.functional.was_written(proxy) and proxy.requires_grad:
+            # eager refuses an in-place update of a leaf that requires grad; a tensor with a history takes a new one
+            if self.functional.was_written(proxy) and tensor.requires_grad and tensor.is_leaf:
                 raise TraceError(_captured(tensor), self.functional.written_at(proxy))
         return [proxy for _, proxy in self.constants]
 

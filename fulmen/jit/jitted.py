@@ -363,7 +363,7 @@ class JittedFunction:
         with builder:
             values, out_spec, out_objects, returns_input, rebinds, dirty, retained = self._outputs(
                 result, visible + module_proxies, tree, interpreter,
-                proxies + module_proxies + interpreter.captured_inputs() + storage)
+                proxies + module_proxies + interpreter.captured_inputs() + storage, pytree.identified(spec))
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
         position = {id(p): i for i, p in enumerate(inputs)}
         values += [value for _, value in dirty]
@@ -496,12 +496,14 @@ class JittedFunction:
 
     @staticmethod
     def _outputs(result: Any, proxies: list[TensorProxy], tree: ShadowTree | None, interpreter: Interpreter,
-                 inputs: list[TensorProxy]):
+                 inputs: list[TensorProxy], given: frozenset[int]):
         functional = interpreter.functional
         leaves: list[torch.Tensor] = []
         out_objects: dict[int, Any] = {}
         try:
-            out_spec = pytree.flatten(result, leaves, out_objects, objects=True)
+            # an object the program was given (a KV cache it updated in place) comes back as itself: every call
+            # that reuses this trace was given the same object (the cache key holds it by identity)
+            out_spec = pytree.flatten(result, leaves, out_objects, objects=True, given=given)
         except TypeError as error:
             raise TraceError(str(error), None) from None
         input_index = {id(p): i for i, p in enumerate(proxies)}

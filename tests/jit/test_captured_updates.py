@@ -99,6 +99,6 @@ def test_a_captured_tensor_that_requires_grad_is_refused():
 
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         program(torch.ones(2))
-    with pytest.raises(fulmen.FulmenError, match=r"(?s)captured torch.float32 tensor of shape \(2,\) that requires "
-                                                 r"grad.*weight.mul_\(x\)"):
+    with pytest.raises(fulmen.FulmenError, match=r"(?s)captured torch.float32 tensor of shape \(2,\), a leaf of "
+                                                 r"autograd that requires grad.*weight.mul_\(x\)"):
         fulmen.jit(program)(torch.ones(2))

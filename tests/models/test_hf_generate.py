@@ -140,7 +140,9 @@ def test_a_static_cache_decodes_as_eager_with_one_trace_per_step_shape():
     position = torch.arange(6)
     for step in range(4):
         want = eager(input_ids=ids, past_key_values=caches[0], use_cache=True, cache_position=position).logits
-        got = jitted(input_ids=ids, past_key_values=caches[1], use_cache=True, cache_position=position).logits
+        output = jitted(input_ids=ids, past_key_values=caches[1], use_cache=True, cache_position=position)
+        assert output.past_key_values is caches[1]  # as eager returns it
+        got = output.logits
         torch.testing.assert_close(got, want, msg=lambda m, s=step: f"step {s}: {m}")
         for mine, theirs in zip(caches[1].layers, caches[0].layers):
             torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=0)
@@ -165,3 +167,5 @@ def test_generate_with_a_static_cache_gives_eagers_tokens():
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     for mine, theirs in zip(got.past_key_values.layers, want.past_key_values.layers):
         torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=0)
+    # the cache comes back as itself (a copy was a new object each step: a new trace per token)
+    assert fulmen.cache_misses(model.forward) == 2 and fulmen.cache_hits(model.forward) == 3
