@@ -122,14 +122,14 @@ def unproxyable(tensor: torch.Tensor) -> str | None:
     """Why a proxy cannot stand for `tensor`, or None: a proxy is a dense strided tensor that runs torch's own
     operators, so a tensor whose class changes what they do would lose it silently."""
     kind = type(tensor)
-    if kind is torch.Tensor or kind is TensorProxy:
-        pass
-    elif kind.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
-        return (f"its class {kind.__qualname__} overrides __torch_dispatch__ (a wrapper subclass such as DTensor or "
-                "a quantized weight), which fulmen does not trace; fulmen.distributed shards plain tensors itself")
-    elif getattr(kind.__torch_function__, "__func__", kind.__torch_function__) not in _PLAIN_FUNCTION:
-        return (f"its class {kind.__qualname__} overrides __torch_function__, which eager runs on every torch call "
-                "and a trace would skip; pass `t.as_subclass(torch.Tensor)` or call the function eagerly")
+    if kind is not torch.Tensor and kind is not TensorProxy:
+        if kind.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            return (f"its class {kind.__qualname__} overrides __torch_dispatch__ (a wrapper subclass such as DTensor "
+                    "or a quantized weight), which fulmen does not trace; fulmen.distributed shards plain tensors "
+                    "itself")
+        if getattr(kind.__torch_function__, "__func__", kind.__torch_function__) not in _PLAIN_FUNCTION:
+            return (f"its class {kind.__qualname__} overrides __torch_function__, which eager runs on every torch "
+                    "call and a trace would skip; pass `t.as_subclass(torch.Tensor)` or call the function eagerly")
     if tensor.layout is not torch.strided:
         return f"its layout is {tensor.layout}; fulmen traces dense (strided) tensors only"
     if tensor.is_nested or tensor.is_quantized:

@@ -311,8 +311,8 @@ def flatten(obj: Any, leaves: list[torch.Tensor], kept: dict[int, Any] | None = 
 
 
 def identified(spec: Any) -> frozenset[int]:
-    """The ids of the objects `spec` holds by identity: an equal spec holds the very same objects (an object of a
-    class with an `__eq__` of its own may be equal to another)."""
+    """The ids of the objects `spec` (of arguments: no OBJECT parts) holds by identity: an equal spec holds the very
+    same objects (an object of a class with an `__eq__` of its own may be equal to another)."""
     if spec == TENSOR or type(spec) is not tuple or not spec:
         return frozenset()
     kind = spec[0]
@@ -320,8 +320,6 @@ def identified(spec: Any) -> frozenset[int]:
         return frozenset((id(spec[2]),)) if type(spec[2]).__eq__ is object.__eq__ else frozenset()
     if kind == "id":
         return frozenset((spec[1],))
-    if kind == OBJECT:
-        return frozenset().union(*(identified(item) for item in spec[3]))
     if isinstance(kind, type) and len(spec) == 3 and type(spec[2]) is tuple:
         return frozenset().union(*(identified(item) for item in spec[2]))
     return frozenset()
