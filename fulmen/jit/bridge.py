@@ -1,19 +1,20 @@
 """The one `torch.autograd.Function` that runs a forward trace and, on `backward()`, its backward trace.
 
-Saved tensors live on the autograd node in a plain list that the backward trace unpacks and clears, so each is
-freed as soon as the backward has used it (tensors saved with `ctx.save_for_backward` stay alive until the
-node finishes). Their version counters are checked as eager's would be; an input the forward itself updates in
-place (a write-back) was saved before the update, so a backward that reads it raises eager's error. An input the
-forward updates in place with a value that has a history other than its own (`buf[1:] = w * 2`; `y.mul_(w)` on a
-`y` that requires grad) is returned as that value's output and marked dirty: autograd gives it the history eager's
-in-place update gives it, and the grad the backward computes for the input goes to its old history (an input that
-requires grad must not be a leaf: eager refuses that update too, and so does fulmen, naming the update's line). A
-backward that reads such an input's old value reads a copy the forward takes before the update, as eager's in-place
-ops save their `original_self`; an earlier autograd graph that saved the input still fails on its version counter.
-Within the program, a read of the old value before the update also gets the copy (eager would refuse the backward
-if that read saved the input). When saved-tensor hooks are active
-(`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`), the tensors go through `save_for_backward` so the
-hooks see them. Inputs that get no grad enter detached (`apply`).
+Saved tensors live on the autograd node in a plain list that the backward trace unpacks and clears, so each is freed
+as soon as the backward has used it (tensors saved with `ctx.save_for_backward` stay alive until the node finishes);
+a backward that retains the graph (`retain_graph=True`) gives the trace a copy of that list, so a later backward
+finds them all. Their version counters are checked as eager's would be; an input the forward itself updates in place
+(a write-back) was saved before the update, so a backward that reads it raises eager's error. An input the forward
+updates in place with a value that has a history other than its own (`buf[1:] = w * 2`; `y.mul_(w)` on a `y` that
+requires grad) is returned as that value's output and marked dirty: autograd gives it the history eager's in-place
+update gives it, and the grad the backward computes for the input goes to its old history (an input that requires
+grad must not be a leaf: eager refuses that update too, and so does fulmen, naming the update's line). A backward
+that reads such an input's old value reads a copy the forward takes before the update, as eager's in-place ops save
+their `original_self`; an earlier autograd graph that saved the input still fails on its version counter. Within the
+program, a read of the old value before the update also gets the copy (eager would refuse the backward if that read
+saved the input). When saved-tensor hooks are active (`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`),
+the tensors go through `save_for_backward` so the hooks see them. Inputs that get no grad enter detached (`apply`).
+Under inference mode, which records no history whatever grad mode says, only the forward runs.
 
 With CUDA graphs (`JitOptions.cuda_graphs`), a forward replays its graphs only when the previous replayed forward's
 backward has run (`GraphedProgram.start_forward`); otherwise it runs the same program without graphs, and its
@@ -146,12 +147,26 @@ def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ..
             f"{transform.key().name.lower()}): differentiate with fulmen's own transforms instead, "
             "fulmen.grad / fulmen.vjp / fulmen.jvp / fulmen.vmap applied to the function itself, or call the function "
             "without fulmen.jit inside torch.func")
+    if torch.is_inference_mode_enabled():
+        return _run_without_history(program, inputs)
     if program.no_grad_inputs:
         inputs = list(inputs)
         for i in program.no_grad_inputs:
             if inputs[i].requires_grad:
                 inputs[i] = inputs[i].detach()
     return FulmenFunction.apply(program, *inputs)
+
+
+def _run_without_history(program: GradProgram, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The outputs of a call under inference mode, which records no history whatever grad mode says (an entry traced
+    with grad enabled, called under `torch.inference_mode()` with `torch.enable_grad()` inside, or one whose program
+    enables grad itself): the forward alone, its saved values dropped (they may be inference tensors, which autograd
+    refuses to save, and no backward will read them)."""
+    forward_fn = program.forward_fn if program.graphs is None else program.plain_forward_fn  # no graph token taken
+    outputs = list(forward_fn(*inputs)[: program.n_outputs])
+    for updated in program.dirty:  # as eager's in-place update returns the tensor it updated
+        outputs[updated.output] = inputs[updated.input]
+    return tuple(outputs)
 
 
 def _hooks_active() -> bool:
@@ -205,19 +220,26 @@ class FulmenFunction(torch.autograd.Function):
                 "fulmen does not support double backward or backward(create_graph=True) through a jitted function"
             )
         program: GradProgram = ctx.program
+        # backward(retain_graph=True): the saved values must outlive this backward, which frees them as it goes
+        retained = torch._C._autograd._get_current_graph_task_keep_graph()
         if ctx.hooked:
             saved = list(ctx.saved_tensors)
         else:
-            saved, ctx.saved = ctx.saved, None
+            saved = ctx.saved
             if saved is None:
                 raise RuntimeError("Trying to backward through a fulmen-jitted function a second time: its saved "
-                                   "tensors are freed during the first backward (retain_graph is not supported)")
+                                   "tensors were freed by the first backward. Specify retain_graph=True in the first "
+                                   "backward (or autograd.grad) call to backward through it again")
+            if retained:
+                saved = list(saved)  # the backward trace clears the list it is given, not ctx's
+            else:
+                ctx.saved = None
             for name, tensor, version in zip(program.saved_names, saved, ctx.versions):
                 if tensor._version != version:
                     raise RuntimeError(
                         f"one of the variables needed for gradient computation has been modified by an inplace "
                         f"operation: {name} (saved by a fulmen-jitted function) is at version {tensor._version}; "
-                        f"expected version {version} instead."
+                        f"expected version {version} instead.{_input_hint(program, name)}"
                     )
         present = tuple(d and g is not None for d, g in zip(program.plan.differentiable, grads))
         if program.feeding:
@@ -225,11 +247,23 @@ class FulmenFunction(torch.autograd.Function):
         if program.stale:
             _check_stale(program, present, ctx.stale)
         cotangents = [g for g, p in zip(grads, present) if p]
-        token = ctx.graph_token
+        # a graphed forward's saved values live in the graphs' memory, valid while its token is unfinished (no forward
+        # replays the graphs meanwhile): a backward that retains them runs without graphs and leaves the token open
+        token = None if retained else ctx.graph_token
         input_grads = program.run_backward(present, ctx.sync, saved, cotangents, graphed=token is not None)
         if token is not None:
             GraphedProgram.finish_backward(token)
         return (None, *input_grads)
+
+
+def _input_hint(program: GradProgram, name: str) -> str:
+    """Why an update that eager's backward would not notice can fail fulmen's: it may save an input where eager
+    saves a value computed from it (`(x * a).exp()`: eager saves the exp, fulmen x and a, recomputing the exp)."""
+    if all(p.pname != name for p in program.plan.source.inputs):
+        return ""
+    return (f" {name} is an input of the jitted function, which its backward saves where eager's may save a value "
+            "computed from it instead: update a clone of it, update it after the backward, or run the call and the "
+            "update under torch.autograd.graph.allow_mutation_on_saved_tensors()")
 
 
 def _run_updating_inputs(ctx, program: GradProgram, forward_fn: Callable[..., tuple],

@@ -451,7 +451,9 @@ class JittedFunction:
             where = interpreter.functional.written_at
             dirty = tuple(UpdatedInput(first_dirty + k, i, where(acquisition.inputs[i]))
                           for k, i in enumerate(acquisition.dirty))
-            with torch.enable_grad():  # grad rules record as the program's own calls did
+            # grad rules record as the program's own calls did; inference mode (a call under torch.inference_mode()
+            # that enables grad) would have them record no history, leaving the backward without grads
+            with torch.inference_mode(False), torch.enable_grad():
                 program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs, dirty)
             traces.extend(forward_traces)
             if graphs is not None:
