@@ -16,6 +16,7 @@ from fulmen.jit.bridge import GradProgram
 from fulmen.jit.containers import ContainerWrite
 from fulmen.jit.guards import Guard, compile_first_failure, key_difference
 from fulmen.jit.output_grads import Retained
+from fulmen.jit.registrations import Registration
 from fulmen.jit.writes import Write
 
 
@@ -61,8 +62,11 @@ class CacheEntry:
     facts: tuple[tuple[int, str, bool], ...] | None = None
     aliases: AliasPlan | None = None
     module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
-    writes: tuple[Write | ContainerWrite, ...] = ()  # the Python state the program stores, stored again by every call
+    # the Python state the program stores (and the buffers it registers), stored again by every call
+    writes: tuple[Write | ContainerWrite | Registration, ...] = ()
     retained: Retained | None = None  # the tensors whose grad each call keeps (the program's retain_grad calls)
+    # which outputs (returned, then rebinds) the program gave as one object (distinct.py); None: at most one
+    distinct: tuple[int, ...] | None = None
 
     def admits(self, tensors: list, module_tensors: list) -> bool:
         if self.check is not None and not self.check():

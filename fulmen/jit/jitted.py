@@ -27,6 +27,7 @@ from fulmen.jit.autograd_facts import refuse_returned_nodes
 from fulmen.jit.bridge import UpdatedInput, apply
 from fulmen.jit.cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.compiling import seen_as_compiling
+from fulmen.jit.distinct import identity_pattern, kept_distinct
 from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import argument_key, compile_check, global_state_key, tensor_key
 from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
@@ -34,6 +35,7 @@ from fulmen.jit.observe import Observer
 from fulmen.jit.output_grads import Retained, rewatch
 from fulmen.jit.overrides import ModuleInput, ShadowTree, build_shadow
 from fulmen.jit.pipeline import Pipeline
+from fulmen.jit.registrations import RealModules, Registered, Registration
 from fulmen.jit.replacements import call_table
 from fulmen.jit.rerun import HookSnapshot, reachable_modules
 from fulmen.ops import prims
@@ -141,6 +143,7 @@ class Acquisition:
     retained: Retained | None  # what each call keeps the grad of (the program's retain_grad calls)
     dirty: tuple[int, ...]  # inputs that get an autograd history (their values follow the rebinds' in `values`)
     compiling: bool  # traced as a tracer is seen (torch.compiler.is_compiling()), see fulmen.jit.compiling
+    registrations: tuple[Registration, ...] = ()  # the buffers the program registered (registrations.py)
 
     def written(self) -> dict[int, SourceLocation | None]:
         """The inputs the program updates in place (their final values are copied back), by position, with the line
@@ -302,6 +305,8 @@ class JittedFunction:
                 ) -> Any:
         for write in entry.writes:  # the Python state the program stored (fulmen.jit.writes)
             write.apply()
+        if entry.distinct is not None:  # what the trace merged, eager gives as distinct tensors (distinct.py)
+            outputs = kept_distinct(outputs, entry.distinct)
         produced = outputs
         if len(outputs) > entry.n_outputs:  # then the rebinds' values, then the values of updated inputs
             for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
@@ -343,6 +348,7 @@ class JittedFunction:
                                              proxy_args, proxy_kwargs))
         target: Callable[..., Any] = self._fn
         tree: ShadowTree | None = None
+        real = RealModules(reachable_modules(self._fn, self._module, args, kwargs))
         calls = call_table(self.executors, interpreter)
         if self._module is not None:
             # A sharded parameter enters with its full shape (its distribution gathers it before use).
@@ -351,7 +357,8 @@ class JittedFunction:
             target = tree.root
         try:
             with (builder, interpreter, interpreter.replacing(calls.torch), observer.watching(calls.regions),
-                  function_apply_recorded(interpreter), seen_as_compiling() if compiling else contextlib.nullcontext()):
+                  real.watching(), function_apply_recorded(interpreter),
+                  seen_as_compiling() if compiling else contextlib.nullcontext()):
                 interpreter.quiet = observer.quiet
                 result = target(*proxy_args, **proxy_kwargs)
         except DataDependentError:
@@ -363,12 +370,14 @@ class JittedFunction:
         with builder:
             values, out_spec, out_objects, returns_input, rebinds, dirty, retained = self._outputs(
                 result, visible + module_proxies, tree, interpreter,
-                proxies + module_proxies + interpreter.captured_inputs() + storage, pytree.identified(spec))
+                proxies + module_proxies + interpreter.captured_inputs() + storage, pytree.identified(spec),
+                real.found)
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
         position = {id(p): i for i, p in enumerate(inputs)}
         values += [value for _, value in dirty]
+        registrations = (*(tree.registrations() if tree is not None else ()), *(r.registration() for r in real.found))
         return Acquisition(builder, interpreter, observer, tree, inputs, values, out_spec, out_objects, returns_input,
-                           rebinds, retained, tuple(position[id(obj)] for obj, _ in dirty), compiling)
+                           rebinds, retained, tuple(position[id(obj)] for obj, _ in dirty), compiling, registrations)
 
     @staticmethod
     def _shared_storage(builder: TraceBuilder, interpreter: Interpreter, proxies: list[TensorProxy],
@@ -491,14 +500,15 @@ class JittedFunction:
             module_inputs=tuple(module_inputs),
             facts=_facts_read(acquisition),
             aliases=aliases,
-            writes=acquisition.observer.writes,
+            writes=(*acquisition.observer.writes, *acquisition.registrations),
+            distinct=identity_pattern(values[: len(returns_input) + len(rebinds)]),
             retained=acquisition.retained,
         )
         return entry, module_tensors
 
     @staticmethod
     def _outputs(result: Any, proxies: list[TensorProxy], tree: ShadowTree | None, interpreter: Interpreter,
-                 inputs: list[TensorProxy], given: frozenset[int]):
+                 inputs: list[TensorProxy], given: frozenset[int], registered: list[Registered]):
         functional = interpreter.functional
         leaves: list[torch.Tensor] = []
         out_objects: dict[int, Any] = {}
@@ -528,11 +538,15 @@ class JittedFunction:
                 returned = ReturnedInput(len(proxies) + captured) if captured is not None else None
             returns_input.append(returned)
         rebinds = []
-        if tree is not None:
-            for module, container, name, given, now in tree.rebinds():
+        # then the buffers the program registered in modules that are not shadows (registrations.py)
+        found = [(r.module, "_buffers", r.name, None, r.value) for r in registered]
+        if tree is not None or found:
+            for module, container, name, given, now in [*(tree.rebinds() if tree is not None else ()), *found]:
                 value = functional.resolve(now)
-                # a value with an autograd history is the module's new tensor, as eager's assignment makes it
-                same = (value.shape, value.dtype, value.device) == (given.shape, given.dtype, given.device)
+                # a value with an autograd history is the module's new tensor, as eager's assignment makes it; a
+                # buffer the program registered (given None) has no tensor to copy into
+                same = given is not None and (value.shape, value.dtype, value.device) == (given.shape, given.dtype,
+                                                                                          given.device)
                 if same and not value.requires_grad:
                     prims.copy_(value, given)
                 else:

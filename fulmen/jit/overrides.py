@@ -5,8 +5,9 @@ submodule whose `_parameters`, `_buffers` and tensor attributes hold proxies (th
 reports every attribute the program reads to the observer (observe.py), so guards check exactly those on the user's
 module: plain and container attributes, submodules, parameter and buffer slots, hooks, methods. Assignments the
 program makes during the forward land on the shadow and are reported to the observer: tensor rebinds are returned
-by the trace, other values stored again on the user's module by every call (writes.py). Tied weights (one tensor in
-two places) are one trace input, fetched from the first place, and guarded to stay tied.
+by the trace, other values stored again on the user's module by every call (writes.py); buffers it registers are
+registered again by every call (registrations.py). Tied weights (one tensor in two places) are one trace input,
+fetched from the first place, and guarded to stay tied.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.jit.lookasides import method_lookasides
 from fulmen.jit.observe import Observer
+from fulmen.jit.registrations import Registered, Registration, registered
 
 CONTAINERS = ("_parameters", "_buffers", "__dict__")
 
@@ -65,7 +67,23 @@ class ShadowTree:
                     now = now_map.get(name)
                     if now is not proxy and isinstance(now, torch.Tensor):
                         changed.append((original, container, name, proxy, now))
+            # a buffer the forward registered (given None): the trace returns it, as eager's module holds it after
+            changed += [(r.module, "_buffers", r.name, None, r.value) for r in self._registered(shadow, original)
+                        if r.name not in given["_buffers"] and type(r.value) is TensorProxy]
         return changed
+
+    def registrations(self) -> list[Registration]:
+        """The `register_buffer` calls the forward made on the shadows, to make on the user's modules every call."""
+        return [r.registration() for shadow, original, _ in self.given.values()
+                for r in self._registered(shadow, original)]
+
+    @staticmethod
+    def _registered(shadow: nn.Module, original: nn.Module) -> list[Registered]:
+        state, before = vars(shadow), vars(original)
+        if "_buffers" not in state or "_non_persistent_buffers_set" not in state:
+            return []
+        return registered(original, state["_buffers"], before["_buffers"], state["_non_persistent_buffers_set"],
+                          before["_non_persistent_buffers_set"])
 
 
 _SHADOW_CLASSES: dict[type, type] = {}
@@ -195,6 +213,8 @@ def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], Te
                 state.update(replaced)
             else:
                 state[container] = {**source, **replaced}
+        if "_non_persistent_buffers_set" in state:  # the forward's register_buffer calls change the shadow's own
+            state["_non_persistent_buffers_set"] = set(state["_non_persistent_buffers_set"])
         state["_modules"] = {
             name: (visit(child, f"{prefix}{name}.") if child is not None else None)
             for name, child in original._modules.items()

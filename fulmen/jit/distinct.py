@@ -1,0 +1,38 @@
+"""Tensors that eager gives as distinct objects come back as distinct objects.
+
+The trace's common-subexpression elimination merges two equal computations (two `torch.zeros(2)`, two LoRA layers'
+`torch.tensor(lora_ind)`) into one value, and a trace returning both returned that one tensor twice: the caller got
+one object where eager gives two, so an in-place update of one changed the other (two modules' buffers, registered
+by the program, were one tensor). Each output the program returned as an object of its own is copied where the
+trace gives an object it gave before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def identity_pattern(values: Sequence[Any]) -> tuple[int, ...] | None:
+    """For each value the program returned (or stored), the position of the first that is the same object; None
+    when there is at most one (nothing can be merged)."""
+    if len(values) < 2:
+        return None
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(value), i) for i, value in enumerate(values))
+
+
+def kept_distinct(outputs: tuple, pattern: tuple[int, ...]) -> tuple:
+    """`outputs` (the trace's, a prefix of which `pattern` covers) with a copy in place of each tensor that the
+    program returned as an object of its own and the trace gives as an object given before it."""
+    result: list[Any] | None = None
+    given: set[int] = set()
+    for i, first in enumerate(pattern):
+        out = outputs[i]
+        if first == i and id(out) in given and isinstance(out, torch.Tensor):
+            result = result if result is not None else list(outputs)
+            result[i] = out.clone()  # keeps strides, and the autograd history (the copy's grad flows back)
+        given.add(id(out))
+    return outputs if result is None else tuple(result)
