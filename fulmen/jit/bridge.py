@@ -13,8 +13,10 @@ that reads such an input's old value reads a copy the forward takes before the u
 their `original_self`; an earlier autograd graph that saved the input still fails on its version counter. Within the
 program, a read of the old value before the update also gets the copy (eager would refuse the backward if that read
 saved the input). When saved-tensor hooks are active (`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`),
-the tensors go through `save_for_backward` so the hooks see them. Inputs that get no grad enter detached (`apply`).
-Under inference mode, which records no history whatever grad mode says, only the forward runs.
+the tensors go through `save_for_backward` so the hooks see them; an input the forward saves, then updates in place,
+is packed before the forward runs, when eager's op would pack it, and as in eager no version of what the hooks
+packed is checked. Inputs that get no grad enter detached (`apply`). Under inference mode, which records no history
+whatever grad mode says, only the forward runs.
 
 With CUDA graphs (`JitOptions.cuda_graphs`), a forward replays its graphs only when the previous replayed forward's
 backward has run (`GraphedProgram.start_forward`); otherwise it runs the same program without graphs, and its
@@ -195,6 +197,8 @@ class FulmenFunction(torch.autograd.Function):
             ctx.graph_token = None if ctx.hooked else program.graphs.start_forward()
             if ctx.graph_token is None:
                 forward_fn = program.plain_forward_fn
+        # eager packs an input when the op reading it runs, before the program updates it in place: so does fulmen
+        ctx.early = _pack_stale(program, inputs) if ctx.hooked and program.stale else None
         if program.dirty or program.stale or program.originals:
             outputs, saved = _run_updating_inputs(ctx, program, forward_fn, inputs)
         else:
@@ -203,7 +207,8 @@ class FulmenFunction(torch.autograd.Function):
         ctx.program = program
         ctx.sync = program.distributed is None or program.distributed.sync  # no_sync() is decided when the forward runs
         if ctx.hooked:
-            ctx.save_for_backward(*saved)
+            early = {k for k, _ in program.stale} if ctx.early is not None else set()
+            ctx.save_for_backward(*(t for k, t in enumerate(saved) if k not in early))
         else:
             ctx.saved = list(saved)
             ctx.versions = _versions(program, saved)
@@ -223,7 +228,7 @@ class FulmenFunction(torch.autograd.Function):
         # backward(retain_graph=True): the saved values must outlive this backward, which frees them as it goes
         retained = torch._C._autograd._get_current_graph_task_keep_graph()
         if ctx.hooked:
-            saved = list(ctx.saved_tensors)
+            saved = _unpack_hooked(ctx, program)
         else:
             saved = ctx.saved
             if saved is None:
@@ -244,7 +249,7 @@ class FulmenFunction(torch.autograd.Function):
         present = tuple(d and g is not None for d, g in zip(program.plan.differentiable, grads))
         if program.feeding:
             check_watched(program.feeding, ctx.watched, present)
-        if program.stale:
+        if program.stale and not ctx.hooked:  # eager checks no version of what saved-tensor hooks packed
             _check_stale(program, present, ctx.stale)
         cotangents = [g for g, p in zip(grads, present) if p]
         # a graphed forward's saved values live in the graphs' memory, valid while its token is unfinished (no forward
@@ -254,6 +259,30 @@ class FulmenFunction(torch.autograd.Function):
         if token is not None:
             GraphedProgram.finish_backward(token)
         return (None, *input_grads)
+
+
+def _pack_stale(program: GradProgram, inputs: tuple[torch.Tensor, ...]) -> tuple[Callable, list]:
+    """The unpack hook and what the active pack hook gives for each input the forward saves, then updates in place
+    (`stale`), packed before the forward runs, when eager's op reading it would pack it: `save_on_cpu` keeps the old
+    value, a hook that keeps the tensor itself sees the update, as in eager."""
+    pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return unpack, [pack(inputs[i]) for _, i in program.stale]
+
+
+def _unpack_hooked(ctx, program: GradProgram) -> list[torch.Tensor]:
+    """The saved values of a forward run under saved-tensor hooks, in the backward trace's order."""
+    saved = list(ctx.saved_tensors)
+    if ctx.early is not None:
+        if not ctx.early:
+            raise RuntimeError("Trying to backward through a fulmen-jitted function a second time: its saved tensors "
+                               "were freed by the first backward. Specify retain_graph=True in the first backward (or "
+                               "autograd.grad) call to backward through it again")
+        unpack, packed = ctx.early
+        for (k, _), value in zip(program.stale, packed):  # stale is in saved order: each insert lands at its place
+            saved.insert(k, unpack(value))
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            ctx.early = ()  # freed, as autograd frees what save_for_backward holds
+    return saved
 
 
 def _input_hint(program: GradProgram, name: str) -> str:

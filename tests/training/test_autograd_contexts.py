@@ -79,6 +79,30 @@ def test_saved_tensor_hooks_pack_every_saved_tensor_and_the_backward_uses_what_u
     assert len(ptrs) == len(ptrs_eager) == 2
 
 
+def _read_then_update(buf: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = (buf * w).sum()  # saves buf for w's grad
+    buf.add_(1)  # then updates it in place
+    return out
+
+
+@pytest.mark.parametrize("pack", [lambda t: t, torch.clone], ids=["keeps_the_tensor", "copies_it"])
+def test_saved_tensor_hooks_pack_an_input_before_the_program_updates_it_as_eager(pack):
+    """Eager packs buf when the mul runs, before the update, and checks no version of what hooks packed: a hook that
+    keeps the tensor sees the update, one that copies it keeps the old value. fulmen packs such an input before its
+    forward runs (it used to pack the updated input after it, and refuse the backward on the version)."""
+    results = []
+    for fn in (_read_then_update, fulmen.jit(_read_then_update)):
+        (buf, w), retains = _leaves(), []
+        buf = buf.detach()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fn(buf, w)
+        y.backward(retain_graph=True)
+        retains.append(w.grad.clone())
+        y.backward()
+        results.append([*retains, w.grad, buf])
+    torch.testing.assert_close(results[1], results[0])
+
+
 def test_save_on_cpu_gives_eagers_grads():
     def run(block, fn, x):
         with torch.autograd.graph.save_on_cpu():
