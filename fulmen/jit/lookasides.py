@@ -6,16 +6,21 @@ replacement runs every expert on every token and adds each output where the toke
 by its routing probability: the same sum in the same expert order. A token an expert was not routed to reaches it as
 zeros and its output is dropped by selection, not multiplied by a zero weight: eager never runs the expert on that
 token, so an output that overflows there (inf, nan) must not reach the result or the grads as 0 * inf = nan.
+An expert that draws random numbers (LoRA dropout in training mode) is refused: eager draws its mask for the routed
+tokens only, a number known only from the routing's values, so no trace can draw eager's mask.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from fulmen.core.errors import UnsupportedOpError
+from fulmen.core.symbol import BoundSymbol, Tag, current_builder
 from fulmen.core.trace import TraceBuilder
 
 
@@ -35,14 +40,45 @@ def litgpt_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
     weights = (probs.unsqueeze(-1) * routed).sum(dim=1)  # (B*T, n_expert): zero where not routed
     chosen = routed.any(dim=1)  # (B*T, n_expert)
     y = torch.zeros_like(x)
+    builder = current_builder()
+    scope = builder.scopes[-1] if isinstance(builder, TraceBuilder) else []
+    start = len(scope)
     for expert_index, expert in enumerate(self.experts):
         rows = chosen[:, expert_index, None]
         out = expert(torch.where(rows, x, 0))
         y = y + torch.where(rows, weights[:, expert_index, None] * out, 0)
+    _refuse_random_experts(type(self).__qualname__, scope[start:])
     y = y.view(batch, time, channels)
     if self.config.n_shared_expert:
         y = y + self.shared_experts(residual_x)
     return y
+
+
+def _draws(bsym: BoundSymbol) -> bool:
+    """Whether the call draws random numbers when it runs: a dropout in eval mode (`training=False`) does not,
+    though its symbol is tagged as drawing; a call whose arguments cannot be read is taken to draw."""
+    if bsym.subsymbols:
+        return any(_draws(sub) for sub in bsym.subsymbols)
+    if not bsym.sym.tags & Tag.RANDOM:
+        return False
+    try:
+        bound = inspect.signature(bsym.sym.impl).bind(*bsym.args, **bsym.kwargs)
+    except (TypeError, ValueError):  # a builtin without a signature, or arguments fulmen normalised otherwise
+        return True
+    bound.apply_defaults()
+    return bool(bound.arguments.get("training", bound.arguments.get("train", True)))
+
+
+def _refuse_random_experts(kind: str, recorded: list[BoundSymbol]) -> None:
+    draw = next((bsym for bsym in recorded if _draws(bsym)), None)
+    if draw is None:
+        return
+    where = f" ({draw.source.short()})" if draw.source is not None else ""
+    raise UnsupportedOpError(
+        f"fulmen cannot compile LitGPT's {kind} when an expert draws random numbers: {draw.sym.printed}{where}. "
+        "fulmen runs every expert on every token (which tokens are routed to an expert depends on the routing's "
+        "values), so it would draw another mask than eager, which draws one for the routed tokens only. Give the "
+        "experts no dropout (lora_dropout=0.0, or lora_mlp=False) or call model.eval()", draw.source)
 
 
 def rnn_flatten_parameters(self) -> None:

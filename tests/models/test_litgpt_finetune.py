@@ -197,3 +197,20 @@ def test_adapter_prompt_cache_is_refused_naming_litgpts_line(variant):
     assert "self.adapter_kv_cache = (ak, av)" in str(error.value)
     assert model.transformer.h[1].attn.adapter_kv_cache is None
     model(idx).sum().backward()  # the module still runs eagerly
+
+
+def test_lora_dropout_inside_mixture_of_experts_is_refused_and_eval_matches():
+    """fulmen runs each expert on every token (routing is data-dependent); eager draws an expert's LoRA dropout mask
+    for its routed tokens only, so a trace cannot draw eager's mask: refused, naming LitGPT's dropout line. Without
+    draws (eval) the model matches eager."""
+    config = _config(lora, "Mixtral-8x7B-v0.1", lora_r=2, lora_alpha=4, lora_dropout=0.1, lora_query=True,
+                     lora_value=True, lora_mlp=True)
+    torch.manual_seed(0)
+    model = lora.GPT(config)
+    lora.mark_only_lora_as_trainable(model)
+    jitted = fulmen.jit(model)
+    idx = _batches(1)[0][0]
+    with pytest.raises(fulmen.UnsupportedOpError, match=r"LLaMAMoE when an expert draws random numbers.*lora\.py:\d+"):
+        jitted(idx)
+    model.eval()
+    torch.testing.assert_close(jitted(idx), model(idx), rtol=1e-5, atol=1e-6)
