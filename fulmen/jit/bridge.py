@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fulmen.core.errors import TraceError
-from fulmen.core.source import SourceLocation
+from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.trace import Trace
 from fulmen.jit.output_grads import check_watched, feeding_outputs, watch
 from fulmen.ops import prims
@@ -217,6 +217,17 @@ class FulmenFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(*(outputs[i] for i in program.non_differentiable))
         ctx.watched = watch(program.feeding, outputs)
         return tuple(outputs)
+
+    @staticmethod
+    def jvp(ctx, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Called only under torch.autograd.forward_ad with a tangent on an input: the backward trace cannot give
+        one (eager's ops would carry it), so the call is refused, naming the inputs and the user's line."""
+        program: GradProgram = ctx.program
+        names = [p.pname for p, tangent in zip(program.plan.source.inputs, tangents[1:]) if tangent is not None]
+        raise TraceError(
+            f"fulmen cannot carry forward-mode tangents (torch.autograd.forward_ad) through a jitted call that also "
+            f"computes grads; here {', '.join(names)} carries one. Differentiate the function in forward mode with "
+            "fulmen.jvp, or make the call where no input requires grad (torch.no_grad())", user_location())
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

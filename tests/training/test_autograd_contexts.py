@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.utils.checkpoint import checkpoint
 
 import fulmen
+from fulmen.core.errors import TraceError
 
 
 class _Block(torch.nn.Module):
@@ -317,3 +319,22 @@ def test_allow_mutation_on_saved_tensors_lets_an_input_be_updated_after_the_call
             y.backward()
         results.append((leaf.grad, a.grad))
     torch.testing.assert_close(results[1], results[0])
+
+
+def _sin_of_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * w).sin()
+
+
+def test_forward_mode_tangents_through_a_call_that_computes_grads_are_refused_naming_the_input_and_line():
+    x, w = _leaves()
+    x = x.detach()
+    with fwAD.dual_level():
+        want = fwAD.unpack_dual(_sin_of_product(fwAD.make_dual(x, torch.ones_like(x)), w))
+        assert want.tangent is not None and want.primal.requires_grad  # eager carries both
+        jitted = fulmen.jit(_sin_of_product)
+        with pytest.raises(TraceError, match=r"(?s)forward-mode tangents.*here x carries one.*test_autograd_contexts"):
+            jitted(fwAD.make_dual(x, torch.ones_like(x)), w)
+        with torch.no_grad():  # no backward to build: the tangent flows through the trace's ops
+            got = fwAD.unpack_dual(jitted(fwAD.make_dual(x, torch.ones_like(x)), w))
+    torch.testing.assert_close(got.tangent, want.tangent)
+    torch.testing.assert_close(got.primal, want.primal.detach())
