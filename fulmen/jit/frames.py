@@ -4,10 +4,18 @@ Before each read site (reads.py) of an observed frame runs, the tap hands the si
 Frames of fulmen, torch (but for `torch.nn.modules`, whose module classes read module state and the hook registries)
 and the standard library are not followed, nor imports the program triggers. While a symbol records its meta and
 decomposition (the bulk of an acquisition's Python calls, none of them the program's), tracing is off (`Quiet`).
+
+Two kinds of standard-library frames are seen though they are not followed: those that make an object without its
+`__init__` (a copy's, `_NEW_OBJECT`: the object is the program's own, as one whose `__init__` runs), and those that
+read all an object holds (`_STATE_READERS`: copies and dataclasses' helpers, called by the program or inside one
+such call), whose argument the observer guards whole.
 """
 
 from __future__ import annotations
 
+import copy
+import copyreg
+import dataclasses
 import os
 import sys
 import sysconfig
@@ -36,6 +44,8 @@ class Reader(Protocol):
     def read(self, site: reads.Read, frame: types.FrameType) -> None: ...
 
     def created(self, obj: Any) -> None: ...
+
+    def read_state(self, obj: Any, reader: str) -> None: ...  # `reader` reads all `obj` holds
 
     def entered(self, code: types.CodeType) -> None: ...  # a frame of the program's code starts
 
@@ -69,6 +79,16 @@ def observed(code: types.CodeType, namespace: dict) -> bool:
         return not filename or _observed_file(os.path.abspath(filename))
     return _observed_file(filename)
 
+
+# The functions `copy.copy` and `copy.deepcopy` make an object with, without running its `__init__`.
+_NEW_OBJECT = frozenset({copyreg.__newobj__.__code__, copyreg.__newobj_ex__.__code__})
+# Standard-library functions that read all their first argument holds, in code the tap does not follow, by what the
+# guard names them. The deep ones reach nested values by calling themselves (or the private helper listed with them).
+_STATE_READERS = {function.__code__: name for function, name in (
+    (copy.copy, "copy.copy"), (copy.deepcopy, "copy.deepcopy"), (dataclasses.replace, "dataclasses.replace"),
+    (dataclasses.asdict, "dataclasses.asdict"), (getattr(dataclasses, "_asdict_inner", None), "dataclasses.asdict"),
+    (dataclasses.astuple, "dataclasses.astuple"),
+    (getattr(dataclasses, "_astuple_inner", None), "dataclasses.astuple")) if function is not None}
 
 _SITES: dict[int, tuple[types.CodeType, dict[int, reads.Read] | None]] = {}  # keeps each code alive: ids stay unique
 
@@ -107,6 +127,7 @@ class FrameTap:
         self.previous = previous
         self.regions = regions
         self.importing = 0  # module bodies running now
+        self.reading = 0  # frames of _STATE_READERS the program called, running now
 
     def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
         return _around(frame, self.regions, self._follow(frame, event, arg))
@@ -119,6 +140,13 @@ class FrameTap:
             return _ImportTap(self, local).event
         if self.importing:
             return local
+        if code in _NEW_OBJECT:
+            return _CreationTap(self.observer, local).event
+        reader = _STATE_READERS.get(code)
+        if reader is not None and (self.reading or _called_by_program(frame)):
+            if code.co_argcount:
+                self.observer.read_state(frame.f_locals.get(code.co_varnames[0]), reader)
+            return _ReadingTap(self, local).event
         sites = _sites_of(frame)
         if sites is None:
             return local
@@ -205,6 +233,45 @@ class _ImportTap:
             self.tap.importing -= 1
         if self.previous is not None:
             self.previous = self.previous(frame, event, arg)
+        return self.event
+
+
+def _called_by_program(frame: types.FrameType) -> bool:
+    caller = frame.f_back
+    return caller is not None and _sites_of(caller) is not None
+
+
+class _ReadingTap:
+    __slots__ = ("tap", "previous")
+
+    def __init__(self, tap: FrameTap, previous: Callable[..., Any] | None) -> None:
+        self.tap = tap
+        self.previous = previous
+        tap.reading += 1
+
+    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        if event == "return":
+            self.tap.reading -= 1
+        if self.previous is not None:
+            self.previous = self.previous(frame, event, arg)
+        return self.event
+
+
+class _CreationTap:
+    """The local tracer of a frame making a new object without its `__init__` (a copy): the object it returns is
+    one the program created, as one whose `__init__` the tap sees."""
+
+    __slots__ = ("observer", "previous")
+
+    def __init__(self, observer: Reader, previous: Callable[..., Any] | None) -> None:
+        self.observer = observer
+        self.previous = previous
+
+    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        if self.previous is not None:
+            self.previous = self.previous(frame, event, arg)
+        if event == "return" and arg is not None:
+            self.observer.created(arg)
         return self.event
 
 

@@ -7,6 +7,7 @@ properties and dynamic attributes are left to the observer of the code that comp
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -123,6 +124,15 @@ def owner_name(obj: Any) -> str:
     return f"{type(obj).__qualname__} object"
 
 
+def object_state(obj: Any) -> tuple[dict | None, tuple]:
+    """All an object holds, as a copy reads it: its `__dict__` (None without one) and the values of its slots."""
+    return instance_dict(obj), tuple(slot_value(slot, obj) for slot in _slots(type(obj)))
+
+
+@functools.cache
+def _slots(cls: type) -> tuple[Any, ...]:
+    return tuple(value for klass in cls.__mro__ for value in vars(klass).values()
+                 if type(value) is types.MemberDescriptorType)
 
 
 def is_shadow(obj: Any) -> bool:

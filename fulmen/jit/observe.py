@@ -48,7 +48,7 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import frame_location
 from fulmen.jit import reads
-from fulmen.jit.containers import MUTATORS, ContainerLog, ContainerWrite
+from fulmen.jit.containers import MUTATORS, ContainerLog, ContainerWrite, is_container
 from fulmen.jit.frames import FrameTap, Quiet, Region, observed
 from fulmen.jit.guards import Guard
 from fulmen.jit.lookup import (
@@ -61,6 +61,7 @@ from fulmen.jit.lookup import (
     instance_dict,
     is_data_descriptor,
     is_shadow,
+    object_state,
     owner_name,
     slot_value,
 )
@@ -72,6 +73,9 @@ _MODULE_STATE = frozenset(nn.Module().__dict__)
 # nn.Module's hook registries (`_forward_hooks`, ...): almost always empty, then checked together per module
 HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
                              if "hook" in name and type(value) in (dict, OrderedDict))
+# What a copy shares with the original, left alone by `read_state` (tensors are the trace's inputs)
+_COPIED_AS_THEMSELVES = (torch.Tensor, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+                         types.MethodType)
 
 
 class Observer:
@@ -223,10 +227,16 @@ class Observer:
             return [fn for fn in self._functions.get(code, ()) if cell_value(fn.__closure__[index]) is value]
 
         found = matching()
-        if not found:  # a function we have not seen read: find it among the functions of this code
-            for referrer in gc.get_referrers(code):
-                if type(referrer) is types.FunctionType and referrer.__code__ is code:
-                    self._note_function(referrer)
+        # A function we have not seen read: find it among the functions of this code. Most are closures the program
+        # just made (a generator expression reading `self`), found among the youngest objects; scanning the whole
+        # heap (gc.get_referrers) costs tens of milliseconds each time.
+        for search in (lambda: gc.get_objects(generation=0), lambda: gc.get_objects(generation=1),
+                       lambda: gc.get_referrers(code)):
+            if found:
+                break
+            for candidate in search():
+                if type(candidate) is types.FunctionType and candidate.__code__ is code:
+                    self._note_function(candidate)
             found = matching()
         return found
 
@@ -236,7 +246,22 @@ class Observer:
             self._pinned.append(obj)
             self._created.add(id(obj))
 
+    def read_state(self, obj: Any, reader: str) -> None:
+        """`reader` (a copy, `dataclasses.asdict`, `vars`) reads all the object `obj` holds, in code no read site
+        names: the trace holds while that content does. Shallowly: a deep reader's recursion reads each nested
+        object in turn. A container is left alone: one that predates the call was found through a guarded place,
+        whose check compares its content (values.value_check); one the program built is its own."""
+        if immutable(obj) or is_container(obj) or isinstance(obj, _COPIED_AS_THEMSELVES) \
+                or id(obj) in self._created or is_shadow(obj):
+            return  # tensors: trace inputs; shadows: the module tap
+        self._pinned.append(obj)
+        self._add(("state", id(obj)), f"the content of {owner_name(obj)}, read whole by {reader}",
+                  lambda e: f"{e.bind(object_state)}({e.bind(obj)})", object_state(obj))
+
     def read_attribute(self, obj: Any, name: str) -> None:
+        if name == "__dict__":
+            self.read_state(obj, "`__dict__`")
+            return
         cls = type(obj)
         if (name.startswith("__") and name.endswith("__")) or issubclass(cls, (torch.Tensor, *IMMUTABLE)) \
                 or is_shadow(obj) or id(obj) in self._created or (id(obj), name) in self._written:
@@ -303,21 +328,33 @@ class Observer:
         elif kind is reads.AttrWrite:
             receiver = evaluate(site.receiver, frame)
             if receiver is not MISSING:
-                self._pinned.append(receiver)
-                self._written.add((id(receiver), site.name))
-                if not is_shadow(receiver):  # a shadow reports its stores itself (module_write)
-                    self._stores.attribute(receiver, site.name, frame)
+                self._write_attribute(receiver, site.name, site.deletes, frame)
         elif kind is reads.GlobalWrite:
+            if site.deletes:  # eager's `del` fails where it is gone: the trace holds where it is there, as it was
+                self.read_global(frame, site.name)
             self._written.add((id(frame.f_globals), site.name))
             self._stores.global_(frame.f_globals, site.name, frame)
         elif kind is reads.ItemWrite:
             container = evaluate(site.container, frame)
             if container is not MISSING:
                 self._containers.changing(container, frame)
-        elif (function := evaluate(site.function, frame)) is getattr or function is hasattr:
+        else:
+            function = evaluate(site.function, frame)
             receiver, name = evaluate(site.receiver, frame), evaluate(site.name, frame)
-            if receiver is not MISSING and type(name) is str:
+            if receiver is MISSING or type(name) is not str:
+                return
+            if function is getattr or function is hasattr or function is vars:
                 self.read_attribute(receiver, name)
+            elif function is setattr or function is delattr:
+                self._write_attribute(receiver, name, function is delattr, frame)
+
+    def _write_attribute(self, receiver: Any, name: str, deletes: bool, frame: types.FrameType) -> None:
+        if deletes:  # eager's `del` fails where it is gone: the trace holds where it is there, as it was
+            self.read_attribute(receiver, name)
+        self._pinned.append(receiver)
+        self._written.add((id(receiver), name))
+        if not is_shadow(receiver):  # a shadow reports its stores itself (module_write)
+            self._stores.attribute(receiver, name, frame)
 
     @contextlib.contextmanager
     def watching(self, regions: dict[types.CodeType, Region] | None = None) -> Iterator[None]:

@@ -79,20 +79,29 @@ class AttrRead:
 
 
 @dataclass(frozen=True, slots=True)
-class GetattrRead:
-    function: Global  # `getattr` or `hasattr`, checked to be the builtin when the call runs
+class AttrCall:
+    """`getattr(obj, name[, default])`, `hasattr(obj, name)` or `vars(obj)` (a read), `setattr(obj, name, value)`
+    or `delattr(obj, name)` (a write)."""
+
+    function: Global  # checked to be the builtin when the call runs
     receiver: Source
     name: Source
 
 
 @dataclass(frozen=True, slots=True)
 class AttrWrite:
+    """`obj.name = value` or `del obj.name`."""
+
     receiver: Source
     name: str  # a later read of this attribute in the same call reads what the program wrote: no guard
+    deletes: bool = False
 
 
+@dataclass(frozen=True, slots=True)
 class GlobalWrite(_Named):
-    __slots__ = ()
+    """`global name; name = value` or `del name`."""
+
+    deletes: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +112,7 @@ class ItemWrite:
     container: Source
 
 
-Read = GlobalRead | CellRead | AttrRead | GetattrRead | AttrWrite | GlobalWrite | ItemWrite
+Read = GlobalRead | CellRead | AttrRead | AttrCall | AttrWrite | GlobalWrite | ItemWrite
 
 _UNKNOWN = None
 _LOAD_LOCAL = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_BORROW"})
@@ -112,7 +121,8 @@ _LOAD_CELL = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
 _NO_STACK_EFFECT = frozenset({"NOP", "CACHE", "RESUME", "EXTENDED_ARG", "KW_NAMES", "COPY_FREE_VARS", "MAKE_CELL"})
 # The call instruction whose stack still holds the callable and its arguments (3.11 splits PRECALL/CALL).
 _CALL = "PRECALL" if "PRECALL" in dis.opmap else "CALL"
-_GETATTR_BUILTINS = frozenset({"getattr", "hasattr"})
+# The builtins that read or write an attribute by name, and how many arguments each call takes.
+_ATTRIBUTE_BUILTINS = {"getattr": (2, 3), "hasattr": (2,), "setattr": (3,), "delattr": (2,), "vars": (1,)}
 
 
 def _load_attr_pushes(instruction: dis.Instruction) -> int:
@@ -174,9 +184,14 @@ def read_sites(code: CodeType) -> dict[int, Read]:
             _, receiver = stack.pop(2)
             if receiver is not _UNKNOWN:
                 sites[ins.offset] = AttrWrite(receiver, ins.argval)
-        elif op == "STORE_GLOBAL":
-            stack.pop()
-            sites[ins.offset] = GlobalWrite(ins.argval)
+        elif op == "DELETE_ATTR":  # del TOS.name
+            (receiver,) = stack.pop()
+            if receiver is not _UNKNOWN:
+                sites[ins.offset] = AttrWrite(receiver, ins.argval, deletes=True)
+        elif op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            if op == "STORE_GLOBAL":
+                stack.pop()
+            sites[ins.offset] = GlobalWrite(ins.argval, deletes=op == "DELETE_GLOBAL")
         elif op == "BINARY_SUBSCR":
             container, key = stack.pop(2)
             stack.items.append(Item(container, key) if container is not _UNKNOWN and isinstance(key, Const)
@@ -200,21 +215,21 @@ def read_sites(code: CodeType) -> dict[int, Read]:
             pass
         else:
             if op == _CALL:
-                _note_getattr(ins, stack, sites)
+                _note_attribute_call(ins, stack, sites)
             stack.forget(dis.stack_effect(ins.opcode, ins.arg, jump=False) if ins.opcode >= dis.HAVE_ARGUMENT
                          else dis.stack_effect(ins.opcode, jump=False))
     return sites
 
 
-def _note_getattr(ins: dis.Instruction, stack: _Stack, sites: dict[int, Read]) -> None:
-    """`getattr(obj, name[, default])` / `hasattr(obj, name)` with a nameable object and name is a read site."""
+def _note_attribute_call(ins: dis.Instruction, stack: _Stack, sites: dict[int, Read]) -> None:
+    """`getattr`, `hasattr`, `vars`, `setattr` or `delattr` of a nameable object (and name) is a read or write
+    site."""
     nargs = ins.arg
-    if nargs not in (2, 3):
-        return
     for depth in (nargs + 1, nargs + 2):  # the callable sits below or above the NULL, by Python version
         function = stack.peek(depth)
-        if isinstance(function, Global) and function.name in _GETATTR_BUILTINS:
-            receiver, name = stack.peek(nargs), stack.peek(nargs - 1)
+        if isinstance(function, Global) and nargs in _ATTRIBUTE_BUILTINS.get(function.name, ()):
+            receiver = stack.peek(nargs)
+            name = stack.peek(nargs - 1) if nargs > 1 else Const("__dict__")  # `vars(obj)` is `obj.__dict__`
             if receiver is not _UNKNOWN and name is not _UNKNOWN:
-                sites[ins.offset] = GetattrRead(function, receiver, name)
+                sites[ins.offset] = AttrCall(function, receiver, name)
             return

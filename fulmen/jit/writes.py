@@ -19,8 +19,9 @@ stored again when their value is immutable (any other value may be an object the
 tell from one that existed before); one holding a tensor the program computed is refused, and the stores undone,
 where the object held state before the store (the trace's stand-in would stay there: a KV cache extended in place),
 or left to the check of the program's arguments (jitted.py) where it did not. Lists, dicts and sets changed in
-place are containers.py's. Known limits: writes that no bytecode of the program makes (`setattr(obj, ...)` outside a
-shadow, C code) are not seen, nor are deletions outside a shadow.
+place are containers.py's. Deletions (`del obj.name`, `delattr`, `del` of a global) are writes of no value: done
+again by every call, on a trace guarded on the value being there (eager's `del` fails where it is not). Known
+limits: writes that no bytecode of the program names are not seen (C code, `setattr` under another name).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from fulmen.jit.values import MISSING, describe, immutable, same_value
 
 @dataclass(frozen=True, slots=True)
 class Write:
-    """`target.name = value` (or `target[name] = value` for a module's globals), stored by every call."""
+    """`target.name = value` (or `target[name] = value` for a module's globals), stored by every call; a `value` of
+    MISSING deletes it (where the call finds it: the program may have stored it before deleting it)."""
 
     target: Any
     name: str
@@ -51,7 +53,12 @@ class Write:
     is_global: bool = False
 
     def apply(self) -> None:
-        if self.is_global:
+        if self.value is MISSING:
+            if self.is_global:
+                self.target.pop(self.name, None)
+            elif attribute_value(self.target, self.name) is not MISSING:
+                delattr(self.target, self.name)
+        elif self.is_global:
             self.target[self.name] = self.value
         else:
             setattr(self.target, self.name, self.value)
@@ -120,7 +127,7 @@ class WriteLog:
                 continue  # stored what was there
             if store.shadow is None:
                 # the store happened: an object that is not replayable may well be one the call created
-                if final is not MISSING and immutable(final):
+                if final is MISSING or immutable(final):  # MISSING: deleted (it was there: see above)
                     writes.append(Write(store.target, store.name, final, store.is_global))
                 elif store.existed and (path := find(final, _is_traced, modules=False)) is not None:
                     # the trace's stand-in would stay there after the call, where eager leaves a real tensor

@@ -43,7 +43,7 @@ def test_read_sites_name_what_each_instruction_reads():
     assert reads.GlobalRead("SCALE") in sites and reads.GlobalRead("getattr") in sites
     assert reads.AttrRead(reads.Local("cfg"), "s") in sites
     assert reads.AttrRead(reads.Attr(reads.Local("self"), "config"), "n") in sites
-    assert reads.GetattrRead(reads.Global("getattr"), reads.Local("cfg"), reads.Const("t")) in sites
+    assert reads.AttrCall(reads.Global("getattr"), reads.Local("cfg"), reads.Const("t")) in sites
     assert reads.AttrRead(reads.Local("cfg"), "items") in sites
     assert not any(isinstance(s, reads.AttrRead) and s.name == "shape" for s in sites)  # `(x * SCALE).shape`: unnamed
 
