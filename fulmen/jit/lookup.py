@@ -76,7 +76,9 @@ def attribute_value(obj: Any, name: str) -> Any:
         raw = found[1]
         if type(raw) in (classmethod, staticmethod):
             return raw.__get__(None, obj)
-        return raw if type(raw) is types.FunctionType or not is_descriptor(raw) else MISSING
+        # a function, or a slot of a C class (`object.__setattr__`), is itself when read off the class
+        return raw if type(raw) in (types.FunctionType, types.WrapperDescriptorType) or not is_descriptor(raw) \
+            else MISSING
     found = class_lookup(type(obj), name)
     if found is not None and is_data_descriptor(found[1]):
         return slot_value(found[1], obj) if type(found[1]) is types.MemberDescriptorType else MISSING

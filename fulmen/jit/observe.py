@@ -73,6 +73,10 @@ _MODULE_STATE = frozenset(nn.Module().__dict__)
 # nn.Module's hook registries (`_forward_hooks`, ...): almost always empty, then checked together per module
 HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
                              if "hook" in name and type(value) in (dict, OrderedDict))
+# The functions of reads.AttrCall sites by id (a user's own `getattr` is none of them): what each does to the attribute
+_ATTRIBUTE_CALLS = {id(getattr): "reads", id(hasattr): "reads", id(vars): "reads", id(object.__getattribute__): "reads",
+                    id(setattr): "stores", id(object.__setattr__): "stores", id(delattr): "deletes",
+                    id(object.__delattr__): "deletes"}
 # What a copy shares with the original, left alone by `read_state` (tensors are the trace's inputs)
 _COPIED_AS_THEMSELVES = (torch.Tensor, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
                          types.MethodType)
@@ -263,6 +267,10 @@ class Observer:
             self.read_state(obj, "`__dict__`")
             return
         cls = type(obj)
+        if type(class_lookup(cls, "__getattribute__")[1]) is types.FunctionType:
+            # the class's own lookup may answer from anything the object holds (transformers' configs map names
+            # through `attribute_map` with `super().__getattribute__`, which no read site names)
+            self.read_state(obj, f"{cls.__qualname__}.__getattribute__")
         if (name.startswith("__") and name.endswith("__")) or issubclass(cls, (torch.Tensor, *IMMUTABLE)) \
                 or is_shadow(obj) or id(obj) in self._created or (id(obj), name) in self._written:
             # tensors: trace inputs; immutable values: guarded where read; shadows: the module tap; objects the
@@ -343,10 +351,11 @@ class Observer:
             receiver, name = evaluate(site.receiver, frame), evaluate(site.name, frame)
             if receiver is MISSING or type(name) is not str:
                 return
-            if function is getattr or function is hasattr or function is vars:
+            does = _ATTRIBUTE_CALLS.get(id(function))
+            if does == "reads":
                 self.read_attribute(receiver, name)
-            elif function is setattr or function is delattr:
-                self._write_attribute(receiver, name, function is delattr, frame)
+            elif does is not None:
+                self._write_attribute(receiver, name, does == "deletes", frame)
 
     def _write_attribute(self, receiver: Any, name: str, deletes: bool, frame: types.FrameType) -> None:
         if deletes:  # eager's `del` fails where it is gone: the trace holds where it is there, as it was

@@ -12,7 +12,8 @@ Naming comes from a small abstract stack per basic block: loads of locals, globa
 named value, attribute and subscript loads combine them, and any other instruction makes everything it leaves
 unnamed. Knowledge never crosses a jump target, so a name is only given where the bytecode itself proves it.
 Attribute reads off unnamed values (a call's result, say) are not read sites: the observer sees the reads the
-called function makes itself.
+called function makes itself. What C code reads is not seen (known limit: `operator.attrgetter`), but for the
+builtins and `object` slots named here and the standard library's whole-object readers (frames._STATE_READERS).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class AttrCall:
     """`getattr(obj, name[, default])`, `hasattr(obj, name)` or `vars(obj)` (a read), `setattr(obj, name, value)`
     or `delattr(obj, name)` (a write)."""
 
-    function: Global  # checked to be the builtin when the call runs
+    function: Global | Attr  # checked to be the builtin (or object's slot) when the call runs
     receiver: Source
     name: Source
 
@@ -121,8 +122,10 @@ _LOAD_CELL = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
 _NO_STACK_EFFECT = frozenset({"NOP", "CACHE", "RESUME", "EXTENDED_ARG", "KW_NAMES", "COPY_FREE_VARS", "MAKE_CELL"})
 # The call instruction whose stack still holds the callable and its arguments (3.11 splits PRECALL/CALL).
 _CALL = "PRECALL" if "PRECALL" in dis.opmap else "CALL"
-# The builtins that read or write an attribute by name, and how many arguments each call takes.
+# The builtins that read or write an attribute by name, and how many arguments each call takes; then the same for
+# object's own slots called unbound (`object.__setattr__(self, name, value)`, as frozen dataclasses write).
 _ATTRIBUTE_BUILTINS = {"getattr": (2, 3), "hasattr": (2,), "setattr": (3,), "delattr": (2,), "vars": (1,)}
+_ATTRIBUTE_SLOTS = {"__getattribute__": (2,), "__setattr__": (3,), "__delattr__": (2,)}
 
 
 def _load_attr_pushes(instruction: dis.Instruction) -> int:
@@ -178,6 +181,10 @@ def read_sites(code: CodeType) -> dict[int, Read]:
             pushes = _load_attr_pushes(ins)
             if pushes == 1 and receiver is not _UNKNOWN:
                 stack.items.append(Attr(receiver, ins.argval))
+            elif ins.argval in _ATTRIBUTE_SLOTS and receiver is not _UNKNOWN:
+                # `object.__getattribute__(obj, name)`: which of the two pushed values is the function depends on
+                # the receiver, so both name it (the call site checks what it finds there when it runs)
+                stack.items.extend([Attr(receiver, ins.argval)] * pushes)
             else:
                 stack.items.extend([_UNKNOWN] * pushes)
         elif op == "STORE_ATTR":  # TOS.name = TOS1
@@ -227,7 +234,8 @@ def _note_attribute_call(ins: dis.Instruction, stack: _Stack, sites: dict[int, R
     nargs = ins.arg
     for depth in (nargs + 1, nargs + 2):  # the callable sits below or above the NULL, by Python version
         function = stack.peek(depth)
-        if isinstance(function, Global) and nargs in _ATTRIBUTE_BUILTINS.get(function.name, ()):
+        if isinstance(function, Global) and nargs in _ATTRIBUTE_BUILTINS.get(function.name, ()) \
+                or isinstance(function, Attr) and nargs in _ATTRIBUTE_SLOTS.get(function.name, ()):
             receiver = stack.peek(nargs)
             name = stack.peek(nargs - 1) if nargs > 1 else Const("__dict__")  # `vars(obj)` is `obj.__dict__`
             if receiver is not _UNKNOWN and name is not _UNKNOWN:
