@@ -34,11 +34,12 @@ from torch.optim import Optimizer
 
 from fulmen.core import pytree
 from fulmen.distributed import manifest
+from fulmen.distributed.loading import import_value
 from fulmen.distributed.manifest import CheckpointError as CheckpointError  # re-exported
 from fulmen.distributed.manifest import verify as verify  # re-exported
 from fulmen.distributed.prims import _all_gather
 from fulmen.distributed.setup import unwrap_module
-from fulmen.distributed.specs import DistributedState, ParamSpec, local_shard, spec_of, valid_rows
+from fulmen.distributed.specs import DistributedState, ParamSpec, spec_of, valid_rows
 
 T = TypeVar("T")
 META_FILE = "meta.pt"  # a sharded checkpoint's non-tensor state and the places of its tensors
@@ -97,24 +98,6 @@ def _export(value: Any, spec: ParamSpec | None, options: StateDictOptions, keep:
     return value
 
 
-def _import(value: Any, spec: ParamSpec | None, like: torch.Tensor, what: str) -> Any:
-    """A state dict's tensor as the live object holds it: this rank's padded rows when it is sharded like `spec`'s
-    parameter (`like`: that parameter), the whole tensor otherwise."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if spec is None:
-        return value.full_tensor() if isinstance(value, DTensor) else value
-    if isinstance(value, DTensor):
-        local = value.to_local()
-        shard = local.new_zeros((spec.rows, *local.shape[1:]))
-        shard[: local.shape[0]] = local
-        return shard
-    if tuple(value.shape) != tuple(spec.full_shape):
-        raise ValueError(f"{what} has shape {tuple(value.shape)}, the model's parameter {spec.name!r} has "
-                         f"{tuple(spec.full_shape)}")
-    return local_shard(value.to(like.device), spec.state.rank, spec.state.world)
-
-
 def _rank0_only(module_state: DistributedState | None, options: StateDictOptions) -> bool:
     """True on the ranks that get `{}` because only rank 0 keeps the full state."""
     return options.full_state_dict and options.rank0_only and module_state is not None and module_state.rank != 0
@@ -130,13 +113,15 @@ def get_model_state_dict(model: nn.Module, options: StateDictOptions = StateDict
 
 
 def load_model_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool = True):
-    """Loads a full state dict (every rank takes its rows) or a sharded one (DTensors) into the model."""
+    """Loads a full state dict (every rank takes its rows) or a sharded one (DTensors) into the model. The entries
+    named as the model's are checked and converted before anything is loaded; one the model's own loading renames
+    is converted where it lands (fulmen.distributed.loading)."""
     module = unwrap_module(model)
     own = module.state_dict(keep_vars=True)
     converted = {}
     for key, value in state_dict.items():
         spec = _sharded_spec(own.get(key))
-        converted[key] = _import(value, spec, own.get(key), f"state dict entry {key!r}")
+        converted[key] = import_value(value, spec, own.get(key), f"state dict entry {key!r}")
     return module.load_state_dict(converted, strict=strict)
 
 
@@ -197,7 +182,7 @@ def load_optimizer_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) 
         state[position] = {}
         for key, value in entry.items():
             what = f"optimizer state {key!r} of parameter {position}"
-            state[position][key] = _import(value, _state_spec(param, value, True, what), param, what)
+            state[position][key] = import_value(value, _state_spec(param, value, True, what), param, what)
     optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
 
 
@@ -345,8 +330,10 @@ def read_sharded(path: str | os.PathLike, owners: dict[tuple, Any], group: dist.
                  weights_only: bool | None = None) -> Any:
     """The checkpoint `write_sharded` wrote, its tensors read into the layout of the live objects: `owners` maps
     a path of keys to the module or optimizer whose state is there (its sharded tensors come back as DTensors of
-    this rank's rows); every other tensor comes back whole, on CPU. A model's entry the live model lacks is
-    skipped (non-strict loading decides about it). `weights_only` as `torch.load`'s, for `meta.pt`."""
+    this rank's rows); every other tensor comes back whole, on CPU. So does a model's entry the live model lacks by
+    that name: the model's own loading may take it under another (LitGPT's LoRA model maps a base model's
+    `lm_head.weight` to `lm_head.linear.weight`, and `shard_on_load` keeps this rank's rows), or strictness decides
+    about it. `weights_only` as `torch.load`'s, for `meta.pt`."""
     path = Path(path)
     meta = torch.load(path / META_FILE, weights_only=weights_only)
     storage = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -361,8 +348,6 @@ def read_sharded(path: str | os.PathLike, owners: dict[tuple, Any], group: dist.
         prefix = next((p for p in resolvers if place[: len(p)] == p), None)
         if prefix is not None:
             target = resolvers[prefix](place[len(prefix):], info)
-            if target is None and isinstance(owners[prefix], nn.Module):
-                continue  # the live model has no such entry
             if target is not None and tuple(target.shape) != tuple(info.size):
                 # DCP would raise a CheckpointException (a BaseException, past `except Exception`) from its planner
                 raise ValueError(f"the checkpoint {path} holds {key!r} of shape {tuple(info.size)}, the live "

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fulmen.distributed import arrivals
+from fulmen.distributed.loading import shard_on_load
 from fulmen.distributed.prims import group_name, make_checker
 from fulmen.distributed.specs import (
     DistributedState,
@@ -177,6 +178,8 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
     Outside the jitted program each parameter and its `.grad` hold this rank's shard, so a computation over the
     whole model made there needs every rank's part: clip with `fulmen.distributed.clip_grad_norm_` (or
     `fabric.clip_gradients`), not `torch.nn.utils.clip_grad_norm_`, which would scale each rank by its own shard's norm.
+    `module.load_state_dict` takes full tensors (each rank keeps its rows; fulmen.distributed.loading), so a
+    checkpoint one process wrote loads on every rank as it would there.
     """
     module = _unwrap(model, "fsdp")
     sharding = parse_enum(sharding_strategy, FSDPType, "sharding_strategy")
@@ -207,9 +210,12 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
                 shape = full.shape
                 param.data = local_shard(full, state.rank, state.world)
                 del full
-                spec = ParamSpec(state, name, shape, keys[name])
+                spec = ParamSpec(state, name, shape, keys[name], weakref.ref(param))
                 setattr(param, DISTRIBUTED_INPUT, spec)
                 arrivals.watch(param, spec)
+            if any(param is not None for param in sub._parameters.values()):
+                # module.load_state_dict(full) takes this rank's rows, as on one process (shared parameters included)
+                sub.register_load_state_dict_pre_hook(shard_on_load)
             for bname, buffer in sub._buffers.items():
                 if buffer is None:
                     continue

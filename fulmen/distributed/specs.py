@@ -84,7 +84,9 @@ class ParamSpec:
     name: str  # qualified name in the distributed model
     full_shape: torch.Size | None  # None: replicated
     bucket: str  # FSDP: the collective this parameter travels in
-    param: weakref.ref[torch.Tensor] | None = None  # the parameter itself (replicated ones: its `.grad` under no_sync)
+    # the parameter itself: a replicated one's `.grad` under no_sync, whether one still requires grad when its held-back
+    # gradients are left out of a synced backward
+    param: weakref.ref[torch.Tensor] | None = None
     watched: bool = False  # its hook refuses gradients computed outside the programs (fulmen.distributed.arrivals)
     hooked_before: bool = False  # the parameter had hooks of its own before that one (named when it refuses)
 

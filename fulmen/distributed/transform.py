@@ -93,6 +93,11 @@ def _shard_layout(spec: ParamSpec) -> tuple[int, int, int]:
     return rows, rows * rest, rows * spec.state.world - spec.full_shape[0]
 
 
+def _frozen(spec: ParamSpec) -> bool:
+    param = spec.param() if spec.param is not None else None
+    return param is not None and not param.requires_grad
+
+
 def _take_grad(spec: ParamSpec) -> torch.Tensor | None:
     spec.state.accumulated.discard(spec)
     param = spec.param() if spec.param is not None else None
@@ -184,16 +189,25 @@ class DistributedProgram:
         this synced round differentiates: no backward would reduce them (fulmen.jit drops a gradient it adds to a
         parameter the program does not differentiate), and the optimizer would step without them."""
         for state in self.states:
-            left = [spec.name for spec in state.pending if spec not in state.synced_forward]
-            left += [spec.name for spec in state.accumulated if spec not in state.synced_forward
+            left = [spec for spec in state.pending if spec not in state.synced_forward]
+            left += [spec for spec in state.accumulated if spec not in state.synced_forward
                      and spec.param is not None and (param := spec.param()) is not None and param.grad is not None]
-            if left:
+            if not left:
+                continue
+            frozen = sorted(spec.name for spec in left if _frozen(spec))
+            if frozen:  # the forward may well use them: they stopped requiring grad after their no_sync backward
                 raise RuntimeError(
-                    f"the gradients of {', '.join(sorted(left))} were accumulated under no_sync, but the forward run "
-                    "outside no_sync does not use these parameters, so no synced backward reduces them and they "
-                    "would be lost (torch's DDP needs find_unused_parameters=True here, which fulmen does not "
-                    "offer): use them in the synced micro-batch's jitted forward too (even as `0 * p.sum()`), "
-                    "or discard them with zero_grad() before it (DDP)")
+                    f"the gradients of {', '.join(frozen)} were accumulated under no_sync, then "
+                    f"{'these parameters were' if len(frozen) > 1 else 'the parameter was'} frozen "
+                    "(requires_grad=False) before the synced micro-batch, so no synced backward reduces them and each "
+                    "rank would keep its own (eager on one process would step with them): change requires_grad "
+                    "between optimizer steps, after zero_grad(), not between the micro-batches of one step")
+            raise RuntimeError(
+                f"the gradients of {', '.join(sorted(spec.name for spec in left))} were accumulated under no_sync, "
+                "but the forward run outside no_sync does not use these parameters, so no synced backward reduces "
+                "them and they would be lost (torch's DDP needs find_unused_parameters=True here, which fulmen does "
+                "not offer): use them in the synced micro-batch's jitted forward too (even as `0 * p.sum()`), or "
+                "discard them with zero_grad() before it (DDP)")
 
     def shard(self, full: TensorProxy) -> TensorProxy:
         """The trace input holding `full`'s local shard (one proxy per parameter, shared by forward and backward)."""

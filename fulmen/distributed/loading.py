@@ -1,0 +1,55 @@
+"""State loaded into sharded parameters: a full tensor, or a DTensor of a sharded state dict, becomes this rank's rows.
+
+`fsdp` registers `shard_on_load` as a `load_state_dict` pre-hook on every module that owns a sharded parameter, so a
+plain `model.load_state_dict(full_state_dict)` on every rank loads as it does on one process. The hook runs where the
+parameter is copied, after the parents' own `_load_from_state_dict` have renamed or rebuilt entries: LitGPT's LoRA
+model takes a base checkpoint's `lm_head.weight` and `attn.qkv.weight` as `lm_head.linear.weight` and
+`attn.qkv.linear.weight` (litgpt's `finetune lora` loads the base model into the LoRA model so), keys no lookup by
+the live model's own names finds beforehand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fulmen.distributed.specs import ParamSpec, local_shard, spec_of
+
+
+def import_value(value: Any, spec: ParamSpec | None, like: torch.Tensor | None, what: str) -> Any:
+    """A state dict's tensor as the live object holds it: this rank's padded rows when it is sharded like `spec`'s
+    parameter (`like`: that parameter), the whole tensor otherwise. A full value has the parameter's full shape."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if spec is None:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        shard = local.new_zeros((spec.rows, *local.shape[1:]))
+        shard[: local.shape[0]] = local
+        return shard
+    if tuple(value.shape) != tuple(spec.full_shape):
+        raise ValueError(f"{what} has shape {tuple(value.shape)}, the model's parameter {spec.name!r} has "
+                         f"{tuple(spec.full_shape)}")
+    return local_shard(value.to(like.device if like is not None else value.device), spec.state.rank, spec.state.world)
+
+
+def shard_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                  strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    """`module`'s sharded parameters' entries in `state_dict` (torch's pre-hook signature) as this rank's rows. An
+    entry shaped like the shard and not like the whole parameter is this rank's already (the sharded module's own
+    `state_dict()`, or `checkpoint.load_model_state_dict`'s conversion); where the two shapes are equal (one row, or
+    one rank) either reading gives the same rows."""
+    for name, param in module._parameters.items():
+        key = prefix + name
+        spec = spec_of(param) if param is not None else None
+        if spec is None or not spec.sharded or key not in state_dict:
+            continue
+        value = state_dict[key]
+        if (isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+                and tuple(value.shape) == tuple(param.shape) != tuple(spec.full_shape)):
+            continue
+        state_dict[key] = import_value(value, spec, param, f"state dict entry {key!r}")
