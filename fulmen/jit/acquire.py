@@ -141,6 +141,8 @@ class Interpreter(TorchFunctionMode):
             T.fill_: self._fill_,
             T.zero_: self._zero_,
             T.contiguous: self._contiguous,
+            T.flatten: self._flatten,
+            torch.flatten: self._flatten,
             T.to: self._to,
             T.type: self._type,
             T.cuda: lambda x, device=None, non_blocking=False, **kw: self._convert(
@@ -405,6 +407,8 @@ class Interpreter(TorchFunctionMode):
                 raise TraceError(f"in-place {what}: result type {value.dtype} can't be cast to {target.dtype}",
                                  self.builder.source)
             value = SYMBOLS["torch.Tensor.to"](value, target.dtype)
+        if _strides(value) != _strides(target):  # eager's update keeps the tensor's layout (a masked_fill_ too)
+            value = shape.copy(self.functional.resolve(target), value)
         self.functional.write(target, value)
         return target
 
@@ -570,6 +574,12 @@ class Interpreter(TorchFunctionMode):
         kwargs = {} if memory_format is torch.contiguous_format else {"memory_format": memory_format}
         return self._record(lookup(T.contiguous).symbol, (x,), kwargs)
 
+    def _flatten(self, x: TensorProxy, start_dim: Any = 0, end_dim: Any = -1) -> Any:
+        if isinstance(start_dim, int) and isinstance(end_dim, int) and x.dim() > 0 and \
+                start_dim % x.dim() == end_dim % x.dim():
+            return x  # eager returns the tensor itself (a 1-D tensor's flatten()), so an update through it reaches x
+        return self._record(lookup(torch.flatten).symbol, (x, start_dim, end_dim), {})
+
     def _to(self, x: TensorProxy, *args: Any, **kwargs: Any) -> Any:
         copy = kwargs.pop("copy", False)
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
@@ -607,6 +617,11 @@ class Interpreter(TorchFunctionMode):
         if memory_format is not None:
             kwargs["memory_format"] = memory_format
         return SYMBOLS["torch.Tensor.to"](current, **kwargs)
+
+
+def _strides(t: TensorProxy) -> tuple[int, ...]:
+    """The strides a layout is told by: a dimension of size 1 is never stepped along."""
+    return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape, t.stride()))
 
 
 def _same_device(wanted: torch.device, have: torch.device) -> bool:

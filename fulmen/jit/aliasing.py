@@ -66,7 +66,7 @@ def _extent(t: torch.Tensor) -> int:
     return t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
 
 
-def _may_overlap(tensor: torch.Tensor) -> bool:
+def may_overlap(tensor: torch.Tensor) -> bool:
     """Whether two elements of `tensor` may share memory: with its dimensions ordered by stride, each must step past
     all that the smaller ones reach (sufficient for no overlap; a function of sizes and strides, which the cache key
     holds)."""
@@ -84,7 +84,7 @@ def _refuse_internal_overlap(tensor: torch.Tensor, name: str, where: SourceLocat
     """An update of a tensor whose elements share memory (`as_strided` with overlapping strides, `expand`): eager's
     result depends on the order its kernel visits the elements (stride 0 eager refuses), which a functional trace
     does not reproduce."""
-    if type(tensor) in _PLAIN and _may_overlap(tensor):
+    if type(tensor) in _PLAIN and may_overlap(tensor):
         raise TraceError(
             f"the program updates in place its input {name}, whose elements may share memory (size "
             f"{tuple(tensor.shape)}, stride {tensor.stride()}): eager's result depends on the order its kernel writes "

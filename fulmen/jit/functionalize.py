@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import Symbol, iter_proxies, map_proxies
+from fulmen.jit.aliasing import may_overlap
 from fulmen.ops import prims, shape
 from fulmen.ops.registry import SYMBOLS
 
@@ -36,7 +38,9 @@ class ViewInfo:
     args: tuple  # the arguments after the base
     kwargs: dict[str, Any]
     index: int | None  # which output, for ops returning several views (split, unbind)
-    base_version: int
+    # the base's value this view was computed from: a view of a view is stale when its root was updated since, which
+    # the base's own version (bumped only by writes to the base or through its views) does not tell
+    base_value: TensorProxy
     detached: bool = False  # `.detach()` / `.data`: a write changes the base's value, not its autograd history
     hidden: bool = False  # `.data`: a write leaves the base's version counter alone too
 
@@ -61,10 +65,10 @@ class Functionalizer:
         key = id(obj)
         info = self._views.get(key)
         if info is not None:
-            base_version = self._versions.get(id(info.base), 0)
-            if base_version != info.base_version:  # the base changed since this view was read
-                self._current[key] = info.replay(self.resolve(info.base))
-                info.base_version = base_version
+            base_value = self.resolve(info.base)
+            if base_value is not info.base_value:  # the base changed since this view was read
+                self._current[key] = info.replay(base_value)
+                info.base_value = base_value
         return self._current.get(key, obj)
 
     def resolve_all(self, obj: Any) -> Any:
@@ -91,14 +95,14 @@ class Functionalizer:
                 args=values[1:],
                 kwargs=kwargs,
                 index=None if type(output) is TensorProxy else index,
-                base_version=self._versions.get(id(base_obj), 0),
+                base_value=values[0],
             )
 
     def record_detached(self, detach: Symbol, base_obj: TensorProxy, out: TensorProxy, data: bool) -> None:
         """`out` is `base_obj.detach()` (or `base_obj.data`, with a version counter of its own): the same memory,
         without its autograd history."""
         self._alive += [out, base_obj]
-        self._views[id(out)] = ViewInfo(base_obj, detach, (), {}, None, self._versions.get(id(base_obj), 0), True,
+        self._views[id(out)] = ViewInfo(base_obj, detach, (), {}, None, self.resolve(base_obj), True,
                                         data)
 
     def write(self, obj: TensorProxy, value: TensorProxy, hidden: bool = False) -> None:
@@ -114,13 +118,19 @@ class Functionalizer:
             self._bumped.add(key)
         info = self._views.get(key)
         if info is not None:
+            if not info.detached and may_overlap(obj.meta):
+                raise TraceError(
+                    f"the program updates in place a view whose elements share memory (size {tuple(obj.shape)}, "
+                    f"stride {obj.stride()}, made by {info.sym.printed}): eager writes each element once into the "
+                    "memory they share, which fulmen's functional update of the view's base cannot state; update "
+                    "the base, or a view of it without repeated elements", self._source())
             base_value = self.resolve(info.base)
             if info.detached:
                 new_base = self._keep_history(base_value, value, tangent=True)
             else:
                 new_base = shape.view_scatter(base_value, value, info.sym.impl, info.args, info.kwargs, info.index)
             self.write(info.base, new_base, hidden or info.hidden)
-            info.base_version = self._versions[id(info.base)]
+            info.base_value = self.resolve(info.base)
 
     def _keep_history(self, old: TensorProxy, new: TensorProxy, tangent: bool = False) -> TensorProxy:
         """`new` as the next value of a tensor holding `old`, with `old`'s autograd history (`tangent`: and its

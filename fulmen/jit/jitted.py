@@ -27,7 +27,7 @@ from fulmen.jit.autograd_facts import refuse_returned_nodes
 from fulmen.jit.bridge import UpdatedInput, apply
 from fulmen.jit.cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.compiling import seen_as_compiling
-from fulmen.jit.distinct import identity_pattern, kept_distinct
+from fulmen.jit.distinct import identity_pattern, kept_distinct, repeats_as_first
 from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.guards import argument_key, compile_check, global_state_key, tensor_key
 from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
@@ -320,6 +320,8 @@ class JittedFunction:
             if entry.program is not None and entry.program.feeding:
                 rewatch(entry.program.feeding, outputs, returned)
             outputs = returned
+        if entry.distinct is not None and any(first != i for i, first in enumerate(entry.distinct)):
+            outputs = repeats_as_first(list(outputs), entry.distinct)
         if entry.retained is not None:
             entry.retained.apply(outputs, produced, inputs)
         if entry.out_spec == pytree.TENSOR:
@@ -530,6 +532,8 @@ class JittedFunction:
                 path = functional.view_path(leaf, input_index)
                 if path is not None:
                     position, views = path
+                    if values[-1].requires_grad and any(v.detached for v in views):
+                        _refuse_detached_history(functional, leaf, proxies[position])
                     returned = ReturnedInput(position, tuple((v.sym.impl, v.args, v.kwargs, v.index) for v in views),
                                              values[-1].requires_grad or not proxies[position].requires_grad)
             else:  # a captured tensor, returned itself
@@ -645,3 +649,14 @@ def core(fn: JittedFunction | JittedModule) -> JittedFunction:
     if isinstance(fn, JittedFunction):
         return fn
     raise TypeError(f"expected the result of fulmen.jit, got {type(fn).__name__}")
+
+
+def _refuse_detached_history(functional: Any, output: TensorProxy, given: TensorProxy) -> None:
+    """An output that is a `.detach()` / `.data` alias of an input, given an autograd history by an in-place update
+    with a value that has one (`t = x.detach(); t.mul_(w)`): eager's alias shares the input's memory and carries
+    that history, which fulmen cannot give a tensor taken from the input (a detached alias has none)."""
+    raise TraceError(
+        f"the program returns a .detach() (or .data) alias of its input {given.pname} that an in-place update gave "
+        "an autograd history (a value that requires grad): fulmen cannot return a tensor that shares the input's "
+        "memory with that history; return a clone of it, or update it under torch.no_grad()",
+        functional.written_at(output) or functional.written_at(functional.root(output)))

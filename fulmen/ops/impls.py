@@ -17,9 +17,16 @@ from torch.autograd import forward_ad
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 
+def _clone_with_layout(x: torch.Tensor) -> torch.Tensor:
+    """A copy of `x` with its strides, also where `x` is not dense (a slice with a step; `clone` makes that one
+    contiguous). The value an in-place update leaves keeps the updated tensor's layout, as eager's does: a later
+    `reshape`/`flatten` views it or copies it by its strides, and the program may read them."""
+    return _empty_with_layout(x, x.device).copy_(x)
+
+
 def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
     """`x` with `x[index] = value` applied, leaving `x` untouched."""
-    out = x.clone()
+    out = _clone_with_layout(x)
     if out.is_meta and any(isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8)
                            for item in (index if isinstance(index, tuple) else (index,))):
         return out  # a mask's count of true elements is a value (the call checks it against `value`'s shape)
@@ -42,16 +49,13 @@ def select_at(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
 
 def copy(dst: torch.Tensor, src: Any) -> torch.Tensor:
     """The value `dst` holds after `dst.copy_(src)`."""
-    if not isinstance(src, torch.Tensor):
-        return torch.full_like(dst, src)
-    return src.to(device=dst.device, dtype=dst.dtype).expand_as(dst).clone()
+    out = _empty_with_layout(dst, dst.device)  # dst's layout, as eager's update keeps it
+    return out.fill_(src) if not isinstance(src, torch.Tensor) else out.copy_(src)
 
 
 def fill(x: torch.Tensor, value: Any) -> torch.Tensor:
     """The value `x` holds after `x.fill_(value)`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device=x.device, dtype=x.dtype).expand_as(x).clone()
-    return torch.full_like(x, value)
+    return _empty_with_layout(x, x.device).fill_(value)  # x's layout, as eager's update keeps it
 
 
 def random_fill(x: torch.Tensor, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -177,7 +181,7 @@ def view_scatter(
     base: torch.Tensor, value: torch.Tensor, view_fn: Callable[..., Any], args: tuple, kwargs: dict, index: int | None
 ) -> torch.Tensor:
     """`base` after writing `value` into the view `view_fn(base, *args, **kwargs)` (its `index`-th output)."""
-    out = base.clone()
+    out = _clone_with_layout(base)
     view = view_fn(out, *args, **kwargs)
     if index is not None:
         view = view[index]

@@ -167,7 +167,36 @@ def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any],
         if proxy.pname in saved_names and proxy.pname not in seen:
             seen.add(proxy.pname)
             saved.append(proxy)
-    forward = dce(trace.from_trace("", bound_symbols=joint.forward, output=tuple(trace.output) + tuple(saved)))
+    bsyms, saved_values = _copies_of_overwritten_views(joint.forward, saved, trace, overwritten)
+    forward = dce(trace.from_trace("", bound_symbols=bsyms, output=tuple(trace.output) + tuple(saved_values)))
     # The final plan reuses the draft's assembly of the full backward.
     return GradPlan(forward.from_trace("Forward (fulmen grad transform)"), saved, differentiable, grad_inputs,
                     joint.chunks, producers, trace, draft._assembled)
+
+
+def _meta_root(proxy: TensorProxy) -> torch.Tensor:
+    return proxy.meta._base if proxy.meta._is_view() else proxy.meta
+
+
+def _copies_of_overwritten_views(bsyms: list[BoundSymbol], saved: list[TensorProxy], trace: Trace,
+                                 overwritten: frozenset[str]) -> tuple[list[BoundSymbol], list[TensorProxy]]:
+    """The forward's calls and the values it returns for `saved`: a saved value that is a view of an input the
+    forward then updates in place (`x[None].clamp_(...)` saves `x[None]` for clamp's mask) is copied right after it
+    is computed, else the write-back would change it under the backward (which read the new value, and failed its
+    version check naming a tensor eager never saved). An input saved itself is the bridge's (bridge.py: originals)."""
+    roots = {id(_meta_root(p)) for p in trace.inputs if p.pname in overwritten}
+    names = {p.pname for p in saved if p.meta._is_view() and id(_meta_root(p)) in roots}
+    if not names:
+        return bsyms, saved
+    copies: dict[str, TensorProxy] = {}
+    out: list[BoundSymbol] = []
+    with TraceBuilder(trace.namespace) as builder:
+        for bsym in bsyms:
+            out.append(bsym)
+            for proxy in bsym.proxy_outputs():
+                if proxy.pname in names and proxy.pname not in copies:
+                    builder.source = bsym.source
+                    copies[proxy.pname] = prims.clone(proxy)
+                    out.extend(builder.bound_symbols)
+                    builder.bound_symbols.clear()
+    return out, [copies.get(p.pname, p) for p in saved]

@@ -238,7 +238,8 @@ def cat_grad(tensors, dim=0):
     pieces = torch.split(get_grad(y), [t.shape[dim] for t in joined], dim)
     for t, piece in zip(joined, pieces):
         if wants_grad(t):
-            put_grad(t, piece)
+            # cat promotes mixed dtypes (float32 and float64 give float64): each grad has its own tensor's dtype
+            put_grad(t, piece if piece.dtype == t.dtype else piece.to(t.dtype))
     return y
 
 
