@@ -37,12 +37,31 @@ def import_value(value: Any, spec: ParamSpec | None, like: torch.Tensor | None, 
     return local_shard(value.to(like.device if like is not None else value.device), spec.state.rank, spec.state.world)
 
 
+def keep_parameters(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                    *_: Any) -> None:
+    """Refuses `load_state_dict(..., assign=True)` of a distributed parameter (torch's pre-hook signature): torch
+    would put a new `nn.Parameter` in its place, which carries no distribution (neither reduced nor, when sharded,
+    gathered: each rank would train on its own rows as if they were the whole) and which the optimizer does not
+    hold, so training would go on silently wrong."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    for name, param in module._parameters.items():
+        spec = spec_of(param) if param is not None else None
+        if spec is not None and prefix + name in state_dict:
+            raise RuntimeError(
+                f"load_state_dict(..., assign=True) would replace the parameter {prefix + name!r}, distributed by "
+                f"fulmen.distributed.{spec.state.kind}, with a new one that is not (nor in the optimizer): load "
+                "without assign=True, which copies the values into the distributed parameters (a full tensor into "
+                "this rank's rows)")
+
+
 def shard_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
-                  strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+                  *rest: Any) -> None:
     """`module`'s sharded parameters' entries in `state_dict` (torch's pre-hook signature) as this rank's rows. An
     entry shaped like the shard and not like the whole parameter is this rank's already (the sharded module's own
     `state_dict()`, or `checkpoint.load_model_state_dict`'s conversion); where the two shapes are equal (one row, or
     one rank) either reading gives the same rows."""
+    keep_parameters(module, state_dict, prefix, local_metadata, *rest)
     for name, param in module._parameters.items():
         key = prefix + name
         spec = spec_of(param) if param is not None else None

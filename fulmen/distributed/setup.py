@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fulmen.distributed import arrivals
-from fulmen.distributed.loading import shard_on_load
+from fulmen.distributed.loading import keep_parameters, shard_on_load
 from fulmen.distributed.prims import group_name, make_checker
 from fulmen.distributed.specs import (
     DistributedState,
@@ -127,6 +127,9 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
         if broadcast_from is not None:
             for buffer in module.buffers():
                 _broadcast(buffer, state, broadcast_from)
+    for sub in module.modules():
+        if any(param is not None for param in sub._parameters.values()):
+            sub.register_load_state_dict_pre_hook(keep_parameters)
     module._fulmen_dist = state
     return model
 

@@ -201,9 +201,19 @@ def finetune_suite(rank: int, world: int, cases: list[Case], directory: str) -> 
         record: dict[str, Any] = {}
         train(run, case, range(STEPS), record)
         results[case.name] = {**record, **_summary(run)}
+        results[case.name]["assign"] = _load_assigning(run)
         if case.unfreeze:
             results[case.name]["frozen_between_micro_batches"] = _freeze_between_micro_batches(run)
     return results
+
+
+def _load_assigning(run: Run) -> tuple[str | None, bool]:
+    """`load_state_dict(..., assign=True)`: refused (it would put undistributed parameters in place of the
+    distributed ones, outside the optimizer); whether every parameter is still the one the optimizer holds."""
+    params = named(run.model)
+    full = checkpoint.get_model_state_dict(run.model, EVERY_RANK)
+    error = _error(lambda: run.model.load_state_dict(full, assign=True))
+    return error, all(named(run.model)[name] is param for name, param in params.items())
 
 
 def _freeze_between_micro_batches(run: Run) -> str | None:

@@ -83,6 +83,18 @@ def test_finetuning_matches_single_process_eager(ranks, case):
             assert UNFROZEN in got["trainable"] and REFROZEN not in got["trainable"]
 
 
+@pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
+def test_loading_with_assign_is_refused_by_name(ranks, case):
+    kind = "fsdp" if case.strategy == "fsdp" else "ddp"
+    for results in ranks:
+        error, kept = results[case.name]["assign"]
+        assert error == (f"RuntimeError: load_state_dict(..., assign=True) would replace the parameter "
+                         f"'lm_head.lora_A', distributed by fulmen.distributed.{kind}, with a new one that is not (nor "
+                         "in the optimizer): load without assign=True, which copies the values into the distributed "
+                         "parameters (a full tensor into this rank's rows)")
+        assert kept
+
+
 @pytest.mark.parametrize("case", [c for c in TRAINED if c.unfreeze], ids=lambda c: c.name)
 def test_freezing_between_micro_batches_is_refused_by_name(ranks, case):
     for results in ranks:
