@@ -199,12 +199,33 @@ def finetune_suite(rank: int, world: int, cases: list[Case], directory: str) -> 
             continue
         run = setup(fabric, case)
         record: dict[str, Any] = {}
-        train(run, case, range(STEPS), record)
-        results[case.name] = {**record, **_summary(run)}
+        train(run, case, range(RESUME_AT), record)
+        saved = Path(directory) / case.name
+        fabric.save(saved, {"model": run.model, "optimizer": run.optimizer, "step": RESUME_AT},
+                    filter={"model": _ever_trained})
+        train(run, case, range(RESUME_AT, STEPS))
+        results[case.name] = {**record, **_summary(run), "resumed": _resumed_in_place(run, case, saved)}
         results[case.name]["assign"] = _load_assigning(run)
         if case.unfreeze:
             results[case.name]["frozen_between_micro_batches"] = _freeze_between_micro_batches(run)
     return results
+
+
+def _ever_trained(key: str, value: Any) -> bool:
+    """The entries a checkpoint of a case's training keeps: what any of its steps trains."""
+    return "lora_" in key or key.endswith(".bias") or key == UNFROZEN
+
+
+def _resumed_in_place(run: Run, case: Case, saved: Path) -> list[float]:
+    """The checkpoint saved after RESUME_AT steps (the case's strategy's kind: DDP full, FSDP sharded; the trained
+    entries only) loaded back into the trained model and optimizer, and the remaining steps trained again (the same
+    traces: no compilation): their losses."""
+    state = {"model": run.model, "optimizer": run.optimizer, "step": 0}
+    run.fabric.load(saved, state, strict=False)
+    assert state["step"] == RESUME_AT
+    again = Run(run.fabric, run.model, run.optimizer)
+    train(again, case, range(RESUME_AT, STEPS))
+    return again.losses
 
 
 def _load_assigning(run: Run) -> tuple[str | None, bool]:

@@ -81,6 +81,8 @@ def test_finetuning_matches_single_process_eager(ranks, case):
         assert got["local_grads_as_torch"] == [True] * workers.STEPS
         if case.unfreeze:
             assert UNFROZEN in got["trainable"] and REFROZEN not in got["trainable"]
+        # the trained entries saved after RESUME_AT steps (DDP: full, FSDP: sharded), loaded back: the same steps again
+        assert got["resumed"] == got["losses"][workers.RESUME_AT:]
 
 
 @pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
