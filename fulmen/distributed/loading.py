@@ -39,20 +39,30 @@ def import_value(value: Any, spec: ParamSpec | None, like: torch.Tensor | None, 
 
 def keep_parameters(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
                     *_: Any) -> None:
-    """Refuses `load_state_dict(..., assign=True)` of a distributed parameter (torch's pre-hook signature): torch
-    would put a new `nn.Parameter` in its place, which carries no distribution (neither reduced nor, when sharded,
-    gathered: each rank would train on its own rows as if they were the whole) and which the optimizer does not
-    hold, so training would go on silently wrong."""
-    if not local_metadata.get("assign_to_params_buffers", False):
+    """Refuses a `load_state_dict` that would take a distributed parameter's distribution away (torch's pre-hook
+    signature): `assign=True` puts a new `nn.Parameter` in its place, and under
+    `torch.__future__.set_swap_module_params_on_conversion(True)` torch swaps a new tensor into the parameter, its
+    attributes (the distribution) going with the old contents. Neither would then be reduced nor, when sharded,
+    gathered (each rank would train on its own rows as if they were the whole), and an assigned one is not in the
+    optimizer: training would go on silently wrong."""
+    assign = local_metadata.get("assign_to_params_buffers", False)
+    if not assign and not torch.__future__.get_swap_module_params_on_conversion():
         return
     for name, param in module._parameters.items():
         spec = spec_of(param) if param is not None else None
-        if spec is not None and prefix + name in state_dict:
+        if spec is None or prefix + name not in state_dict:
+            continue
+        if assign:
             raise RuntimeError(
                 f"load_state_dict(..., assign=True) would replace the parameter {prefix + name!r}, distributed by "
                 f"fulmen.distributed.{spec.state.kind}, with a new one that is not (nor in the optimizer): load "
                 "without assign=True, which copies the values into the distributed parameters (a full tensor into "
                 "this rank's rows)")
+        raise RuntimeError(
+            f"load_state_dict would swap a new tensor into the parameter {prefix + name!r}, distributed by "
+            f"fulmen.distributed.{spec.state.kind}, taking its distribution away "
+            "(torch.__future__.set_swap_module_params_on_conversion(True) is set): load with it set to False, "
+            "which copies the values into the distributed parameters (a full tensor into this rank's rows)")
 
 
 def shard_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],

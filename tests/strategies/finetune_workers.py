@@ -228,13 +228,20 @@ def _resumed_in_place(run: Run, case: Case, saved: Path) -> list[float]:
     return again.losses
 
 
-def _load_assigning(run: Run) -> tuple[str | None, bool]:
-    """`load_state_dict(..., assign=True)`: refused (it would put undistributed parameters in place of the
-    distributed ones, outside the optimizer); whether every parameter is still the one the optimizer holds."""
-    params = named(run.model)
+def _load_assigning(run: Run) -> tuple[str | None, str | None, bool]:
+    """`load_state_dict(..., assign=True)` and `load_state_dict` swapping tensors in (a torch.__future__ flag):
+    refused (they would put undistributed parameters in place of the distributed ones); whether every parameter is
+    still the one the optimizer holds, distributed."""
+    params = {name: (param, spec_of(param)) for name, param in named(run.model).items()}
     full = checkpoint.get_model_state_dict(run.model, EVERY_RANK)
-    error = _error(lambda: run.model.load_state_dict(full, assign=True))
-    return error, all(named(run.model)[name] is param for name, param in params.items())
+    assigning = _error(lambda: run.model.load_state_dict(full, assign=True))
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        swapping = _error(lambda: run.model.load_state_dict(full))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    kept = all(named(run.model)[name] is param and spec_of(param) is spec for name, (param, spec) in params.items())
+    return assigning, swapping, kept
 
 
 def _freeze_between_micro_batches(run: Run) -> str | None:

@@ -86,15 +86,18 @@ def test_finetuning_matches_single_process_eager(ranks, case):
 
 
 @pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
-def test_loading_with_assign_is_refused_by_name(ranks, case):
+def test_loading_that_replaces_parameters_is_refused_by_name(ranks, case):
     kind = "fsdp" if case.strategy == "fsdp" else "ddp"
     for results in ranks:
-        error, kept = results[case.name]["assign"]
-        assert error == (f"RuntimeError: load_state_dict(..., assign=True) would replace the parameter "
-                         f"'lm_head.lora_A', distributed by fulmen.distributed.{kind}, with a new one that is not (nor "
-                         "in the optimizer): load without assign=True, which copies the values into the distributed "
-                         "parameters (a full tensor into this rank's rows)")
-        assert kept
+        assigning, swapping, kept = results[case.name]["assign"]
+        assert assigning == (f"RuntimeError: load_state_dict(..., assign=True) would replace the parameter "
+                             f"'lm_head.lora_A', distributed by fulmen.distributed.{kind}, with a new one that is not "
+                             "(nor in the optimizer): load without assign=True, which copies the values into the "
+                             "distributed parameters (a full tensor into this rank's rows)")
+        assert swapping.startswith("RuntimeError: load_state_dict would swap a new tensor into the parameter "
+                                   f"'lm_head.lora_A', distributed by fulmen.distributed.{kind}, taking its "
+                                   "distribution away (torch.__future__.set_swap_module_params_on_conversion(True)")
+        assert kept  # nothing was replaced before the refusal
 
 
 @pytest.mark.parametrize("case", [c for c in TRAINED if c.unfreeze], ids=lambda c: c.name)
