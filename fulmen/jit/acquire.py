@@ -25,6 +25,7 @@ from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
 from fulmen.jit import torch_python, validation
+from fulmen.jit.aliasing import reads_elements_written_elsewhere
 from fulmen.jit.autograd_facts import AutogradFacts
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.jit.lookasides import is_fabric_backward_check
@@ -391,9 +392,22 @@ class Interpreter(TorchFunctionMode):
                              self.quiet)
 
     def _inplace(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
+        self._refuse_order_dependent(args[0], (args[1:], kwargs), sym.printed)
         out = self._record(sym, args, kwargs)
         self._assign(self._proxy(args[0]), out, sym.printed)
         return args[0]  # eager returns the updated tensor itself: `holder.steps += 1` stores it back unchanged
+
+    def _refuse_order_dependent(self, target: Any, operands: Any, what: str) -> None:
+        if type(target) is not TensorProxy:
+            return
+        for operand in iter_proxies(operands):
+            if reads_elements_written_elsewhere(target.meta, operand.meta):
+                raise TraceError(
+                    f"in-place {what} of a tensor (size {tuple(target.shape)}, stride {target.stride()}) reads "
+                    f"elements of the same memory that it writes at other positions (an operand of size "
+                    f"{tuple(operand.shape)}, stride {operand.stride()}): eager's result depends on the order its "
+                    "kernel visits them, which fulmen cannot reproduce; update from a clone of the operand",
+                    self.builder.source)
 
     def _assign(self, target: TensorProxy, value: TensorProxy, what: str) -> TensorProxy:
         if value.shape != target.shape:
@@ -557,6 +571,7 @@ class Interpreter(TorchFunctionMode):
 
     def _copy_(self, dst: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
         target = self._proxy(dst)
+        self._refuse_order_dependent(target, src, "copy_")
         self.functional.write(target, shape.copy(self.functional.resolve(target), self._values(src)))
         return dst
 

@@ -80,6 +80,32 @@ def may_overlap(tensor: torch.Tensor) -> bool:
     return False
 
 
+def _addresses(meta: torch.Tensor) -> torch.Tensor:
+    """The storage position of each element of `meta` (a meta tensor), as a real integer tensor of its shape."""
+    return torch.arange(_extent(meta)).as_strided(meta.shape, meta.stride(), meta.storage_offset())
+
+
+_ADDRESSES_CHECKED = 1 << 22  # larger views are not compared element by element (memory, time)
+
+
+def reads_elements_written_elsewhere(target: torch.Tensor, operand: torch.Tensor) -> bool:
+    """Whether an in-place update of `target` reading `operand` (both meta tensors) reads at some position an element
+    the update writes at another position (`b -= b[:, 1:2]`, `x.add_(x.t())`): eager's result then depends on the
+    order its kernel visits the elements, which a functional trace does not reproduce. Reading an element where it
+    is written (`x.mul_(x)`) is exact."""
+    root = target._base if target._is_view() else target
+    if (operand._base if operand._is_view() else operand) is not root or target.numel() == 0:
+        return False
+    if max(_extent(target), _extent(operand)) > _ADDRESSES_CHECKED:
+        return False
+    try:
+        read = torch.broadcast_to(_addresses(operand), target.shape)
+    except RuntimeError:  # the op broadcasts the target instead: eager refuses that update
+        return False
+    written = _addresses(target)
+    return bool((torch.isin(read.contiguous(), written.contiguous()) & (read != written)).any())
+
+
 def _refuse_internal_overlap(tensor: torch.Tensor, name: str, where: SourceLocation | None) -> None:
     """An update of a tensor whose elements share memory (`as_strided` with overlapping strides, `expand`): eager's
     result depends on the order its kernel visits the elements (stride 0 eager refuses), which a functional trace

@@ -105,10 +105,13 @@ class Functionalizer:
         self._views[id(out)] = ViewInfo(base_obj, detach, (), {}, None, self.resolve(base_obj), True,
                                         data)
 
-    def write(self, obj: TensorProxy, value: TensorProxy, hidden: bool = False) -> None:
-        """`obj` now holds `value`; views propagate the update into their bases (`hidden`: through `.data`)."""
+    def write(self, obj: TensorProxy, value: TensorProxy, hidden: bool = False, unseen: bool = False) -> None:
+        """`obj` now holds `value`; views propagate the update into their bases (`hidden`: through `.data`;
+        `unseen`: through a detached alias, which autograd does not see at any level above it either: an update of
+        `x[None].detach()` leaves x's history alone, where x's new value had the update's and x was refused as a
+        leaf that requires grad)."""
         key = id(obj)
-        if not torch.is_grad_enabled():  # an update autograd does not see
+        if unseen or not torch.is_grad_enabled():  # an update autograd does not see
             value = self._keep_history(self.resolve(obj), value)
         self._alive.append(obj)
         self._current[key] = value
@@ -129,8 +132,12 @@ class Functionalizer:
                 new_base = self._keep_history(base_value, value, tangent=True)
             else:
                 new_base = shape.view_scatter(base_value, value, info.sym.impl, info.args, info.kwargs, info.index)
-            self.write(info.base, new_base, hidden or info.hidden)
+            self.write(info.base, new_base, hidden or info.hidden, unseen or info.detached)
             info.base_value = self.resolve(info.base)
+            if not info.detached:
+                # the view is a view of its base's new value, as eager's shares the base's memory (with the base's
+                # other views, when they are all returned), not the value written into it
+                self._current[key] = info.replay(info.base_value)
 
     def _keep_history(self, old: TensorProxy, new: TensorProxy, tangent: bool = False) -> TensorProxy:
         """`new` as the next value of a tensor holding `old`, with `old`'s autograd history (`tangent`: and its

@@ -256,16 +256,21 @@ def batch_norm_update_grad(x, running_mean, running_var, weight, bias, momentum,
     return out, mean, var
 
 
-def _overwrite_grad(sym):
+def _overwrite_grad(sym, value: int):
     """The grad rule of a functional in-place update (`shape.setitem`, ...): its grads never depend on the values of
-    the tensor it overwrites, so eager's backward runs on zeros of that tensor's shape, and the backward does not read
-    a program input the forward overwrites (its write-back)."""
+    the tensor it overwrites nor of the value written (argument `value`: the grads are the cotangent's elements at
+    the written places, and the rest), so eager's backward runs on zeros of their shapes, and the backward does not
+    read a program input the forward overwrites (its write-back), nor keep the written value alive: `x[0].copy_(c)`
+    then `c.add_(1)` failed the backward's version check of c, which eager's copy_ never saves."""
 
     def rule(x, *args, **kwargs):
         y = sym(x, *args, **kwargs)
         flat = list(iter_proxies(((x, *args), kwargs)))
         wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
-        grads = torch_vjp(sym, (zeros_shaped(x), *args), kwargs, wrt, (get_grad(y),))
+        shaped = [zeros_shaped(x), *args]
+        if is_tensor(shaped[value]):
+            shaped[value] = zeros_shaped(shaped[value])
+        grads = torch_vjp(sym, tuple(shaped), kwargs, wrt, (get_grad(y),))
         for i, grad in zip(wrt, grads):
             put_grad(flat[i], grad)
         return y
@@ -273,8 +278,8 @@ def _overwrite_grad(sym):
     return rule
 
 
-for _update in (shape.setitem, shape.view_scatter, shape.copy, shape.fill):
-    register_grad(_update)(_overwrite_grad(_update))
+for _update, _value in ((shape.setitem, 2), (shape.view_scatter, 1), (shape.copy, 1), (shape.fill, 1)):
+    register_grad(_update)(_overwrite_grad(_update, _value))
 
 
 @register_grad(shape.keep_history)

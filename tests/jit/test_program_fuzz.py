@@ -351,10 +351,12 @@ def observe(fn: Callable[..., tuple], specs: Sequence[InputSpec], seed: int) -> 
     return observed
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+def _close(got: torch.Tensor, want: torch.Tensor, mixed: bool) -> bool:
+    """Equal up to rounding: float64 values of a program with float32 inputs may have taken a float32 path in one
+    and not the other (`b += a` with b float32: fulmen's grad of the float64 `a` skips eager's float32 rounding)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
-    tolerance = 1e-4 if want.dtype == torch.float32 else 1e-9
+    tolerance = 1e-4 if want.dtype == torch.float32 else 1e-5 if mixed else 1e-9
     return torch.allclose(got, want, rtol=tolerance, atol=tolerance, equal_nan=True)
 
 
@@ -363,13 +365,14 @@ def _kind(t: torch.Tensor | None) -> str:
 
 
 def differences(got: Observed, want: Observed) -> list[str]:
+    mixed = any(t.dtype == torch.float32 for t in want.inputs)
     found = []
     for what, gs, ws in (("output", got.outputs, want.outputs), ("input after the call", got.inputs, want.inputs),
                          ("grad of input leaf", got.grads, want.grads)):
         for i, (g, w) in enumerate(zip(gs, ws)):
             if (g is None) != (w is None):
                 found.append(f"{what} {i}: {_kind(g)}, eager {_kind(w)}")
-            elif g is not None and not _close(g, w):
+            elif g is not None and not _close(g, w, mixed):
                 found.append(f"{what} {i}: {g.dtype} {tuple(g.shape)} {g.flatten()[:6].tolist()}, eager "
                              f"{w.dtype} {tuple(w.shape)} {w.flatten()[:6].tolist()}")
     for g, w in zip(got.relations, want.relations):
@@ -516,6 +519,19 @@ FINDINGS = {
     "cat of float32 and float64": Program(
         10, (_spec("a", (2, 3), grad="leaf"), _spec("b", (2, 3), grad="leaf", dtype=torch.float64)),
         ("t = torch.cat([a, b], 0)",), ("t",)),
+    # the grad rule of the copy into a's diagonal read c's value, so the backward kept c and failed its version
+    # check after c's update (eager's copy_ never saves its source)
+    "a copied value updated afterwards": Program(
+        11, (_spec("a", (3, 1), grad="history", dtype=torch.float64), _spec("c", (), dtype=torch.float64)),
+        ("torch.diagonal(a).copy_(c)", "c.add_(c)"), ("a",)),
+    # the updated view was the value written into it, no longer a view of t: u, v and t shared no memory
+    "views of one intermediate share memory after an update": Program(
+        12, (_spec("a", (3, 4)),), ("t = a * 2", "u, v = t.chunk(2, 1)", "v.mul_(3)"), ("u", "v", "t")),
+    # an update through a detached alias of a view of a leaf that requires grad gave the leaf the update's history
+    # above the alias, and the call was refused as an update of that leaf
+    "an update through a detached view of a leaf": Program(
+        13, (_spec("a", (4, 4), grad="leaf"),), ("t = a[None].detach()", "t.select(0, 0).sub_(0.5)"),
+        ("t", "a")),
 }
 
 
@@ -528,6 +544,10 @@ REFUSED = {
     # the write into the expanded view's base ran an in-place copy into the expanded tensor: a raw RuntimeError
     "an update through an expanded view": (Program(
         9, (_spec("b", (1, 4)),), ("t = b.expand(3, -1)", "t[1] += 1"), ("b",)), "t[1] += 1"),
+    # eager's loop reads column 1 after writing it to zero, fulmen's functional update the old column: b[:, 2]
+    # differed
+    "an update reading what it writes elsewhere": (Program(
+        14, (_spec("b", (4, 3)),), ("t = b[:, 1:2]", "b -= t"), ("b",)), "b -= t"),
 }
 
 
