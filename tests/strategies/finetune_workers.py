@@ -34,6 +34,7 @@ LR = 1e-2
 RESUME_AT = 2
 UNFROZEN = "lm_head.linear.weight"  # made trainable after the first step in the "unfreeze" cases
 REFROZEN = "transformer.h.0.attn.qkv.lora_A"  # frozen after the first step in the "unfreeze" cases
+MAX_NORM = 0.2  # below the LoRA gradients' norm (about 0.34 at the first step), so clipping really scales them
 EVERY_RANK = checkpoint.StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on every rank
 
 
@@ -44,6 +45,7 @@ class Case:
     options: tuple[tuple[str, Any], ...] = ()
     bias: str = "none"  # mark_only_lora_as_trainable's: "all" puts trainable biases beside frozen weights
     unfreeze: bool = False  # after the first step: UNFROZEN trainable (a new param group), REFROZEN frozen
+    clip: bool = False  # fabric.clip_gradients by norm (MAX_NORM) before each step
     # on the meta device, the base weights from a base model's checkpoints and the LoRA weights from their own;
     # saved after RESUME_AT steps (the LoRA weights, as litgpt does) and resumed in a fresh model
     loaded: bool = False
@@ -89,11 +91,11 @@ def unfreeze(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 # --- the single-process reference ---------------------------------------------------------------------------------
-def eager_finetuning(bias: str = "none", unfreezing: bool = False) -> dict[str, Any]:
-    """One process, the whole global batch of each step at once; the grads of the first step."""
+def eager_finetuning(bias: str = "none", unfreezing: bool = False, clip: bool = False) -> dict[str, Any]:
+    """One process, the whole global batch of each step at once; the grads of the first step (before clipping)."""
     model = make_lora(bias=bias)
     optimizer = torch.optim.AdamW(trainable(model), lr=LR)
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     for step, (x, y) in enumerate(global_batches(DATA_WORLD, ACCUMULATE)[:STEPS]):
         if step == 1 and unfreezing:
             unfreeze(model, optimizer)
@@ -101,10 +103,12 @@ def eager_finetuning(bias: str = "none", unfreezing: bool = False) -> dict[str, 
         loss.backward()
         if step == 0:
             grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads,
+    return {"losses": losses, "grads": grads, "norms": norms,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
@@ -140,6 +144,7 @@ class Run:
     model: Any
     optimizer: torch.optim.Optimizer
     losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
     # after each no_sync micro-batch: the trainable parameters' .grad holds their local gradients (DDP, as torch's) or
     # nothing (FSDP: held back), and the frozen ones' none
     local_grads_as_torch: list[bool] = field(default_factory=list)
@@ -175,6 +180,8 @@ def train(run: Run, case: Case, steps: range, record: dict[str, Any] | None = No
             total += loss.detach()
         if record is not None and step == 0:
             record["grads"] = {n: _full_grad(p) for n, p in named(run.model).items()}
+        if case.clip:
+            run.norms.append(fabric.clip_gradients(run.model, run.optimizer, max_norm=MAX_NORM).item())
         run.optimizer.step()
         run.optimizer.zero_grad()
         run.losses.append(fabric.all_reduce(total, reduce_op="mean").item())
@@ -182,7 +189,7 @@ def train(run: Run, case: Case, steps: range, record: dict[str, Any] | None = No
 
 def _summary(run: Run) -> dict[str, Any]:
     params = named(run.model)
-    return {"losses": run.losses, "local_grads_as_torch": run.local_grads_as_torch,
+    return {"losses": run.losses, "norms": run.norms, "local_grads_as_torch": run.local_grads_as_torch,
             "params": checkpoint.get_model_state_dict(run.model, EVERY_RANK),
             "trainable": sorted(n for n, p in params.items() if p.requires_grad),
             "frozen_with_grads": sorted(n for n, p in params.items() if not p.requires_grad and p.grad is not None),

@@ -5,9 +5,9 @@ One launch runs every case: DDP with trainable biases and a freeze schedule (a f
 the first step, a LoRA matrix frozen), ZeRO-2 with LAYER buckets holding frozen weights beside trainable biases,
 ZeRO-3 with BLOCK buckets and the freeze schedule, and ZeRO-3 as `litgpt finetune lora` runs it: the model on the
 meta device, the base model's checkpoint (its own names) loaded non-strictly, the LoRA weights saved alone and
-resumed. Gradient accumulation runs through `fabric.no_backward_sync`. Checked on every rank: the losses, the first
-step's gradients (exactly the trainable parameters have one), the parameters after the steps (frozen ones unchanged),
-and that only trainable parameters' gradients are communicated.
+resumed. Gradient accumulation runs through `fabric.no_backward_sync`; the freeze-schedule cases clip by norm.
+Checked on every rank: the losses, the first step's gradients (exactly the trainable parameters have one), the
+parameters after the steps (frozen ones unchanged), and that only trainable parameters' gradients are communicated.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from tests.strategies import finetune_workers as workers
 from tests.strategies.finetune_workers import REFROZEN, UNFROZEN, Case
 
 CASES = [
-    Case("ddp-bias-unfreeze", "ddp", bias="all", unfreeze=True),
+    Case("ddp-bias-unfreeze", "ddp", bias="all", unfreeze=True, clip=True),
     Case("zero2-layer-bias", "fsdp", (("sharding_strategy", "ZERO2"), ("bucketing_strategy", "LAYER")), bias="all"),
     Case("zero3-block-unfreeze", "fsdp", (("sharding_strategy", "ZERO3"), ("bucketing_strategy", "BLOCK")),
-         unfreeze=True),
+         unfreeze=True, clip=True),
     Case("zero3-loaded", "fsdp", (("sharding_strategy", "ZERO3"), ("state_dict_type", "full")), loaded=True),
 ]
 TRAINED = [case for case in CASES if not case.loaded]
@@ -38,12 +38,13 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 @functools.cache
-def eager(bias: str, unfreezing: bool) -> dict:
-    return workers.eager_finetuning(bias, unfreezing)
+def eager(bias: str, unfreezing: bool, clip: bool) -> dict:
+    return workers.eager_finetuning(bias, unfreezing, clip)
 
 
 def _assert_trained_as_eager(got: dict, want: dict, steps: slice = slice(None)) -> None:
     torch.testing.assert_close(got["losses"], want["losses"][steps], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["norms"], want["norms"][steps], rtol=1e-5, atol=0)
     assert set(got["params"]) == set(want["params"])
     for name, value in want["params"].items():
         # atol: AdamW divides by sqrt(v), so float32 summation-order noise on a near-zero gradient becomes ~1e-6
@@ -64,7 +65,8 @@ def _assert_only_trainable_communicated(got: dict, strategy: str) -> None:
 
 @pytest.mark.parametrize("case", TRAINED, ids=lambda c: c.name)
 def test_finetuning_matches_single_process_eager(ranks, case):
-    want = eager(case.bias, case.unfreeze)
+    want = eager(case.bias, case.unfreeze, case.clip)
+    assert bool(want["norms"]) == case.clip and all(norm > workers.MAX_NORM for norm in want["norms"])
     initial = workers.make_lora(bias=case.bias).state_dict()
     frozen = [n for n, g in want["grads"].items() if g is None]
     assert frozen and all(torch.equal(want["params"][n], initial[n]) for n in frozen if n != UNFROZEN)
@@ -113,7 +115,7 @@ def test_base_checkpoint_loaded_and_lora_resumed_as_eager(ranks):
     """The base model's checkpoint (its names, not the LoRA model's) loads into the sharded LoRA model from a sharded
     checkpoint and by `model.load_state_dict`; resuming from the LoRA weights saved after 2 steps continues as the
     uninterrupted run, bitwise, and as eager."""
-    want = eager("none", False)
+    want = eager("none", False, False)
     for results in ranks:
         got = results["zero3-loaded"]
         _assert_trained_as_eager(got["first"], want)
