@@ -54,3 +54,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _distributions_validate():
+    # Dynamo's first use in a process turns torch.distributions' default argument validation off for good
+    # (TorchPatcher.patch): each test starts from a fresh process's default, whichever tests ran before it
+    torch.distributions.Distribution.set_default_validate_args(True)
