@@ -398,10 +398,13 @@ class Interpreter(TorchFunctionMode):
         return args[0]  # eager returns the updated tensor itself: `holder.steps += 1` stores it back unchanged
 
     def _refuse_order_dependent(self, target: Any, operands: Any, what: str) -> None:
+        """An update reading its own memory elsewhere than it writes (aliasing.reads_elements_written_elsewhere): the
+        operands that are views of the same tensor as `target` (or it), whatever values they hold now."""
         if type(target) is not TensorProxy:
             return
+        root = self.functional.root(target)
         for operand in iter_proxies(operands):
-            if reads_elements_written_elsewhere(target.meta, operand.meta):
+            if self.functional.root(operand) is root and reads_elements_written_elsewhere(target.meta, operand.meta):
                 raise TraceError(
                     f"in-place {what} of a tensor (size {tuple(target.shape)}, stride {target.stride()}) reads "
                     f"elements of the same memory that it writes at other positions (an operand of size "

@@ -80,29 +80,34 @@ def may_overlap(tensor: torch.Tensor) -> bool:
     return False
 
 
-def _addresses(meta: torch.Tensor) -> torch.Tensor:
-    """The storage position of each element of `meta` (a meta tensor), as a real integer tensor of its shape."""
-    return torch.arange(_extent(meta)).as_strided(meta.shape, meta.stride(), meta.storage_offset())
+def _addresses(meta: torch.Tensor) -> torch.Tensor | None:
+    """The storage position of each element of `meta` (a meta tensor) counted from its base's first element, as a
+    real integer tensor of its shape; None when that is too large to hold."""
+    base = meta._base if meta._is_view() else meta
+    offset = meta.storage_offset() - base.storage_offset()
+    extent = offset + sum((size - 1) * stride for size, stride in zip(meta.shape, meta.stride())) + 1
+    if extent > _ADDRESSES_CHECKED or offset < 0:
+        return None
+    return torch.arange(extent).as_strided(meta.shape, meta.stride(), offset)
 
 
 _ADDRESSES_CHECKED = 1 << 22  # larger views are not compared element by element (memory, time)
 
 
 def reads_elements_written_elsewhere(target: torch.Tensor, operand: torch.Tensor) -> bool:
-    """Whether an in-place update of `target` reading `operand` (both meta tensors) reads at some position an element
-    the update writes at another position (`b -= b[:, 1:2]`, `x.add_(x.t())`): eager's result then depends on the
-    order its kernel visits the elements, which a functional trace does not reproduce. Reading an element where it
-    is written (`x.mul_(x)`) is exact."""
-    root = target._base if target._is_view() else target
-    if (operand._base if operand._is_view() else operand) is not root or target.numel() == 0:
+    """Whether an in-place update of `target` reading `operand` (the metas of two views of one tensor, each laid out
+    from its base as the tensor is) reads at some position an element the update writes at another position
+    (`b -= b[:, 1:2]`, `x.add_(x.t())`): eager's result then depends on the order its kernel visits the elements,
+    which a functional trace does not reproduce. Reading an element where it is written (`x.mul_(x)`) is exact."""
+    if target.numel() == 0:
         return False
-    if max(_extent(target), _extent(operand)) > _ADDRESSES_CHECKED:
+    written, read = _addresses(target), _addresses(operand)
+    if written is None or read is None:
         return False
     try:
-        read = torch.broadcast_to(_addresses(operand), target.shape)
+        read = torch.broadcast_to(read, target.shape)
     except RuntimeError:  # the op broadcasts the target instead: eager refuses that update
         return False
-    written = _addresses(target)
     return bool((torch.isin(read.contiguous(), written.contiguous()) & (read != written)).any())
 
 

@@ -136,8 +136,10 @@ class Functionalizer:
             info.base_value = self.resolve(info.base)
             if not info.detached:
                 # the view is a view of its base's new value, as eager's shares the base's memory (with the base's
-                # other views, when they are all returned), not the value written into it
-                self._current[key] = info.replay(info.base_value)
+                # other views, when they are all returned), not the value written into it; it keeps the autograd
+                # history it had when the update is one autograd does not see (under no_grad)
+                with torch.set_grad_enabled(torch.is_grad_enabled() or obj.requires_grad):
+                    self._current[key] = info.replay(info.base_value)
 
     def _keep_history(self, old: TensorProxy, new: TensorProxy, tangent: bool = False) -> TensorProxy:
         """`new` as the next value of a tensor holding `old`, with `old`'s autograd history (`tangent`: and its
