@@ -126,3 +126,25 @@ def test_graph_pool_does_not_double_the_peak():
     print(f"peak reserved over capture and replays: without graphs {plain / 2**20:.1f} MiB, "
           f"with {graphed / 2**20:.1f} MiB")
     assert graphed < 2 * plain
+
+
+def test_a_backward_that_retains_the_graph_then_another_match_the_program_without_graphs():
+    # the retaining backward runs without graphs and leaves the forward's values in place; the next forward must not
+    # replay over them before the second backward has read them
+    model = _seed_gpt2()
+    graphed = fulmen.jit(_seed_loss, options=GRAPHS)
+    plain = fulmen.jit(_seed_loss)
+    batches = _batches(512, 4)
+    for idx, targets in batches[:2]:  # warm: the graphs are captured
+        graphed(model, idx, targets).backward()
+    grads = []
+    for jitted in (graphed, plain):
+        model.zero_grad(set_to_none=True)
+        loss = jitted(model, *batches[2])
+        loss.backward(retain_graph=True)
+        later = jitted(model, *batches[3])  # a forward between the two backwards of the retained graph
+        loss.backward()
+        later.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
