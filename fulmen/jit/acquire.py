@@ -122,7 +122,7 @@ class Interpreter(TorchFunctionMode):
     def __init__(self, builder: TraceBuilder) -> None:
         super().__init__()
         self.builder = builder
-        self.functional = Functionalizer(lambda: self.builder.source)
+        self.functional = Functionalizer(lambda: self.builder.source, lambda: self.builder.bound_symbols)
         self.autograd = AutogradFacts(self.functional)
         self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
         self._constant_ids: dict[int, TensorProxy] = {}

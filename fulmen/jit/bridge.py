@@ -31,9 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fulmen.core.errors import TraceError
-from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, user_location
-from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Trace
 from fulmen.jit.output_grads import check_watched, feeding_outputs, watch
 from fulmen.ops import prims
@@ -78,9 +76,8 @@ class GradProgram:
         self.saved_names = tuple(p.pname for p in self.plan.saved)
         # (saved position, input position) of the inputs the forward saves, then updates in place
         position = {p.pname: i for i, p in enumerate(self.plan.source.inputs)}
-        copies = [b for b in self.plan.forward.bound_symbols if b.sym is prims.copy_]
-        updated = {b.args[1].pname for b in copies if b.kwargs.get("bump_version", True)}
-        _refuse_hidden_updates_read(self.plan.saved, [b for b in copies if b.args[1].pname not in updated])
+        updated = {b.args[1].pname for b in self.plan.forward.bound_symbols
+                   if b.sym is prims.copy_ and b.kwargs.get("bump_version", True)}
         saved_inputs = [(k, position[p.pname]) for k, p in enumerate(self.plan.saved) if p.pname in updated]
         # those with a new history: the backward reads a copy of their old value (eager's original_self), not stale
         dirty = {d.input for d in self.dirty}
@@ -307,26 +304,6 @@ def _input_hint(program: GradProgram, name: str) -> str:
     return (f" {name} is an input of the jitted function, which its backward saves where eager's may save a value "
             "computed from it instead: update a clone of it, update it after the backward, or run the call and the "
             "update under torch.autograd.graph.allow_mutation_on_saved_tensors()")
-
-
-def _refuse_hidden_updates_read(saved: list[TensorProxy], hidden_copies: list[BoundSymbol]) -> None:
-    """An input the forward saves (or a view of it) and then updates through `.data` (no version bump, so no backward
-    notices): eager's backward reads the updated memory where its ops saved the input itself (`torch.maximum(b, a)`),
-    and the old values where they saved a value computed from it (`a.abs() + 1`); fulmen saves other tensors than
-    eager, so it cannot tell which of the two eager's grads are."""
-    def root(proxy: TensorProxy) -> int:  # the saved value's memory: the input itself, or a view of it
-        return id(proxy.meta._base if proxy.meta._is_view() else proxy.meta)
-
-    roots = {root(p) for p in saved}
-    for copy in hidden_copies:
-        name = copy.args[1].pname
-        if root(copy.args[1]) in roots:
-            raise TraceError(
-                f"the program updates its input {name} through .data after reading it, and its backward needs "
-                f"{name}'s value from before the update: eager's grads would read either value (the updated memory "
-                f"where its ops saved {name} itself, the old one where they saved a value computed from it), which "
-                "fulmen cannot tell; update it before reading it, after the call, or through .detach() (whose update "
-                "the backward's version check catches, as eager's)", copy.source)
 
 
 def _run_updating_inputs(ctx, program: GradProgram, forward_fn: Callable[..., tuple],

@@ -25,10 +25,18 @@ import torch
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
-from fulmen.core.symbol import Symbol, iter_proxies, map_proxies
+from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.jit.aliasing import may_overlap
 from fulmen.ops import prims, shape
 from fulmen.ops.registry import SYMBOLS
+
+# The functional forms of in-place updates: they read the old value, but eager's update saves nothing for them.
+_FUNCTIONAL_UPDATES = frozenset({shape.keep_history, shape.view_scatter, shape.setitem, shape.copy, shape.fill})
+
+
+def _meta_root(proxy: TensorProxy) -> torch.Tensor:
+    """The meta tensor whose memory `proxy`'s is (its own, or the base it is a view of)."""
+    return proxy.meta._base if proxy.meta._is_view() else proxy.meta
 
 
 @dataclass(slots=True)
@@ -50,8 +58,10 @@ class ViewInfo:
 
 
 class Functionalizer:
-    def __init__(self, source: Callable[[], SourceLocation | None]) -> None:
+    def __init__(self, source: Callable[[], SourceLocation | None],
+                 recorded: Callable[[], list[BoundSymbol]] = list) -> None:
         self._source = source  # the user's line being traced, for errors
+        self._recorded = recorded  # the calls the program made so far
         self._current: dict[int, TensorProxy] = {}
         self._views: dict[int, ViewInfo] = {}
         self._versions: dict[int, int] = {}
@@ -111,6 +121,8 @@ class Functionalizer:
         `x[None].detach()` leaves x's history alone, where x's new value had the update's and x was refused as a
         leaf that requires grad)."""
         key = id(obj)
+        if hidden:
+            self._refuse_hidden_write_after_read(obj)
         if unseen or not torch.is_grad_enabled():  # an update autograd does not see
             value = self._keep_history(self.resolve(obj), value)
         self._alive.append(obj)
@@ -140,6 +152,27 @@ class Functionalizer:
                 # history it had when the update is one autograd does not see (under no_grad)
                 with torch.set_grad_enabled(torch.is_grad_enabled() or obj.requires_grad):
                     self._current[key] = info.replay(info.base_value)
+
+    def _refuse_hidden_write_after_read(self, obj: TensorProxy) -> None:
+        """An update through `.data` (no version bump: no backward notices it) of a tensor that an op with an
+        autograd history read or made before: eager's backward reads the updated memory where that op saved the
+        tensor (`torch.maximum(b, a)` saves a, `torch.sigmoid(x)` its result), the old values where it saved a value
+        computed from it (`a.abs() + 1`), and fulmen cannot tell which (its grads use the old values)."""
+        root = _meta_root(self.resolve(obj))
+        for bsym in self._recorded():
+            if bsym.sym in _FUNCTIONAL_UPDATES:
+                continue
+            outputs = [o for o in bsym.proxy_outputs() if type(o) is TensorProxy and o.requires_grad]
+            reads = any(type(p) is TensorProxy and _meta_root(p) is root for p in bsym.proxy_args()) and any(
+                _meta_root(o) is not root for o in outputs)
+            if reads or any(o.meta is root for o in outputs):
+                where = bsym.source.describe() if bsym.source is not None else "an earlier line"
+                raise TraceError(
+                    f"the program updates through .data a tensor (size {tuple(obj.shape)}) that {bsym.sym.printed} "
+                    f"read or made before with an autograd history (at {where}): eager's grads read the updated "
+                    "memory where that op saved the tensor itself and the old values where it saved a value computed "
+                    "from it, which fulmen cannot tell; update it before it is read, after the call, or under "
+                    "torch.no_grad() (whose update eager's backward checks)", self._source())
 
     def _keep_history(self, old: TensorProxy, new: TensorProxy, tangent: bool = False) -> TensorProxy:
         """`new` as the next value of a tensor holding `old`, with `old`'s autograd history (`tangent`: and its

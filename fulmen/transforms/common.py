@@ -44,6 +44,8 @@ def cse(trace: Trace) -> Trace:
     grad."""
     seen: dict[str, BoundSymbol] = {}
     renames: dict[str, TensorProxy] = {}
+    roots = _memory_roots(trace)
+    returned = {roots.get(p.pname) for p in iter_proxies(trace.output)}
 
     def rename(proxy: TensorProxy) -> TensorProxy:
         return renames.get(proxy.pname, proxy)
@@ -54,7 +56,7 @@ def cse(trace: Trace) -> Trace:
             bsym = bsym.with_args_mapped(rename)
         key = None if _keeps(bsym) else _key(bsym)
         earlier = seen.get(key) if key is not None else None
-        if earlier is not None:
+        if earlier is not None and not _merges_returned_memory(bsym, earlier, roots, returned):
             for mine, theirs in zip(bsym.proxy_outputs(), earlier.proxy_outputs()):
                 renames[mine.pname] = theirs
             continue
@@ -63,6 +65,29 @@ def cse(trace: Trace) -> Trace:
         kept.append(bsym)
     output = map_proxies(trace.output, rename)
     return trace.from_trace("Common Subexpression Elimination", bound_symbols=kept, output=output)
+
+
+# Symbols whose output shares its argument's memory though its meta tensor is no view of the argument's.
+_ALIASING = frozenset({"detach", "alias"})
+
+
+def _memory_roots(trace: Trace) -> dict[str, str]:
+    """For each tensor, the tensor whose memory it is (itself, or what a view or detach of it was taken from)."""
+    roots = {p.pname: p.pname for p in trace.inputs if type(p) is TensorProxy}
+    for bsym in trace.bound_symbols:
+        args = bsym.proxy_args()
+        for out in bsym.proxy_outputs():
+            aliases = args and type(out) is TensorProxy and (out.meta._is_view() or bsym.sym.name in _ALIASING)
+            roots[out.pname] = roots.get(args[0].pname, args[0].pname) if aliases else out.pname
+    return roots
+
+
+def _merges_returned_memory(bsym: BoundSymbol, earlier: BoundSymbol, roots: dict[str, str], returned: set) -> bool:
+    """Whether reusing `earlier`'s outputs for `bsym`'s would make two returned tensors share memory that eager
+    allocates twice (`a.clone().reshape(-1)` and `a.clone().detach()` both returned were one storage)."""
+    return any(roots.get(mine.pname) in returned and roots.get(theirs.pname) in returned
+               and roots.get(mine.pname) != roots.get(theirs.pname)
+               for mine, theirs in zip(bsym.proxy_outputs(), earlier.proxy_outputs()))
 
 
 def _del_impl(*args: Any) -> None:  # pragma: no cover - printed as a `del` statement, never called
