@@ -146,10 +146,11 @@ class Functionalizer:
                 new_base = shape.view_scatter(base_value, value, info.sym.impl, info.args, info.kwargs, info.index)
             self.write(info.base, new_base, hidden or info.hidden, unseen or info.detached)
             info.base_value = self.resolve(info.base)
-            if not info.detached:
+            if not info.detached or not value.requires_grad:
                 # the view is a view of its base's new value, as eager's shares the base's memory (with the base's
                 # other views, when they are all returned), not the value written into it; it keeps the autograd
-                # history it had when the update is one autograd does not see (under no_grad)
+                # history it had when the update is one autograd does not see (under no_grad). A detached alias the
+                # update gave a history of its own keeps the value written, and that history.
                 with torch.set_grad_enabled(torch.is_grad_enabled() or obj.requires_grad):
                     self._current[key] = info.replay(info.base_value)
 

@@ -86,6 +86,12 @@ def make_inputs(specs: Sequence[InputSpec], seed: int) -> tuple[list[torch.Tenso
             return t
         t = _layout(base, spec)
         if spec.grad == "leaf":
+            # a leaf of its own with the layout's strides, not a view: a view of a tensor that does not require grad
+            # made a leaf by requires_grad_() gets no grad in eager once its base is updated (autograd regenerates
+            # its views' history from that base), a corner no program meets
+            if t._is_view():  # an expanded one (elements sharing memory) becomes contiguous
+                overlapping = any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+                t = t.clone() if overlapping else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t)
             leaves.append(t.requires_grad_())
         args.append(t)
     return args, leaves
