@@ -136,8 +136,7 @@ class FrameTap:
         local = self.previous(frame, event, arg) if self.previous is not None else None
         code = frame.f_code
         if code.co_name == "<module>" or code.co_filename.startswith("<frozen importlib"):
-            self.importing += 1
-            return _ImportTap(self, local).event
+            return _CountingTap(self, "importing", local).event
         if self.importing:
             return local
         if code in _NEW_OBJECT:
@@ -146,7 +145,7 @@ class FrameTap:
         if reader is not None and (self.reading or _called_by_program(frame)):
             if code.co_argcount:
                 self.observer.read_state(frame.f_locals.get(code.co_varnames[0]), reader)
-            return _ReadingTap(self, local).event
+            return _CountingTap(self, "reading", local).event
         sites = _sites_of(frame)
         if sites is None:
             return local
@@ -221,16 +220,20 @@ class _RegionTap:
         return self.event
 
 
-class _ImportTap:
-    __slots__ = ("tap", "previous")
+class _CountingTap:
+    """The local tracer of a frame counted by one of the tap's counters (`importing`, `reading`) while it runs."""
 
-    def __init__(self, tap: FrameTap, previous: Callable[..., Any] | None) -> None:
+    __slots__ = ("tap", "counter", "previous")
+
+    def __init__(self, tap: FrameTap, counter: str, previous: Callable[..., Any] | None) -> None:
         self.tap = tap
+        self.counter = counter
         self.previous = previous
+        setattr(tap, counter, getattr(tap, counter) + 1)
 
     def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
         if event == "return":
-            self.tap.importing -= 1
+            setattr(self.tap, self.counter, getattr(self.tap, self.counter) - 1)
         if self.previous is not None:
             self.previous = self.previous(frame, event, arg)
         return self.event
@@ -239,22 +242,6 @@ class _ImportTap:
 def _called_by_program(frame: types.FrameType) -> bool:
     caller = frame.f_back
     return caller is not None and _sites_of(caller) is not None
-
-
-class _ReadingTap:
-    __slots__ = ("tap", "previous")
-
-    def __init__(self, tap: FrameTap, previous: Callable[..., Any] | None) -> None:
-        self.tap = tap
-        self.previous = previous
-        tap.reading += 1
-
-    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
-        if event == "return":
-            self.tap.reading -= 1
-        if self.previous is not None:
-            self.previous = self.previous(frame, event, arg)
-        return self.event
 
 
 class _CreationTap:
