@@ -29,11 +29,15 @@ and of a NumPy array over 64 KiB (values.py); a change made between an autograd.
 
 from __future__ import annotations
 
+import _string
 import contextlib
 import functools
 import gc
+import itertools
+import operator
 import os
 import random
+import string
 import sys
 import time
 import types
@@ -342,6 +346,8 @@ class Observer:
                 self.read_global(frame, site.name)
             self._written.add((id(frame.f_globals), site.name))
             self._stores.global_(frame.f_globals, site.name, frame)
+        elif kind is reads.CallRead:
+            self._call_read(site, frame)
         elif kind is reads.ItemWrite:
             container = evaluate(site.container, frame)
             if container is not MISSING:
@@ -356,6 +362,48 @@ class Observer:
                 self.read_attribute(receiver, name)
             elif does is not None:
                 self._write_attribute(receiver, name, does == "deletes", frame)
+
+    def _call_read(self, site: reads.CallRead, frame: types.FrameType) -> None:
+        """What C code reads of the arguments of a call it makes: the attributes an `operator.attrgetter` names, the
+        class `isinstance` and `type` look at, the attributes and items a template's fields name."""
+        arguments = [MISSING if argument is None else evaluate(argument, frame) for argument in site.arguments]
+        function = site.function
+        if type(function) is reads.Attr and type(function.base) is reads.Const:  # `"{0.lr}".format(...)`
+            for index, path in _template_fields(function.base.value):
+                if index < len(arguments):
+                    self._read_path(arguments[index], path)
+            return
+        function = evaluate(function, frame)
+        if type(function) is operator.attrgetter:
+            for dotted in function.__reduce__()[1]:
+                self._read_path(arguments[0], tuple((True, name) for name in dotted.split(".")))
+        elif function is isinstance or function is type:
+            self._read_class(arguments[0])
+
+    def _read_path(self, obj: Any, path: tuple[tuple[bool, Any], ...]) -> None:
+        """C code reads `obj`, then each (is an attribute, name or key) step of `path` from what the last gave. Items
+        of lists and dicts need no guard (a container found through a guarded place is compared by content)."""
+        for is_attribute, key in path:
+            if obj is MISSING:
+                return
+            if is_attribute:
+                self.read_attribute(obj, key)
+                obj = attribute_value(obj, key)
+            elif type(obj) is dict or type(obj) is list and type(key) is int and -len(obj) <= key < len(obj):
+                obj = obj.get(key, MISSING) if type(obj) is dict else obj[key]
+            else:
+                return
+
+    def _read_class(self, obj: Any) -> None:
+        """The program asked for the class of `obj` (`isinstance`, `type`): it stays the class (`obj.__class__ = ...`
+        changes it in place)."""
+        if obj is MISSING or immutable(obj) or is_container(obj) or isinstance(obj, torch.Tensor) or is_shadow(obj) \
+                or id(obj) in self._created:
+            return  # values: guarded by value; tensors: trace inputs; shadows: the module tap
+        cls = type(obj)
+        self._pinned.append(obj)
+        self._add_raw(("class", id(obj)), f"the class of {owner_name(obj)}",
+                      lambda e: f"type({e.bind(obj)}) is {e.bind(cls)}")
 
     def _write_attribute(self, receiver: Any, name: str, deletes: bool, frame: types.FrameType) -> None:
         if deletes:  # eager's `del` fails where it is gone: the trace holds where it is there, as it was
@@ -540,6 +588,32 @@ def unrepeatable(value: Any) -> str | None:
     if mtrand is not None and owner is getattr(mtrand, "_rand", None):
         return f"numpy.random.{value.__name__}"
     return None
+
+
+@functools.cache
+def _template_fields(template: str) -> tuple[tuple[int, tuple[tuple[bool, Any], ...]], ...]:
+    """The positional fields of a `str.format` template that read more than the argument itself: (argument index,
+    (is an attribute, name or key) steps), nested fields of format specs included; keyword fields are left out (no
+    read site names keyword arguments)."""
+    found: list[tuple[int, tuple[tuple[bool, Any], ...]]] = []
+    automatic = itertools.count()  # `{}` fields are numbered in order, a spec's nested fields after their own field
+
+    def scan(text: str) -> None:
+        for _, field, spec, _ in string.Formatter().parse(text):
+            if field is not None:
+                first, rest = _string.formatter_field_name_split(field)
+                first = next(automatic) if first == "" else first
+                steps = tuple(rest)
+                if type(first) is int and steps:
+                    found.append((first, steps))
+            if spec and "{" in spec:
+                scan(spec)
+
+    try:
+        scan(template)
+    except ValueError:
+        return ()  # format raises on it: nothing is read
+    return tuple(found)
 
 
 class _Callee:

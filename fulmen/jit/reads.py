@@ -12,8 +12,11 @@ Naming comes from a small abstract stack per basic block: loads of locals, globa
 named value, attribute and subscript loads combine them, and any other instruction makes everything it leaves
 unnamed. Knowledge never crosses a jump target, so a name is only given where the bytecode itself proves it.
 Attribute reads off unnamed values (a call's result, say) are not read sites: the observer sees the reads the
-called function makes itself. What C code reads is not seen (known limit: `operator.attrgetter`), but for the
-builtins and `object` slots named here and the standard library's whole-object readers (frames._STATE_READERS).
+called function makes itself. What C code reads is seen for the builtins and `object` slots named here, the
+standard library's whole-object readers (frames._STATE_READERS), and the calls of `CallRead` (a named
+`operator.attrgetter`, `isinstance`, `type`, a string constant's `format`) with arguments passed by position. Known
+limit: other C code reading objects the program did not build (a getter made and called in one expression, an
+attrgetter used as a `sort` key, `format` with keyword arguments).
 """
 
 from __future__ import annotations
@@ -90,6 +93,17 @@ class AttrCall:
 
 
 @dataclass(frozen=True, slots=True)
+class CallRead:
+    """`function(*arguments)`, all passed by position, where the function may be C code reading what its arguments
+    hold: an `operator.attrgetter` (the attributes it names), `isinstance(obj, cls)` and `type(obj)` (the class of
+    `obj`), or a string's `format` (the attributes and items its fields name). Which of these it is, if any, is known
+    when the call runs (the observer's `_CALL_READERS`). An unnamed argument is None."""
+
+    function: Source
+    arguments: tuple[Source | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class AttrWrite:
     """`obj.name = value` or `del obj.name`."""
 
@@ -113,7 +127,7 @@ class ItemWrite:
     container: Source
 
 
-Read = GlobalRead | CellRead | AttrRead | AttrCall | AttrWrite | GlobalWrite | ItemWrite
+Read = GlobalRead | CellRead | AttrRead | AttrCall | CallRead | AttrWrite | GlobalWrite | ItemWrite
 
 _UNKNOWN = None
 _LOAD_LOCAL = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_BORROW"})
@@ -126,6 +140,8 @@ _CALL = "PRECALL" if "PRECALL" in dis.opmap else "CALL"
 # object's own slots called unbound (`object.__setattr__(self, name, value)`, as frozen dataclasses write).
 _ATTRIBUTE_BUILTINS = {"getattr": (2, 3), "hasattr": (2,), "setattr": (3,), "delattr": (2,), "vars": (1,)}
 _ATTRIBUTE_SLOTS = {"__getattribute__": (2,), "__setattr__": (3,), "__delattr__": (2,)}
+# The builtins whose C code reads the class of their first argument, by how many arguments a call takes.
+_CLASS_BUILTINS = {"isinstance": 2, "type": 1}
 
 
 def _load_attr_pushes(instruction: dis.Instruction) -> int:
@@ -155,6 +171,7 @@ def read_sites(code: CodeType) -> dict[int, Read]:
     sites: dict[int, Read] = {}
     stack = _Stack()
     freevars = frozenset(code.co_freevars) - {"__class__"}  # `__class__` is the defining class (zero-arg super)
+    keywords = False  # the next call passes keywords (3.11, 3.12 name them in KW_NAMES; 3.13 has CALL_KW)
     for ins in dis.get_instructions(code):
         op = ins.opname
         if ins.is_jump_target or op == "PUSH_EXC_INFO":
@@ -181,9 +198,10 @@ def read_sites(code: CodeType) -> dict[int, Read]:
             pushes = _load_attr_pushes(ins)
             if pushes == 1 and receiver is not _UNKNOWN:
                 stack.items.append(Attr(receiver, ins.argval))
-            elif ins.argval in _ATTRIBUTE_SLOTS and receiver is not _UNKNOWN:
-                # `object.__getattribute__(obj, name)`: which of the two pushed values is the function depends on
-                # the receiver, so both name it (the call site checks what it finds there when it runs)
+            elif receiver is not _UNKNOWN and (ins.argval in _ATTRIBUTE_SLOTS or _is_template_format(receiver,
+                                                                                              ins.argval)):
+                # `object.__getattribute__(obj, name)`, `"{0.x}".format(obj)`: which of the two pushed values is the
+                # function depends on the receiver, so both name it (the call site checks what it finds when it runs)
                 stack.items.extend([Attr(receiver, ins.argval)] * pushes)
             else:
                 stack.items.extend([_UNKNOWN] * pushes)
@@ -219,18 +237,19 @@ def read_sites(code: CodeType) -> dict[int, Read]:
         elif op == "PUSH_NULL":
             stack.items.append(_UNKNOWN)
         elif op in _NO_STACK_EFFECT:
-            pass
+            keywords = keywords or op == "KW_NAMES"
         else:
-            if op == _CALL:
-                _note_attribute_call(ins, stack, sites)
+            if op == _CALL and not keywords:
+                _note_call(ins, stack, sites)
+            keywords = False
             stack.forget(dis.stack_effect(ins.opcode, ins.arg, jump=False) if ins.opcode >= dis.HAVE_ARGUMENT
                          else dis.stack_effect(ins.opcode, jump=False))
     return sites
 
 
-def _note_attribute_call(ins: dis.Instruction, stack: _Stack, sites: dict[int, Read]) -> None:
+def _note_call(ins: dis.Instruction, stack: _Stack, sites: dict[int, Read]) -> None:
     """`getattr`, `hasattr`, `vars`, `setattr` or `delattr` of a nameable object (and name) is a read or write
-    site."""
+    site; a call that may read its nameable arguments in C code is a CallRead."""
     nargs = ins.arg
     for depth in (nargs + 1, nargs + 2):  # the callable sits below or above the NULL, by Python version
         function = stack.peek(depth)
@@ -241,3 +260,23 @@ def _note_attribute_call(ins: dis.Instruction, stack: _Stack, sites: dict[int, R
             if receiver is not _UNKNOWN and name is not _UNKNOWN:
                 sites[ins.offset] = AttrCall(function, receiver, name)
             return
+        if _may_read_in_c(function, nargs):
+            arguments = tuple(stack.peek(nargs - i) for i in range(nargs))
+            if any(argument is not _UNKNOWN for argument in arguments):
+                sites[ins.offset] = CallRead(function, arguments)
+            return
+
+
+def _is_template_format(receiver: Source | None, name: str) -> bool:
+    """`receiver.name` is the `format` of a string constant with fields (`"{0.lr:.3g}".format`)."""
+    return name == "format" and isinstance(receiver, Const) and type(receiver.value) is str and "{" in receiver.value
+
+
+def _may_read_in_c(function: Source | None, nargs: int) -> bool:
+    """A call of `function` with `nargs` positional arguments may be one of CallRead's: a one-argument call of a
+    named value (an attrgetter), a class builtin, or a string constant's `format`."""
+    if isinstance(function, Global) and function.name in _CLASS_BUILTINS:
+        return _CLASS_BUILTINS[function.name] == nargs
+    if isinstance(function, Attr) and _is_template_format(function.base, function.name):
+        return True
+    return nargs == 1 and function is not _UNKNOWN

@@ -1,12 +1,14 @@
 """State the program reads or writes in code no read site names: whole objects read by a copy, `vars`, `__dict__` or
-dataclasses' helpers (the standard library reads them, not the program's bytecode), and attributes or globals it
-deletes or sets through `setattr` / `delattr`. Each case runs the same sequence of calls and state changes eagerly and
+dataclasses' helpers (the standard library reads them, not the program's bytecode), attributes, items and classes
+read by C code it calls (`operator.attrgetter`, `str.format`, `isinstance`), and attributes or globals it deletes or
+sets through `setattr` / `delattr`. Each case runs the same sequence of calls and state changes eagerly and
 through fulmen.jit, and compares results and the state left behind."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 import types
 from collections.abc import Callable
 
@@ -118,6 +120,61 @@ def test_a_whole_object_read_outside_the_programs_bytecode_is_guarded(reader):
     assert fulmen.cache_hits(fn) == 1 and fulmen.cache_misses(fn) == 2  # unchanged state: no retrace
     reason = fulmen.last_cache_miss_reasons(fn)[0]
     assert "read whole by" in reason or "attribute scale of Config object changed" in reason, reason
+
+
+GET_SCALE = operator.attrgetter("scale")
+GET_SHIFT = operator.attrgetter("inner.shift")
+GET_BOTH = operator.attrgetter("scale", "inner.shift")
+
+
+class Special(Config):
+    pass
+
+
+def _become_special(state):
+    state["cfg"].__class__ = Special
+
+
+def _scale_to(value):
+    return lambda s: setattr(s["cfg"], "scale", value)
+
+
+# program(state) -> the function to jit; change(state) -> what the user changes between calls; what the miss names
+IN_C: dict[str, tuple[Callable, Callable, str]] = {
+    "attrgetter": (lambda s: lambda x: x * GET_SCALE(s["cfg"]), _scale_to(3.0), "attribute scale"),
+    "attrgetter dotted": (lambda s: lambda x: x * GET_SHIFT(s["cfg"]), lambda s: setattr(s["cfg"].inner, "shift", 5.0),
+                          "attribute shift"),
+    "attrgetter of two": (lambda s: lambda x: x * sum(GET_BOTH(s["cfg"])),
+                          lambda s: setattr(s["cfg"].inner, "shift", 5.0), "attribute shift"),
+    "str.format field": (lambda s: lambda x: x * len("{0.scale}".format(s["cfg"])),  # noqa: UP030 (a numbered field)
+                         _scale_to(30.0), "attribute scale"),
+    "str.format numbered automatically": (lambda s: lambda x: x * len("{}:{.inner.shift}".format(1, s["cfg"])),
+                                          lambda s: setattr(s["cfg"].inner, "shift", 50.0), "attribute shift"),
+    "str.format nested in a spec": (lambda s: lambda x: x * len("{0:>{1.width}}".format("a", s["mapped"])),
+                                    lambda s: setattr(s["mapped"], "width", 5), "Mapped"),
+    "isinstance": (lambda s: lambda x: x * (2.0 if isinstance(s["cfg"], Special) else 1.0), _become_special,
+                   "the class of Config object"),
+    "type": (lambda s: lambda x: x * (2.0 if type(s["cfg"]) is Special else 1.0), _become_special,
+             "the class of Config object"),
+}
+
+
+@pytest.mark.parametrize("reader", IN_C)
+def test_what_c_code_the_program_calls_reads_is_guarded(reader):
+    program, change, named = IN_C[reader]
+    results = []
+    for run in (lambda fn: fn, fulmen.jit):
+        state = _state()
+        state["mapped"].width = 3
+        fn = run(program(state))
+        first, again = fn(X), fn(X)
+        change(state)
+        results.append((first, again, fn(X)))
+    (want_first, want_again, want_changed), (first, again, changed) = results
+    torch.testing.assert_close((first, again, changed), (want_first, want_again, want_changed))
+    assert not torch.equal(want_changed, want_first)  # the change matters
+    assert fulmen.cache_hits(fn) == 1 and fulmen.cache_misses(fn) == 2  # unchanged state: no retrace
+    assert named in fulmen.last_cache_miss_reasons(fn)[0]
 
 
 class Box:
