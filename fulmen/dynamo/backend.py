@@ -28,8 +28,9 @@ from torch import nn
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import Trace
+from fulmen.dynamo.func_regions import escaping_value_reason
 from fulmen.dynamo.hops import as_torch_calls, with_context_calls
-from fulmen.dynamo.splitter import CALLS, first_line, refused_nodes, refused_under_autocast, split, static_reason
+from fulmen.dynamo.splitter import CALLS, first_line, refused_nodes, refused_under_autocast, split, static_refusals
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import resolve
 from fulmen.jit.jitted import JittedModule
@@ -159,7 +160,7 @@ class _SplitProgram:
             return self.run(*args)
         graph, backend = self.record.graph, self.backend
         refusal = ""
-        if not any(static_reason(node) for node in graph.graph.nodes):
+        if not static_refusals(graph):
             whole = FulmenPiece(graph, backend.executors, backend.options, backend.fallback)
             try:
                 out = whole.jitted(*args)
@@ -169,9 +170,10 @@ class _SplitProgram:
                 self.run = self._keep("graph", graph, whole, []).runner
                 return out
         refused = refused_nodes(graph, args, backend.options.decompose, backend.executors)
-        # acquired, then refused by a later pass (autodiff, executors), or refused inside an autocast region: the
-        # graph falls back whole
-        whole_reason = refusal if not refused else refused_under_autocast(graph, refused)
+        # acquired, then refused by a later pass (autodiff, executors), refused inside an autocast region, or a value
+        # of a torch.func transform's level used after it: the graph falls back whole
+        whole_reason = (refusal if not refused else
+                        escaping_value_reason(graph) or refused_under_autocast(graph, refused))
         if whole_reason is not None:
             self.run = self._keep("graph", graph, FallbackPiece(graph, backend.fallback), [whole_reason]).runner
         else:

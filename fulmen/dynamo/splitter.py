@@ -19,6 +19,7 @@ from torch.fx.passes.split_module import split_module
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import TraceBuilder
+from fulmen.dynamo.func_regions import func_regions
 from fulmen.dynamo.hops import CONTEXT_CALLS, checkpoint_reason
 from fulmen.jit.acquire import DATA_DEPENDENT, Interpreter
 from fulmen.jit.frames import CallTap
@@ -51,6 +52,15 @@ def static_reason(node: torch.fx.Node) -> str | None:
     if node.op in ("call_function", "call_method") and target in DATA_DEPENDENT:
         return f"{_target_name(node)} reads tensor values"
     return None
+
+
+def static_refusals(module: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """The nodes of `module` fulmen refuses without trying them, each with its reason (a torch.func transform's
+    region whole, see fulmen.dynamo.func_regions)."""
+    reasons = func_regions(module)
+    reasons.update({node: reason for node in module.graph.nodes
+                    if node not in reasons and (reason := static_reason(node)) is not None})
+    return reasons
 
 
 def first_line(error: BaseException) -> str:
@@ -110,7 +120,7 @@ def refused_nodes(module: torch.fx.GraphModule, args: tuple, decompose: bool,
                   executors: tuple[Any, ...]) -> dict[torch.fx.Node, str]:
     """The nodes of `module` fulmen refuses for these inputs, each with its reason (acquired as the pieces will be:
     a symbol fulmen records may still fail in its decomposition)."""
-    reasons = {node: reason for node in module.graph.nodes if (reason := static_reason(node)) is not None}
+    reasons = static_refusals(module)
     builder = TraceBuilder(decompose=decompose)
     interpreter = Interpreter(builder)
     inputs = [builder.make_proxy(logical_meta(a), a.device, a.requires_grad) if isinstance(a, torch.Tensor) else a
@@ -151,7 +161,7 @@ def split(module: torch.fx.GraphModule, refused: dict[torch.fx.Node, str]) -> tu
             taken = ok
         assignment[node] = piece
         pieces.setdefault(f"submod_{piece}", [])
-        if not ok:
+        if not ok and refused[node] not in pieces[f"submod_{piece}"]:
             pieces[f"submod_{piece}"].append(refused[node])
     result = split_module(module, None, lambda node: assignment[node], keep_original_order=True)
     return result, pieces
