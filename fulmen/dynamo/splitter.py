@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.split_module import split_module
 
 from fulmen.core.errors import FulmenError
@@ -28,6 +29,7 @@ from fulmen.jit.replacements import call_table
 from fulmen.transforms.distribution import logical_meta
 
 CALLS = ("call_function", "call_method", "call_module")
+_UNKNOWN_SIZE = 2  # the probe's stand-in for a size only tensor values decide (0 and 1 would be special-cased)
 
 
 def _target_name(node: torch.fx.Node) -> str:
@@ -111,8 +113,11 @@ class _Probe(torch.fx.Interpreter):
 
 
 def _concrete(value: Any) -> Any:
+    """A size for the probe: a dynamic size's value at this call, or a guess for a size known only from tensor
+    values (nonzero's, under capture_dynamic_output_shape_ops). The guess only steers the probe; each piece fulmen
+    takes is traced on its real inputs, and one it then refuses falls back."""
     if isinstance(value, torch.SymInt):
-        return value.node.hint
+        return optimization_hint(value, fallback=_UNKNOWN_SIZE)
     return value
 
 
@@ -146,6 +151,18 @@ def refused_under_autocast(module: torch.fx.GraphModule, refused: dict[torch.fx.
     return None
 
 
+_SIZE_READS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+                         torch.ops.aten.sym_storage_offset.default})
+
+
+def _reads_size_made_in(node: torch.fx.Node, assignment: dict[torch.fx.Node, int], piece: int) -> bool:
+    """Whether `node` reads a size of a tensor the current piece makes. split_module binds a size known only from
+    values (nonzero's, under capture_dynamic_output_shape_ops) at its first read, and a piece using a tensor of that
+    size needs it bound in an earlier piece: a read left to the next piece made the pieces depend on each other."""
+    return (node.op == "call_function" and node.target in _SIZE_READS
+            and isinstance(node.args[0], torch.fx.Node) and assignment.get(node.args[0]) == piece)
+
+
 def split(module: torch.fx.GraphModule, refused: dict[torch.fx.Node, str]) -> tuple[torch.fx.GraphModule, dict]:
     """`module` as consecutive pieces (`submod_0`, `submod_1`, ...), each all taken or all refused by fulmen;
     returns it with, per piece name, the reasons of its refused nodes (an empty list for a piece fulmen takes)."""
@@ -153,6 +170,9 @@ def split(module: torch.fx.GraphModule, refused: dict[torch.fx.Node, str]) -> tu
     assignment: dict[torch.fx.Node, int] = {}
     for node in module.graph.nodes:
         if node.op in ("placeholder", "output"):
+            continue
+        if _reads_size_made_in(node, assignment, piece):
+            assignment[node] = piece
             continue
         ok = node not in refused
         if taken is not None and ok != taken and node.op in CALLS:

@@ -181,3 +181,34 @@ def test_inductor_compiles_refused_pieces_with_dynamic_shapes(dynamic):
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(got_grad, want_grad)
     assert [piece.by_fulmen for piece in backend.graphs[-1].pieces] == [True, False, True]
+
+
+def gather_positive(x, w):
+    idx = torch.nonzero(x > 0)[:, 0]  # captured under capture_dynamic_output_shape_ops: a size only values decide
+    picked = w[idx]
+    return (picked * torch.arange(picked.shape[0])).sum() + idx.shape[0], idx
+
+
+@pytest.mark.parametrize("fallback", ["eager", "inductor"])
+def test_sizes_known_only_from_values_are_bound_before_the_pieces_using_them(fallback):
+    # the probe's stand-in for nonzero's output had no size (TypeError), and split_module found a cycle between the
+    # pieces: the size was bound by a read in the piece after nonzero's, which used it
+    backend = fulmen.dynamo.backend(fallback=fallback)
+    compiled = torch.compile(gather_positive, backend=backend)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        _compare_gather_positive_over_three_sizes(compiled)
+    assert [(piece.by_fulmen, piece.reasons) for piece in backend.graphs[0].pieces] == [
+        (True, []), (False, ["torch.nonzero reads tensor values"]), (True, [])]
+
+
+def _compare_gather_positive_over_three_sizes(compiled):
+    for x in (torch.tensor([1.0, -1, 2, 3]), torch.tensor([-1.0, 2, -3, -4]), torch.tensor([1.0, 1, 1, 1])):
+        w = torch.randn(4)
+        grads = []
+        for fn in (gather_positive, compiled):
+            leaf = w.clone().requires_grad_()
+            out, idx = fn(x, leaf)
+            out.backward()
+            grads.append((out, idx, leaf.grad))
+        for got, want in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, want)
