@@ -436,6 +436,9 @@ class Interpreter(TorchFunctionMode):
         if index == ():  # `x[i] = v`: eager copies into the selected view
             self.functional.write(x, shape.copy(self.functional.resolve(x), self._values(value)))
             return
+        items = index if isinstance(index, tuple) else (index,)
+        if torch.is_grad_enabled() and not any(isinstance(item, torch.Tensor) for item in items):
+            self.functional.refuse_leaf_update(x, through_view=True)  # eager copies into a view, as above
         current = self.functional.resolve(x)
         new = shape.setitem(current, self._values(index), self._values(value))
         self.functional.write(x, new)
@@ -511,13 +514,12 @@ class Interpreter(TorchFunctionMode):
                                  "the jitted function (and pass what you need as an argument)", self.builder.source)
 
     def _requires_grad_(self, x: Any, requires_grad: bool = True) -> Any:
-        if self._requires_grad(x) != requires_grad:
-            now = "does not require" if requires_grad else "requires"
-            raise UnsupportedOpError(
-                f"fulmen cannot trace requires_grad_({requires_grad}) on a tensor that {now} grad: it would make "
-                "(or unmake) a leaf of autograd inside the program, which a trace cannot represent; do it outside "
-                "the jitted function", self.builder.source)
-        return x
+        if self._requires_grad(x) == requires_grad or self.autograd.set_requires_grad(x, requires_grad):
+            return x
+        raise UnsupportedOpError(
+            f"fulmen cannot trace requires_grad_({requires_grad}) on an input of the program (whose flag is the "
+            "caller's), a view or a tensor with views: it would make (or unmake) a leaf of autograd inside the "
+            "program, which a trace cannot represent; do it outside the jitted function", self.builder.source)
 
     def _retain_grad(self, x: torch.Tensor) -> None:
         """Eager keeps the grad of `x` after backward: the call does it on the tensor it returns for `x`, if any (one

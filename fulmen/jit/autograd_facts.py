@@ -7,6 +7,9 @@ that requires grad is not a leaf. What is left is an input that requires grad (a
 answer is the real tensor's, which can differ from call to call (an argument `a * 1` or a leaf), so the answer seen
 while tracing becomes a condition of the trace (`CacheEntry.facts`), checked only for traces that read it.
 
+`requires_grad_()` on a value the program computed makes it a leaf, as in eager (`impls.autograd_leaf`, whose grad
+goes no further); such a leaf cannot leave the program, nor be the only source of outputs that require grad.
+
 A grad_fn that exists in eager is never a node fulmen can give (the program's values have none while tracing, and an
 input's node is the node of one call): it stands as `TracedNode`, which answers `is None` and truth tests, and refuses
 anything else naming the user's line.
@@ -22,7 +25,9 @@ from fulmen.core import pytree
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, user_location
+from fulmen.core.trace import Trace
 from fulmen.jit.functionalize import Functionalizer
+from fulmen.ops import shape
 
 
 class TracedNode:
@@ -88,6 +93,8 @@ class AutogradFacts:
             with torch._C.DisableTorchFunction():
                 return x.is_leaf
         value = self._functional.resolve(x)
+        if self._functional.made_leaf(value) is not False:
+            return True
         if not self._functional.keeps_history(x, value):  # updated in place: the new value's history
             return not value.requires_grad
         known = self._inputs.get(id(x))
@@ -98,6 +105,40 @@ class AutogradFacts:
             leaf = tensor.is_leaf
         self.read[id(proxy), "is_leaf"] = (proxy, "is_leaf", leaf)
         return leaf
+
+    def set_requires_grad(self, x: torch.Tensor, requires_grad: bool) -> bool:
+        """`x.requires_grad_(requires_grad)` where the flag changes, as eager does it: a value the program computed
+        becomes a leaf of autograd that requires grad (Hugging Face's `enable_input_require_grads` hook does it to
+        frozen embeddings' output), and a leaf it made stops requiring grad. False, and nothing done, for an input
+        (the flag is the caller's), a view or a tensor with views (which keep the flag they had)."""
+        if type(x) is not TensorProxy or id(x) in self._inputs:
+            return False
+        if not requires_grad and not self.is_leaf(x):
+            raise RuntimeError("you can only change requires_grad flags of leaf variables. If you want to use a "
+                               "computed variable in a subgraph that doesn't require differentiation use "
+                               "var_no_grad = var.detach().")  # eager's
+        if self._functional.aliased(x):
+            return False
+        if not x.dtype.is_floating_point and not x.dtype.is_complex:
+            raise RuntimeError("only Tensors of floating point dtype can require gradients")  # eager's
+        self._functional.set_leaf(x, requires_grad)
+        return True
+
+    def refuse_returned_leaves(self, result: Any, values: list[TensorProxy]) -> None:
+        """A leaf the program made is refused where it leaves the program (returned, or stored in a module): eager's
+        leaf gets the whole grad in `.grad`, fulmen's output only the grad that reaches it directly (output_grads.py)
+        and is no leaf."""
+        made = self._functional.made_leaf
+        returned = next((v for v in values if made(v) is not False), None)
+        if returned is None:
+            return
+        where = pytree.find(result, lambda obj: type(obj) is TensorProxy
+                            and made(self._functional.resolve(obj)) is not False, "the output", modules=False)
+        raise TraceError(
+            f"the program returns a tensor it made a leaf of autograd with requires_grad_() ("
+            f"{where or 'stored in a module'}, shape {tuple(returned.shape)}): eager accumulates its grad in its "
+            ".grad, which a jitted call cannot give. Return a value computed from it, or make it require grad "
+            "outside the jitted function", made(returned))
 
     def is_inference(self, x: torch.Tensor) -> bool:
         root = self._functional.root(x) if type(x) is TensorProxy else x
@@ -126,3 +167,16 @@ def refuse_returned_nodes(result: Any) -> None:
         raise TraceError(f"the program returns the grad_fn of {node.tensor} ({where}): inside a jitted function a "
                          "tensor has no autograd node to give; return the tensor and read its grad_fn outside",
                          node.read_at)
+
+
+def refuse_leaf_without_grads(trace: Trace) -> None:
+    """Outputs that require grad where no input gets a grad: only a leaf the program made (requires_grad_()) gives
+    them that, and eager's outputs then require grad, where fulmen's call, with no input to differentiate, runs
+    outside autograd. Refused, naming the requires_grad_() line; nothing is done without such a leaf."""
+    leaf = next((b for b in trace.bound_symbols if b.sym is shape.autograd_leaf), None)
+    if leaf is not None:
+        raise TraceError(
+            "the program makes a leaf of autograd with requires_grad_() and returns tensors computed from it, which "
+            "require grad in eager, while no input (argument, parameter) gets a grad (all frozen?): fulmen runs such "
+            "a call outside autograd. Leave a parameter it uses trainable, or call requires_grad_() outside the "
+            "jitted function", leaf.source)

@@ -33,6 +33,7 @@ import torch
 from fulmen.core.errors import TraceError
 from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.trace import Trace
+from fulmen.jit.autograd_facts import refuse_leaf_without_grads
 from fulmen.jit.output_grads import check_watched, feeding_outputs, watch
 from fulmen.ops import prims
 from fulmen.transforms.autocast import without_autocast
@@ -87,6 +88,8 @@ class GradProgram:
         # inputs the backward gives no grad: detached, so that autograd does not walk into their histories
         grads = self.plan.assemble(self.plan.differentiable)[2]
         self.no_grad_inputs = tuple(i for i, grad in enumerate(grads) if grad is None and i not in dirty)
+        if len(self.no_grad_inputs) == len(grads) and any(self.plan.differentiable):
+            refuse_leaf_without_grads(self.plan.source)  # autograd.Function's outputs would not require grad
         updated_outputs = {d.output for d in self.dirty}
         self.feeding = tuple(
             f for f in feeding_outputs(self.plan.source, self.plan.differentiable) if f.output not in updated_outputs

@@ -69,6 +69,8 @@ class Functionalizer:
         self._kept: dict[int, tuple[TensorProxy, TensorProxy]] = {}  # keep_history's output -> (it, old value)
         self._written_at: dict[int, SourceLocation | None] = {}
         self._bumped: set[int] = set()  # objects whose version counter eager bumps (writes not only through .data)
+        # a leaf of autograd the program made (requires_grad_()) -> (it, that call's line)
+        self._leaves: dict[int, tuple[TensorProxy, SourceLocation | None]] = {}
 
     def resolve(self, obj: TensorProxy) -> TensorProxy:
         """The value `obj` holds now."""
@@ -124,7 +126,12 @@ class Functionalizer:
         if hidden:
             self._refuse_hidden_write_after_read(obj)
         if unseen or not torch.is_grad_enabled():  # an update autograd does not see
-            value = self._keep_history(self.resolve(obj), value)
+            old = self.resolve(obj)
+            value = self._keep_history(old, value)
+            if id(old) in self._leaves:  # a leaf stays one
+                self._leaves[id(value)] = (value, self._leaves[id(old)][1])
+        else:
+            self.refuse_leaf_update(obj)
         self._alive.append(obj)
         self._current[key] = value
         self._versions[key] = self._versions.get(key, 0) + 1
@@ -215,6 +222,46 @@ class Functionalizer:
             steps.append(info)
             key = id(info.base)
         return roots[key], steps[::-1]
+
+    def aliased(self, obj: TensorProxy) -> bool:
+        """Whether `obj` is a view (or detached alias) of another object, or another object is one of it."""
+        return id(obj) in self._views or any(info.base is obj for info in self._views.values())
+
+    def set_leaf(self, obj: TensorProxy, requires_grad: bool) -> None:
+        """`obj.requires_grad_(requires_grad)` on a value the program computed, neither a view nor viewed: it holds
+        its data as a leaf of autograd that requires grad (`impls.autograd_leaf`), or detached again. Not an update:
+        no version bump, nothing written back."""
+        value = self.resolve(obj)
+        if requires_grad:
+            value = shape.autograd_leaf(value)
+            self._leaves[id(value)] = (value, self._source())
+        else:
+            value = SYMBOLS["torch.detach"](value)
+        self._alive.append(obj)
+        self._current[id(obj)] = value
+
+    def made_leaf(self, value: TensorProxy) -> SourceLocation | None | bool:
+        """The line of the `requires_grad_()` that made `value` a leaf of autograd; False when none did."""
+        found = self._leaves.get(id(value))
+        return False if found is None else found[1]
+
+    def leaf_lines(self) -> list[SourceLocation | None]:
+        """The lines of the `requires_grad_()` calls that made leaves, first made first."""
+        return [line for _, line in self._leaves.values()]
+
+    def refuse_leaf_update(self, obj: TensorProxy, through_view: bool = False) -> None:
+        """Eager's errors for an update autograd sees of a leaf that requires grad the program made, or of a view of
+        one (an input's is refused when the program runs); `through_view`: eager writes into a view of `obj`
+        (`obj[1:] = v`)."""
+        if id(self.resolve(obj)) in self._leaves:
+            raise RuntimeError(f"a {'view of a ' if through_view else ''}leaf Variable that requires grad is being "
+                               "used in an in-place operation.")
+        info = self._views.get(id(obj))
+        while info is not None and not info.detached:
+            if id(self.resolve(info.base)) in self._leaves:
+                raise RuntimeError("a view of a leaf Variable that requires grad is being used in an in-place "
+                                   "operation.")
+            info = self._views.get(id(info.base))
 
     def was_written(self, obj: TensorProxy) -> bool:
         return self._versions.get(id(obj), 0) > 0

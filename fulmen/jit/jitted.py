@@ -23,7 +23,7 @@ from fulmen.executors import base as executor_base
 from fulmen.executors.base import Executor
 from fulmen.jit.acquire import Interpreter, current_interpreter
 from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
-from fulmen.jit.autograd_facts import refuse_returned_nodes
+from fulmen.jit.autograd_facts import refuse_leaf_without_grads, refuse_returned_nodes
 from fulmen.jit.bridge import UpdatedInput, apply
 from fulmen.jit.cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.compiling import seen_as_compiling
@@ -375,6 +375,7 @@ class JittedFunction:
                 proxies + module_proxies + interpreter.captured_inputs() + storage, pytree.identified(spec),
                 real.found)
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
+        interpreter.autograd.refuse_returned_leaves(result, values)
         position = {id(p): i for i, p in enumerate(inputs)}
         values += [value for _, value in dirty]
         registrations = (*(tree.registrations() if tree is not None else ()), *(r.registration() for r in real.found))
@@ -474,6 +475,9 @@ class JittedFunction:
             if not torch.is_grad_enabled():  # the program enables grad inside (torch.enable_grad())
                 fn = _with_grad_mode(fn, True)
         else:
+            if torch.is_grad_enabled() and any(type(out) is TensorProxy and out.requires_grad
+                                               for out in traces[-1].output):
+                refuse_leaf_without_grads(traces[-1])
             traces.extend(self.pipeline.computation(traces[-1], distributed, graphs))
             fn = traces[-1].python_callable()
             if torch.is_grad_enabled() and any(p.requires_grad for p in traces[-1].inputs):

@@ -77,6 +77,12 @@ def keep_history(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return new
 
 
+def autograd_leaf(x: torch.Tensor) -> torch.Tensor:
+    """`x` after `x.requires_grad_()` inside the program, where x is a value the program computed that requires no
+    grad: eager makes it a leaf of autograd, so what is computed from it requires grad and its grad stops there."""
+    return x
+
+
 def batch_norm_update(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
                       weight: torch.Tensor | None, bias: torch.Tensor | None, momentum: float | None,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -281,6 +281,8 @@ fill = impl_symbol(impls.fill)
 view_scatter = impl_symbol(impls.view_scatter)
 keep_history = impl_symbol(impls.keep_history, meta=lambda builder, old, new: builder.make_proxy(
     torch.empty_strided(new.shape, new.stride(), dtype=new.dtype, device="meta"), new.device, old.requires_grad))
+autograd_leaf = impl_symbol(impls.autograd_leaf, meta=lambda builder, x: builder.make_proxy(
+    torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), x.device, True))
 
 
 def to_decomposition(x, device=None, dtype=None, non_blocking=False, copy=False,

@@ -289,6 +289,11 @@ def keep_history_grad(old, new):
     return y
 
 
+@register_grad(shape.autograd_leaf)
+def autograd_leaf_grad(x):
+    return shape.autograd_leaf(x)  # a leaf: the grad that reaches it goes no further (x requires none)
+
+
 @register_grad(torch.Tensor.__getitem__)
 def getitem_grad(x, index):
     if not _basic(index):

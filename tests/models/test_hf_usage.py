@@ -1,7 +1,8 @@
 """Hugging Face usage patterns beyond a plain training step (test_hf.py), each against eager on the same inputs.
 
-Tiny Llama (and BERT) from tests/models/hf_configs.py; the outputs compared are all the tensors the model returns,
-the loss and every parameter gradient.
+Tiny Llama, GPT-2 and BERT from tests/models/hf_configs.py; the outputs compared are all the tensors the model returns,
+the loss and every parameter gradient. Finetuning setups: dropout in train mode, frozen weights with gradient
+checkpointing (transformers then makes the embeddings' output a leaf of autograd inside the forward).
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def _assert_same_outputs(got, want) -> None:
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
+def _assert_same_grads(model: torch.nn.Module, eager: torch.nn.Module) -> None:
+    for (name, mine), (_, theirs) in zip(model.named_parameters(), eager.named_parameters()):
+        assert (mine.grad is None) == (theirs.grad is None), f"{name}: grad {mine.grad}, eager's {theirs.grad}"
+        if theirs.grad is not None:
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_hidden_states_and_attentions_with_a_padding_mask(attn):
     """transformers installs its output-capturing hooks inside the first forward that asks for them. With a padding
@@ -56,8 +64,7 @@ def test_hidden_states_and_attentions_with_a_padding_mask(attn):
         _assert_same_outputs(got, want)
         got.loss.backward()
         want.loss.backward()
-        for (name, mine), (_, theirs) in zip(model.named_parameters(), eager.named_parameters()):
-            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        _assert_same_grads(model, eager)
     assert [len(layer._forward_hooks) for layer in model.model.layers] == [
         len(layer._forward_hooks) for layer in eager.model.layers
     ]
@@ -89,5 +96,58 @@ def test_training_with_dropout_matches_eager_on_the_same_seed(family, class_name
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         got.backward()
         want.backward()
-        for (name, mine), (_, theirs) in zip(model.named_parameters(), eager.named_parameters()):
-            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        _assert_same_grads(model, eager)
+
+
+def _frozen_but_attention(model: torch.nn.Module, reentrant: bool) -> torch.nn.Module:
+    """As a LoRA finetune leaves it: the embeddings and most weights frozen, gradient checkpointing on. transformers'
+    `gradient_checkpointing_enable()` then hooks the input embeddings to call `output.requires_grad_(True)`."""
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(any(part in name for part in ("q_proj", "c_attn")))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model
+
+
+@pytest.mark.parametrize(("family", "class_name", "reentrant"), [
+    ("llama", "LlamaForCausalLM", True),
+    ("gpt2", "GPT2LMHeadModel", False),  # dropout on: checkpointing replays the masks
+], ids=["llama-reentrant", "gpt2"])
+def test_frozen_embeddings_with_gradient_checkpointing_train_as_eager(family, class_name, reentrant):
+    """Frozen embeddings make `requires_grad_(True)` a leaf of autograd on their output (which fulmen refused, so no
+    LoRA-style finetune with gradient checkpointing ran); the trainable weights get eager's grads, the second call
+    hits the cache and an evaluation under no_grad gives eager's logits."""
+    eager = _frozen_but_attention(_build(family, class_name).train(), reentrant)
+    model = copy.deepcopy(eager)
+    jitted = fulmen.jit(model)
+    inputs = batch(padded=True)
+    for seed in range(2):
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        want = eager(**inputs).loss
+        torch.manual_seed(seed)
+        got = jitted(**inputs).loss
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        got.backward()
+        want.backward()  # reentrant checkpointing supports no torch.autograd.grad
+        _assert_same_grads(model, eager)
+    assert fulmen.cache_hits(jitted) == 1
+    eager.eval()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(**inputs).logits, eager(**inputs).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_embeddings_refusals_name_the_output_and_the_line():
+    """With gradient checkpointing and frozen embeddings, eager's `hidden_states[0]` is the leaf the hook made (its
+    .grad filled by backward), and with every weight frozen eager's loss still requires grad: refused, naming the
+    output and transformers' requires_grad_ line."""
+    model = _frozen_but_attention(_build("llama", "LlamaForCausalLM").train(), reentrant=False)
+    with pytest.raises(fulmen.TraceError, match=r"the output\['hidden_states'\]\[0\], shape \(2, 8, 32\)") as error:
+        fulmen.jit(model)(**batch(padded=False), output_hidden_states=True)
+    assert error.value.location.line == "output.requires_grad_(True)"
+    model.requires_grad_(False)
+    assert model(**batch(padded=False)).loss.requires_grad  # eager
+    with pytest.raises(fulmen.TraceError, match="no input .* gets a grad") as error:
+        fulmen.jit(model)(**batch(padded=False))
+    assert error.value.location.line == "output.requires_grad_(True)"
