@@ -77,6 +77,14 @@ DATA_DEPENDENT: frozenset = frozenset(
 )
 
 
+def _is_basic_index(index: Any) -> bool:
+    """Whether eager's `x[index] = v` copies into the view `x[index]` (ints, slices, None and an Ellipsis among
+    them), so x's grad_fn becomes CopySlices; an index of tensors or lists (or `x[...]` alone) writes x itself."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(item is not Ellipsis for item in items) and all(
+        item is None or item is Ellipsis or isinstance(item, slice) or type(item) is int for item in items)
+
+
 def _is_tensor_scalar(item: Any) -> bool:
     """A 0-dim integer tensor, which eager's indexing reads as a Python int (not a mask: bool and uint8 are)."""
     return (isinstance(item, torch.Tensor) and item.dim() == 0 and item.dtype not in (torch.bool, torch.uint8)
@@ -441,7 +449,7 @@ class Interpreter(TorchFunctionMode):
             self.functional.refuse_leaf_update(x, through_view=True)  # eager copies into a view, as above
         current = self.functional.resolve(x)
         new = shape.setitem(current, self._values(index), self._values(value))
-        self.functional.write(x, new)
+        self.functional.write(x, new, through_view=_is_basic_index(index))
 
     def _is_all_true(self, valid: Any) -> bool:
         """torch.distributions' validation: true now, checked when the trace runs (validation.py)."""

@@ -8,7 +8,12 @@ finds them all. Their version counters are checked as eager's would be; an input
 updates in place with a value that has a history other than its own (`buf[1:] = w * 2`; `y.mul_(w)` on a `y` that
 requires grad) is returned as that value's output and marked dirty: autograd gives it the history eager's in-place
 update gives it, and the grad the backward computes for the input goes to its old history (an input that requires
-grad must not be a leaf: eager refuses that update too, and so does fulmen, naming the update's line). A backward
+grad must not be a leaf: eager refuses that update too, and so does fulmen, naming the update's line). An input that
+is a view of another tensor, or that the program last updated through a view of it (`x[1:] = w`), gets that history
+from a Function of its own that returns the view alone (`_UpdatedView`), the only kind autograd rebases a view for:
+the base's grad_fn becomes CopySlices and the view's a view of it, as in eager, so later uses of either differentiate
+back into the program (a view eager refuses to update so, of a leaf or made under no_grad or by unbind, is refused
+before anything is written). The input's version counter ends bumped once per update, as eager's. A backward
 that reads such an input's old value reads a copy the forward takes before the update, as eager's in-place ops save
 their `original_self`; an earlier autograd graph that saved the input still fails on its version counter. Within the
 program, a read of the old value before the update also gets the copy (eager would refuse the backward if that read
@@ -51,6 +56,7 @@ class UpdatedInput:
     output: int
     input: int
     where: SourceLocation | None  # the update's line
+    through_view: bool = False  # the last update was of a view of the input: eager's grad_fn is CopySlices
 
 
 Finalize = Callable[[Trace, GradSync], list[Trace]]  # the passes from a backward trace to the one that runs
@@ -78,7 +84,7 @@ class GradProgram:
         # (saved position, input position) of the inputs the forward saves, then updates in place
         position = {p.pname: i for i, p in enumerate(self.plan.source.inputs)}
         updated = {b.args[1].pname for b in self.plan.forward.bound_symbols
-                   if b.sym is prims.copy_ and b.kwargs.get("bump_version", True)}
+                   if b.sym is prims.copy_ and b.kwargs.get("bumps", 1)}
         saved_inputs = [(k, position[p.pname]) for k, p in enumerate(self.plan.saved) if p.pname in updated]
         # those with a new history: the backward reads a copy of their old value (eager's original_self), not stale
         dirty = {d.input for d in self.dirty}
@@ -159,7 +165,42 @@ def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ..
         for i in program.no_grad_inputs:
             if inputs[i].requires_grad:
                 inputs[i] = inputs[i].detach()
-    return FulmenFunction.apply(program, *inputs)
+    outputs = FulmenFunction.apply(program, *inputs)
+    if not program.dirty:
+        return outputs
+    outputs = list(outputs)
+    for updated in _rebased(program, inputs):
+        tensor = inputs[updated.input]
+        # a view of the input itself: its base (the input) gets the CopySlices node eager's update through a view gives
+        view = tensor if tensor._is_view() else tensor[...]
+        outputs[updated.output] = _UpdatedView.apply(view, outputs[updated.output])
+    # marking a tensor dirty bumps its version counter once more than the updates the forward made (eager's count)
+    dirty = [inputs[updated.input] for updated in program.dirty]
+    torch._C._autograd._unsafe_set_version_counter(dirty, [t._version - 1 for t in dirty])
+    return tuple(outputs)
+
+
+def _rebased(program: GradProgram, inputs: Sequence[torch.Tensor]) -> list[UpdatedInput]:
+    """The updated inputs that get their history through a view (`_UpdatedView`), not from `FulmenFunction`."""
+    return [updated for updated in program.dirty if updated.through_view or inputs[updated.input]._is_view()]
+
+
+class _UpdatedView(torch.autograd.Function):
+    """Gives `view`, which the forward updated in place with `value`, `value`'s history, as eager's update gives it.
+
+    A Function that updates a view in place may return that view alone (autograd then makes its base's grad_fn a
+    CopySlices over the Function), so the view's update is this Function of its own, after `FulmenFunction`: the
+    grad of the view's new value goes to `value`, whose grad (from `FulmenFunction`) covers the view's old value, so
+    the view's old value itself gets none from here."""
+
+    @staticmethod
+    def forward(ctx, view: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.mark_dirty(view)
+        return view
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return torch.zeros_like(grad), grad
 
 
 def _run_without_history(program: GradProgram, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -319,12 +360,8 @@ def _run_updating_inputs(ctx, program: GradProgram, forward_fn: Callable[..., tu
                 f"fulmen cannot differentiate an in-place update of {name}, a leaf tensor that requires grad (eager "
                 "refuses it too: a leaf Variable that requires grad is used in an in-place operation); update a "
                 "clone, or update it under torch.no_grad() or through .detach()", updated.where)
-        # autograd cannot give a view a Function updates in place the history eager's update gives it and its base
         if tensor._is_view():
-            raise TraceError(
-                f"the program updates its input {name}, here a view of another tensor, in place with a value that has "
-                "an autograd history; fulmen cannot give the view and its base that autograd history: pass a tensor "
-                "that is not a view (x.clone())", updated.where)
+            _refuse_view_update(tensor, name, updated.where)
     before = [inputs[i]._version for _, i in program.stale]
     originals = [inputs[i].clone() for _, i in program.originals]
     results = forward_fn(*inputs)
@@ -332,11 +369,31 @@ def _run_updating_inputs(ctx, program: GradProgram, forward_fn: Callable[..., tu
     outputs, saved = list(results[: program.n_outputs]), list(results[program.n_outputs :])
     for (k, _), original in zip(program.originals, originals):
         saved[k] = original
-    for updated in program.dirty:
+    rebased = _rebased(program, inputs)
+    marked = [updated for updated in program.dirty if updated not in rebased]
+    for updated in marked:
         outputs[updated.output] = inputs[updated.input]
-    if program.dirty:
-        ctx.mark_dirty(*(inputs[updated.input] for updated in program.dirty))
+    if marked:
+        ctx.mark_dirty(*(inputs[updated.input] for updated in marked))
     return outputs, saved
+
+
+def _refuse_view_update(tensor: torch.Tensor, name: str, where: SourceLocation | None) -> None:
+    """An update with a history of a view eager refuses to update so (`_UpdatedView` would fail too, after the
+    forward wrote it): refused before the forward runs, as eager refuses before writing."""
+    meta = torch._C._autograd._get_creation_meta(tensor)
+    if tensor._base.requires_grad and tensor._base.is_leaf:
+        why = ("a view of a leaf tensor that requires grad (eager: a view of a leaf Variable that requires grad is "
+               "being used in an in-place operation)")
+    elif meta != torch._C._autograd.CreationMeta.DEFAULT:
+        how = {"NO_GRAD_MODE": "made under torch.no_grad()", "INFERENCE_MODE": "made under torch.inference_mode()",
+               "MULTI_OUTPUT_NODE": "one of several views one op returns (unbind, split, chunk)"}.get(meta.name,
+                                                                                              meta.name)
+        why = f"a view {how}, which eager refuses to update in place with a value that requires grad"
+    else:
+        return
+    raise TraceError(f"fulmen cannot differentiate an in-place update of {name}, {why}; update a clone, or update it "
+                     "under torch.no_grad()", where)
 
 
 def _check_stale(program: GradProgram, present: tuple[bool, ...], versions: list[tuple[int, int]]) -> None:

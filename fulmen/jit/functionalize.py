@@ -11,7 +11,9 @@ memory but not autograd history) changes a tensor's value but not its history: t
 `impls.keep_history(old, new)`, whose grad goes to the old value, so a parameter clamped through `.data` still
 gets its grads. Any other update of an input that requires grad, or one giving an input a value that requires
 grad, changes the input's history as eager's does: `write_back` returns those inputs for the caller to give them
-their new values' history (the bridge marks them dirty).
+their new values' history (the bridge marks them dirty), and notes whether the last such update was through a view
+(eager's grad_fn is then CopySlices). Each update bumps the version counter of what it writes (shared by a view and its
+base, not by `.data`), and the write-back bumps an input's as many times.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class Functionalizer:
         self._alive: list[TensorProxy] = []  # keeps ids unique while they are dictionary keys
         self._kept: dict[int, tuple[TensorProxy, TensorProxy]] = {}  # keep_history's output -> (it, old value)
         self._written_at: dict[int, SourceLocation | None] = {}
-        self._bumped: set[int] = set()  # objects whose version counter eager bumps (writes not only through .data)
+        self._bumps: dict[int, int] = {}  # how many times eager bumps an object's version counter (not via .data)
+        self._through_view: dict[int, bool] = {}  # whether the last update autograd saw was through a view of it
         # a leaf of autograd the program made (requires_grad_()) -> (it, that call's line)
         self._leaves: dict[int, tuple[TensorProxy, SourceLocation | None]] = {}
 
@@ -117,11 +120,12 @@ class Functionalizer:
         self._views[id(out)] = ViewInfo(base_obj, detach, (), {}, None, self.resolve(base_obj), True,
                                         data)
 
-    def write(self, obj: TensorProxy, value: TensorProxy, hidden: bool = False, unseen: bool = False) -> None:
+    def write(self, obj: TensorProxy, value: TensorProxy, hidden: bool = False, unseen: bool = False,
+              through_view: bool = False) -> None:
         """`obj` now holds `value`; views propagate the update into their bases (`hidden`: through `.data`;
         `unseen`: through a detached alias, which autograd does not see at any level above it either: an update of
         `x[None].detach()` leaves x's history alone, where x's new value had the update's and x was refused as a
-        leaf that requires grad)."""
+        leaf that requires grad; `through_view`: the update was of a view of `obj`)."""
         key = id(obj)
         if hidden:
             self._refuse_hidden_write_after_read(obj)
@@ -132,12 +136,13 @@ class Functionalizer:
                 self._leaves[id(value)] = (value, self._leaves[id(old)][1])
         else:
             self.refuse_leaf_update(obj)
+            self._through_view[key] = through_view  # eager's grad_fn of a tensor updated through a view: CopySlices
         self._alive.append(obj)
         self._current[key] = value
         self._versions[key] = self._versions.get(key, 0) + 1
         self._written_at[key] = self._source()
-        if not hidden:
-            self._bumped.add(key)
+        if not hidden:  # each update bumps the counter a view shares with its base, .data has its own
+            self._bumps[key] = self._bumps.get(key, 0) + 1
         info = self._views.get(key)
         if info is not None:
             if not info.detached and may_overlap(obj.meta):
@@ -151,7 +156,7 @@ class Functionalizer:
                 new_base = self._keep_history(base_value, value, tangent=True)
             else:
                 new_base = shape.view_scatter(base_value, value, info.sym.impl, info.args, info.kwargs, info.index)
-            self.write(info.base, new_base, hidden or info.hidden, unseen or info.detached)
+            self.write(info.base, new_base, hidden or info.hidden, unseen or info.detached, through_view=True)
             info.base_value = self.resolve(info.base)
             if not info.detached or not value.requires_grad:
                 # the view is a view of its base's new value, as eager's shares the base's memory (with the base's
@@ -270,12 +275,18 @@ class Functionalizer:
         """The line of the last update of `obj`."""
         return self._written_at.get(id(obj))
 
+    def written_through_view(self, obj: TensorProxy) -> bool:
+        """Whether the last update of `obj` that autograd saw was through a view of it (eager's grad_fn is then
+        CopySlices)."""
+        return self._through_view.get(id(obj), False)
+
     def write_back(self, inputs: list[TensorProxy]) -> list[tuple[TensorProxy, TensorProxy]]:
         """Records the copies of changed inputs' final values into the inputs themselves. Returns the inputs that
         now hold a value with an autograd history other than their own (`buf[1:] = w * 2`, `y.mul_(w)` on an input
         `y` that requires grad), with that value: eager's in-place update gives the input that history, which the
         caller must too (a leaf that requires grad, which eager refuses, is refused when the program runs: whether
-        an input is a leaf is not known here). The copy itself writes the value alone."""
+        an input is a leaf is not known here). The copy itself writes the value alone, and leaves the input's
+        version counter bumped as many times as eager's updates bump it."""
         dirty = []
         for obj in inputs:
             if not self.was_written(obj):
@@ -288,8 +299,5 @@ class Functionalizer:
                     dirty.append((obj, value))
                 if value.requires_grad:
                     value = SYMBOLS["torch.detach"](value)  # the history goes to the input through `dirty`
-            if id(obj) in self._bumped:
-                prims.copy_(value, obj)
-            else:
-                prims.copy_(value, obj, bump_version=False)
+            prims.copy_(value, obj, bumps=self._bumps.get(id(obj), 0))
         return dirty

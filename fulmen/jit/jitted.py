@@ -461,7 +461,8 @@ class JittedFunction:
         if _needs_grad(traces[-1]):
             first_dirty = len(values) - len(acquisition.dirty)
             where = interpreter.functional.written_at
-            dirty = tuple(UpdatedInput(first_dirty + k, i, where(acquisition.inputs[i]))
+            dirty = tuple(UpdatedInput(first_dirty + k, i, where(acquisition.inputs[i]),
+                                       interpreter.functional.written_through_view(acquisition.inputs[i]))
                           for k, i in enumerate(acquisition.dirty))
             # grad rules record as the program's own calls did; inference mode (a call under torch.inference_mode()
             # that enables grad) would have them record no history, leaving the backward without grads

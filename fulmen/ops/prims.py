@@ -110,9 +110,17 @@ uniform = _prim(
     Tag.RANDOM,
 )
 
-def _copy_impl(src: torch.Tensor, dst: torch.Tensor, bump_version: bool = True) -> torch.Tensor:
-    # bump_version=False: the updates were made through `.data`, which eager keeps off the version counter
-    (dst if bump_version else dst.data).copy_(src)
+def _copy_impl(src: torch.Tensor, dst: torch.Tensor, bumps: int = 1) -> torch.Tensor:
+    # `bumps`: how many times the program's updates bump dst's version counter in eager, one per update (0: all were
+    # made through `.data`, which eager keeps off the version counter)
+    if bumps == 0:
+        dst.data.copy_(src)
+    elif bumps == 1 or dst.is_inference():  # an inference tensor has no version counter
+        dst.copy_(src)
+    else:
+        version = dst._version
+        dst.copy_(src)
+        torch._C._autograd._unsafe_set_version_counter((dst,), (version + bumps,))
     return dst
 
 

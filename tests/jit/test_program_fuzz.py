@@ -8,8 +8,9 @@ outputs (views of inputs, the same tensor twice). Every statement is kept only w
 when eager also runs its backward and second call, so each program is a valid eager program. Each is then called
 twice (a trace, then a cache hit on new values, which must not trace again) under fulmen.jit and eagerly on equal,
 independent inputs, and compared: output values, dtypes, shapes, strides, requires_grad, which outputs are an input
-or share an input's memory or each other's, the inputs after the call (in-place updates), and the grads of the
-inputs (the outputs times seeded cotangents, backward). A FulmenError is a refusal, counted by kind; anything else
+or share an input's memory or each other's, the inputs after the call (in-place updates; requires_grad, is_leaf,
+grad_fn's kind and version counter of each and of the tensor it is a view of), and the grads of the inputs (the
+outputs, the inputs and their bases times seeded cotangents, backward: an update gives an input eager's history). A FulmenError is a refusal, counted by kind; anything else
 that differs is a mismatch, reported with the seed and the program's source. Replay one and shrink it with
 `python -m tests.jit.test_program_fuzz SEED [torchcompile]`, run a range with
 `python -m tests.jit.test_program_fuzz 0:1000 [torchcompile]`.
@@ -69,13 +70,32 @@ def observe(fn: Callable[..., tuple], specs: Sequence[InputSpec], seed: int) -> 
     layouts = [(tuple(o.shape), _strides(o), o.storage_offset() if any(_same_memory(o, a) for a in args) else None,
                 o.dtype, o.requires_grad) for o in outs]
     values = [o.detach().clone() for o in outs]
+    states = [_autograd_state(a) for a in args]
     generator = torch.Generator().manual_seed(seed + 7)
-    differentiable = [o for o in outs if o.requires_grad]
+    # the outputs, then the inputs and the tensors they are views of: an update gives them the history eager's does
+    held = [*outs, *(t for a in args for t in (a, a._base) if t is not None)]
+    differentiable = [t for t in held if t.requires_grad]
     if differentiable:
-        sum((o * torch.randn(o.shape, generator=generator, dtype=o.dtype)).sum() for o in differentiable).backward()
+        sum((t * torch.randn(t.shape, generator=generator, dtype=t.dtype)).sum() for t in differentiable).backward()
     observed = Observed(values, relations, [a.detach().clone() for a in args], [t.grad for t in leaves])
     observed.relations.extend(("layout", i, *layout) for i, layout in enumerate(layouts))
+    observed.relations.extend(("input state", i, *state) for i, state in enumerate(states))
     return observed
+
+
+def _grad_fn_kind(t: torch.Tensor) -> str:
+    """The kind of `t`'s grad_fn where fulmen can be eager's: none, a leaf's or CopySlices (the base of an updated
+    view), or another kind of node (eager's op, fulmen's one function)."""
+    name = type(t.grad_fn).__name__
+    return name if t.grad_fn is None or name == "CopySlices" else "an op's"
+
+
+def _autograd_state(t: torch.Tensor) -> tuple:
+    """What the call left on an input and on the tensor it is a view of: requires_grad, is_leaf, grad_fn's kind, and
+    the version counter (which a view shares with its base)."""
+    base = t._base
+    return (t.requires_grad, t.is_leaf, _grad_fn_kind(t), t._version,
+            None if base is None else (base.requires_grad, base.is_leaf, _grad_fn_kind(base)))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, mixed: bool) -> bool:
@@ -105,6 +125,9 @@ def differences(got: Observed, want: Observed) -> list[str]:
     for g, w in zip(got.relations, want.relations):
         if g != w and w[0] == "layout":
             found.append(f"output {w[1]}: shape, strides, storage offset, dtype, requires_grad {g[2:]}, eager {w[2:]}")
+        elif g != w and w[0] == "input state":
+            found.append(f"input {w[1]} after the call: requires_grad, is_leaf, grad_fn, version, its base's "
+                         f"requires_grad, is_leaf, grad_fn {g[2:]}, eager {w[2:]}")
         elif g != w:
             found.append(f"{w[0]} {w[1]} vs {w[2]} {w[3]} (is it, shares its memory): {g[4:]}, eager {w[4:]}")
     return found
@@ -285,6 +308,20 @@ FINDINGS = {
     # the updated detached alias held the value written into it, no longer t's memory
     "a detached alias updated in place shares its base's memory": Program(
         20, (_spec("b", (3, 4)),), ("t = b.cos()", "u = t.detach()", "u.masked_fill_(t < 0, -1.0)"), ("u", "t")),
+    # an input that is a view of another tensor, updated with a value that has a history, was refused: eager gives the
+    # view and its base (CopySlices) that history, and later uses of either differentiate back to b
+    "a view input given a history": Program(
+        21, (_spec("a", (3, 4), "transposed"), _spec("b", (3, 4), grad="leaf")), ("a.mul_(b)",), ("a",)),
+    "a view of an input with a history updated through a view": Program(
+        22, (_spec("a", (2, 3, 4), "sliced", grad="history"), _spec("c", (), grad="leaf")),
+        ("a[0].mul_(c)", "t = a.sum()"), ("t",)),
+    # eager's grad_fn of an input updated through a view of it (`d[2] = v` copies into d[2]) is CopySlices, not the
+    # jitted function's node; its version counter was bumped twice, by the write and by marking it dirty
+    "an input updated through an index": Program(23, (_spec("d", (3, 4), grad="history"),), ("d[2] = 1.5",), ("d",)),
+    # the version counter was bumped once for all the updates, where eager bumps it once for each
+    "each update bumps the version counter": Program(
+        24, (_spec("b", (2, 3, 4)),),
+        ("b.copy_(b)", "b[1] = 1.5", "with torch.no_grad(): b.add_(b)", "b.masked_fill_(b > 0, 0.25)"), ("b",)),
 }
 
 
