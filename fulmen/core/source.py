@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import linecache
 import os
+import re
 import sys
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -51,13 +53,42 @@ def user_location(skip: int = 1) -> SourceLocation | None:
 
 
 def frame_location(frame: FrameType | None) -> SourceLocation | None:
-    """`frame` or the innermost frame it was called from that is outside fulmen and torch, or None."""
+    """`frame` or the innermost frame it was called from that is outside fulmen and torch, or None. A line of a
+    graph Dynamo captured (torch.compile with the fulmen.dynamo backend) is the user's line its node came from."""
     while frame is not None:
         code = frame.f_code
         if not _is_library(code.co_filename):
+            if code.co_filename.startswith(_FX_CODE) and (location := _graph_node_location(frame)) is not None:
+                return location
             return SourceLocation(code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
     return None
+
+
+_FX_CODE = "<eval_with_key>"  # the file name torch.fx gives a GraphModule's generated code
+_TRACEBACK_ENTRY = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _graph_node_location(frame: FrameType) -> SourceLocation | None:
+    """The innermost user frame of the stack trace Dynamo kept for the node a GraphModule's line runs, or None."""
+    module = frame.f_locals.get("self")
+    lines = getattr(module, "_lineno_map", None)
+    if not isinstance(module, torch.fx.GraphModule) or not lines:
+        return None
+    index = lines.get(frame.f_lineno - getattr(module, "_prologue_start", 0))
+    if index is None:
+        return None
+    node = next(itertools.islice(module.graph.nodes, index, None), None)
+    return stack_trace_location(node.meta.get("stack_trace")) if node is not None else None
+
+
+def stack_trace_location(stack: str | None) -> SourceLocation | None:
+    """The innermost user frame of a stack trace torch kept as text (an FX node's `stack_trace`), or None."""
+    entries = [entry for entry in _TRACEBACK_ENTRY.findall(stack or "") if not _is_library(entry[0])]
+    if not entries:
+        return None
+    filename, lineno, function = entries[-1]
+    return SourceLocation(filename, int(lineno), function)
 
 
 # torch's dispatch plumbing between a library's line and fulmen's handler; never the line that does the reading

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.trace import Trace
@@ -130,7 +131,11 @@ class FulmenPiece(nn.Module):
                  fallback: Fallback) -> None:
         super().__init__()
         self.module = module
-        self.jitted = JittedModule(with_context_calls(module), options, executors)
+        runnable = with_context_calls(module)
+        # Dynamo's graphs generate their code on their first call; until then forward is `_lazy_forward(*args)`, and
+        # fulmen named the graph's inputs args_0, args_1, ... in traces and errors instead of Dynamo's names for them
+        _LazyGraphModule.force_recompile(runnable)
+        self.jitted = JittedModule(runnable, options, executors)
         self._fallback_kind = fallback
         self.fallback: FallbackPiece | None = None
         self.record: Piece | None = None

@@ -19,6 +19,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.split_module import split_module
 
 from fulmen.core.errors import FulmenError
+from fulmen.core.source import SourceLocation, stack_trace_location
 from fulmen.core.trace import TraceBuilder
 from fulmen.dynamo.func_regions import func_regions
 from fulmen.dynamo.hops import CONTEXT_CALLS, checkpoint_reason
@@ -60,13 +61,24 @@ def static_refusals(module: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     """The nodes of `module` fulmen refuses without trying them, each with its reason (a torch.func transform's
     region whole, see fulmen.dynamo.func_regions)."""
     reasons = func_regions(module)
-    reasons.update({node: reason for node in module.graph.nodes
+    reasons.update({node: _with_line(reason, node) for node in module.graph.nodes
                     if node not in reasons and (reason := static_reason(node)) is not None})
     return reasons
 
 
 def first_line(error: BaseException) -> str:
-    return str(error).split("\n", 1)[0]
+    """The error's first line, with the user's line it names (for a node of a Dynamo graph, the line it came from)."""
+    return _at(str(error).split("\n", 1)[0], getattr(error, "location", None))
+
+
+def _at(reason: str, location: SourceLocation | None) -> str:
+    return f"{reason} (at {location.short()})" if isinstance(location, SourceLocation) else reason
+
+
+def _with_line(reason: str, node: torch.fx.Node) -> str:
+    """`reason` with the user's line `node` came from: the probe runs the graph through torch.fx's interpreter, so the
+    locations fulmen's errors find there are Dynamo's frame (the user's `def` line), never the node's."""
+    return _at(reason, stack_trace_location(node.meta.get("stack_trace")))
 
 
 @contextlib.contextmanager
@@ -95,7 +107,8 @@ class _Probe(torch.fx.Interpreter):
                 try:
                     return super().run_node(node)
                 except FulmenError as error:
-                    self.reasons[node] = f"{_target_name(node)}: {first_line(error)}"
+                    message = str(error).split("\n", 1)[0]
+                    self.reasons[node] = _with_line(f"{_target_name(node)}: {message}", node)
             return self._stand_in(node.meta.get("example_value"))
         return super().run_node(node)
 

@@ -3,6 +3,8 @@ with its autodiff; what fulmen refuses runs by the fallback. Oracle: eager on th
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -198,7 +200,8 @@ def test_sizes_known_only_from_values_are_bound_before_the_pieces_using_them(fal
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         _compare_gather_positive_over_three_sizes(compiled)
     assert [(piece.by_fulmen, piece.reasons) for piece in backend.graphs[0].pieces] == [
-        (True, []), (False, ["torch.nonzero reads tensor values"]), (True, [])]
+        (True, []), (False, [f"torch.nonzero reads tensor values (at {_line(gather_positive, 'nonzero')})"]),
+        (True, [])]
 
 
 def _compare_gather_positive_over_three_sizes(compiled):
@@ -212,3 +215,34 @@ def _compare_gather_positive_over_three_sizes(compiled):
             grads.append((out, idx, leaf.grad))
         for got, want in zip(grads[1], grads[0]):
             torch.testing.assert_close(got, want)
+
+
+def _line(fn, text):
+    """`file:line in fn` of the line of `fn` holding `text`, as fulmen names a location."""
+    lines, first = inspect.getsourcelines(fn)
+    offset = next(i for i, line in enumerate(lines) if text in line)
+    return f"test_backend.py:{first + offset} in {fn.__name__}"
+
+
+def normed(x, w, bn):
+    h = torch.nn.functional.batch_norm(x @ w, *bn, training=True)
+    return torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,)).sum(0)
+
+
+def test_traces_and_refusals_name_the_users_lines_and_dynamos_names_for_values():
+    # named the graph's generated code (<eval_with_key>.4:5 in forward) and its inputs args_0, args_1, ...
+    backend = fulmen.dynamo.backend(fallback="eager")
+    w = torch.randn(3, 4, requires_grad=True)
+    bn = [torch.zeros(4), torch.ones(4), torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True)]
+    x = torch.randn(5, 3)
+    want = normed(x, w, [t.clone() for t in bn])
+    torch.testing.assert_close(torch.compile(normed, backend=backend)(x, w, bn), want)
+    taken, refused, _ = backend.pieces
+    assert taken.by_fulmen and refused.reasons == [
+        f"cond is a higher-order op (a nested graph); fulmen acquires plain torch calls (at {_line(normed, 'cond')})"]
+    trace = fulmen.last_traces(backend)[0]
+    assert f"{_line(normed, 'batch_norm')}: h = torch.nn.functional.batch_norm" in str(trace)
+    assert "eval_with_key" not in str(trace)
+    whole = fulmen.dynamo.backend(fallback="eager")
+    torch.compile(lambda x, w: torch.relu(x @ w), backend=whole)(x, w)
+    assert "def computation(L_x_, L_w_)" in str(fulmen.last_traces(whole)[0])
