@@ -7,9 +7,10 @@ set of guards:
 - the frame tap (`Observer.watching`, frames.py): while acquiring, `sys.settrace` follows every frame of the user's
   code. Before each read site of a frame (reads.py) runs, the observer names the object read in that frame
   (lookup.py, without running any of the program's code) and records a guard on it.
-- the module tap (`module_read`, `module_fallback`): the shadow modules of overrides.py report every attribute read
-  on them, and the guard is put on the user's module behind the shadow (its attributes, submodules, parameters and
-  buffers slots, hooks, and the class attributes it resolves, methods included).
+- the module tap (`module_read`, `module_fallback`, `module_absent`): the shadow modules of overrides.py report every
+  attribute read on them, and the guard is put on the user's module behind the shadow (its attributes, submodules,
+  parameters and buffers slots, hooks, and the class attributes it resolves, methods included; an attribute found
+  nowhere stays absent from all of them).
 
 Both taps also report what the program stores (attributes, globals) to be stored again by every call (writes.py).
 Parameters and buffers of a module outside the jitted module's tree (an argument, a closure's, a global) are the
@@ -514,6 +515,21 @@ class Observer:
         """The program read `name` through `nn.Module.__getattr__` (a parameter, buffer or submodule) of a module of
         the jitted module's tree."""
         return self.active and self._module_member(module, name, inputs=True)
+
+    def module_absent(self, module: nn.Module, name: str) -> None:
+        """The program looked for `name` on a module of the jitted module's tree (`hasattr`, `getattr` with a
+        default) and found it nowhere: it stays out of the module's own dict and its class, and out of its
+        parameters, buffers and submodules, where `nn.Module.__getattr__` looks (a submodule assigned later lands
+        there, not in the dict)."""
+        if not self.active or (name.startswith("__") and name.endswith("__")):
+            return
+        kind = type(module).__qualname__
+        self.class_attribute(type(module), name, f"attribute {name} of {kind} module", module)
+        state = module.__dict__
+        self._pinned.append(state)
+        for slot in MODULE_SLOTS:
+            self._add_raw(("no slot", id(state), slot, name), f"{slot[1:-1]} {name} of a {kind} module (absent)",
+                          lambda e, slot=slot: f"{name!r} not in {e.bind(state)}[{slot!r}]")
 
     def _module_member(self, module: nn.Module, name: str, inputs: bool) -> bool:
         state = module.__dict__

@@ -120,8 +120,13 @@ def _recording_getattribute(self: nn.Module, name: str) -> Any:
 
 def _recording_getattr(fallback: Callable[[nn.Module, str], Any]) -> Callable[[nn.Module, str], Any]:
     def __getattr__(self: nn.Module, name: str) -> Any:  # parameters, buffers and submodules (nn.Module.__getattr__)
-        value = fallback(self, name)
         state = object.__getattribute__(self, "__dict__")
+        try:
+            value = fallback(self, name)
+        except AttributeError:  # found nowhere (`hasattr`): it must stay so
+            if "_fulmen_tree" in state:
+                state["_fulmen_tree"].observer.module_absent(state["_fulmen_original"], name)
+            raise
         if "_fulmen_tree" in state:
             state["_fulmen_tree"].observer.module_fallback(state["_fulmen_original"], name)
         return value

@@ -151,3 +151,26 @@ def test_frozen_embeddings_refusals_name_the_output_and_the_line():
     with pytest.raises(fulmen.TraceError, match="no input .* gets a grad") as error:
         fulmen.jit(model)(**batch(padded=False))
     assert error.value.location.line == "output.requires_grad_(True)"
+
+
+def _smoothed_loss(logits, labels, vocab_size, **kwargs):
+    logits, labels = logits[:, :-1].reshape(-1, vocab_size), labels[:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, label_smoothing=0.1)
+
+
+def test_a_loss_function_assigned_between_calls_is_used():
+    """`model.loss_function = f` stores `_loss_function`, which transformers' property looks for with `hasattr`: the
+    call after the assignment traced again (it hit the cache and returned the old loss before)."""
+    eager = _build("llama", "LlamaForCausalLM")
+    model = copy.deepcopy(eager)
+    jitted = fulmen.jit(model)
+    inputs = batch(padded=True)
+    torch.testing.assert_close(jitted(**inputs).loss, eager(**inputs).loss)
+    model.loss_function = eager.loss_function = _smoothed_loss
+    want = eager(**inputs).loss
+    got = jitted(**inputs).loss
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    _assert_same_grads(model, eager)
+    assert fulmen.cache_misses(jitted) == 2
