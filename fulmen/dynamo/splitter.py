@@ -10,6 +10,7 @@ is then split into runs of consecutive nodes fulmen takes and runs of nodes it r
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,11 +169,14 @@ _SIZE_READS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.
                          torch.ops.aten.sym_storage_offset.default})
 
 
-def _reads_size_made_in(node: torch.fx.Node, assignment: dict[torch.fx.Node, int], piece: int) -> bool:
-    """Whether `node` reads a size of a tensor the current piece makes. split_module binds a size known only from
-    values (nonzero's, under capture_dynamic_output_shape_ops) at its first read, and a piece using a tensor of that
-    size needs it bound in an earlier piece: a read left to the next piece made the pieces depend on each other."""
-    return (node.op == "call_function" and node.target in _SIZE_READS
+def _stays_with_its_source(node: torch.fx.Node, assignment: dict[torch.fx.Node, int], piece: int) -> bool:
+    """Whether `node` reads a size of, or an item of, a value the current piece makes, and so belongs to that piece.
+    split_module binds a size known only from values (nonzero's, under capture_dynamic_output_shape_ops) at its
+    first read, and a piece using a tensor of that size needs it bound in an earlier piece: a read left to the next
+    piece made the pieces depend on each other. An item left to the next piece made the whole tuple (a higher-order
+    op's results, flex_attention's) an output of its piece, which Inductor compiled item by item from Dynamo's
+    example values, more items than its own graph of the op gives (IndexError)."""
+    return (node.op == "call_function" and node.target in (*_SIZE_READS, operator.getitem)
             and isinstance(node.args[0], torch.fx.Node) and assignment.get(node.args[0]) == piece)
 
 
@@ -184,7 +188,7 @@ def split(module: torch.fx.GraphModule, refused: dict[torch.fx.Node, str]) -> tu
     for node in module.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if _reads_size_made_in(node, assignment, piece):
+        if _stays_with_its_source(node, assignment, piece):
             assignment[node] = piece
             continue
         ok = node not in refused

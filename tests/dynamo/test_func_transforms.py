@@ -72,3 +72,25 @@ def test_a_value_used_after_its_transform_makes_the_graph_fall_back_whole():
     _assert_as_eager(vjp_called_later, backend)
     (piece,) = backend.pieces
     assert not piece.by_fulmen and "is used after the transform" in piece.reasons[0]
+
+
+def relative_attention(q, k, v):
+    # flex_attention's block mask vmaps its mask function; the op itself is a higher-order op fulmen refuses
+    from torch.nn.attention.flex_attention import flex_attention  # a torch submodule only this case needs
+
+    return flex_attention(q, k, v, score_mod=lambda score, b, h, i, j: score + (i - j) * 0.1).sum(1)
+
+
+def test_flex_attention_runs_by_the_fallback():
+    # a batched tensor reached fulmen. And the op's results went as a tuple to the next piece, which took its item:
+    # the Inductor fallback compiled such a piece item by item from Dynamo's example values, more items than
+    # Inductor's own graph of the op gives (IndexError); now the item is taken in the op's piece
+    backend = fulmen.dynamo.backend(fallback="eager")  # Inductor compiles flex_attention in ~7 s on CPU: too slow
+    q, k, v = torch.randn(3, 1, 2, 16, 8).unbind(0)  # forward only: flex_attention has no backward on CPU
+    torch.testing.assert_close(torch.compile(relative_attention, backend=backend)(q, k, v),
+                               relative_attention(q, k, v))
+    refused = [piece for piece in backend.pieces if not piece.by_fulmen]
+    assert [piece.reasons[0].split(" (", 1)[0] for piece in refused] == [
+        "inside torch.vmap", "flex_attention is a higher-order op"]
+    results = torch.utils._pytree.tree_leaves(refused[1].runner.module.graph.output_node().args)
+    assert all(isinstance(result.meta["example_value"], torch.Tensor) for result in results)
