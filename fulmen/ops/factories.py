@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fulmen.core.errors import UnsupportedOpError
+from fulmen.core.errors import DataDependentError, UnsupportedOpError
 from fulmen.core.source import user_location
 from fulmen.core.symbol import Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
@@ -117,6 +117,13 @@ def _fill_meta(builder: TraceBuilder, x: Any, method_name: str, *args: Any, **kw
         raise UnsupportedOpError(
             f"Tensor.{method_name}(generator=...): fulmen draws from the default generator only; seed it with "
             "torch.manual_seed instead, or draw outside the jitted function and pass the tensor in", builder.source)
+    numbers = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if numbers and method_name != "bernoulli_":  # bernoulli_ takes a tensor of probabilities; the others numbers
+        raise DataDependentError(
+            f"fulmen cannot trace Tensor.{method_name} with tensor arguments (shape "
+            f"{tuple(numbers[0].shape)}): eager reads their values as Python numbers, which are unknown while "
+            "tracing; compute them from Python numbers (math.sqrt instead of torch.sqrt), or draw outside the "
+            "jitted function", builder.source)
     if not x.meta.is_contiguous():
         # eager's kernels place their draws by the layout (CPU normal_ draws in batches of 16 into a contiguous
         # float tensor, one by one into any other): the trace, which fills a fresh contiguous tensor, would differ

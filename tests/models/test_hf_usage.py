@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from transformers import AutoConfig
+from transformers.integrations.neftune import activate_neftune
 
 import fulmen
 from tests.models.hf_configs import SMALL, batch
@@ -174,3 +175,19 @@ def test_a_loss_function_assigned_between_calls_is_used():
     want.backward()
     _assert_same_grads(model, eager)
     assert fulmen.cache_misses(jitted) == 2
+
+
+def test_neftune_noise_is_refused_naming_its_line_and_evaluation_matches():
+    """transformers' NEFTune hook (Trainer's `neftune_noise_alpha`) draws `uniform_(-mag, mag)` with 0-dim tensor
+    bounds, whose values eager reads as Python numbers: refused naming transformers' line (it failed inside fulmen's
+    meta function before, 'Tensor.item() cannot be called on meta tensors'). In eval mode the hook draws nothing."""
+    eager = _build("llama", "LlamaForCausalLM")
+    activate_neftune(eager, neftune_noise_alpha=5.0)
+    model = copy.deepcopy(eager)
+    jitted = fulmen.jit(model)
+    inputs = batch(padded=False)
+    torch.testing.assert_close(jitted(**inputs).loss, eager(**inputs).loss)
+    model.train()
+    with pytest.raises(fulmen.DataDependentError, match=r"Tensor\.uniform_ with tensor arguments") as error:
+        jitted(**inputs)
+    assert error.value.location.line == "output = output + torch.zeros_like(output).uniform_(-mag_norm, mag_norm)"
