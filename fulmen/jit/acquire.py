@@ -27,6 +27,7 @@ from fulmen.core.trace import TraceBuilder, mismatch
 from fulmen.jit import torch_python, validation
 from fulmen.jit.aliasing import reads_elements_written_elsewhere
 from fulmen.jit.autograd_facts import AutogradFacts
+from fulmen.jit.bounds import Bounds
 from fulmen.jit.functionalize import Functionalizer
 from fulmen.jit.lookasides import is_fabric_backward_check
 from fulmen.ops import lookup, shape
@@ -132,6 +133,7 @@ class Interpreter(TorchFunctionMode):
         self.builder = builder
         self.functional = Functionalizer(lambda: self.builder.source, lambda: self.builder.bound_symbols)
         self.autograd = AutogradFacts(self.functional)
+        self.bounds = Bounds()
         self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
         self._constant_ids: dict[int, TensorProxy] = {}
         self.ops_seen: list[str] = []
@@ -203,6 +205,10 @@ class Interpreter(TorchFunctionMode):
                 return func(*args, **kwargs)
         self.builder.source = location = self._pinned[-1] if self._pinned else user_location()
         self.ops_seen.append(_describe(func))
+        if func is T.__bool__ and type(args[0]) is TensorProxy:
+            known = self.bounds.answer(self.functional.resolve(args[0]))
+            if known is not None:  # a comparison of a random draw that has one answer whatever is drawn (bounds.py)
+                return known
         if func in DATA_DEPENDENT:
             reader = library_location()
             inside = f" (read in {reader.describe()})" if reader is not None else ""
@@ -391,6 +397,7 @@ class Interpreter(TorchFunctionMode):
                              self.builder.source) from error
         if args and isinstance(args[0], torch.Tensor):
             self.functional.record_views(sym, self._proxy(args[0]), kwvalues, values, output)
+        self.bounds.record(sym, values, output)
         return output
 
     def _operator(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -191,3 +191,35 @@ def test_neftune_noise_is_refused_naming_its_line_and_evaluation_matches():
     with pytest.raises(fulmen.DataDependentError, match=r"Tensor\.uniform_ with tensor arguments") as error:
         jitted(**inputs)
     assert error.value.location.line == "output = output + torch.zeros_like(output).uniform_(-mag_norm, mag_norm)"
+
+
+@pytest.mark.parametrize(("family", "class_name", "labels"), [
+    ("opt", "OPTForCausalLM", slice(None)),
+    ("bart", "BartForConditionalGeneration", slice(0, 5)),
+], ids=["opt", "bart"])
+def test_layerdrop_models_train_as_eager(family, class_name, labels):
+    """LayerDrop draws `torch.rand([])` per layer in train mode and skips the layer if it is below `layerdrop`:
+    with the default 0.0 no draw is, so fulmen takes eager's branch (it refused the `if` before, so these families
+    never trained); with layerdrop 0.5 the draw decides, refused naming transformers' line."""
+    eager = _build(family, class_name).train()
+    model = copy.deepcopy(eager)
+    jitted = fulmen.jit(model)
+    inputs = batch(padded=True)
+    inputs["labels"] = inputs["labels"][:, labels].contiguous()
+    for seed in range(2):
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        want = eager(**inputs).loss
+        torch.manual_seed(seed)
+        got = jitted(**inputs).loss
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        got.backward()
+        want.backward()
+        _assert_same_grads(model, eager)
+    assert fulmen.cache_hits(jitted) == 1
+    if family == "opt":
+        model.model.decoder.layerdrop = 0.5
+        with pytest.raises(fulmen.DataDependentError, match="reads tensor values") as error:
+            jitted(**inputs)
+        assert error.value.location.line == "if dropout_probability < self.layerdrop:"
