@@ -13,7 +13,10 @@ is a view of another tensor, or that the program last updated through a view of 
 from a Function of its own that returns the view alone (`_UpdatedView`), the only kind autograd rebases a view for:
 the base's grad_fn becomes CopySlices and the view's a view of it, as in eager, so later uses of either differentiate
 back into the program (a view eager refuses to update so, of a leaf or made under no_grad or by unbind, is refused
-before anything is written). The input's version counter ends bumped once per update, as eager's. A backward
+before anything is written). The forward reads such a view's old value through a view of its base made for the
+call, so hooks on the view's old node do not fire, as in eager; a retained grad (`retain_grad()`) of an input updated
+so is refused, as eager's counts the program's own uses of the new value, which are inside this node. The input's
+version counter ends bumped once per update, as eager's. A backward
 that reads such an input's old value reads a copy the forward takes before the update, as eager's in-place ops save
 their `original_self`; an earlier autograd graph that saved the input still fails on its version counter. Within the
 program, a read of the old value before the update also gets the copy (eager would refuse the backward if that read
@@ -160,22 +163,30 @@ def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ..
             "without fulmen.jit inside torch.func")
     if torch.is_inference_mode_enabled():
         return _run_without_history(program, inputs)
-    if program.no_grad_inputs:
+    given = inputs
+    if program.no_grad_inputs or program.dirty:
         inputs = list(inputs)
         for i in program.no_grad_inputs:
             if inputs[i].requires_grad:
                 inputs[i] = inputs[i].detach()
+        for updated in program.dirty:
+            tensor = inputs[updated.input]
+            _refuse_update(tensor, program.plan.source.inputs[updated.input].pname, updated.where)
+            if tensor._is_view() and tensor.requires_grad:
+                # the forward reads the view's old value through a view of its base made now: eager's update of the
+                # view sends its old value's grad to the base's old node, never through the view's own (nor its hooks)
+                inputs[updated.input] = tensor._base.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
     outputs = FulmenFunction.apply(program, *inputs)
     if not program.dirty:
         return outputs
     outputs = list(outputs)
-    for updated in _rebased(program, inputs):
-        tensor = inputs[updated.input]
+    for updated in _rebased(program, given):
+        tensor = given[updated.input]
         # a view of the input itself: its base (the input) gets the CopySlices node eager's update through a view gives
         view = tensor if tensor._is_view() else tensor[...]
         outputs[updated.output] = _UpdatedView.apply(view, outputs[updated.output])
     # marking a tensor dirty bumps its version counter once more than the updates the forward made (eager's count)
-    dirty = [inputs[updated.input] for updated in program.dirty]
+    dirty = [given[updated.input] for updated in program.dirty]
     torch._C._autograd._unsafe_set_version_counter(dirty, [t._version - 1 for t in dirty])
     return tuple(outputs)
 
@@ -353,15 +364,6 @@ def _input_hint(program: GradProgram, name: str) -> str:
 def _run_updating_inputs(ctx, program: GradProgram, forward_fn: Callable[..., tuple],
                          inputs: tuple[torch.Tensor, ...]) -> tuple[list, tuple]:
     """The forward of a program that updates inputs it saves (`stale`, `originals`) or gives a history (`dirty`)."""
-    for updated in program.dirty:
-        tensor, name = inputs[updated.input], program.plan.source.inputs[updated.input].pname
-        if tensor.requires_grad and tensor.is_leaf:
-            raise TraceError(
-                f"fulmen cannot differentiate an in-place update of {name}, a leaf tensor that requires grad (eager "
-                "refuses it too: a leaf Variable that requires grad is used in an in-place operation); update a "
-                "clone, or update it under torch.no_grad() or through .detach()", updated.where)
-        if tensor._is_view():
-            _refuse_view_update(tensor, name, updated.where)
     before = [inputs[i]._version for _, i in program.stale]
     originals = [inputs[i].clone() for _, i in program.originals]
     results = forward_fn(*inputs)
@@ -378,9 +380,26 @@ def _run_updating_inputs(ctx, program: GradProgram, forward_fn: Callable[..., tu
     return outputs, saved
 
 
+def _refuse_update(tensor: torch.Tensor, name: str, where: SourceLocation | None) -> None:
+    """An update with a history of an input eager refuses to update so (FulmenFunction and `_UpdatedView` would
+    fail too, after the forward wrote it): refused before the forward runs, as eager refuses before writing; and one
+    of an input whose grad is retained, which fulmen cannot give."""
+    if tensor.requires_grad and tensor.is_leaf:
+        raise TraceError(
+            f"fulmen cannot differentiate an in-place update of {name}, a leaf tensor that requires grad (eager "
+            "refuses it too: a leaf Variable that requires grad is used in an in-place operation); update a "
+            "clone, or update it under torch.no_grad() or through .detach()", where)
+    if tensor.retains_grad or tensor._is_view() and tensor._base.retains_grad:
+        raise TraceError(
+            f"fulmen cannot retain the grad of {name} (or of the tensor it is a view of), which the program updates "
+            "in place with a value that has an autograd history: eager's retained grad of the updated tensor also "
+            "counts the program's own uses of it, which run inside the jitted function; call retain_grad() after "
+            "the call", where)
+    if tensor._is_view():
+        _refuse_view_update(tensor, name, where)
+
+
 def _refuse_view_update(tensor: torch.Tensor, name: str, where: SourceLocation | None) -> None:
-    """An update with a history of a view eager refuses to update so (`_UpdatedView` would fail too, after the
-    forward wrote it): refused before the forward runs, as eager refuses before writing."""
     meta = torch._C._autograd._get_creation_meta(tensor)
     if tensor._base.requires_grad and tensor._base.is_leaf:
         why = ("a view of a leaf tensor that requires grad (eager: a view of a leaf Variable that requires grad is "
