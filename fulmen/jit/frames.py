@@ -41,7 +41,13 @@ class Region(Protocol):
 
 
 class Reader(Protocol):
+    expecting: dict  # what `returning` waits for: while empty, no frame needs asking
+
     def read(self, site: reads.Read, frame: types.FrameType) -> None: ...
+
+    def returning(self, frame: types.FrameType) -> Any: ...  # the key to give `returned` for what `frame` returns
+
+    def returned(self, key: Any, value: Any) -> None: ...
 
     def created(self, obj: Any) -> None: ...
 
@@ -130,7 +136,12 @@ class FrameTap:
         self.reading = 0  # frames of _STATE_READERS the program called, running now
 
     def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        return _around(frame, self.regions, self._follow(frame, event, arg))
+        local = _around(frame, self.regions, self._follow(frame, event, arg))
+        if self.observer.expecting:
+            key = self.observer.returning(frame)
+            if key is not None:
+                local = frame.f_trace = _ReturnTap(self.observer, key, local).event
+        return local
 
     def _follow(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
         local = self.previous(frame, event, arg) if self.previous is not None else None
@@ -242,6 +253,29 @@ class _CountingTap:
 def _called_by_program(frame: types.FrameType) -> bool:
     caller = frame.f_back
     return caller is not None and _sites_of(caller) is not None
+
+
+class _ReturnTap:
+    """The local tracer of a frame whose return value the observer waits for (Observer.returning): it gets that
+    value unless an exception leaves the frame."""
+
+    __slots__ = ("observer", "key", "previous", "raised")
+
+    def __init__(self, observer: Reader, key: Any, previous: Callable[..., Any] | None) -> None:
+        self.observer = observer
+        self.key = key
+        self.previous = previous
+        self.raised = False
+
+    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
+        if self.previous is not None:
+            self.previous = self.previous(frame, event, arg)
+        if event == "return":
+            if not self.raised:
+                self.observer.returned(self.key, arg)
+        else:
+            self.raised = event == "exception"
+        return self.event
 
 
 class _CreationTap:

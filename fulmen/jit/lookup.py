@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -96,7 +97,14 @@ def attribute_value(obj: Any, name: str) -> Any:
     return MISSING
 
 
-def evaluate(source: reads.Source, frame: types.FrameType) -> Any:
+EMPTY: Mapping[Any, Any] = types.MappingProxyType({})
+_PLAIN_KEYS = frozenset({str, int, bool, bytes, float, type(None)})
+
+
+def evaluate(source: reads.Source, frame: types.FrameType, results: Mapping[tuple[int, int], Any] = EMPTY) -> Any:
+    """The value `source` names in `frame`, found without running any of the program's code (else MISSING).
+    `results`: what Python code the observer expected gave at an instruction of a frame (reads.Capture), by
+    (id(frame), offset)."""
     kind = type(source)
     if kind is reads.Local or kind is reads.Cell:
         return frame.f_locals.get(source.name, MISSING)
@@ -105,13 +113,20 @@ def evaluate(source: reads.Source, frame: types.FrameType) -> Any:
         return frame.f_builtins.get(source.name, MISSING) if value is MISSING else value
     if kind is reads.Const:
         return source.value
-    base = evaluate(source.base, frame)
+    if kind is reads.Result:
+        return results.get((id(frame), source.offset), MISSING)
+    base = evaluate(source.base, frame, results)
     if base is MISSING:
         return MISSING
-    if kind is reads.Attr:
-        return attribute_value(base, source.name)
-    key = source.key.value
-    if type(base) is dict:
+    if kind is reads.Attr or kind is reads.Method:
+        value = attribute_value(base, source.name)
+        if value is MISSING and kind is reads.Attr and source.offset >= 0:
+            return results.get((id(frame), source.offset), MISSING)  # a getter's (a property's) answer
+        return value
+    key = evaluate(source.key, frame, results)
+    if type(base) is dict and (type(key) in _PLAIN_KEYS or type(key) is tuple and all(type(k) in _PLAIN_KEYS
+                                                                                           for k in key)):
+        # hashed and compared by C code only
         return base.get(key, MISSING)
     if type(base) in (list, tuple) and type(key) is int and -len(base) <= key < len(base):
         return base[key]

@@ -17,8 +17,10 @@ Parameters and buffers of a module outside the jitted module's tree (an argument
 program's real tensors, captured as constants, and guarded by identity and metadata.
 
 Objects created during the call need no guard (they are derived from what was read); a guard on one is harmless,
-since nothing changes it afterwards. Reads that only C code makes of objects the program cannot name (an attribute
-of a call's result) are not seen here; the functions the program calls are observed themselves. Some state is read
+since nothing changes it afterwards, unless a cache keeps it beyond the call (`functools.lru_cache`,
+`functools.cached_property`: `kept` refuses a stand-in or an unguardable object there). Reads off what a Python
+function or getter returned are named from that return (reads.Capture); what C code reads is seen only where
+reads.py names it. Some state is read
 through a value rather than an attribute (`_special`): torch's global switches, the environment, Python's random
 draws and clocks (refused), and a function the program runs is guarded on its code and defaults.
 
@@ -42,12 +44,13 @@ import string
 import sys
 import time
 import types
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
@@ -100,6 +103,13 @@ class Observer:
         self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._functions: dict[types.CodeType, list[types.FunctionType]] = {}
         self._created: set[int] = set()  # ids of the objects the program created while acquired (kept in _pinned)
+        # id(frame) -> (offset, the code whose return gives the value of the instruction there); then by
+        # (id(frame), offset), that value (reads.Capture, reads.Result): what a call or a getter gave, read by a site
+        self.expecting: dict[int, tuple[int, types.CodeType]] = {}
+        self._results: dict[tuple[int, int], Any] = {}
+        # what the observer does around calls of some functions (frames.Region): caches keeping what they return
+        self._regions: dict[types.CodeType, Region] = {_CACHED_PROPERTY_GET: _CachedProperty(self)}
+        self._dropped: list[Callable[[], None]] = []  # run once the program ran: what a refused cache kept
         # (id(object or globals dict), name) the program assigned while acquired: its later reads read that value
         self._written: set[tuple[int, str]] = set()
         self._stores = WriteLog()
@@ -325,21 +335,25 @@ class Observer:
 
     def read(self, site: reads.Read, frame: types.FrameType) -> None:
         kind = type(site)
-        if kind is reads.GlobalRead:
+        if kind is reads.Capture:
+            self._expect(site, frame)
+            if site.then is not None:
+                self.read(site.then, frame)
+        elif kind is reads.GlobalRead:
             self.read_global(frame, site.name)
             self._special(evaluate(reads.Global(site.name), frame), frame)
         elif kind is reads.CellRead:
             self.read_cell(frame, site.name)
             self._special(frame.f_locals.get(site.name), frame)
         elif kind is reads.AttrRead:
-            receiver = evaluate(site.receiver, frame)
+            receiver = evaluate(site.receiver, frame, self._results)
             if receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
                 self._special(attribute_value(receiver, site.name), frame)
                 if site.name in MUTATORS:
                     self._containers.changing(receiver, frame)
         elif kind is reads.AttrWrite:
-            receiver = evaluate(site.receiver, frame)
+            receiver = evaluate(site.receiver, frame, self._results)
             if receiver is not MISSING:
                 self._write_attribute(receiver, site.name, site.deletes, frame)
         elif kind is reads.GlobalWrite:
@@ -350,12 +364,12 @@ class Observer:
         elif kind is reads.CallRead:
             self._call_read(site, frame)
         elif kind is reads.ItemWrite:
-            container = evaluate(site.container, frame)
+            container = evaluate(site.container, frame, self._results)
             if container is not MISSING:
                 self._containers.changing(container, frame)
         else:
-            function = evaluate(site.function, frame)
-            receiver, name = evaluate(site.receiver, frame), evaluate(site.name, frame)
+            function = evaluate(site.function, frame, self._results)
+            receiver, name = evaluate(site.receiver, frame, self._results), evaluate(site.name, frame, self._results)
             if receiver is MISSING or type(name) is not str:
                 return
             does = _ATTRIBUTE_CALLS.get(id(function))
@@ -364,17 +378,69 @@ class Observer:
             elif does is not None:
                 self._write_attribute(receiver, name, does == "deletes", frame)
 
+    def _expect(self, site: reads.Capture, frame: types.FrameType) -> None:
+        """The instruction about to run in `frame` gives a value a later site reads from: find the Python code that
+        will give it (the function called, a property's getter, a descriptor's `__get__`, a class's `__getattr__`),
+        whose return the frame tap then catches (`returning`). Other callables (classes, C functions, caches) give
+        values no site can name."""
+        self._results.pop((id(frame), frame.f_lasti), None)
+        self.expecting.pop(id(frame), None)
+        if site.getter is None:
+            code = _python_code(evaluate(site.callee, frame, self._results))
+        else:
+            code = _getter_code(evaluate(site.getter.base, frame, self._results), site.getter.name)
+        if code is not None:
+            self.expecting[id(frame)] = (frame.f_lasti, code)
+
+    def returning(self, frame: types.FrameType) -> tuple[int, int] | None:
+        """`frame` just started: the key its return value is kept under, if it is the code `_expect` waits for (a
+        frame runs one instruction at a time, and the one waited for starts the frame that gives its value)."""
+        caller = frame.f_back
+        waited = None if caller is None else self.expecting.get(id(caller))
+        if waited is None or waited[1] is not frame.f_code:
+            return None
+        del self.expecting[id(caller)]
+        return id(caller), waited[0]
+
+    def returned(self, key: tuple[int, int], value: Any) -> None:
+        self._results[key] = value
+
+    def kept(self, value: Any, keeper: str, caller: types.FrameType, drop: Callable[[], None],
+             objects: bool) -> None:
+        """`keeper` (a cache) keeps `value`, which the program's call from `caller` returned, beyond the call. A
+        tensor the trace computed is fulmen's stand-in, and an object the program created (`objects`: where the
+        keeper hands it out without a read the observer sees) may change between calls unguarded: refused, with
+        `drop` removing it from the keeper once the program ran."""
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, TensorProxy):
+                kept = "a tensor the program computes"
+            elif objects and not immutable(leaf) and not is_container(leaf) and id(leaf) in self._created:
+                kept = f"a {type(leaf).__qualname__} object the program creates"
+            else:
+                continue
+            self._dropped.append(drop)
+            if self._refused is None:
+                location = frame_location(caller)
+                where = f" ({location.short()})" if location is not None else ""
+                self._refused = TraceError(
+                    f"fulmen cannot compile a program that keeps {kept} in {keeper}{where}: later calls get it from "
+                    f"there, where a trace can neither store it nor see it change. Fill the cache before the first "
+                    f"jitted call (call it once eagerly), or compute the value without a cache. (Dropped from the "
+                    f"cache again.)", location)
+            return
+
     def _call_read(self, site: reads.CallRead, frame: types.FrameType) -> None:
         """What C code reads of the arguments of a call it makes: the attributes an `operator.attrgetter` names, the
         class `isinstance` and `type` look at, the attributes and items a template's fields name."""
-        arguments = [MISSING if argument is None else evaluate(argument, frame) for argument in site.arguments]
+        arguments = [MISSING if argument is None else evaluate(argument, frame, self._results)
+                     for argument in site.arguments]
         function = site.function
         if type(function) is reads.Attr and type(function.base) is reads.Const:  # `"{0.lr}".format(...)`
             for index, path in _template_fields(function.base.value):
                 if index < len(arguments):
                     self._read_path(arguments[index], path)
             return
-        function = evaluate(function, frame)
+        function = evaluate(function, frame, self._results)
         if type(function) is operator.attrgetter:
             for dotted in function.__reduce__()[1]:
                 self._read_path(arguments[0], tuple((True, name) for name in dotted.split(".")))
@@ -419,7 +485,7 @@ class Observer:
         """Observes the frames of user code started inside the block (this thread only). `regions`: what the
         acquisition does around calls of some functions (replacements.py), by code object."""
         previous = sys.gettrace()
-        tracer = FrameTap(self, previous, regions or {})
+        tracer = FrameTap(self, previous, ChainMap(regions or {}, self._regions))
         sys.settrace(tracer.call)
         self.active = True
         if previous is None:  # with a debugger attached, fulmen's internals stay visible to it
@@ -430,6 +496,8 @@ class Observer:
             self.active = False
             self.quiet = contextlib.nullcontext()
             sys.settrace(previous)
+            for drop in self._dropped:
+                drop()
         if self._refused is not None:
             raise self._refused
         changed, same_objects = self._containers.finish(self._created)
@@ -450,6 +518,10 @@ class Observer:
         once it has run: a trace would repeat the value it gave while tracing. (Not raised here: the program could
         catch it, and would run on unobserved.)"""
         kind = type(value)
+        if kind is functools._lru_cache_wrapper and type(getattr(value, "__wrapped__", None)) is types.FunctionType \
+                and value.cache_info().maxsize != 0:
+            self._regions.setdefault(value.__wrapped__.__code__, _Memoized(self, value))
+            return
         if (kind is types.FunctionType or kind is types.BuiltinFunctionType) and value in _SWITCHES:
             self._add(("switch", id(value)), f"torch.{value.__name__}()", lambda e: f"{e.bind(value)}()", value())
             return
@@ -603,6 +675,92 @@ def unrepeatable(value: Any) -> str | None:
     mtrand = sys.modules.get("numpy.random.mtrand")
     if mtrand is not None and owner is getattr(mtrand, "_rand", None):
         return f"numpy.random.{value.__name__}"
+    return None
+
+
+def _python_code(function: Any) -> types.CodeType | None:
+    """The code a call of `function` runs first, if it is a Python function or a method of one (behind an
+    lru_cache, on a miss)."""
+    if type(function) is types.MethodType:
+        function = function.__func__
+    if type(function) is functools._lru_cache_wrapper:
+        function = getattr(function, "__wrapped__", None)
+    return function.__code__ if type(function) is types.FunctionType else None
+
+
+_CACHED_PROPERTY_GET = functools.cached_property.__get__.__code__
+
+
+class _Memoized:
+    """The function behind a `functools.lru_cache` (or `functools.cache`) the program reads (frames.Region): a call the
+    cache misses (its `misses` count grew) runs it, and the cache keeps what it returns for later calls."""
+
+    def __init__(self, observer: Observer, cache: Any) -> None:
+        self.observer = observer
+        self.cache = cache
+        self.misses = cache.cache_info().misses
+
+    def enter(self, frame: types.FrameType) -> Any:
+        misses = self.cache.cache_info().misses
+        missed, self.misses = misses > self.misses, misses
+        return frame.f_back if missed else None
+
+    def line(self, token: Any, frame: types.FrameType) -> None:
+        pass
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        if not raised:
+            name = getattr(self.cache, "__qualname__", "a function")
+            self.observer.kept(value, f"the functools.lru_cache of {name}", token, self.cache.cache_clear,
+                               objects=True)
+
+
+class _CachedProperty:
+    """`functools.cached_property.__get__` called by the program (frames.Region): it stores what the getter returns in
+    the instance's `__dict__`, which later calls read (the observer guards the name absent until then)."""
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+
+    def enter(self, frame: types.FrameType) -> Any:
+        caller = frame.f_back
+        if caller is None or not observed(caller.f_code, caller.f_globals):
+            return None
+        return caller, frame.f_locals.get("instance"), getattr(frame.f_locals.get("self"), "attrname", None)
+
+    def line(self, token: Any, frame: types.FrameType) -> None:
+        pass
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        caller, instance, name = token
+        state = instance_dict(instance)
+        if raised or state is None or name is None:
+            return
+
+        def drop() -> None:
+            if state.get(name) is value:
+                del state[name]
+
+        self.observer.kept(value, f"functools.cached_property {name} of {owner_name(instance)}", caller, drop,
+                           objects=False)
+
+
+def _getter_code(receiver: Any, name: str) -> types.CodeType | None:
+    """The Python code that answers `receiver.name`, where none of the program's code can be skipped to read it
+    (lookup.attribute_value): a property's getter, a Python descriptor's `__get__`, the class's `__getattr__`."""
+    if receiver is MISSING or issubclass(type(receiver), type):
+        return None
+    cls = type(receiver)
+    found = class_lookup(cls, name)
+    raw = None if found is None else found[1]
+    if type(raw) is property:
+        return _python_code(raw.fget)
+    state = instance_dict(receiver)
+    if raw is not None and (is_data_descriptor(raw) or state is None or name not in state):
+        return _python_code(getattr(type(raw), "__get__", None))
+    if raw is None and (state is None or name not in state):
+        fallback = class_lookup(cls, "__getattr__")
+        return None if fallback is None else _python_code(fallback[1])
     return None
 
 

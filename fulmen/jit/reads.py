@@ -4,25 +4,28 @@ before it.)
 
 A read site is an instruction offset plus how to name what it reads from the frame when it runs: a global (or
 builtin), a closure cell, or an attribute of an object the frame can name (a local, a global, a cell, an attribute
-or constant-key item of one of those, `getattr(obj, name)` with such arguments). The observer (observe.py) evaluates
-these names in the running frame just before the instruction executes, so it sees exactly the object the
-instruction reads.
+or an item of one of those at a key so named, `getattr(obj, name)` with such arguments, or what a call or a Python
+getter returned: a `Result`). The observer (observe.py) evaluates these names in the running frame just before the
+instruction executes, so it sees exactly the object the instruction reads.
 
 Naming comes from a small abstract stack per basic block: loads of locals, globals, cells and constants push a
-named value, attribute and subscript loads combine them, and any other instruction makes everything it leaves
-unnamed. Knowledge never crosses a jump target, so a name is only given where the bytecode itself proves it.
-Attribute reads off unnamed values (a call's result, say) are not read sites: the observer sees the reads the
-called function makes itself. What C code reads is seen for the builtins and `object` slots named here, the
-standard library's whole-object readers (frames._STATE_READERS), and the calls of `CallRead` (a named
-`operator.attrgetter`, `isinstance`, `type`, a string constant's `format`) with arguments passed by position. Known
-limit: other C code reading objects the program did not build (a getter made and called in one expression, an
-attrgetter used as a `sort` key, `format` with keyword arguments).
+named value, attribute and subscript loads combine them, a call pushes its `Result`, and any other instruction makes
+everything it leaves unnamed. Knowledge never crosses a jump target, so a name is only given where the bytecode
+itself proves it. A value only Python code can give (what a function returns, a property's or `__getattr__`'s
+answer) is caught from that code's return (`Capture`): where the callable is a class or C code (an lru_cache hit),
+the value stays unnamed and reads off it unguarded (known limit).
+
+What C code reads is seen for the builtins and `object` slots named here, the standard library's whole-object
+readers (frames._STATE_READERS), and the calls of `CallRead` (a named `operator.attrgetter`, `isinstance`, `type`, a
+string constant's `format`) with arguments passed by position. Known limit: other C code reading objects the program
+did not build (a getter made and called in one expression, an attrgetter used as a `sort` key, `format` with keyword
+arguments).
 """
 
 from __future__ import annotations
 
 import dis
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
 
@@ -55,15 +58,35 @@ class Const:
 class Attr:
     base: Source
     name: str
+    # the instruction loading it: a value a Python getter gives (a property) is known from the getter's return
+    offset: int = field(default=-1, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Item:
+    """`base[key]`, read without running code only where `base` is a dict, list or tuple."""
+
     base: Source
-    key: Const
+    key: Source
 
 
-Source = Local | Global | Cell | Const | Attr | Item
+@dataclass(frozen=True, slots=True)
+class Method:
+    """`base.name` loaded to be called (LOAD_METHOD): names the callable of the call that follows."""
+
+    base: Source
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What the call at `offset` returned, known where the called Python function's frame returned it (the
+    observer catches the return of the function it expected to run: `Capture`)."""
+
+    offset: int
+
+
+Source = Local | Global | Cell | Const | Attr | Item | Method | Result
 
 
 class GlobalRead(_Named):
@@ -127,7 +150,19 @@ class ItemWrite:
     container: Source
 
 
-Read = GlobalRead | CellRead | AttrRead | AttrCall | CallRead | AttrWrite | GlobalWrite | ItemWrite
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """Before the instruction at this offset runs (a call, or an attribute load a Python getter may answer), the
+    observer learns which Python code will give its value (`callee`: the called function, or `getter`'s
+    descriptor on its receiver), to catch what it returns (a `Result`, or the `Attr` at this offset). `then`: the
+    site this instruction is besides."""
+
+    callee: Source | None
+    getter: Attr | None
+    then: Read | None
+
+
+Read = GlobalRead | CellRead | AttrRead | AttrCall | CallRead | AttrWrite | GlobalWrite | ItemWrite | Capture
 
 _UNKNOWN = None
 _LOAD_LOCAL = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_BORROW"})
@@ -172,6 +207,8 @@ def read_sites(code: CodeType) -> dict[int, Read]:
     stack = _Stack()
     freevars = frozenset(code.co_freevars) - {"__class__"}  # `__class__` is the defining class (zero-arg super)
     keywords = False  # the next call passes keywords (3.11, 3.12 name them in KW_NAMES; 3.13 has CALL_KW)
+    callee: Source | None = _UNKNOWN  # what the call being prepared calls (3.11 splits PRECALL/CALL)
+    producers: dict[int, Source | None] = {}  # offset of a call or attribute load -> the callee, or the Attr
     for ins in dis.get_instructions(code):
         op = ins.opname
         if ins.is_jump_target or op == "PUSH_EXC_INFO":
@@ -197,12 +234,14 @@ def read_sites(code: CodeType) -> dict[int, Read]:
                 sites[ins.offset] = AttrRead(receiver, ins.argval)
             pushes = _load_attr_pushes(ins)
             if pushes == 1 and receiver is not _UNKNOWN:
-                stack.items.append(Attr(receiver, ins.argval))
+                stack.items.append(producers.setdefault(ins.offset, Attr(receiver, ins.argval, ins.offset)))
             elif receiver is not _UNKNOWN and (ins.argval in _ATTRIBUTE_SLOTS or _is_template_format(receiver,
                                                                                               ins.argval)):
                 # `object.__getattribute__(obj, name)`, `"{0.x}".format(obj)`: which of the two pushed values is the
                 # function depends on the receiver, so both name it (the call site checks what it finds when it runs)
                 stack.items.extend([Attr(receiver, ins.argval)] * pushes)
+            elif receiver is not _UNKNOWN:  # a method: the call names it, whichever of the two values it is
+                stack.items.extend([Method(receiver, ins.argval)] * pushes)
             else:
                 stack.items.extend([_UNKNOWN] * pushes)
         elif op == "STORE_ATTR":  # TOS.name = TOS1
@@ -219,7 +258,7 @@ def read_sites(code: CodeType) -> dict[int, Read]:
             sites[ins.offset] = GlobalWrite(ins.argval, deletes=op == "DELETE_GLOBAL")
         elif op == "BINARY_SUBSCR":
             container, key = stack.pop(2)
-            stack.items.append(Item(container, key) if container is not _UNKNOWN and isinstance(key, Const)
+            stack.items.append(Item(container, key) if container is not _UNKNOWN and key is not _UNKNOWN
                                else _UNKNOWN)
         elif op in ("STORE_SUBSCR", "DELETE_SUBSCR"):  # TOS1[TOS] = TOS2, del TOS1[TOS]
             container = stack.peek(2)
@@ -239,12 +278,70 @@ def read_sites(code: CodeType) -> dict[int, Read]:
         elif op in _NO_STACK_EFFECT:
             keywords = keywords or op == "KW_NAMES"
         else:
-            if op == _CALL and not keywords:
-                _note_call(ins, stack, sites)
+            if op == _CALL:
+                callee = _callee(ins.arg, stack)
+                if not keywords:
+                    _note_call(ins, stack, sites)
             keywords = False
             stack.forget(dis.stack_effect(ins.opcode, ins.arg, jump=False) if ins.opcode >= dis.HAVE_ARGUMENT
                          else dis.stack_effect(ins.opcode, jump=False))
+            if op == "CALL" and stack.items:  # the call's result: known if the callee's return is caught
+                producers[ins.offset] = callee
+                stack.items[-1] = Result(ins.offset)
+            if op != _CALL:
+                callee = _UNKNOWN
+    return _with_captures(sites, producers)
+
+
+def _callee(nargs: int, stack: _Stack) -> Source | None:
+    """The callable of a call of `nargs` arguments (it sits below or above the NULL, by Python version)."""
+    function = stack.peek(nargs + 1)
+    return function if function is not _UNKNOWN else stack.peek(nargs + 2)
+
+
+def _with_captures(sites: dict[int, Read], producers: dict[int, Source | None]) -> dict[int, Read]:
+    """Adds a Capture before each call or attribute load whose value a site reads from (a `Result`, an `Attr`
+    only a Python getter can answer)."""
+    wanted: set[int] = set()
+    for site in sites.values():
+        for source in _sources(site):
+            _produced(source, wanted)
+    for offset in wanted:
+        producer = producers.get(offset)
+        if producer is None or producer is _UNKNOWN:
+            continue
+        getter = producer if type(producer) is Attr else None
+        sites[offset] = Capture(None if getter else producer, getter, sites.get(offset))
     return sites
+
+
+def _sources(site: Read) -> tuple[Source | None, ...]:
+    kind = type(site)
+    if kind is AttrRead or kind is AttrWrite:
+        return (site.receiver,)
+    if kind is AttrCall:
+        return site.function, site.receiver, site.name
+    if kind is CallRead:
+        return site.function, *site.arguments
+    if kind is ItemWrite:
+        return (site.container,)
+    return ()
+
+
+def _produced(source: Source | None, wanted: set[int]) -> None:
+    """The offsets of the calls and attribute loads `source` is made from."""
+    kind = type(source)
+    if kind is Result:
+        wanted.add(source.offset)
+    elif kind is Attr:
+        if source.offset >= 0:
+            wanted.add(source.offset)
+        _produced(source.base, wanted)
+    elif kind is Item:
+        _produced(source.base, wanted)
+        _produced(source.key, wanted)
+    elif kind is Method:
+        _produced(source.base, wanted)
 
 
 def _note_call(ins: dis.Instruction, stack: _Stack, sites: dict[int, Read]) -> None:
@@ -279,4 +376,4 @@ def _may_read_in_c(function: Source | None, nargs: int) -> bool:
         return _CLASS_BUILTINS[function.name] == nargs
     if isinstance(function, Attr) and _is_template_format(function.base, function.name):
         return True
-    return nargs == 1 and function is not _UNKNOWN
+    return nargs == 1 and function is not _UNKNOWN and type(function) is not Method
