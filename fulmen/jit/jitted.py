@@ -29,6 +29,7 @@ from fulmen.jit.cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.compiling import seen_as_compiling
 from fulmen.jit.distinct import identity_pattern, kept_distinct, repeats_as_first
 from fulmen.jit.function_apply import function_apply_recorded
+from fulmen.jit.global_state import GlobalState
 from fulmen.jit.guards import argument_key, compile_check, global_state_key, tensor_key
 from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
 from fulmen.jit.observe import Observer
@@ -244,7 +245,13 @@ class JittedFunction:
             self.last_miss_reasons = self._cache.miss_reasons(key, tensors, module_tensors, names, self._module_inputs)
             if self._cache.full:
                 return self._past_limit(args, kwargs)
-            entry, module_tensors = self._compile(args, kwargs, tensors, (spec, state, registrations), names)
+            before = GlobalState.current()
+            try:
+                entry, module_tensors = self._compile(args, kwargs, tensors, (spec, state, registrations), names,
+                                                      before)
+            except BaseException:
+                before.restore()  # the grad mode or autocast a refused program set is not left behind
+                raise
             self._cache.add(entry)
         else:
             self.stats.hits += 1
@@ -408,7 +415,7 @@ class JittedFunction:
 
     # --- compilation ---------------------------------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], key_parts: tuple,
-                 names: list[str]) -> tuple[CacheEntry, list]:
+                 names: list[str], before: GlobalState) -> tuple[CacheEntry, list]:
         # What a run that is acquired again did to Python state is undone first (rerun.py): eager runs it once.
         hooks = HookSnapshot(reachable_modules(self._fn, self._module, args, kwargs))
         try:
@@ -417,6 +424,7 @@ class JittedFunction:
             # Eager's path reads a tensor value; libraries keep such reads out of the path they take under a tracer
             # (Hugging Face's `if padding_mask.all()`), which computes the same values.
             hooks.restore()
+            before.restore()
             acquisition = self._acquire(args, kwargs, tensors, names, None, [], compiling=True)
         compiling = acquisition.compiling
         tree, interpreter = acquisition.tree, acquisition.interpreter
@@ -434,6 +442,7 @@ class JittedFunction:
             if aliases is not None:  # acquire again, with the shared storage as one input
                 acquisition.observer.undo()
                 hooks.restore()
+                before.restore()
                 acquisition = self._acquire(args, kwargs, tensors, names, aliases, real_inputs, compiling)
                 tree, interpreter = acquisition.tree, acquisition.interpreter
                 constants = [t for t, _ in interpreter.constants]
