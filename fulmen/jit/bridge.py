@@ -172,7 +172,7 @@ def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ..
         for updated in program.dirty:
             tensor = inputs[updated.input]
             _refuse_update(tensor, program.plan.source.inputs[updated.input].pname, updated.where)
-            if tensor._is_view() and tensor.requires_grad:
+            if tensor._is_view() and tensor.requires_grad and tensor.dtype == tensor._base.dtype:
                 # the forward reads the view's old value through a view of its base made now: eager's update of the
                 # view sends its old value's grad to the base's old node, never through the view's own (nor its hooks)
                 inputs[updated.input] = tensor._base.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())

@@ -188,3 +188,19 @@ def test_a_retained_grad_of_the_updated_argument_is_refused(view, retained):
         fulmen.jit(_scale)(arg, torch.ones(4, requires_grad=True))
     assert error.value.location.line == "x.mul_(w)"
     torch.testing.assert_close(base, torch.ones(4, 4))  # nothing was written
+
+
+def test_a_real_view_of_a_complex_tensor_with_a_history():
+    # a view of another dtype: the forward reads it as given (it failed: 'setStorage: ... out of bounds')
+    def run(fn: Callable) -> tuple:
+        generator = torch.Generator().manual_seed(0)
+        leaf = torch.randn(4, 2, dtype=torch.complex128, generator=generator, requires_grad=True)
+        base = leaf * 1
+        arg = torch.view_as_real(base)
+        w = torch.randn((), dtype=torch.float64, generator=generator, requires_grad=True)
+        out = fn(arg, w)
+        state = (_state(arg), _state(base), out.detach().clone(), base.detach().clone())
+        (out + (base.abs() ** 2).sum()).backward()
+        return state, w.grad, leaf.grad
+
+    _assert_same(run(fulmen.jit(_scale_rows)), run(_scale_rows))
