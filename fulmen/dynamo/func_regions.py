@@ -17,24 +17,29 @@ import torch
 import torch._functorch.predispatch as predispatch
 import torch.fx
 
-# a level's entry -> what the user wrote, for the refusal
-_ENTRIES = {
-    predispatch._vmap_increment_nesting: "torch.vmap",
-    torch._C._functorch._vmap_increment_nesting: "torch.vmap",
-    torch._C._functorch._grad_increment_nesting: "torch.func.grad / vjp / jacrev",
-    predispatch._jvp_increment_nesting: "torch.func.jvp / jacfwd",
-    torch._C._functorch._jvp_increment_nesting: "torch.func.jvp / jacfwd",
-    predispatch._enter_dual_level: "a forward-mode AD dual level",
-    torch._C._autograd._saved_tensors_hooks_disable: "torch.func.grad / vjp / jacrev",
+# a level's entry -> what the user wrote, for the refusal. Dynamo records torch._functorch.predispatch's wrappers or
+# the C functions they call, by torch release; a release without one of them records the other.
+_ENTRY_NAMES = {
+    "_vmap_increment_nesting": "torch.vmap",
+    "_grad_increment_nesting": "torch.func.grad / vjp / jacrev",
+    "_jvp_increment_nesting": "torch.func.jvp / jacfwd",
+    "_enter_dual_level": "a forward-mode AD dual level",
 }
-_EXITS = frozenset({
-    predispatch._vmap_decrement_nesting, torch._C._functorch._vmap_decrement_nesting,
-    torch._C._functorch._grad_decrement_nesting, predispatch._jvp_decrement_nesting,
-    torch._C._functorch._jvp_decrement_nesting, predispatch._exit_dual_level,
-    torch._C._autograd._saved_tensors_hooks_enable,
-})
+_EXIT_NAMES = ("_vmap_decrement_nesting", "_grad_decrement_nesting", "_jvp_decrement_nesting", "_exit_dual_level")
+
+
+def _found(name: str) -> list[object]:
+    """The functions of that name in predispatch and in torch._C._functorch (those this torch has)."""
+    return [function for module in (predispatch, torch._C._functorch)
+            if (function := getattr(module, name, None)) is not None]
+
+
+_ENTRIES = {function: user for name, user in _ENTRY_NAMES.items() for function in _found(name)}
+_ENTRIES[torch._C._autograd._saved_tensors_hooks_disable] = "torch.func.grad / vjp / jacrev"
+_EXITS = frozenset({*(function for name in _EXIT_NAMES for function in _found(name)),
+                    torch._C._autograd._saved_tensors_hooks_enable})
 # what gives a level's result back as a tensor of the level outside it
-_UNWRAPS = frozenset({predispatch._remove_batch_dim, predispatch._unwrap_for_grad})
+_UNWRAPS = frozenset(function for name in ("_remove_batch_dim", "_unwrap_for_grad") for function in _found(name))
 
 
 def _target(node: torch.fx.Node) -> object:
