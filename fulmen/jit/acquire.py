@@ -323,6 +323,11 @@ class Interpreter(TorchFunctionMode):
             self._pinned.pop()
 
     # --- recording -----------------------------------------------------------------------------------------------
+    def current_values(self, obj: Any) -> Any:
+        """The values the tensors in `obj` hold now, after in-place updates (what a grad rule returns and puts):
+        the object a rule updated in place still names its first value."""
+        return self._values(obj)
+
     def _values(self, obj: Any) -> Any:
         """Current values of the proxies in `obj`; real tensors become captured constants; NumPy scalars the Python
         numbers they hold."""

@@ -67,6 +67,7 @@ PUT_GRAD = Symbol("put_grad", "put_grad", _marker_impl, meta=lambda builder, x, 
 class _RuleScope:
     bsym: BoundSymbol
     inputs: set[str]
+    interpreter: Any  # what the rule's torch calls run under (fulmen.jit.acquire.Interpreter)
 
 
 # The grad rules running now, innermost last (a rule may differentiate a call that has a rule of its own).
@@ -89,7 +90,7 @@ def get_grad(x: TensorProxy, *, absent: str | None = None) -> TensorProxy:
     """The cotangent of `x`, an output of the forward computation of the rule being run: zeros where no grad reaches
     `x`, unless `absent` says why zeros cannot stand for it (a backward that sees None instead): then the backward is
     refused with that message."""
-    _active("get_grad")
+    x = _active("get_grad").interpreter.current_values(x)  # an output the rule updated in place: its new value
     if type(x) is not TensorProxy:
         raise TypeError(f"get_grad expects a tensor of the trace, got {type(x).__name__}")
     return GET_GRAD(x) if absent is None else GET_GRAD(x, absent=absent)
@@ -100,6 +101,7 @@ def put_grad(x: Any, grad: Any) -> None:
     scope = _active("put_grad")
     if type(x) is not TensorProxy:
         return  # Python numbers and constants have no cotangent
+    grad = scope.interpreter.current_values(grad)  # a grad the rule updated in place (`g.scatter_add_(...)`)
     if x.pname not in scope.inputs:
         raise TraceError(
             f"put_grad on {x.pname}, which is not an input of {scope.bsym.sym.printed}; a grad rule may only put "
@@ -250,7 +252,7 @@ def _differentiable(p: Any) -> bool:
 
 def _run_rule(rule: GradRule, bsym: BoundSymbol, builder: TraceBuilder, interpreter) -> list[BoundSymbol] | None:
     """Runs `rule` on the arguments of `bsym`; returns what it recorded, with its results named as bsym's outputs."""
-    token = _ACTIVE.set((*_ACTIVE.get(), _RuleScope(bsym, {p.pname for p in bsym.proxy_args()})))
+    token = _ACTIVE.set((*_ACTIVE.get(), _RuleScope(bsym, {p.pname for p in bsym.proxy_args()}, interpreter)))
     try:
         return record_call(rule, bsym, builder, interpreter, f"the grad rule of {bsym.sym.printed}",
                            may_return_inputs=False)

@@ -41,6 +41,8 @@ def record_call(fn: Callable[..., Any], bsym: BoundSymbol, builder: TraceBuilder
     try:
         with interpreter.rule_mode(bsym.source):
             result = fn(*bsym.args, **bsym.kwargs)
+            if result is not NotImplemented:
+                result = interpreter.current_values(result)  # a result the rule updated in place: its new value
     except TraceError:
         raise
     except Exception as error:
