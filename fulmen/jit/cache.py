@@ -14,6 +14,7 @@ from fulmen.core.trace import Trace
 from fulmen.jit.aliasing import AliasPlan, storage_groups, storage_offsets
 from fulmen.jit.bridge import GradProgram
 from fulmen.jit.containers import ContainerWrite
+from fulmen.jit.global_state import StateLeftChanged
 from fulmen.jit.guards import Guard, compile_first_failure, key_difference
 from fulmen.jit.output_grads import Retained
 from fulmen.jit.registrations import Registration
@@ -63,7 +64,7 @@ class CacheEntry:
     aliases: AliasPlan | None = None
     module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
     # the Python state the program stores (and the buffers it registers), stored again by every call
-    writes: tuple[Write | ContainerWrite | Registration, ...] = ()
+    writes: tuple[Write | ContainerWrite | Registration | StateLeftChanged, ...] = ()
     retained: Retained | None = None  # the tensors whose grad each call keeps (the program's retain_grad calls)
     # which outputs (returned, then rebinds) the program gave as one object (distinct.py); None: at most one
     distinct: tuple[int, ...] | None = None

@@ -47,3 +47,15 @@ class GlobalState:
             level = torch.autocast_decrement_nesting()
             if level == 0:  # as torch.autocast's __exit__ does when the outermost region ends
                 torch.clear_autocast_cache()
+
+
+@dataclass(frozen=True, slots=True)
+class StateLeftChanged:
+    """The grad mode and autocast a program leaves changed (bare calls it does not undo), set again by every call (a
+    cache entry's writes): eager's program sets them on each call, where a cache hit runs only the trace, so from the
+    second call on grad stayed on after a program that turned it off for its caller."""
+
+    state: GlobalState
+
+    def apply(self) -> None:
+        self.state.restore()

@@ -29,7 +29,7 @@ from fulmen.jit.cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.compiling import seen_as_compiling
 from fulmen.jit.distinct import identity_pattern, kept_distinct, repeats_as_first
 from fulmen.jit.function_apply import function_apply_recorded
-from fulmen.jit.global_state import GlobalState
+from fulmen.jit.global_state import GlobalState, StateLeftChanged
 from fulmen.jit.guards import argument_key, compile_check, global_state_key, tensor_key
 from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
 from fulmen.jit.observe import Observer
@@ -497,6 +497,7 @@ class JittedFunction:
         if aliases is not None:
             fn = functools.partial(_with_storage, aliases, fn)
         guards = acquisition.observer.guards()
+        left = GlobalState.current()  # the program's own changes, still applied (the passes undo theirs)
         entry = CacheEntry(
             fn=fn,
             traces=tuple(traces),
@@ -516,7 +517,8 @@ class JittedFunction:
             module_inputs=tuple(module_inputs),
             facts=_facts_read(acquisition),
             aliases=aliases,
-            writes=(*acquisition.observer.writes, *acquisition.registrations),
+            writes=(*acquisition.observer.writes, *acquisition.registrations,
+                    *((StateLeftChanged(left),) if left != before else ())),
             distinct=identity_pattern(values[: len(returns_input) + len(rebinds)]),
             retained=acquisition.retained,
         )

@@ -55,3 +55,28 @@ def test_a_program_acquired_again_starts_from_the_callers_grad_mode():
         out.sum().backward()
         grads.append(w.grad)
     torch.testing.assert_close(grads[1], grads[0])
+
+
+def turns_grad_off_for_its_caller(x, w):
+    y = x @ w
+    torch.set_grad_enabled(False)
+    return y
+
+
+def turns_autocast_on_for_its_caller(x, w):
+    y = x @ w
+    torch.set_autocast_enabled("cpu", True)
+    return y
+
+
+@pytest.mark.parametrize("program", [turns_grad_off_for_its_caller, turns_autocast_on_for_its_caller])
+def test_the_state_a_program_leaves_changed_is_set_by_every_call(program):
+    # the first call left it as eager does (acquisition applies it for real); a cache hit ran only the trace
+    jitted = fulmen.jit(program)
+    for fn in (program, jitted, jitted):
+        out = fn(torch.randn(2, 3), torch.randn(3, 2, requires_grad=True))
+        after = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), out.requires_grad)
+        torch.set_grad_enabled(True)
+        torch.set_autocast_enabled("cpu", False)
+        assert after == ((False, False, True) if program is turns_grad_off_for_its_caller else (True, True, True))
+    assert fulmen.cache_hits(jitted) == 1
