@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fulmen.distributed import ddp
+from fulmen.distributed import checkpoint, ddp
 from fulmen.strategies.parallel import FulmenParallelStrategy
 
 
@@ -20,3 +20,10 @@ class ThunderDDPStrategy(FulmenParallelStrategy):
     """
 
     transform = staticmethod(ddp)
+
+    @property
+    def _state_dict_options(self) -> checkpoint.StateDictOptions:
+        # Nothing is sharded: every rank holds the whole state, and `optimizer.state_dict()` gives it on every rank, as
+        # with Lightning's DDPStrategy (so the state loads back on every rank); rank 0's, which fabric.save writes,
+        # is moved to the CPU.
+        return checkpoint.StateDictOptions(full_state_dict=True, cpu_offload=self.global_rank == 0)

@@ -8,9 +8,12 @@ from typing import Any, ClassVar
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
+from torch.optim import Optimizer
 
 from fulmen.distributed import FSDPBucketingStrategy, FSDPType, fsdp
+from fulmen.distributed.optimizers import refuse_unexact_on_shards
 from fulmen.distributed.setup import parse_enum
+from fulmen.distributed.specs import spec_of
 from fulmen.strategies.parallel import FulmenParallelStrategy
 
 STATE_DICT_TYPES = ("full", "sharded")
@@ -31,7 +34,8 @@ class ThunderFSDPStrategy(FulmenParallelStrategy):
     checkpoint one process would write) or "sharded" (a torch.distributed.checkpoint directory, every rank writing
     its rows; loads at any world size). Extra keyword arguments (`broadcast_from`, default 0 so every rank starts from
     rank 0's weights, and `max_in_flight`) go to `fulmen.distributed.fsdp`. The other arguments are
-    ThunderDDPStrategy's.
+    ThunderDDPStrategy's. Each rank's optimizer steps its own rows of every parameter: optimizers whose update is not
+    elementwise (LBFGS, Adafactor, Muon) are refused at setup (fulmen.distributed.optimizers).
     """
 
     transform = staticmethod(fsdp)
@@ -63,6 +67,16 @@ class ThunderFSDPStrategy(FulmenParallelStrategy):
                              "only this rank's shards for infs, so ranks would disagree on which steps to skip): "
                              "use 'bf16-mixed' or 'bf16-true'")
         super().setup_environment()
+
+    def _check_optimizer(self, optimizer: Optimizer, module: nn.Module | None = None) -> None:
+        super()._check_optimizer(optimizer, module)
+        # set up with the module: all its parameters are about to be sharded; afterwards their specs say which are
+        if module is not None:
+            sharded = list(module.named_parameters())
+        else:
+            sharded = [(spec.name, p) for group in optimizer.param_groups for p in group["params"]
+                       if (spec := spec_of(p)) is not None and spec.sharded]
+        refuse_unexact_on_shards(optimizer, sharded, type(self).__name__)
 
     def module_to_device(self, module: nn.Module) -> None:
         """Nothing: `fsdp` moves each parameter's shard (not the whole model) to the device."""

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 import fulmen
 from fulmen.distributed import checkpoint, clip_grad_norm_, distributed_state, no_sync
+from fulmen.distributed.optimizers import has_stepped, shard_optimizer_state
 from fulmen.executors.base import Executor
 from fulmen.jit.jitted import JittedModule
 from fulmen.strategies.checkpoint_io import FulmenCheckpointIO
@@ -164,20 +165,25 @@ class FulmenParallelStrategy(ParallelStrategy):
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Any = None) -> tuple[nn.Module, list[Optimizer], Any]:
         for optimizer in optimizers:  # before the transform changes the module
-            self._check_optimizer(optimizer)
-        return self.setup_module(module), optimizers, scheduler
+            self._check_optimizer(optimizer, module)
+        module = self.setup_module(module)
+        for optimizer in optimizers:
+            shard_optimizer_state(optimizer)
+        return module, optimizers, scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         self._check_optimizer(optimizer)
+        shard_optimizer_state(optimizer)
         return optimizer
 
-    def _check_optimizer(self, optimizer: Optimizer) -> None:
+    def _check_optimizer(self, optimizer: Optimizer, module: nn.Module | None = None) -> None:
+        """`module`: the module set up with the optimizer, not yet transformed."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if any(p.is_meta for p in params):
             raise RuntimeError("the optimizer holds meta-device parameters, which the strategy replaces when it "
                                "materialises the model: set the model up first (model = fabric.setup_module(model)), "
                                "then create the optimizer and set it up (fabric.setup_optimizers(optimizer))")
-        if optimizer.state:
+        if has_stepped(optimizer):
             raise RuntimeError("the optimizer has already stepped: set it up with the model before training, or "
                                "load its state after setup with fabric.load")
 

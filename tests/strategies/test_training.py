@@ -5,7 +5,8 @@ One launch (2 gloo ranks, torchrun's environment) trains every case for 5 AdamW 
 through `fabric.no_backward_sync`, `fabric.clip_gradients` by norm and by value, the strategy's own jit and a
 program that jits its own `forward_and_loss` (jit=False), a module jitted before setup, model and optimizer set up
 together, meta-device init with the weights from `fabric.load_raw`, and executors / transform options passed
-through the strategy.
+through the strategy. Adagrad (state made at construction, before FSDP shards the parameters) trains too, and under
+DDP `optimizer.state_dict()` loads back on every rank.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ CASES = [
     Case("ddp-joint-setup", "ddp", joint=True, clip=None),
     Case("fsdp-executors-options", "fsdp", accumulate=1,
          options=(("executors", ("sdpa", "torch")), ("max_in_flight", 1), ("broadcast_from", None))),
+    # Adagrad makes its state at construction: not a stepped optimizer; set up jointly, its state is sharded too
+    Case("ddp-adagrad", "ddp", accumulate=1, clip=None, optimizer="adagrad"),
+    Case("fsdp-adagrad-joint-setup", "fsdp", accumulate=1, clip=None, joint=True, optimizer="adagrad"),
 ]
 
 
@@ -43,13 +47,13 @@ def suite(tmp_path_factory) -> dict:
 
 
 @functools.cache
-def eager(accumulate: int, clip: str | None) -> dict:
-    return workers.eager_training(accumulate, clip)
+def eager(accumulate: int, clip: str | None, optimizer: str = "adamw") -> dict:
+    return workers.eager_training(accumulate, clip, optimizer_name=optimizer)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_training_matches_single_process_eager(suite, case):
-    got, want = suite[case.name], eager(case.accumulate, case.clip)
+    got, want = suite[case.name], eager(case.accumulate, case.clip, case.optimizer)
     assert_matches_eager(got, want)
     assert bool(want["norms"]) == (case.clip == "norm")
     # under no_backward_sync .grad holds the local gradients as torch's DDP keeps them (FSDP: held back, empty)
@@ -91,3 +95,9 @@ def test_collectives_through_fabric(suite, strategy):
     assert got["all_gather"] == [[0, 0], [1, 10]]
     assert got["broadcast"] == {"from": 1}
     assert (got["all_true"], got["all_of_rank0"], got["any_of_rank0"]) == (True, False, True)
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case.strategy == "ddp"], ids=lambda c: c.name)
+def test_ddp_optimizer_state_dict_loads_back_on_every_rank(suite, case):
+    # as with Lightning's DDPStrategy; before, ranks other than 0 got {} and failed with KeyError: 'param_groups'
+    assert suite[case.name]["optimizer_state_round_trip"] == [True, True]

@@ -3,6 +3,7 @@ single-process eager training it is compared with. The model, batches and loss a
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from collections.abc import Callable
@@ -46,8 +47,15 @@ class Case:
     meta_init: bool = False  # fabric.init_module(empty_init=True), then the weights from a raw state dict
     joint: bool = False  # fabric.setup(model, optimizer) with the optimizer made before setup
     groups: bool = False  # two param groups (no decay first, out of module order) and a frozen parameter
+    optimizer: str = "adamw"  # a key of OPTIMIZERS
     precision: str = "32-true"
     accelerator: str = "cpu"
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=LR),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=LR),  # makes its state at construction
+}
 
 
 def make_strategy(case: Case) -> ThunderDDPStrategy | ThunderFSDPStrategy:
@@ -99,11 +107,11 @@ def setup(fabric: L.Fabric, case: Case, seed: int = 0, raw_weights: str | None =
     if case.prejit:
         model = fulmen.jit(model)
     if case.joint:  # the optimizer holds the parameters the strategy shards in place
-        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+        model, optimizer = fabric.setup(model, OPTIMIZERS[case.optimizer](model.parameters()))
     else:
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(param_groups(model) if case.groups
-                                                              else model.parameters(), lr=LR))
+        optimizer = fabric.setup_optimizers(OPTIMIZERS[case.optimizer](param_groups(model) if case.groups
+                                                                       else model.parameters()))
     if raw_weights is not None:
         fabric.load_raw(raw_weights, model)
     step_fn = loss_fn if case.jit else fulmen.jit(loss_fn)
@@ -193,7 +201,23 @@ def training_suite(rank: int, world: int, cases: list[Case], directory: str) -> 
         results[case.name] = summary(run)
         fabric.barrier()
         results[case.name]["collectives"] = collectives(fabric)
+        if case.strategy == "ddp":
+            results[case.name]["optimizer_state_round_trip"] = optimizer_state_round_trip(run.optimizer, world)
     return results
+
+
+def optimizer_state_round_trip(optimizer: Any, world: int) -> list[Any]:
+    """Each rank's answer (True, or the error): `optimizer.state_dict()` (Fabric's optimizer asks the strategy) loads
+    back into the optimizer and leaves its state as it was, as with Lightning's DDPStrategy."""
+    before = copy.deepcopy(optimizer.optimizer.state_dict())
+    error = _error(lambda: optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict())))
+    after = optimizer.optimizer.state_dict()
+    same = after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys() and all(
+        torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][index][key]))
+        for index, entry in before["state"].items() for key, value in entry.items())
+    every_rank: list[Any] = [None] * world
+    torch.distributed.all_gather_object(every_rank, error or same)
+    return every_rank
 
 
 # --- save and resume ----------------------------------------------------------------------------------------------
@@ -257,13 +281,13 @@ def eager_resume(path: str | Path, accumulate: int, clip: str | None) -> list[fl
 # --- the single-process reference ---------------------------------------------------------------------------------
 def eager_training(accumulate: int, clip: str | None, model: torch.nn.Module | None = None,
                    optimizer: torch.optim.Optimizer | None = None, steps: range = range(STEPS), device: str = "cpu",
-                   precision: str = "32-true", chunks: int = 1) -> dict[str, Any]:
+                   precision: str = "32-true", chunks: int = 1, optimizer_name: str = "adamw") -> dict[str, Any]:
     """One process, the whole global batch of each step at once (`chunks` > 1: summed over that many chunks, the
     same training in another summation order). `precision` as Fabric's: "bf16-true" trains a bf16 model,
     "bf16-mixed" runs the forward under autocast."""
     # made on CPU and moved, as the Fabric runs do (a model made on a GPU draws other initial weights)
     model = model or make_model(dtype=torch.bfloat16 if precision == "bf16-true" else torch.float32).to(device)
-    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = optimizer or OPTIMIZERS[optimizer_name](model.parameters())
     autocast = torch.autocast(device, torch.bfloat16, enabled=precision == "bf16-mixed")
     batches = global_batches(DATA_WORLD, accumulate)
     losses, norms = [], []
@@ -328,6 +352,9 @@ def error_paths(rank: int, world: int, directory: str) -> dict[str, Any]:
     errors["stepped_optimizer"] = _error(lambda: fabric.setup(model, stepped))
 
     run = setup(fabric, case)
+    # not elementwise: on each rank's shards it would step other amounts than on the whole parameters
+    errors["adafactor_on_shards"] = _error(lambda: fabric.setup_optimizers(torch.optim.Adafactor(
+        [run.model.lm_head.weight])))
     train(run, range(1), world)
     full, sharded = Path(directory) / "full.pt", Path(directory) / "sharded"
     full_fabric = make_fabric(case, world, strategy=ThunderFSDPStrategy(state_dict_type="full"))
