@@ -310,6 +310,22 @@ def flatten(obj: Any, leaves: list[torch.Tensor], kept: dict[int, Any] | None = 
     return _const(obj, kept)
 
 
+def tensor_places(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(where, tensor) for the tensors `flatten(obj, ..., objects=True)` takes, in its order: `where` as a program
+    names it (`['hidden_states'][1]`, `.layers[0].keys` inside an object holding tensors), for messages."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    pairs = keyed_children(obj) if type(obj) not in _ATOMS else None
+    if pairs is not None:
+        for key, item in pairs:
+            yield from tensor_places(item, f"{path}[{key!r}]")
+    elif not isinstance(obj, (tuple, list, dict)) and holds_tensors(obj):
+        for name, value in attributes(obj):
+            if holds_tensors(value):
+                yield from tensor_places(value, f"{path}.{name}")
+
+
 def identified(spec: Any) -> frozenset[int]:
     """The ids of the objects `spec` (of arguments: no OBJECT parts) holds by identity: an equal spec holds the very
     same objects (an object of a class with an `__eq__` of its own may be equal to another)."""

@@ -74,6 +74,7 @@ class GradProgram:
     autocast: bool = False  # acquired under autocast: the backward runs with autocast off, like the forward
     distributed: DistributionTransform | None = None  # collectives of ddp / fsdp parameters
     dirty: tuple[UpdatedInput, ...] = ()
+    places: tuple[str, ...] = ()  # where each output sits in what the program returns, for messages
     _backward_fns: dict[tuple[tuple[bool, ...], GradSync], Callable[..., tuple]] = field(default_factory=dict)
     graphs: GraphedProgram | None = None  # CUDA graphs: forward_fn and graphed_backward_fn replay them
     plain_forward_fn: Callable[..., tuple] | None = None  # the forward without graphs
@@ -101,7 +102,8 @@ class GradProgram:
             refuse_leaf_without_grads(self.plan.source)  # autograd.Function's outputs would not require grad
         updated_outputs = {d.output for d in self.dirty}
         self.feeding = tuple(
-            f for f in feeding_outputs(self.plan.source, self.plan.differentiable) if f.output not in updated_outputs
+            f for f in feeding_outputs(self.plan.source, self.plan.differentiable, self.places)
+            if f.output not in updated_outputs
         )
 
     def use_graphs(self, graphs: GraphedProgram, plain_forward: Trace, plain_backward: Trace) -> None:

@@ -64,6 +64,15 @@ def _arg_hints(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> l
             for name, value in pairs for path, _ in pytree.leaves_with_paths(value, _is_tensor)]
 
 
+def _places(result: Any, returned: int, rebinds: list[tuple[nn.Module, str, str]]) -> tuple[str, ...]:
+    """Where each output of the trace is for the program: in what it returns (`output['hidden_states'][1]`), then
+    the module attributes it assigned."""
+    places = [f"output{where}" for where, _ in pytree.tensor_places(result)]
+    if len(places) != returned:  # flatten took other tensors (those of an object the program was given)
+        places = [f"output #{i}" for i in range(returned)]
+    return (*places, *(f"attribute {name} of a {type(module).__qualname__} module" for module, _, name in rebinds))
+
+
 def _named_arguments(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> tuple[list[str], list[Any]]:
     """The program's parameter names and the values they receive (`**kwargs` is a dict the call makes anew: its
     values are the program's, the dict is not)."""
@@ -145,6 +154,7 @@ class Acquisition:
     dirty: tuple[int, ...]  # inputs that get an autograd history (their values follow the rebinds' in `values`)
     compiling: bool  # traced as a tracer is seen (torch.compiler.is_compiling()), see fulmen.jit.compiling
     registrations: tuple[Registration, ...] = ()  # the buffers the program registered (registrations.py)
+    places: tuple[str, ...] = ()  # where each returned tensor sits in the output (`output['logits']`), for messages
 
     def written(self) -> dict[int, SourceLocation | None]:
         """The inputs the program updates in place (their final values are copied back), by position, with the line
@@ -387,7 +397,8 @@ class JittedFunction:
         values += [value for _, value in dirty]
         registrations = (*(tree.registrations() if tree is not None else ()), *(r.registration() for r in real.found))
         return Acquisition(builder, interpreter, observer, tree, inputs, values, out_spec, out_objects, returns_input,
-                           rebinds, retained, tuple(position[id(obj)] for obj, _ in dirty), compiling, registrations)
+                           rebinds, retained, tuple(position[id(obj)] for obj, _ in dirty), compiling, registrations,
+                           _places(result, len(returns_input), rebinds))
 
     @staticmethod
     def _shared_storage(builder: TraceBuilder, interpreter: Interpreter, proxies: list[TensorProxy],
@@ -476,7 +487,8 @@ class JittedFunction:
             # grad rules record as the program's own calls did; inference mode (a call under torch.inference_mode()
             # that enables grad) would have them record no history, leaving the backward without grads
             with torch.inference_mode(False), torch.enable_grad():
-                program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs, dirty)
+                program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs, dirty,
+                                                                      acquisition.places)
             traces.extend(forward_traces)
             if graphs is not None:
                 # the forward and backward without graphs, for a forward whose previous backward has not run yet

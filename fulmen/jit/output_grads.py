@@ -39,11 +39,16 @@ class FeedingOutput:
     dependents: tuple[int, ...]
     name: str
     where: SourceLocation | None  # the line that computed it
+    places: tuple[str, ...] = ()  # where each output of the program is for it (`output['logits']`), when known
+
+    def describe(self, output: int) -> str:
+        return self.places[output] if output < len(self.places) else f"output #{output}"
 
 
-def feeding_outputs(trace: Trace, differentiable: Sequence[bool]) -> tuple[FeedingOutput, ...]:
+def feeding_outputs(trace: Trace, differentiable: Sequence[bool], places: tuple[str, ...] = ()
+                    ) -> tuple[FeedingOutput, ...]:
     """The differentiable outputs of `trace` that other differentiable outputs depend on through values that
-    require grad."""
+    require grad; `places`: where the outputs sit in what the program returns (`output['hidden_states'][1]`)."""
     index: dict[str, list[int]] = {}
     for i, (out, wanted) in enumerate(zip(trace.output, differentiable)):
         if wanted:
@@ -65,7 +70,7 @@ def feeding_outputs(trace: Trace, differentiable: Sequence[bool]) -> tuple[Feedi
                 if differentiable[j] and out.pname != name and i in reaches.get(out.pname, ())
             )
             if dependents:
-                feeding.append(FeedingOutput(i, dependents, name, where.get(name)))
+                feeding.append(FeedingOutput(i, dependents, name, where.get(name), places))
     return tuple(sorted(feeding, key=lambda f: f.output))
 
 
@@ -99,9 +104,12 @@ def check_watched(feeding: tuple[FeedingOutput, ...], refs: list[weakref.ref], p
             continue
         if tensor.retains_grad or tensor._backward_hooks:
             what = "retain_grad()" if tensor.retains_grad else "a hook (register_hook)"
+            dependents = ", ".join(f.describe(j) for j in f.dependents[:4]) + (", ..." if len(f.dependents) > 4
+                                                                                 else "")
+            were = "was" if len(f.dependents) == 1 else "were"
             raise TraceError(
-                f"the jitted program's output {f.output} ({f.name}) has {what}, and outputs "
-                f"{list(f.dependents)} of the program were computed from it: fulmen runs the program as one autograd "
+                f"{f.describe(f.output)} ({f.name}) of the jitted program has {what}, and {dependents} {were} "
+                "computed from it: fulmen runs the program as one autograd "
                 "node, so the grad autograd would show for that output lacks what reaches it through the others. "
                 "Compute the outputs that use it in a second jitted call (or eagerly) taking it as an argument",
                 f.where,

@@ -109,11 +109,13 @@ class Pipeline:
         return traces + self.finish(trace, TraceKind.COMPUTATION, graphs, len(trace.output))
 
     def differentiate(self, trace: Trace, distributed: DistributionTransform | None, graphs: GraphPool | None = None,
-                      dirty: tuple[UpdatedInput, ...] = ()) -> tuple[GradProgram, list[Trace]]:
+                      dirty: tuple[UpdatedInput, ...] = (), places: tuple[str, ...] = ()
+                      ) -> tuple[GradProgram, list[Trace]]:
         """Stage GRAD and what follows for the forward; the backward's passes run in the returned program. With
         `graphs`, the last two traces of the forward and of the backward capture CUDA graphs and the two before
         them are the same program without graphs. `dirty`: the inputs the program updates in place with a value
-        that has an autograd history, which they get."""
+        that has an autograd history, which they get. `places`: where the outputs sit in what the program returns
+        (for messages)."""
         plan = plan_grad(trace, self.interpreter_factory, self.executors, self.memory_budget)
         n_saved = len(plan.saved)
         forward = plan.forward
@@ -132,7 +134,7 @@ class Pipeline:
         finalize = BackwardPasses(self, tuple(forwards), n_saved, distributed)
         program = GradProgram(plan, traces[-1].python_callable(), finalize,
                               finalize(plan.backward(plan.differentiable), GradSync.SYNC, graphs), autocast_enabled(),
-                              distributed, dirty)
+                              distributed, dirty, places)
         return program, traces
 
     def finish(self, trace: Trace, kind: TraceKind, graphs: GraphPool | None = None,

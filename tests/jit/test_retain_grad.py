@@ -70,7 +70,7 @@ def test_a_retained_output_other_outputs_were_computed_from_is_refused_at_backwa
     (y.sum() + total).backward()
     assert torch.equal(y.grad, torch.full((3,), 4.0))
     y, total = fulmen.jit(program)(x)
-    with pytest.raises(fulmen.TraceError, match=r"output 0 .* has retain_grad\(\)"):
+    with pytest.raises(fulmen.TraceError, match=r"output\[0\] .* has retain_grad\(\)"):
         (y.sum() + total).backward()
 
 
@@ -102,7 +102,7 @@ def test_a_retained_tensor_the_module_keeps_matches_eager():
 
 def test_a_retained_tensor_the_module_keeps_and_the_output_uses_is_refused_at_backward():
     jitted = fulmen.jit(_Keeps(feeds=True))
-    with pytest.raises(fulmen.TraceError, match=r"has retain_grad\(\), and outputs \[0\]"):
+    with pytest.raises(fulmen.TraceError, match=r"attribute hidden of a _Keeps module .* and output was computed"):
         jitted(torch.randn(2, 3)).sum().backward()
 
 

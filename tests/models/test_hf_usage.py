@@ -223,3 +223,16 @@ def test_layerdrop_models_train_as_eager(family, class_name, labels):
         with pytest.raises(fulmen.DataDependentError, match="reads tensor values") as error:
             jitted(**inputs)
         assert error.value.location.line == "if dropout_probability < self.layerdrop:"
+
+
+def test_retain_grad_on_a_hidden_state_is_refused_naming_it():
+    """Interpretability code keeps the grad of a hidden state; eager's includes what reaches it through the layers
+    after it, which fulmen's one autograd node cannot show: refused at backward, naming the output by its place in
+    the model's output (it said 'output 7 (t154)') and the line that computed it."""
+    jitted = fulmen.jit(_build("llama", "LlamaForCausalLM"))
+    out = jitted(**batch(padded=False), output_hidden_states=True)
+    out.hidden_states[1].retain_grad()
+    with pytest.raises(fulmen.TraceError, match=r"output\['hidden_states'\]\[1\] \(t\d+\) of the jitted program has "
+                       r"retain_grad\(\), and output\['loss'\], output\['logits'\], ") as error:
+        out.loss.backward()
+    assert error.value.location.line == "hidden_states = residual + hidden_states"
