@@ -88,6 +88,11 @@ class FulmenParallelStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._backward_sync_control = _NoBackwardSync(name)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> FulmenParallelStrategy:
+        """Itself: it stands for the processes and their group. `copy.deepcopy` of a module Fabric set up (an EMA or
+        a reference model) copies the strategy with it, and the copy goes on running in this one."""
+        return self
+
     @classmethod
     def _check_transform_options(cls, options: dict[str, Any]) -> dict[str, Any]:
         transform = cls.transform

@@ -10,25 +10,22 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fulmen.distributed import arrivals
 from fulmen.distributed.loading import keep_parameters, shard_on_load
 from fulmen.distributed.prims import group_name, make_checker
 from fulmen.distributed.specs import (
     DistributedState,
     FSDPBucketingStrategy,
     FSDPType,
-    ParamSpec,
     local_shard,
     spec_of,
 )
-from fulmen.transforms.distribution import DISTRIBUTED_INPUT, ModuleWrapper
+from fulmen.transforms.distribution import ModuleWrapper
 
 
 def _unwrap(model: nn.Module, what: str) -> nn.Module:
@@ -121,9 +118,7 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
         for name, param in module.named_parameters():
             if broadcast_from is not None:
                 _broadcast(param.data, state, broadcast_from)
-            spec = ParamSpec(state, name, None, name, weakref.ref(param))
-            setattr(param, DISTRIBUTED_INPUT, spec)
-            arrivals.watch(param, spec)
+            state.distribute(param, name, None, name)
         if broadcast_from is not None:
             for buffer in module.buffers():
                 _broadcast(buffer, state, broadcast_from)
@@ -213,9 +208,7 @@ def fsdp(model: nn.Module, *, device: torch.device | str | None = None, broadcas
                 shape = full.shape
                 param.data = local_shard(full, state.rank, state.world)
                 del full
-                spec = ParamSpec(state, name, shape, keys[name], weakref.ref(param))
-                setattr(param, DISTRIBUTED_INPUT, spec)
-                arrivals.watch(param, spec)
+                state.distribute(param, name, shape, keys[name])
             if any(param is not None for param in sub._parameters.values()):
                 # module.load_state_dict(full) takes this rank's rows, as on one process (shared parameters included)
                 sub.register_load_state_dict_pre_hook(shard_on_load)

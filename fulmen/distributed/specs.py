@@ -10,17 +10,20 @@ placement describes the same rows).
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fulmen.core.trace import Trace
 from fulmen.distributed import arrivals
+from fulmen.distributed.prims import make_checker
 from fulmen.distributed.transform import DistributedProgram
 from fulmen.transforms.distribution import DISTRIBUTED_INPUT
 
@@ -72,10 +75,36 @@ class DistributedState:
     # What the programs' backwards delivered to each parameter, by backward pass (autograd's graph task id) while it
     # runs: the parameters' hooks refuse a gradient computed outside every program (distributed.arrivals).
     arrivals: dict[int, dict[ParamSpec, object]] = field(default_factory=dict)
+    specs: list[ParamSpec] = field(default_factory=list, repr=False)  # of the parameters this state distributes
 
     @property
     def zero3(self) -> bool:
         return self.sharding is FSDPType.ZERO3
+
+    def distribute(self, param: torch.Tensor, name: str, full_shape: torch.Size | None, bucket: str) -> ParamSpec:
+        """Marks `param` (this rank's shard, or the whole replicated tensor) as distributed by this state."""
+        spec = ParamSpec(self, name, full_shape, bucket, weakref.ref(param))
+        setattr(param, DISTRIBUTED_INPUT, spec)
+        arrivals.watch(param, spec)
+        self.specs.append(spec)
+        return spec
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DistributedState:
+        """`copy.deepcopy` of a distributed module (an EMA or a reference model made after setup) gives a module
+        distributed as the original over the same group: this state's settings with nothing pending, and each copied
+        parameter (its shard under fsdp, copied by torch) marked with a spec of its own, as torch's
+        DistributedDataParallel copies into a module with its own reducer. Every rank copies at the same point (under
+        a backend other than gloo the copy makes its own host group for the collective-order checks)."""
+        copied = DistributedState(self.kind, self.group, self.group_name, self.world, self.rank,
+                                  sharding=self.sharding, bucketing=self.bucketing, bucket_bytes=self.bucket_bytes,
+                                  max_in_flight=self.max_in_flight)
+        copied.checker = make_checker(copied, self.group) if self.checker is not None else None
+        memo[id(self)] = copied
+        for spec in self.specs:
+            param = spec.param() if spec.param is not None else None
+            if param is not None:  # the copy torch makes of it, the one the copied module holds
+                copied.distribute(copy.deepcopy(param, memo), spec.name, spec.full_shape, spec.bucket)
+        return copied
 
 
 @dataclass(eq=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from tests.distributed.launch import run_ranks, values
 from tests.distributed.workers import assert_matches_eager, make_model
@@ -37,6 +38,9 @@ CASES = [
     # Adagrad makes its state at construction: not a stepped optimizer; set up jointly, its state is sharded too
     Case("ddp-adagrad", "ddp", accumulate=1, clip=None, optimizer="adagrad"),
     Case("fsdp-adagrad-joint-setup", "fsdp", accumulate=1, clip=None, joint=True, optimizer="adagrad"),
+    # copy.deepcopy of the set-up module is distributed as the original (its gradients reduced, its shards gathered)
+    Case("ddp-copied", "ddp", accumulate=1, copied=True),
+    Case("fsdp-copied", "fsdp", copied=True),
 ]
 
 
@@ -101,3 +105,13 @@ def test_collectives_through_fabric(suite, strategy):
 def test_ddp_optimizer_state_dict_loads_back_on_every_rank(suite, case):
     # as with Lightning's DDPStrategy; before, ranks other than 0 got {} and failed with KeyError: 'param_groups'
     assert suite[case.name]["optimizer_state_round_trip"] == [True, True]
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case.copied], ids=lambda c: c.name)
+def test_a_copy_of_the_set_up_module_leaves_the_original_as_it_was(suite, case):
+    # (the copy trained as one process would: test_training_matches_single_process_eager; before, copying failed
+    # with TypeError: cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object)
+    original = suite[case.name]["original"]
+    assert original.keys() == suite[case.name]["params"].keys()
+    for name, value in make_model().state_dict().items():
+        torch.testing.assert_close(original[name], value, rtol=0, atol=0, msg=name)

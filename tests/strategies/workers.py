@@ -48,6 +48,7 @@ class Case:
     joint: bool = False  # fabric.setup(model, optimizer) with the optimizer made before setup
     groups: bool = False  # two param groups (no decay first, out of module order) and a frozen parameter
     optimizer: str = "adamw"  # a key of OPTIMIZERS
+    copied: bool = False  # trains copy.deepcopy of the module Fabric set up (as an EMA or a reference model is made)
     precision: str = "32-true"
     accelerator: str = "cpu"
 
@@ -95,6 +96,7 @@ class Training:
     # after each no_sync micro-batch: .grad holds the local gradients (DDP, as torch's) or nothing (FSDP: held back)
     local_grads_as_torch: list[bool] = field(default_factory=list)
     created_on_meta: bool = False
+    original: Any = None  # the module set up, when the run trains a copy of it
 
 
 def setup(fabric: L.Fabric, case: Case, seed: int = 0, raw_weights: str | None = None) -> Training:
@@ -110,12 +112,15 @@ def setup(fabric: L.Fabric, case: Case, seed: int = 0, raw_weights: str | None =
         model, optimizer = fabric.setup(model, OPTIMIZERS[case.optimizer](model.parameters()))
     else:
         model = fabric.setup_module(model)
+        if case.copied:
+            original, model = model, copy.deepcopy(model)
         optimizer = fabric.setup_optimizers(OPTIMIZERS[case.optimizer](param_groups(model) if case.groups
                                                                        else model.parameters()))
     if raw_weights is not None:
         fabric.load_raw(raw_weights, model)
     step_fn = loss_fn if case.jit else fulmen.jit(loss_fn)
-    return Training(fabric, case, model, optimizer, step_fn, created_on_meta=on_meta)
+    return Training(fabric, case, model, optimizer, step_fn, created_on_meta=on_meta,
+                    original=original if case.copied else None)
 
 
 def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -164,6 +169,8 @@ def summary(run: Training) -> dict[str, Any]:
         "forward": count_collectives(fulmen.last_traces(jitted)[-1]),
         "backward": count_collectives(fulmen.last_backward_traces(jitted)[-1]),
         "forward_source": str(fulmen.last_traces(jitted)[-1]),
+        # the module the trained one was copied from, as set up (gathered like the params)
+        "original": None if run.original is None else checkpoint.get_model_state_dict(run.original, checkpoint.FULL),
     }
 
 
