@@ -58,6 +58,12 @@ class Piece:
     def by_fulmen(self) -> bool:
         return isinstance(self.runner, FulmenPiece) and self.runner.fallback is None
 
+    @property
+    def runs_by(self) -> str:
+        """"fulmen", or the fallback that runs the piece now ("inductor", "eager")."""
+        runner = self.runner.fallback if isinstance(self.runner, FulmenPiece) else self.runner
+        return "fulmen" if runner is None else runner.fallback.value
+
 
 @dataclass
 class GraphRecord:
@@ -81,16 +87,31 @@ class FallbackPiece(nn.Module):
         self.module = module
         self.fallback = fallback
         self._compiled: Callable[..., Any] | None = None
+        self.record: Piece | None = None
 
     def forward(self, *args: Any) -> Any:
         if self.fallback is Fallback.EAGER:
             return self.module(*args)
         if self._compiled is None:
-            from torch._inductor import compile as inductor_compile  # heavy: only when a piece needs it
+            # heavy: only when a piece needs it
+            from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+            from torch._inductor import compile as inductor_compile
+            from torch._inductor.exc import InductorError
 
             flat, spec = _flat_outputs(self.module)
-            # fallback_random: random ops draw from torch's generator as eager does (Inductor's own draws differ)
-            compiled = inductor_compile(flat, _example_inputs(flat, args), options={"fallback_random": True})
+            try:
+                # fallback_random: random ops draw from torch's generator as eager does (Inductor's own draws differ)
+                compiled = inductor_compile(flat, _example_inputs(flat, args), options={"fallback_random": True})
+            except (InductorError, TensorifyScalarRestartAnalysis) as error:
+                # Inductor compiles the piece on the graph's first call, outside Dynamo's analysis, from Dynamo's
+                # example values; what it cannot compile so runs eagerly (a float attribute read under dynamic=True,
+                # `.item()` of the tensor Dynamo made of it: Inductor asked Dynamo to restart its analysis with the
+                # float specialized, or failed on the item's unbacked binding)
+                self.fallback = Fallback.EAGER
+                if self.record is not None:
+                    why = first_line(error) if isinstance(error, InductorError) else "it would specialize a float"
+                    self.record.reasons.append(f"Inductor cannot compile the piece here ({why}): it runs eagerly")
+                return self.module(*args)
             self._compiled = lambda *inputs: pytree.tree_unflatten(list(compiled(*inputs)), spec)
         return self._compiled(*args)
 
@@ -146,6 +167,7 @@ class FulmenPiece(nn.Module):
                 return self.jitted(*args)
             except FulmenError as error:
                 self.fallback = FallbackPiece(self.module, self._fallback_kind)
+                self.fallback.record = self.record
                 if self.record is not None:
                     self.record.reasons.append(first_line(error))
         return self.fallback(*args)
@@ -191,10 +213,10 @@ class _SplitProgram:
             self.run = result
         return self.run(*args)
 
-    def _keep(self, name: str, module: torch.fx.GraphModule, runner: nn.Module, reasons: list[str]) -> Piece:
+    def _keep(self, name: str, module: torch.fx.GraphModule, runner: FulmenPiece | FallbackPiece,
+              reasons: list[str]) -> Piece:
         piece = Piece(name, _calls(module), runner, list(reasons))
-        if isinstance(runner, FulmenPiece):
-            runner.record = piece
+        runner.record = piece
         self.record.pieces.append(piece)
         return piece
 
@@ -246,8 +268,7 @@ class FulmenBackend:
             lines.extend(f"  Dynamo graph break: {reason}" for reason in record.breaks)
             lines.append(f"graph {record.index}: {_calls(record.graph)} ops, {len(record.pieces)} piece(s)")
             for piece in record.pieces:
-                by = "fulmen" if piece.by_fulmen else self.fallback.value
-                lines.append(f"  {piece.name:<10} {by:<8} {piece.nodes:>5} ops")
+                lines.append(f"  {piece.name:<10} {piece.runs_by:<8} {piece.nodes:>5} ops")
                 lines.extend(f"      {reason}" for reason in piece.reasons)
         return "\n".join(lines)
 

@@ -264,3 +264,32 @@ def test_a_refusal_inside_a_no_grad_region_leaves_grad_on_for_the_split_graph():
     backend = fulmen.dynamo.backend(fallback="eager")
     _compare(rotated, backend, torch.randn(4, 3), torch.randn(3, 5, requires_grad=True))
     assert [piece.by_fulmen for piece in backend.pieces] == [True, False, True]
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 4)
+        self.scale = 0.5  # under dynamic=True Dynamo makes it a tensor input and reads it back with .item()
+
+    def forward(self, x):
+        return (self.linear(x) * self.scale).relu()
+
+
+def test_a_piece_inductor_cannot_compile_after_dynamos_analysis_runs_eagerly():
+    # Inductor raised TensorifyScalarRestartAnalysis (to restart an analysis long over) on the .item() piece, and
+    # InductorError on every later call; LitGPT's float attributes (RMSNorm's eps) under dynamic=True failed so
+    backend = fulmen.dynamo.backend(fallback="inductor")
+    model = Scaled()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for rows in (2, 3):
+        x = torch.randn(rows, 3)
+        want = model(x)
+        (want_grad,) = torch.autograd.grad(want.sum(), model.linear.weight)
+        got = compiled(x)
+        (got_grad,) = torch.autograd.grad(got.sum(), model.linear.weight)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grad, want_grad)
+    refused = [piece for piece in backend.pieces if not piece.by_fulmen]
+    assert [piece.runs_by for piece in refused] == ["eager"]
+    assert "Inductor cannot compile the piece here" in refused[0].reasons[-1] and "  submod_1   eager" in str(backend)
