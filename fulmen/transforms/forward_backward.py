@@ -20,6 +20,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.ops import prims
+from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.autodiff import BackwardAssembler, Chunk, GradTransform
 from fulmen.transforms.common import dce
 from fulmen.transforms.regions import last_uses
@@ -183,9 +184,18 @@ def _copies_of_overwritten_views(bsyms: list[BoundSymbol], saved: list[TensorPro
     """The forward's calls and the values it returns for `saved`: a saved value that is a view of an input the
     forward then updates in place (`x[None].clamp_(...)` saves `x[None]` for clamp's mask) is copied right after it
     is computed, else the write-back would change it under the backward (which read the new value, and failed its
-    version check naming a tensor eager never saved). An input saved itself is the bridge's (bridge.py: originals)."""
+    version check naming a tensor eager never saved). So is a saved `.detach()` alias of such an input, or a view of
+    one (`t = x.detach(); t *= x * 2` saves t for the grad of `x * 2`: the backward read t's new value, where eager's
+    mul_ saves the old one): a detached tensor's meta is not a view, though it shares the input's memory. An input
+    saved itself is the bridge's (bridge.py: originals)."""
     roots = {id(_meta_root(p)) for p in trace.inputs if p.pname in overwritten}
-    names = {p.pname for p in saved if p.meta._is_view() and id(_meta_root(p)) in roots}
+    detached = set()
+    for bsym in bsyms:
+        arg = bsym.args[0] if bsym.args else None
+        if bsym.sym is SYMBOLS["torch.detach"] and type(arg) is TensorProxy and id(_meta_root(arg)) in roots:
+            detached.update(p.pname for p in bsym.proxy_outputs())
+            roots.update(id(p.meta) for p in bsym.proxy_outputs())
+    names = {p.pname for p in saved if (p.meta._is_view() or p.pname in detached) and id(_meta_root(p)) in roots}
     if not names:
         return bsyms, saved
     copies: dict[str, TensorProxy] = {}

@@ -10,8 +10,9 @@ twice (a trace, then a cache hit on new values, which must not trace again) unde
 independent inputs, and compared: output values, dtypes, shapes, strides, requires_grad, which outputs are an input
 or share an input's memory or each other's, the inputs after the call (in-place updates; requires_grad, is_leaf,
 grad_fn's kind and version counter of each and of the tensor it is a view of), and the grads of the inputs (the
-outputs, the inputs and their bases times seeded cotangents, backward: an update gives an input eager's history). A FulmenError is a refusal, counted by kind; anything else
-that differs is a mismatch, reported with the seed and the program's source. Replay one and shrink it with
+outputs, the inputs and their bases times seeded cotangents, backward: an update gives an input eager's history).
+A FulmenError is a refusal, counted by kind; anything else that differs is a mismatch, reported with the seed and
+the program's source. Replay one and shrink it with
 `python -m tests.jit.test_program_fuzz SEED [torchcompile]`, run a range with
 `python -m tests.jit.test_program_fuzz 0:1000 [torchcompile]`.
 """
@@ -322,6 +323,10 @@ FINDINGS = {
     "each update bumps the version counter": Program(
         24, (_spec("b", (2, 3, 4)),),
         ("b.copy_(b)", "b[1] = 1.5", "with torch.no_grad(): b.add_(b)", "b.masked_fill_(b > 0, 0.25)"), ("b",)),
+    # the forward saved the detached alias t for the grad of `b * 2` and the write-back of b then changed it: b's grads
+    # used t's new value, where eager's mul_ saves the old one
+    "a detached alias of an input saved, then updated with a history": Program(
+        25, (_spec("b", (3, 4), grad="history"),), ("t = b.detach()", "t *= b * 2", "u = t * 1"), ("u",)),
 }
 
 
