@@ -118,9 +118,11 @@ class _Probe(torch.fx.Interpreter):
         if isinstance(value, torch.Tensor):
             shape = [_concrete(s) for s in value.shape]
             stride = [_concrete(s) for s in value.stride()]
+            # outside the acquisition's mode, as the inputs' proxies are made: under inference mode the meta tensor
+            # is an inference tensor, which make_proxy reads the storage of (a value read the mode refused)
             with torch._C.DisableTorchFunction():
                 meta = torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
-            return self.builder.make_proxy(meta, value.device, value.requires_grad)
+                return self.builder.make_proxy(meta, value.device, value.requires_grad)
         if isinstance(value, (tuple, list)):
             return type(value)(self._stand_in(item) for item in value)
         return _concrete(value)

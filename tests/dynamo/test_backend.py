@@ -293,3 +293,14 @@ def test_a_piece_inductor_cannot_compile_after_dynamos_analysis_runs_eagerly():
     refused = [piece for piece in backend.pieces if not piece.by_fulmen]
     assert [piece.runs_by for piece in refused] == ["eager"]
     assert "Inductor cannot compile the piece here" in refused[0].reasons[-1] and "  submod_1   eager" in str(backend)
+
+
+def test_a_graph_split_under_inference_mode_runs_as_eager():
+    # the probe's stand-in for the refused cond was an inference tensor, whose storage fulmen's mode refused to read
+    # (DataDependentError: torch.Tensor.untyped_storage): nn.TransformerEncoder's fast path under inference_mode
+    backend = fulmen.dynamo.backend(fallback="eager")
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    with torch.inference_mode():
+        got, want = torch.compile(with_cond, backend=backend)(x, w), with_cond(x, w)
+    torch.testing.assert_close(got, want)
+    assert got.is_inference() and [piece.by_fulmen for piece in backend.pieces] == [True, False, True]
