@@ -193,6 +193,16 @@ def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ..
     return tuple(outputs)
 
 
+def give_history(alias: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`alias`, a `.detach()` alias of an input (or a view of one) the program updated in place with `value`, which
+    has a history, with that history, as eager's update gives it (its memory is the input's: the forward wrote it)."""
+    version = alias._version
+    with torch.enable_grad():  # the program may have enabled grad itself
+        alias = _UpdatedView.apply(alias, value)
+    torch._C._autograd._unsafe_set_version_counter((alias,), (version,))  # the update was counted by the forward
+    return alias
+
+
 def _rebased(program: GradProgram, inputs: Sequence[torch.Tensor]) -> list[UpdatedInput]:
     """The updated inputs that get their history through a view (`_UpdatedView`), not from `FulmenFunction`."""
     return [updated for updated in program.dirty if updated.through_view or inputs[updated.input]._is_view()]

@@ -12,7 +12,7 @@ from torch import nn
 
 from fulmen.core.trace import Trace
 from fulmen.jit.aliasing import AliasPlan, storage_groups, storage_offsets
-from fulmen.jit.bridge import GradProgram
+from fulmen.jit.bridge import GradProgram, give_history
 from fulmen.jit.containers import ContainerWrite
 from fulmen.jit.global_state import StateLeftChanged
 from fulmen.jit.guards import Guard, compile_first_failure, key_difference
@@ -30,16 +30,20 @@ class ReturnedInput:
     position: int  # among the trace's inputs: arguments, module tensors, captured tensors
     views: tuple[tuple[Callable[..., Any], tuple, dict[str, Any], int | None], ...] = ()  # (impl, args, kwargs, index)
     grad: bool = True  # the views were taken with grad enabled (else under no_grad, as in the program)
+    # a `.detach()` alias (or a view of one) the program updated in place with a value that has an autograd history:
+    # it gets the history of the trace's value for it, as eager's update gives the alias (bridge.give_history)
+    history: bool = False
 
-    def take(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def take(self, inputs: Sequence[torch.Tensor], value: torch.Tensor | None = None) -> torch.Tensor:
         out = inputs[self.position]
+        history = self.history and value is not None and value.requires_grad
         if self.views:
-            with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
+            with torch.set_grad_enabled(history or self.grad and torch.is_grad_enabled()):
                 for impl, args, kwargs, index in self.views:
                     out = impl(out, *args, **kwargs)
                     if index is not None:
                         out = out[index]
-        return out
+        return give_history(out, value) if history else out
 
 
 @dataclass(frozen=True, slots=True)

@@ -323,7 +323,10 @@ class JittedFunction:
         for write in entry.writes:  # the Python state the program stored (fulmen.jit.writes)
             write.apply()
         if entry.distinct is not None:  # what the trace merged, eager gives as distinct tensors (distinct.py)
-            outputs = kept_distinct(outputs, entry.distinct)
+            distinct = kept_distinct(outputs, entry.distinct)
+            if distinct is not outputs and entry.program is not None and entry.program.feeding:
+                rewatch(entry.program.feeding, outputs, distinct)
+            outputs = distinct
         produced = outputs
         if len(outputs) > entry.n_outputs:  # then the rebinds' values, then the values of updated inputs
             for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
@@ -333,7 +336,7 @@ class JittedFunction:
         if takes_inputs or entry.retained is not None:
             inputs = [*tensors, *module_tensors, *entry.constants]
         if takes_inputs:
-            returned = [r.take(inputs) if r is not None else out for r, out in zip(entry.returns_input, outputs)]
+            returned = [r.take(inputs, out) if r is not None else out for r, out in zip(entry.returns_input, outputs)]
             if entry.program is not None and entry.program.feeding:
                 rewatch(entry.program.feeding, outputs, returned)
             outputs = returned
@@ -560,10 +563,11 @@ class JittedFunction:
                 path = functional.view_path(leaf, input_index)
                 if path is not None:
                     position, views = path
-                    if values[-1].requires_grad and any(v.detached for v in views):
-                        _refuse_detached_history(functional, leaf, proxies[position])
+                    history = values[-1].requires_grad and any(v.detached for v in views)
+                    if history and any(v.hidden for v in views):
+                        _refuse_data_alias_history(functional, leaf, proxies[position])
                     returned = ReturnedInput(position, tuple((v.sym.impl, v.args, v.kwargs, v.index) for v in views),
-                                             values[-1].requires_grad or not proxies[position].requires_grad)
+                                             values[-1].requires_grad or not proxies[position].requires_grad, history)
             else:  # a captured tensor, returned itself
                 values.append(interpreter._constant(leaf))
                 captured = next((i for i, (_, p) in enumerate(interpreter.constants) if p is values[-1]), None)
@@ -679,12 +683,13 @@ def core(fn: JittedFunction | JittedModule) -> JittedFunction:
     raise TypeError(f"expected the result of fulmen.jit, got {type(fn).__name__}")
 
 
-def _refuse_detached_history(functional: Any, output: TensorProxy, given: TensorProxy) -> None:
-    """An output that is a `.detach()` / `.data` alias of an input, given an autograd history by an in-place update
-    with a value that has one (`t = x.detach(); t.mul_(w)`): eager's alias shares the input's memory and carries
-    that history, which fulmen cannot give a tensor taken from the input (a detached alias has none)."""
+def _refuse_data_alias_history(functional: Any, output: TensorProxy, given: TensorProxy) -> None:
+    """An output that is a `.data` alias of an input (or a view of one), given an autograd history by an in-place
+    update with a value that has one (`t = x.data; t.mul_(w)`): eager's alias shares the input's memory but has a
+    version counter of its own, which counts the updates through it; the alias fulmen takes from the input after
+    the call starts a new one. (A `.detach()` alias shares the input's counter, and gets the history: cache.py.)"""
     raise TraceError(
-        f"the program returns a .detach() (or .data) alias of its input {given.pname} that an in-place update gave "
-        "an autograd history (a value that requires grad): fulmen cannot return a tensor that shares the input's "
-        "memory with that history; return a clone of it, or update it under torch.no_grad()",
+        f"the program returns a .data alias of its input {given.pname} that an in-place update gave an autograd "
+        "history (a value that requires grad): fulmen cannot give it eager's version counter; return a .detach() "
+        "alias or a clone of it, or update it under torch.no_grad()",
         functional.written_at(output) or functional.written_at(functional.root(output)))
