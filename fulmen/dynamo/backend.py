@@ -31,7 +31,15 @@ from fulmen.core.errors import FulmenError
 from fulmen.core.trace import Trace
 from fulmen.dynamo.func_regions import escaping_value_reason
 from fulmen.dynamo.hops import as_torch_calls, with_context_calls
-from fulmen.dynamo.splitter import CALLS, first_line, refused_nodes, refused_under_autocast, split, static_refusals
+from fulmen.dynamo.splitter import (
+    CALLS,
+    first_line,
+    input_reads_first,
+    refused_nodes,
+    refused_under_autocast,
+    split,
+    static_refusals,
+)
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import resolve
 from fulmen.jit.jitted import JittedModule
@@ -242,7 +250,7 @@ class FulmenBackend:
         new = sorted(reason.split("\n", 1)[0] for reason, count in breaks.items()
                      if count > self._breaks_seen.get(reason, 0))
         self._breaks_seen = breaks
-        record = GraphRecord(len(self.graphs), as_torch_calls(graph), new)
+        record = GraphRecord(len(self.graphs), input_reads_first(as_torch_calls(graph)), new)
         self.graphs.append(record)
         return _SplitProgram(self, record)
 

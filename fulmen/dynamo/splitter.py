@@ -156,6 +156,53 @@ def refused_nodes(module: torch.fx.GraphModule, args: tuple, decompose: bool,
     return reasons
 
 
+_OPERATOR_WRITES = frozenset({
+    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.iconcat})
+
+
+def _may_write(node: torch.fx.Node) -> bool:
+    """Whether `node` may update a tensor in place (judged widely: an in-place method or function, `out=`, setitem,
+    a mutable operator, a nested graph, a module call)."""
+    if node.op == "call_module":
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if getattr(target, "__module__", None) in ("_operator", "operator"):  # operator.not_ only reads
+        return target in _OPERATOR_WRITES
+    if "out" in node.kwargs or isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        schemas = [target._schema] if isinstance(target, torch._ops.OpOverload) else [
+            getattr(target, overload)._schema for overload in target.overloads()]
+        return any(schema.is_mutable for schema in schemas)
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def input_reads_first(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`module` (in place) with each read of an input's value (`.item()`) moved up, past nothing that may update a
+    tensor, where the input is only read so (a float Dynamo made a tensor input of under dynamic=True: RMSNorm's eps,
+    a scale). fulmen refuses each read, and where they stood they cut the graph into many pieces (LitGPT: 17 for two
+    layers); moved up, they make few pieces the fallback runs between fulmen's."""
+    anchor = None
+    for node in list(module.graph.nodes):
+        source = node.args[0] if node.op == "call_method" and node.target == "item" else None
+        if (isinstance(source, torch.fx.Node) and source.op == "placeholder" and anchor is not None
+                and all(user.op == "call_method" and user.target == "item" for user in source.users)):
+            if anchor.next is not node:
+                anchor.append(node)
+            anchor = node
+        elif node.op == "placeholder" or _may_write(node):
+            anchor = node
+    module.recompile()
+    return module
+
+
 def refused_under_autocast(module: torch.fx.GraphModule, refused: dict[torch.fx.Node, str]) -> str | None:
     """The reason of the first refused node inside a `torch.autocast` region, or None. Split there, the region
     becomes one per piece, and autocast's cache of cast weights (one bf16 copy of a weight per region in eager)
