@@ -96,6 +96,10 @@ _STATE_READERS = {function.__code__: name for function, name in (
     (dataclasses.astuple, "dataclasses.astuple"),
     (getattr(dataclasses, "_astuple_inner", None), "dataclasses.astuple")) if function is not None}
 
+# Python 3.12 starts a code object's opcode events, asked for when its first frame starts, only at its next call or
+# return: the read sites before it went unseen (no guards, no refusals on a first call). Setting the trace function
+# again makes it instrument the code now; later frames of the code get them from the start.
+_LATE_OPCODE_EVENTS = sys.version_info[:2] == (3, 12)
 _SITES: dict[int, tuple[types.CodeType, dict[int, reads.Read] | None]] = {}  # keeps each code alive: ids stay unique
 
 
@@ -157,6 +161,7 @@ class FrameTap:
             if code.co_argcount:
                 self.observer.read_state(frame.f_locals.get(code.co_varnames[0]), reader)
             return _CountingTap(self, "reading", local).event
+        first = id(code) not in _SITES
         sites = _sites_of(frame)
         if sites is None:
             return local
@@ -169,9 +174,11 @@ class FrameTap:
             return local
         tap = _LocalTap(self.observer, sites, local).event
         frame.f_trace = tap  # before f_trace_opcodes: Python 3.13 only instruments a frame that has a tracer
-        frame.f_trace_opcodes = True
         if local is None:
             frame.f_trace_lines = False
+        frame.f_trace_opcodes = True
+        if first and _LATE_OPCODE_EVENTS:
+            sys.settrace(sys.gettrace())
         return tap
 
 

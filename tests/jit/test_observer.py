@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import sys
 
+import pytest
 import torch
 
 import fulmen
@@ -95,3 +96,22 @@ def test_a_tracer_already_set_keeps_its_events():
         sys.settrace(None)
     assert "call" in seen and "line" in seen and "return" in seen
     assert any("global SCALE" in g.what for g in jitted_core(fn).last_entry.guards)
+
+
+class _Settings:
+    scale = 2.0
+
+
+def test_the_first_run_of_a_programs_code_is_observed_from_its_first_instruction():
+    """The program's code has never run before the jitted call (Python 3.12 started a new code object's opcode
+    events only after its first call inside: the reads before it went unguarded, the stores unreplayed)."""
+    namespace = {"SETTINGS": _Settings(), "LOG": [], "torch": torch}
+    exec(compile("def program(x):\n    return x * SETTINGS.scale + x.sum() * 0\n", "<fresh>", "exec"), namespace)
+    fn = fulmen.jit(namespace["program"])
+    torch.testing.assert_close(fn(torch.ones(2)), torch.full((2,), 2.0))
+    namespace["SETTINGS"].scale = 3.0
+    torch.testing.assert_close(fn(torch.ones(2)), torch.full((2,), 3.0))
+    exec(compile("def logging(x):\n    LOG.append(x.sum())\n    return x\n", "<fresh>", "exec"), namespace)
+    with pytest.raises(fulmen.TraceError, match="changes the list global LOG"):
+        fulmen.jit(namespace["logging"])(torch.ones(2))
+    assert namespace["LOG"] == []
