@@ -173,13 +173,19 @@ class FulmenParallelStrategy(ParallelStrategy):
             self._check_optimizer(optimizer, module)
         module = self.setup_module(module)
         for optimizer in optimizers:
-            shard_optimizer_state(optimizer)
+            self._adopt_optimizer(optimizer)
         return module, optimizers, scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         self._check_optimizer(optimizer)
-        shard_optimizer_state(optimizer)
+        self._adopt_optimizer(optimizer)
         return optimizer
+
+    @staticmethod
+    def _adopt_optimizer(optimizer: Optimizer) -> None:
+        shard_optimizer_state(optimizer)
+        # optimizer.load_state_dict(optimizer.state_dict()): the state dict the strategy gives (gathered or DTensors)
+        optimizer.register_load_state_dict_pre_hook(checkpoint.local_optimizer_state)
 
     def _check_optimizer(self, optimizer: Optimizer, module: nn.Module | None = None) -> None:
         """`module`: the module set up with the optimizer, not yet transformed."""

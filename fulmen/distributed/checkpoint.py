@@ -167,6 +167,14 @@ def get_optimizer_state_dict(optimizer: Optimizer, options: StateDictOptions = S
 def load_optimizer_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """Loads an optimizer state dict in torch's layout, full (every rank takes its rows of sharded parameters'
     state) or sharded (DTensors); the state of parameter `i` goes to the optimizer's parameter `i`."""
+    optimizer.load_state_dict(local_optimizer_state(optimizer, state_dict))
+
+
+def local_optimizer_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict in torch's layout as the optimizer holds it: a sharded parameter's state as this rank's
+    rows, from a full tensor, a DTensor or this rank's rows already (the plain optimizer's own `state_dict()`). Also a
+    `load_state_dict` pre-hook (torch's signature), so `optimizer.load_state_dict` takes what
+    `optimizer.state_dict()` gives through a strategy."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
         raise ValueError("an optimizer state dict has the keys 'state' and 'param_groups' "
                          f"(torch.optim.Optimizer.state_dict()), got {type(state_dict).__name__} "
@@ -182,8 +190,19 @@ def load_optimizer_state_dict(optimizer: Optimizer, state_dict: dict[str, Any]) 
         state[position] = {}
         for key, value in entry.items():
             what = f"optimizer state {key!r} of parameter {position}"
-            state[position][key] = import_value(value, _state_spec(param, value, True, what), param, what)
-    optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+            if _local_rows(param, value):
+                state[position][key] = value
+            else:
+                state[position][key] = import_value(value, _state_spec(param, value, True, what), param, what)
+    return {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def _local_rows(param: torch.Tensor, value: Any) -> bool:
+    """Whether `value` is already this rank's rows of a sharded parameter's state. (Where the rows are the whole
+    shape, one row, a full value's rows are the same: the other ranks' rows are padding.)"""
+    spec = _sharded_spec(param)
+    return (spec is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+            and value.shape == param.shape != spec.full_shape)
 
 
 # --- checkpoints on disk ------------------------------------------------------------------------------------------

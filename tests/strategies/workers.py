@@ -208,22 +208,27 @@ def training_suite(rank: int, world: int, cases: list[Case], directory: str) -> 
         results[case.name] = summary(run)
         fabric.barrier()
         results[case.name]["collectives"] = collectives(fabric)
-        if case.strategy == "ddp":
-            results[case.name]["optimizer_state_round_trip"] = optimizer_state_round_trip(run.optimizer, world)
+        results[case.name]["optimizer_state_round_trip"] = optimizer_state_round_trip(run.optimizer, world)
     return results
 
 
 def optimizer_state_round_trip(optimizer: Any, world: int) -> list[Any]:
-    """Each rank's answer (True, or the error): `optimizer.state_dict()` (Fabric's optimizer asks the strategy) loads
-    back into the optimizer and leaves its state as it was, as with Lightning's DDPStrategy."""
+    """Each rank's answer (True, or the error): `optimizer.state_dict()` (Fabric's optimizer asks the strategy: the
+    whole state under DDP, as with Lightning's DDPStrategy, DTensors under FSDP) loads back into the optimizer and
+    leaves its state as it was."""
     before = copy.deepcopy(optimizer.optimizer.state_dict())
-    error = _error(lambda: optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict())))
-    after = optimizer.optimizer.state_dict()
-    same = after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys() and all(
-        torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][index][key]))
-        for index, entry in before["state"].items() for key, value in entry.items())
+
+    def round_trip() -> None:
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        after = optimizer.optimizer.state_dict()
+        assert after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys()
+        for index, entry in before["state"].items():
+            for key, value in entry.items():
+                got = after["state"][index][key]
+                assert type(got) is type(value) and torch.equal(got, value), f"state {key!r} of parameter {index}"
+
     every_rank: list[Any] = [None] * world
-    torch.distributed.all_gather_object(every_rank, error or same)
+    torch.distributed.all_gather_object(every_rank, _error(round_trip) or True)
     return every_rank
 
 
