@@ -24,7 +24,7 @@ from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
-from fulmen.jit import torch_python, validation
+from fulmen.jit import known, torch_python, validation
 from fulmen.jit.aliasing import reads_elements_written_elsewhere
 from fulmen.jit.autograd_facts import AutogradFacts
 from fulmen.jit.bounds import Bounds
@@ -134,6 +134,7 @@ class Interpreter(TorchFunctionMode):
         self.functional = Functionalizer(lambda: self.builder.source, lambda: self.builder.bound_symbols)
         self.autograd = AutogradFacts(self.functional)
         self.bounds = Bounds()
+        self.known = known.KnownValues()
         self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
         self._constant_ids: dict[int, TensorProxy] = {}
         self.ops_seen: list[str] = []
@@ -205,10 +206,14 @@ class Interpreter(TorchFunctionMode):
                 return func(*args, **kwargs)
         self.builder.source = location = self._pinned[-1] if self._pinned else user_location()
         self.ops_seen.append(_describe(func))
-        if func is T.__bool__ and type(args[0]) is TensorProxy:
-            known = self.bounds.answer(self.functional.resolve(args[0]))
-            if known is not None:  # a comparison of a random draw that has one answer whatever is drawn (bounds.py)
-                return known
+        if func in known.READS and type(args[0]) is TensorProxy:
+            value = self.functional.resolve(args[0])
+            answer = self.bounds.answer(value) if func is T.__bool__ else None
+            if answer is not None:  # a comparison of a random draw that has one answer whatever is drawn (bounds.py)
+                return answer
+            found, answer = self.known.read(func, value)
+            if found:  # contents computed from Python numbers alone (known.py)
+                return answer
         if func in DATA_DEPENDENT:
             reader = library_location()
             inside = f" (read in {reader.describe()})" if reader is not None else ""
@@ -403,6 +408,7 @@ class Interpreter(TorchFunctionMode):
         if args and isinstance(args[0], torch.Tensor):
             self.functional.record_views(sym, self._proxy(args[0]), kwvalues, values, output)
         self.bounds.record(sym, values, output)
+        self.known.record(sym, values, kwvalues, output)
         return output
 
     def _operator(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -36,7 +36,6 @@ JIT_REFUSED = {
     "funnel": "torch.arange with tensor bounds reads tensor values",
     "jamba": "branches on tensor values (`if ... torch.all(attention_mask == 1)`)",
     "led": "reads tensor values (Tensor.item)",
-    "mamba2": "branches on tensor values (`if ... cache_position[0] > 0`)",
     "prophetnet": "Tensor.fill_diagonal_ is not supported",
     "qwen3_next": "branches on tensor values (`if ... torch.all(attention_mask == 1)`)",
     "fnet": "complex tensors (torch.fft.fftn) are not supported",

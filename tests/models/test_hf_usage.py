@@ -236,3 +236,22 @@ def test_retain_grad_on_a_hidden_state_is_refused_naming_it():
                        r"retain_grad\(\), and output\['loss'\], output\['logits'\], ") as error:
         out.loss.backward()
     assert error.value.location.line == "hidden_states = residual + hidden_states"
+
+
+def test_training_without_a_cache_takes_eagers_attention_path():
+    """With `use_cache=False` (gradient checkpointing sets it) and no attention mask, transformers reads the
+    `position_ids` it builds to find packed sequences; fulmen knows their values (fulmen/jit/known.py), so it takes
+    eager's path: `is_causal` with grouped heads. It took the compiler's path before (an explicit mask, repeated keys),
+    and the bfloat16 grads rounded otherwise (by 8e-4)."""
+    eager = _build("llama", "LlamaForCausalLM").train()
+    eager.gradient_checkpointing_enable()
+    model = copy.deepcopy(eager)
+    jitted = fulmen.jit(model)
+    inputs = batch(padded=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = eager(**inputs).loss, jitted(**inputs).loss
+    assert torch.equal(got, want)
+    got.backward()
+    want.backward()
+    for (name, mine), (_, theirs) in zip(model.named_parameters(), eager.named_parameters()):
+        assert torch.equal(mine.grad, theirs.grad), name
