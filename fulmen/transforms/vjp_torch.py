@@ -323,6 +323,10 @@ for _fn in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
     register_grad(_fn)(_pieces_grad(_fn))
 
 
+# where eager's dropout runs the fused kernel, native_dropout (ATen's is_fused_kernel_acceptable)
+FUSED_DROPOUT_DEVICES = frozenset({"cuda", "xpu", "lazy", "privateuseone"})
+
+
 @register_grad(F.dropout)
 def dropout_grad(x, p=0.5, training=True, inplace=False):
     if not training or p == 0.0:
@@ -330,5 +334,8 @@ def dropout_grad(x, p=0.5, training=True, inplace=False):
         put_grad(x, get_grad(y))
         return y
     y, mask = native_dropout(x, p, True)
-    put_grad(x, get_grad(y) * mask.to(x.dtype) * (1.0 / (1.0 - p)))
+    if x.device.type in FUSED_DROPOUT_DEVICES:  # native_dropout_backward: grad * mask * scale, rounded once
+        put_grad(x, get_grad(y) * mask.to(x.dtype) * (1.0 / (1.0 - p)))
+    else:  # eager multiplies by its noise, the mask divided by 1 - p in x's dtype (rounded there in half precision)
+        put_grad(x, get_grad(y) * mask.to(x.dtype).div(1.0 - p))
     return y
