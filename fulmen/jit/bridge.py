@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd import forward_ad
 
 from fulmen.core.errors import TraceError
 from fulmen.core.source import SourceLocation, user_location
@@ -165,6 +166,7 @@ def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ..
             "without fulmen.jit inside torch.func")
     if torch.is_inference_mode_enabled():
         return _run_without_history(program, inputs)
+    _refuse_tangents(program, inputs)
     given = inputs
     if program.no_grad_inputs or program.dirty:
         inputs = list(inputs)
@@ -224,6 +226,25 @@ class _UpdatedView(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         return torch.zeros_like(grad), grad
+
+
+def _tangents_refused(names: list[str]) -> TraceError:
+    return TraceError(
+        f"fulmen cannot carry forward-mode tangents (torch.autograd.forward_ad) through a jitted call that also "
+        f"computes grads; here {', '.join(names)} carries one. Differentiate the function in forward mode with "
+        "fulmen.jvp, or make the call where no input requires grad (torch.no_grad())", user_location())
+
+
+def _refuse_tangents(program: GradProgram, inputs: Sequence[torch.Tensor]) -> None:
+    """Refuses inputs that carry forward-mode tangents before the forward runs. FulmenFunction.jvp refuses them too,
+    but only after the forward ran, with the program's updates of its inputs made (and its random numbers drawn):
+    fulmen.dynamo's fallback then ran the graph again, updating a buffer twice."""
+    if forward_ad._current_level < 0:  # no dual level is open: no tangents
+        return
+    names = [p.pname for p, tensor in zip(program.plan.source.inputs, inputs)
+             if forward_ad.unpack_dual(tensor).tangent is not None]
+    if names:
+        raise _tangents_refused(names)
 
 
 def _run_without_history(program: GradProgram, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -291,10 +312,7 @@ class FulmenFunction(torch.autograd.Function):
         one (eager's ops would carry it), so the call is refused, naming the inputs and the user's line."""
         program: GradProgram = ctx.program
         names = [p.pname for p, tangent in zip(program.plan.source.inputs, tangents[1:]) if tangent is not None]
-        raise TraceError(
-            f"fulmen cannot carry forward-mode tangents (torch.autograd.forward_ad) through a jitted call that also "
-            f"computes grads; here {', '.join(names)} carries one. Differentiate the function in forward mode with "
-            "fulmen.jvp, or make the call where no input requires grad (torch.no_grad())", user_location())
+        raise _tangents_refused(names)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

@@ -339,3 +339,27 @@ def test_a_read_of_an_input_is_not_moved_before_an_update():
     want = read_after_update_of(want_base, want_base[0], torch.ones(2))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(base, want_base)
+
+
+def counted_sin(x, w, calls):
+    calls.add_(1)  # an update the graph makes once per call
+    return (x * w).sin()
+
+
+def test_forward_mode_tangents_are_refused_before_the_piece_runs():
+    # fulmen refused the tangent only after its forward ran (in FulmenFunction.jvp), with the update made: the
+    # fallback then ran the graph again, and the count went up by two
+    import torch.autograd.forward_ad as forward_ad  # only this case uses forward-mode AD
+
+    backend = fulmen.dynamo.backend(fallback="eager")
+    x, w = torch.randn(3), torch.randn(3, requires_grad=True)
+    results = []
+    for fn in (counted_sin, torch.compile(counted_sin, backend=backend)):
+        calls = torch.zeros(())
+        with forward_ad.dual_level():
+            out = forward_ad.unpack_dual(fn(forward_ad.make_dual(x, torch.ones(3)), w, calls))
+        results.append((out.primal, out.tangent, calls))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want)
+    (piece,) = backend.pieces
+    assert piece.runs_by == "eager" and "forward-mode tangents" in piece.reasons[0]
