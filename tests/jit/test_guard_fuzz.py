@@ -314,6 +314,45 @@ def object_changes() -> list[Change]:
     ]
 
 
+class Parts:
+    def __init__(self) -> None:
+        self.items = [Inner(), Inner()]
+
+    @property
+    def first(self) -> Inner:
+        return self.items[0]
+
+    def last(self) -> Inner:
+        return self.items[-1]
+
+
+PARTS, INNER = Parts(), Inner()
+
+
+def current_inner() -> Inner:
+    return INNER
+
+
+def reads_unnamed(x):  # reads off values no variable names: results of calls and getters, items at variable keys
+    y = x * PARTS.first.t + PARTS.last().t + current_inner().t
+    for i in range(2):
+        y = y + PARTS.items[i].t * (i + 1)
+    return y
+
+
+def unnamed_changes() -> list[Change]:
+    first, last, replacement = PARTS.items[0], PARTS.items[1], Inner()
+    replacement.t = -4.0
+    return [
+        Change("a property's result", apply=set_attr(first, "t", 4.0), undo=set_attr(first, "t", 1.0)),
+        Change("a method's result and a variable index's item", apply=set_attr(last, "t", -1.0),
+               undo=set_attr(last, "t", 1.0)),
+        Change("a function's result", apply=set_attr(INNER, "t", 6.0), undo=set_attr(INNER, "t", 1.0)),
+        Change("the item at a variable index replaced", apply=lambda: PARTS.items.__setitem__(1, replacement),
+               undo=lambda: PARTS.items.__setitem__(1, last)),
+    ]
+
+
 def updates_first(x, y):
     x.add_(1)
     return y * 2
@@ -436,6 +475,7 @@ def families() -> list[Family]:
         function_family("scalars", divide, lambda: (_tensor(3, 4), 1.0), scalar_changes()),
         closure_family(),
         function_family("objects", reads_objects, lambda: (_tensor(3, 4), CONFIG), object_changes()),
+        function_family("unnamed reads", reads_unnamed, x2, unnamed_changes()),
         function_family("aliased inputs", updates_first, lambda: (_tensor(4), _tensor(4) + 1), alias_changes()),
         module_family("module state", Net(), x2, module_changes),
         called_module_family(),
