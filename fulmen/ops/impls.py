@@ -116,12 +116,16 @@ def attention_dropped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
                       kept: torch.Tensor, dropout_p: float, is_causal: bool, scale: float | None,
                       enable_gqa: bool) -> torch.Tensor:
     """`attention_dropout`'s output with the dropout mask it drew (`kept`) instead of a new draw, through the ops
-    eager's math kernel differentiates (its dropout multiplies by the kept mask divided by 1 - p)."""
-    _, probs = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, _additive(attn_mask, q.dtype), 0.0, is_causal,
+    eager's math kernel differentiates (its dropout multiplies by the kept mask divided by 1 - p). The kernel computes
+    half-precision attention in float32 and rounds the output once; so does this, or the grads round elsewhere."""
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
+    _, probs = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, _additive(attn_mask, dtype), 0.0, is_causal,
                                                                  scale=scale, enable_gqa=enable_gqa)
     if enable_gqa:
         v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
-    return torch.matmul(probs * kept.to(probs.dtype).div(1 - dropout_p), v)
+    return torch.matmul(probs * kept.to(probs.dtype).div(1 - dropout_p), v).to(dtype)
 
 
 def _additive(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
