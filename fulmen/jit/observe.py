@@ -688,63 +688,6 @@ def _python_code(function: Any) -> types.CodeType | None:
     return function.__code__ if type(function) is types.FunctionType else None
 
 
-_CACHED_PROPERTY_GET = functools.cached_property.__get__.__code__
-
-
-class _Memoized:
-    """The function behind a `functools.lru_cache` (or `functools.cache`) the program reads (frames.Region): a call the
-    cache misses (its `misses` count grew) runs it, and the cache keeps what it returns for later calls."""
-
-    def __init__(self, observer: Observer, cache: Any) -> None:
-        self.observer = observer
-        self.cache = cache
-        self.misses = cache.cache_info().misses
-
-    def enter(self, frame: types.FrameType) -> Any:
-        misses = self.cache.cache_info().misses
-        missed, self.misses = misses > self.misses, misses
-        return frame.f_back if missed else None
-
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        if not raised:
-            name = getattr(self.cache, "__qualname__", "a function")
-            self.observer.kept(value, f"the functools.lru_cache of {name}", token, self.cache.cache_clear,
-                               objects=True)
-
-
-class _CachedProperty:
-    """`functools.cached_property.__get__` called by the program (frames.Region): it stores what the getter returns in
-    the instance's `__dict__`, which later calls read (the observer guards the name absent until then)."""
-
-    def __init__(self, observer: Observer) -> None:
-        self.observer = observer
-
-    def enter(self, frame: types.FrameType) -> Any:
-        caller = frame.f_back
-        if caller is None or not observed(caller.f_code, caller.f_globals):
-            return None
-        return caller, frame.f_locals.get("instance"), getattr(frame.f_locals.get("self"), "attrname", None)
-
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        caller, instance, name = token
-        state = instance_dict(instance)
-        if raised or state is None or name is None:
-            return
-
-        def drop() -> None:
-            if state.get(name) is value:
-                del state[name]
-
-        self.observer.kept(value, f"functools.cached_property {name} of {owner_name(instance)}", caller, drop,
-                           objects=False)
-
-
 def _getter_code(receiver: Any, name: str) -> types.CodeType | None:
     """The Python code that answers `receiver.name`, where none of the program's code can be skipped to read it
     (lookup.attribute_value): a property's getter, a Python descriptor's `__get__`, the class's `__getattr__`."""
@@ -762,6 +705,65 @@ def _getter_code(receiver: Any, name: str) -> types.CodeType | None:
         fallback = class_lookup(cls, "__getattr__")
         return None if fallback is None else _python_code(fallback[1])
     return None
+
+
+_CACHED_PROPERTY_GET = functools.cached_property.__get__.__code__
+
+
+class _Keeping:
+    """A frames.Region around a function whose return value something keeps beyond the call (`exit` hands it to
+    Observer.kept); nothing is done per line."""
+
+    def line(self, token: Any, frame: types.FrameType) -> None:
+        pass
+
+
+class _Memoized(_Keeping):
+    """The function behind a `functools.lru_cache` (or `functools.cache`) the program reads: a call the cache misses
+    (its `misses` count grew) runs it, and the cache keeps what it returns for later calls."""
+
+    def __init__(self, observer: Observer, cache: Any) -> None:
+        self.observer = observer
+        self.cache = cache
+        self.misses = cache.cache_info().misses
+
+    def enter(self, frame: types.FrameType) -> Any:
+        misses = self.cache.cache_info().misses
+        missed, self.misses = misses > self.misses, misses
+        return frame.f_back if missed else None
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        if not raised:
+            name = getattr(self.cache, "__qualname__", "a function")
+            self.observer.kept(value, f"the functools.lru_cache of {name}", token, self.cache.cache_clear,
+                               objects=True)
+
+
+class _CachedProperty(_Keeping):
+    """`functools.cached_property.__get__` called by the program: it stores what the getter returns in the
+    instance's `__dict__`, which later calls read (the observer guards the name absent until then)."""
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+
+    def enter(self, frame: types.FrameType) -> Any:
+        caller = frame.f_back
+        if caller is None or not observed(caller.f_code, caller.f_globals):
+            return None
+        return caller, frame.f_locals.get("instance"), getattr(frame.f_locals.get("self"), "attrname", None)
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        caller, instance, name = token
+        state = instance_dict(instance)
+        if raised or state is None or name is None:
+            return
+
+        def drop() -> None:
+            if state.get(name) is value:
+                del state[name]
+
+        self.observer.kept(value, f"functools.cached_property {name} of {owner_name(instance)}", caller, drop,
+                           objects=False)
 
 
 @functools.cache
