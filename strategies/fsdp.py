@@ -35,7 +35,8 @@ class ThunderFSDPStrategy(FulmenParallelStrategy):
     its rows; loads at any world size). Extra keyword arguments (`broadcast_from`, default 0 so every rank starts from
     rank 0's weights, and `max_in_flight`) go to `fulmen.distributed.fsdp`. The other arguments are
     ThunderDDPStrategy's. Each rank's optimizer steps its own rows of every parameter: optimizers whose update is not
-    elementwise (LBFGS, Adafactor, Muon) are refused at setup (fulmen.distributed.optimizers).
+    elementwise (LBFGS, Adafactor, Muon) are refused at setup (fulmen.distributed.optimizers). A gradient scaler
+    driven by hand must be torch's `ShardedGradScaler`: `torch.amp.GradScaler` sees infs in this rank's shards only.
     """
 
     transform = staticmethod(fsdp)
