@@ -255,3 +255,23 @@ def test_training_without_a_cache_takes_eagers_attention_path():
     want.backward()
     for (name, mine), (_, theirs) in zip(model.named_parameters(), eager.named_parameters()):
         assert torch.equal(mine.grad, theirs.grad), name
+
+
+def test_dropout_under_autocast_trains_as_eager_bit_for_bit():
+    """GPT-2's residual and embedding dropouts in bfloat16 under autocast: the grads are eager's bit for bit (before
+    e938007 they rounded otherwise by up to 1e-3; the op itself: tests/training/test_fabric_loops.py). The attention
+    dropout is left out: its grads under autocast still round otherwise (a known difference, not yet fixed)."""
+    eager = _build("gpt2", "GPT2LMHeadModel", attn_pdrop=0.0).train()
+    model = copy.deepcopy(eager)
+    jitted = fulmen.jit(model)
+    inputs = batch(padded=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(0)
+        want = eager(**inputs).loss
+        torch.manual_seed(0)
+        got = jitted(**inputs).loss
+    assert torch.equal(got, want)
+    got.backward()
+    want.backward()
+    for (name, mine), (_, theirs) in zip(model.named_parameters(), eager.named_parameters()):
+        assert torch.equal(mine.grad, theirs.grad), name
