@@ -7,7 +7,8 @@ by its routing probability: the same sum in the same expert order. A token an ex
 zeros and its output is dropped by selection, not multiplied by a zero weight: eager never runs the expert on that
 token, so an output that overflows there (inf, nan) must not reach the result or the grads as 0 * inf = nan.
 An expert that draws random numbers (LoRA dropout in training mode) is refused: eager draws its mask for the routed
-tokens only, a number known only from the routing's values, so no trace can draw eager's mask.
+tokens only, a number known only from the routing's values, so no trace can draw eager's mask. BatchNorm with a
+cumulative average (momentum=None) keeps its factor, 1 / num_batches_tracked, a tensor instead of a Python number.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from fulmen.core.errors import UnsupportedOpError
 from fulmen.core.symbol import BoundSymbol, Tag, current_builder
@@ -87,9 +90,23 @@ def rnn_flatten_parameters(self) -> None:
     flattened by `.cuda()`, and cuDNN copies weights that are not, so the values are eager's either way."""
 
 
+def batch_norm_forward(self, input: torch.Tensor) -> torch.Tensor:
+    """`_BatchNorm.forward`; with momentum=None in training (a cumulative average: torch.optim.swa_utils.update_bn
+    sets it) eager reads the count as a number, `1.0 / float(num_batches_tracked)`, which a trace cannot. Here the
+    factor stays a float64 tensor of that value, read when the update runs (impls.batch_norm_update)."""
+    counted = self.training and self.track_running_stats and self.num_batches_tracked is not None
+    if self.momentum is not None or not counted:
+        return nn.modules.batchnorm._BatchNorm.forward(self, input)
+    self._check_input_dim(input)
+    self.num_batches_tracked.add_(1)
+    factor = torch.reciprocal(self.num_batches_tracked.double())
+    return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, True, factor, self.eps)
+
+
 # "module.Class" -> {method name: replacement}, for the class and its subclasses that keep its method
 METHOD_LOOKASIDES: dict[str, dict[str, Callable[..., Any]]] = {
     "litgpt.model.LLaMAMoE": {"forward": litgpt_moe_forward},
+    "torch.nn.modules.batchnorm._BatchNorm": {"forward": batch_norm_forward},
     "torch.nn.modules.rnn.RNNBase": {"flatten_parameters": rnn_flatten_parameters},
 }
 

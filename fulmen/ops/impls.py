@@ -88,7 +88,10 @@ def batch_norm_update(x: torch.Tensor, running_mean: torch.Tensor, running_var: 
                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`F.batch_norm(..., training=True)` as a pure function: its output and the running statistics it leaves. The
     update lands on copies, so recomputing it (a backward without a grad rule does) never updates the buffers again;
-    acquisition writes the new statistics back once."""
+    acquisition writes the new statistics back once. A tensor `momentum` is a cumulative average's factor (BatchNorm
+    with momentum=None: 1 / num_batches_tracked, float64), read as eager reads it, when the update runs."""
+    if isinstance(momentum, torch.Tensor):
+        momentum = 0.0 if momentum.is_meta else momentum.item()
     mean, var = running_mean.clone(), running_var.clone()
     out = torch.nn.functional.batch_norm(x, mean, var, weight, bias, True, momentum, eps)
     return out, mean, var

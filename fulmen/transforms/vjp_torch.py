@@ -247,8 +247,9 @@ def cat_grad(tensors, dim=0):
 def batch_norm_update_grad(x, running_mean, running_var, weight, bias, momentum, eps):
     out, mean, var = batch_norm_update(x, running_mean, running_var, weight, bias, momentum, eps)
     # Training mode normalizes by the batch's statistics: eager's backward of batch_norm without running statistics,
-    # which leaves the running ones (the program updates them in place) unread.
-    args = (x, None, None, weight, bias, True, momentum, eps)
+    # which leaves the running ones (the program updates them in place) unread, nor the momentum (a tensor for
+    # momentum=None).
+    args = (x, None, None, weight, bias, True, momentum if isinstance(momentum, float | None) else 0.0, eps)
     flat = list(iter_proxies(args))
     wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
     for i, grad in zip(wrt, torch_vjp(SYMBOLS["torch.nn.functional.batch_norm"], args, {}, wrt, (get_grad(out),))):

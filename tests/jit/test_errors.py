@@ -48,14 +48,13 @@ def test_data_dependent_errors_name_the_line(fn, line, what):
 
 
 def test_a_read_inside_torch_nn_names_torchs_line_and_the_users():
-    # BatchNorm with momentum=None averages over float(num_batches_tracked): a value read inside torch.nn
-    model = torch.nn.BatchNorm1d(4, momentum=None)
+    # AdaptiveLogSoftmaxWithLoss picks each cluster's rows with nonzero(): a value read inside torch.nn
+    model = torch.nn.AdaptiveLogSoftmaxWithLoss(8, 10, [4])
     with pytest.raises(fulmen.DataDependentError) as info:
-        fulmen.jit(model)(torch.randn(8, 4))  # the user's line
+        fulmen.jit(model)(torch.randn(3, 8), torch.tensor([1, 5, 9]))  # the user's line
     message = str(info.value)
-    assert "batchnorm.py" in message and "float(self.num_batches_tracked)" in message
+    assert "adaptive.py" in message and "target_mask.nonzero()" in message
     assert __file__ in message and "# the user's line" in message
-    assert int(model.num_batches_tracked) == 0  # refused before anything was updated
 
 
 def test_unsupported_op_names_op_and_line():

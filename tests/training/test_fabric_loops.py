@@ -1,7 +1,8 @@
 """A training loop as users write it with Lightning Fabric on one CPU device, jitted against eager, bit for bit: each
 precision plugin, BatchNorm and dropout with train()/eval() switching, a layer frozen and unfrozen between steps,
 gradient accumulation under `fabric.no_backward_sync`, `fabric.clip_gradients`, an LR scheduler. And dropout's grads
-in half precision, which round where eager's CPU kernel rounds them."""
+in half precision, which round where eager's CPU kernel rounds them; BatchNorm with a cumulative average
+(momentum=None), as `torch.optim.swa_utils.update_bn` runs it."""
 
 from __future__ import annotations
 
@@ -81,3 +82,37 @@ def test_dropout_grads_round_as_eager_on_cpu(dtype, p):
         grads.append((y, grad))
     (want_y, want_grad), (got_y, got_grad) = grads
     assert torch.equal(got_y, want_y) and torch.equal(got_grad, want_grad)
+
+
+def _cumulative_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.Flatten(), nn.Linear(64, 2))
+
+
+def test_batch_norm_with_a_cumulative_average_trains_as_eager():
+    # momentum=None: eager reads 1 / num_batches_tracked as a Python number; before, the trace refused that read
+    eager = _cumulative_net()
+    model = copy.deepcopy(eager)
+    jitted = fulmen.jit(model)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 3, 6, 6, generator=generator)
+        for net in (eager, jitted):
+            net(x).square().mean().backward()
+    assert fulmen.cache_misses(jitted) == 1  # the count is read when the update runs, not guarded
+    for (name, want), got in zip(eager.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got, want), name
+    for (name, want), got in zip(eager.named_parameters(), model.parameters()):
+        assert torch.equal(got.grad, want.grad), name
+
+
+def test_swa_update_bn_of_a_jitted_model():
+    # torch.optim.swa_utils.update_bn sets every BatchNorm's momentum to None and runs the loader through the model
+    eager = _cumulative_net()
+    averaged = [torch.optim.swa_utils.AveragedModel(net) for net in (eager, fulmen.jit(copy.deepcopy(eager)))]
+    loader = [torch.randn(5, 3, 6, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for model in averaged:
+        torch.optim.swa_utils.update_bn(loader, model)
+    want, got = (model.state_dict() for model in averaged)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
