@@ -193,19 +193,14 @@ def test_neftune_noise_is_refused_naming_its_line_and_evaluation_matches():
     assert error.value.location.line == "output = output + torch.zeros_like(output).uniform_(-mag_norm, mag_norm)"
 
 
-@pytest.mark.parametrize(("family", "class_name", "labels"), [
-    ("opt", "OPTForCausalLM", slice(None)),
-    ("bart", "BartForConditionalGeneration", slice(0, 5)),
-], ids=["opt", "bart"])
-def test_layerdrop_models_train_as_eager(family, class_name, labels):
+def test_layerdrop_models_train_as_eager():
     """LayerDrop draws `torch.rand([])` per layer in train mode and skips the layer if it is below `layerdrop`:
-    with the default 0.0 no draw is, so fulmen takes eager's branch (it refused the `if` before, so these families
-    never trained); with layerdrop 0.5 the draw decides, refused naming transformers' line."""
-    eager = _build(family, class_name).train()
+    with the default 0.0 no draw is, so fulmen takes eager's branch (it refused the `if` before, so OPT, BART, Whisper
+    and ~40 other families never trained); with layerdrop 0.5 the draw decides, refused naming transformers' line."""
+    eager = _build("opt", "OPTForCausalLM").train()
     model = copy.deepcopy(eager)
     jitted = fulmen.jit(model)
     inputs = batch(padded=True)
-    inputs["labels"] = inputs["labels"][:, labels].contiguous()
     for seed in range(2):
         model.zero_grad(set_to_none=True)
         eager.zero_grad(set_to_none=True)
@@ -218,11 +213,10 @@ def test_layerdrop_models_train_as_eager(family, class_name, labels):
         want.backward()
         _assert_same_grads(model, eager)
     assert fulmen.cache_hits(jitted) == 1
-    if family == "opt":
-        model.model.decoder.layerdrop = 0.5
-        with pytest.raises(fulmen.DataDependentError, match="reads tensor values") as error:
-            jitted(**inputs)
-        assert error.value.location.line == "if dropout_probability < self.layerdrop:"
+    model.model.decoder.layerdrop = 0.5
+    with pytest.raises(fulmen.DataDependentError, match="reads tensor values") as error:
+        jitted(**inputs)
+    assert error.value.location.line == "if dropout_probability < self.layerdrop:"
 
 
 def test_retain_grad_on_a_hidden_state_is_refused_naming_it():
@@ -244,10 +238,9 @@ def test_training_without_a_cache_takes_eagers_attention_path():
     eager's path: `is_causal` with grouped heads. It took the compiler's path before (an explicit mask, repeated keys),
     and the bfloat16 grads rounded otherwise (by 8e-4)."""
     eager = _build("llama", "LlamaForCausalLM").train()
-    eager.gradient_checkpointing_enable()
     model = copy.deepcopy(eager)
     jitted = fulmen.jit(model)
-    inputs = batch(padded=False)
+    inputs = batch(padded=False) | {"use_cache": False}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want, got = eager(**inputs).loss, jitted(**inputs).loss
     assert torch.equal(got, want)
