@@ -251,10 +251,10 @@ def test_training_without_a_cache_takes_eagers_attention_path():
 
 
 def test_dropout_under_autocast_trains_as_eager_bit_for_bit():
-    """GPT-2's residual and embedding dropouts in bfloat16 under autocast: the grads are eager's bit for bit (before
-    e938007 they rounded otherwise by up to 1e-3; the op itself: tests/training/test_fabric_loops.py). The attention
-    dropout is left out: its grads under autocast still round otherwise (a known difference, not yet fixed)."""
-    eager = _build("gpt2", "GPT2LMHeadModel", attn_pdrop=0.0).train()
+    """GPT-2's residual, embedding and attention dropouts in bfloat16 under autocast: the grads are eager's bit for
+    bit. They rounded otherwise by up to 1e-3 before e938007 (nn.Dropout; the op: tests/training/test_fabric_loops.py)
+    and 9e75432 (sdpa's backward recomputed the attention in bfloat16; the op: tests/ops/test_sdpa_dropout.py)."""
+    eager = _build("gpt2", "GPT2LMHeadModel").train()
     model = copy.deepcopy(eager)
     jitted = fulmen.jit(model)
     inputs = batch(padded=False)
