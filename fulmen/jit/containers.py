@@ -63,18 +63,24 @@ def _same(before: tuple, after: tuple) -> bool:
 
 
 def _store(container: Any, content: tuple) -> None:
-    """Makes `container` hold `content` (as `_content` gives it), in place."""
-    if isinstance(container, dict):
-        container.clear()
-        container.update(zip(content[::2], content[1::2]))
-    elif isinstance(container, set):
-        container.clear()
-        container.update(content)
-    elif isinstance(container, collections.deque):
-        container.clear()
-        container.extend(content)
+    """Makes `container` hold `content` (as `_content` gives it), in place, through the methods of its built-in
+    base: a subclass may refuse its own (transformers' ModelOutput raises on `update`)."""
+    base = next(klass for klass in type(container).__mro__ if klass in _BASES)
+    if issubclass(base, dict):
+        base.clear(container)
+        base.update(container, zip(content[::2], content[1::2]))
+    elif base is set:
+        set.clear(container)
+        set.update(container, content)
+    elif base is collections.deque:
+        collections.deque.clear(container)
+        collections.deque.extend(container, content)
     else:
-        container[:] = content
+        base.__setitem__(container, slice(None), content)
+
+
+# the built-in classes of the containers watched (_KINDS), most derived first: an OrderedDict keeps its own order
+_BASES = (collections.OrderedDict, dict, set, collections.deque, list, bytearray)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import dataclasses
+import logging
 import os
 import sys
 import sysconfig
@@ -100,6 +101,7 @@ _STATE_READERS = {function.__code__: name for function, name in (
 # return: the read sites before it went unseen (no guards, no refusals on a first call). Setting the trace function
 # again makes it instrument the code now; later frames of the code get them from the start.
 _LATE_OPCODE_EVENTS = sys.version_info[:2] == (3, 12)
+_LOGGER_HANDLE = logging.Logger.handle.__code__
 _SITES: dict[int, tuple[types.CodeType, dict[int, reads.Read] | None]] = {}  # keeps each code alive: ids stay unique
 
 
@@ -129,14 +131,16 @@ class FrameTap:
     """The `sys.settrace` function of one acquisition; chains a tracer that was already set (a debugger).
 
     Imports the program triggers (a lazily imported module, with the import system's finders) are not followed:
-    what they run defines state rather than reading it for the trace."""
+    what they run defines state rather than reading it for the trace. Nor are a logger's handlers given a record
+    the program logs (`Logger.handle`): a trace does not log again on later calls (as no compiled call does), and
+    what a handler keeps (a list of records under pytest's log capture) is not the program's state."""
 
     def __init__(self, observer: Reader, previous: Callable[..., Any] | None,
                  regions: dict[types.CodeType, Region]) -> None:
         self.observer = observer
         self.previous = previous
         self.regions = regions
-        self.importing = 0  # module bodies running now
+        self.unfollowed = 0  # module bodies being imported and loggers handling records, running now
         self.reading = 0  # frames of _STATE_READERS the program called, running now
 
     def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
@@ -150,9 +154,9 @@ class FrameTap:
     def _follow(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
         local = self.previous(frame, event, arg) if self.previous is not None else None
         code = frame.f_code
-        if code.co_name == "<module>" or code.co_filename.startswith("<frozen importlib"):
-            return _CountingTap(self, "importing", local).event
-        if self.importing:
+        if code.co_name == "<module>" or code.co_filename.startswith("<frozen importlib") or code is _LOGGER_HANDLE:
+            return _CountingTap(self, "unfollowed", local).event
+        if self.unfollowed:
             return local
         if code in _NEW_OBJECT:
             return _CreationTap(self.observer, local).event
@@ -239,7 +243,7 @@ class _RegionTap:
 
 
 class _CountingTap:
-    """The local tracer of a frame counted by one of the tap's counters (`importing`, `reading`) while it runs."""
+    """The local tracer of a frame counted by one of the tap's counters (`unfollowed`, `reading`) while it runs."""
 
     __slots__ = ("tap", "counter", "previous")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import logging
 import re
 import sys
 import warnings
@@ -273,3 +274,29 @@ def test_a_lazy_import_inside_the_program_is_the_interpreters_not_refused(tmp_pa
     jitted = fulmen.jit(program)
     for _ in range(2):
         torch.testing.assert_close(jitted(torch.ones(2)), torch.full((2,), 3.0))
+
+
+def test_a_record_the_program_logs_reaches_the_handlers_unobserved():
+    """A handler keeping records in a list (as pytest's log capture does) is not the program's state: the traced
+    call logs as eager's, and a cache hit does not log again (no compiled call does)."""
+    records: list = []
+
+    class Keeping(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger, handler = logging.getLogger("tests.jit.logging_program"), Keeping()
+    logger.addHandler(handler)
+
+    def program(x):
+        logger.warning("scaling by %s", 2)
+        return x * 2
+
+    try:
+        fn = fulmen.jit(program)
+        torch.testing.assert_close(fn(torch.ones(2)), torch.full((2,), 2.0))
+        torch.testing.assert_close(fn(torch.ones(2)), torch.full((2,), 2.0))
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in records] == ["scaling by 2"]
+    assert fulmen.cache_hits(fn) == 1
