@@ -142,13 +142,14 @@ class FrameTap:
         self.regions = regions
         self.unfollowed = 0  # module bodies being imported and loggers handling records, running now
         self.reading = 0  # frames of _STATE_READERS the program called, running now
+        self.returned = _Returned(observer)
 
     def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
         local = _around(frame, self.regions, self._follow(frame, event, arg))
         if self.observer.expecting:
             key = self.observer.returning(frame)
             if key is not None:
-                local = frame.f_trace = _ReturnTap(self.observer, key, local).event
+                local = frame.f_trace = _RegionTap(self.returned, key, local).event
         return local
 
     def _follow(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
@@ -266,27 +267,24 @@ def _called_by_program(frame: types.FrameType) -> bool:
     return caller is not None and _sites_of(caller) is not None
 
 
-class _ReturnTap:
-    """The local tracer of a frame whose return value the observer waits for (Observer.returning): it gets that
-    value unless an exception leaves the frame."""
+class _Returned:
+    """The Region of a frame whose return value the observer waits for (Observer.returning; the token is its key):
+    it gets that value unless an exception leaves the frame."""
 
-    __slots__ = ("observer", "key", "previous", "raised")
+    __slots__ = ("observer",)
 
-    def __init__(self, observer: Reader, key: Any, previous: Callable[..., Any] | None) -> None:
+    def __init__(self, observer: Reader) -> None:
         self.observer = observer
-        self.key = key
-        self.previous = previous
-        self.raised = False
 
-    def event(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any]:
-        if self.previous is not None:
-            self.previous = self.previous(frame, event, arg)
-        if event == "return":
-            if not self.raised:
-                self.observer.returned(self.key, arg)
-        else:
-            self.raised = event == "exception"
-        return self.event
+    def enter(self, frame: types.FrameType) -> Any:  # the token comes from Observer.returning
+        return None
+
+    def line(self, token: Any, frame: types.FrameType) -> None:
+        pass
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        if not raised:
+            self.observer.returned(token, value)
 
 
 class _CreationTap:

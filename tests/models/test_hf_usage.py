@@ -71,6 +71,21 @@ def test_hidden_states_and_attentions_with_a_padding_mask(attn):
     ]
 
 
+def _train_on_two_seeds(jitted, model, eager, inputs) -> None:
+    """Two training calls, each on its own seed: fulmen's loss and grads equal eager's (its draws are eager's)."""
+    for seed in range(2):
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        want = eager(**inputs).loss
+        torch.manual_seed(seed)
+        got = jitted(**inputs).loss
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        got.backward()
+        want.backward()
+        _assert_same_grads(model, eager)
+
+
 @pytest.mark.parametrize(
     ("family", "class_name", "settings"),
     [
@@ -87,17 +102,7 @@ def test_training_with_dropout_matches_eager_on_the_same_seed(family, class_name
     model = copy.deepcopy(eager)
     jitted = fulmen.jit(model)
     inputs = batch(padded=True)
-    for seed in range(2):
-        model.zero_grad(set_to_none=True)
-        eager.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        want = eager(**inputs).loss
-        torch.manual_seed(seed)
-        got = jitted(**inputs).loss
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-        got.backward()
-        want.backward()
-        _assert_same_grads(model, eager)
+    _train_on_two_seeds(jitted, model, eager, inputs)
 
 
 def _frozen_but_attention(model: torch.nn.Module, reentrant: bool) -> torch.nn.Module:
@@ -121,17 +126,7 @@ def test_frozen_embeddings_with_gradient_checkpointing_train_as_eager(family, cl
     model = copy.deepcopy(eager)
     jitted = fulmen.jit(model)
     inputs = batch(padded=True)
-    for seed in range(2):
-        model.zero_grad(set_to_none=True)
-        eager.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        want = eager(**inputs).loss
-        torch.manual_seed(seed)
-        got = jitted(**inputs).loss
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-        got.backward()
-        want.backward()  # reentrant checkpointing supports no torch.autograd.grad
-        _assert_same_grads(model, eager)
+    _train_on_two_seeds(jitted, model, eager, inputs)  # backward (reentrant checkpointing has no autograd.grad)
     assert fulmen.cache_hits(jitted) == 1
     eager.eval()
     model.eval()
@@ -201,17 +196,7 @@ def test_layerdrop_models_train_as_eager():
     model = copy.deepcopy(eager)
     jitted = fulmen.jit(model)
     inputs = batch(padded=True)
-    for seed in range(2):
-        model.zero_grad(set_to_none=True)
-        eager.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        want = eager(**inputs).loss
-        torch.manual_seed(seed)
-        got = jitted(**inputs).loss
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-        got.backward()
-        want.backward()
-        _assert_same_grads(model, eager)
+    _train_on_two_seeds(jitted, model, eager, inputs)
     assert fulmen.cache_hits(jitted) == 1
     model.model.decoder.layerdrop = 0.5
     with pytest.raises(fulmen.DataDependentError, match="reads tensor values") as error:
