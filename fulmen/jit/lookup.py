@@ -7,7 +7,10 @@ properties and dynamic attributes are left to the observer of the code that comp
 
 from __future__ import annotations
 
+import _string
 import functools
+import itertools
+import string
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -156,3 +159,58 @@ def is_shadow(obj: Any) -> bool:
     """A shadow module of overrides.py (its reads are reported by the module tap)."""
     state = instance_dict(obj)
     return state is not None and "_fulmen_original" in state
+
+
+def python_code(function: Any) -> types.CodeType | None:
+    """The code a call of `function` runs first, if it is a Python function or a method of one (behind an
+    lru_cache, on a miss)."""
+    if type(function) is types.MethodType:
+        function = function.__func__
+    if type(function) is functools._lru_cache_wrapper:
+        function = getattr(function, "__wrapped__", None)
+    return function.__code__ if type(function) is types.FunctionType else None
+
+
+def getter_code(receiver: Any, name: str) -> types.CodeType | None:
+    """The Python code that answers `receiver.name`, where none of the program's code can be skipped to read it
+    (attribute_value): a property's getter, a Python descriptor's `__get__`, the class's `__getattr__`."""
+    if receiver is MISSING or issubclass(type(receiver), type):
+        return None
+    cls = type(receiver)
+    found = class_lookup(cls, name)
+    raw = None if found is None else found[1]
+    if type(raw) is property:
+        return python_code(raw.fget)
+    state = instance_dict(receiver)
+    if raw is not None and (is_data_descriptor(raw) or state is None or name not in state):
+        return python_code(getattr(type(raw), "__get__", None))
+    if raw is None and (state is None or name not in state):
+        fallback = class_lookup(cls, "__getattr__")
+        return None if fallback is None else python_code(fallback[1])
+    return None
+
+
+@functools.cache
+def template_fields(template: str) -> tuple[tuple[int, tuple[tuple[bool, Any], ...]], ...]:
+    """The positional fields of a `str.format` template that read more than the argument itself: (argument index,
+    (is an attribute, name or key) steps), nested fields of format specs included; keyword fields are left out (no
+    read site names keyword arguments)."""
+    found: list[tuple[int, tuple[tuple[bool, Any], ...]]] = []
+    automatic = itertools.count()  # `{}` fields are numbered in order, a spec's nested fields after their own field
+
+    def scan(text: str) -> None:
+        for _, field, spec, _ in string.Formatter().parse(text):
+            if field is not None:
+                first, rest = _string.formatter_field_name_split(field)
+                first = next(automatic) if first == "" else first
+                steps = tuple(rest)
+                if type(first) is int and steps:
+                    found.append((first, steps))
+            if spec and "{" in spec:
+                scan(spec)
+
+    try:
+        scan(template)
+    except ValueError:
+        return ()  # format raises on it: nothing is read
+    return tuple(found)

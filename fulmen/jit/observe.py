@@ -18,7 +18,7 @@ program's real tensors, captured as constants, and guarded by identity and metad
 
 Objects created during the call need no guard (they are derived from what was read); a guard on one is harmless,
 since nothing changes it afterwards, unless a cache keeps it beyond the call (`functools.lru_cache`,
-`functools.cached_property`: `kept` refuses a stand-in or an unguardable object there). Reads off what a Python
+`functools.cached_property`: caches.py refuses a stand-in or an unguardable object there). Reads off what a Python
 function or getter returned are named from that return (reads.Capture); what C code reads is seen only where
 reads.py names it. Some state is read
 through a value rather than an attribute (`_special`): torch's global switches, the environment, Python's random
@@ -32,15 +32,12 @@ and of a NumPy array over 64 KiB (values.py); a change made between an autograd.
 
 from __future__ import annotations
 
-import _string
 import contextlib
 import functools
 import gc
-import itertools
 import operator
 import os
 import random
-import string
 import sys
 import time
 import types
@@ -50,12 +47,11 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import frame_location
-from fulmen.jit import reads
+from fulmen.jit import caches, reads
 from fulmen.jit.containers import MUTATORS, ContainerLog, ContainerWrite, is_container
 from fulmen.jit.frames import FrameTap, Quiet, Region, observed
 from fulmen.jit.guards import Guard
@@ -66,12 +62,15 @@ from fulmen.jit.lookup import (
     cell_value,
     class_lookup,
     evaluate,
+    getter_code,
     instance_dict,
     is_data_descriptor,
     is_shadow,
     object_state,
     owner_name,
+    python_code,
     slot_value,
+    template_fields,
 )
 from fulmen.jit.values import MISSING, Emitter, describe, immutable, value_check
 from fulmen.jit.writes import Write, WriteLog
@@ -108,7 +107,7 @@ class Observer:
         self.expecting: dict[int, tuple[int, types.CodeType]] = {}
         self._results: dict[tuple[int, int], Any] = {}
         # what the observer does around calls of some functions (frames.Region): caches keeping what they return
-        self._regions: dict[types.CodeType, Region] = {_CACHED_PROPERTY_GET: _CachedProperty(self)}
+        self._regions: dict[types.CodeType, Region] = {caches.CACHED_PROPERTY_GET: caches.CachedProperty(self)}
         self._dropped: list[Callable[[], None]] = []  # run once the program ran: what a refused cache kept
         # (id(object or globals dict), name) the program assigned while acquired: its later reads read that value
         self._written: set[tuple[int, str]] = set()
@@ -386,9 +385,9 @@ class Observer:
         self._results.pop((id(frame), frame.f_lasti), None)
         self.expecting.pop(id(frame), None)
         if site.getter is None:
-            code = _python_code(evaluate(site.callee, frame, self._results))
+            code = python_code(evaluate(site.callee, frame, self._results))
         else:
-            code = _getter_code(evaluate(site.getter.base, frame, self._results), site.getter.name)
+            code = getter_code(evaluate(site.getter.base, frame, self._results), site.getter.name)
         if code is not None:
             self.expecting[id(frame)] = (frame.f_lasti, code)
 
@@ -407,27 +406,12 @@ class Observer:
 
     def kept(self, value: Any, keeper: str, caller: types.FrameType, drop: Callable[[], None],
              objects: bool) -> None:
-        """`keeper` (a cache) keeps `value`, which the program's call from `caller` returned, beyond the call. A
-        tensor the trace computed is fulmen's stand-in, and an object the program created (`objects`: where the
-        keeper hands it out without a read the observer sees) may change between calls unguarded: refused, with
-        `drop` removing it from the keeper once the program ran."""
-        for leaf in tree_leaves(value):
-            if isinstance(leaf, TensorProxy):
-                kept = "a tensor the program computes"
-            elif objects and not immutable(leaf) and not is_container(leaf) and id(leaf) in self._created:
-                kept = f"a {type(leaf).__qualname__} object the program creates"
-            else:
-                continue
+        """`keeper` (a cache) keeps `value` beyond the call (caches.py): what it must not keep is refused, and
+        `drop` removes it from the keeper once the program ran."""
+        refused = caches.refusal(value, keeper, caller, self._created if objects else frozenset())
+        if refused is not None:
             self._dropped.append(drop)
-            if self._refused is None:
-                location = frame_location(caller)
-                where = f" ({location.short()})" if location is not None else ""
-                self._refused = TraceError(
-                    f"fulmen cannot compile a program that keeps {kept} in {keeper}{where}: later calls get it from "
-                    f"there, where a trace can neither store it nor see it change. Fill the cache before the first "
-                    f"jitted call (call it once eagerly), or compute the value without a cache. (Dropped from the "
-                    f"cache again.)", location)
-            return
+            self._refused = self._refused or refused
 
     def _call_read(self, site: reads.CallRead, frame: types.FrameType) -> None:
         """What C code reads of the arguments of a call it makes: the attributes an `operator.attrgetter` names, the
@@ -436,7 +420,7 @@ class Observer:
                      for argument in site.arguments]
         function = site.function
         if type(function) is reads.Attr and type(function.base) is reads.Const:  # `"{0.lr}".format(...)`
-            for index, path in _template_fields(function.base.value):
+            for index, path in template_fields(function.base.value):
                 if index < len(arguments):
                     self._read_path(arguments[index], path)
             return
@@ -520,7 +504,7 @@ class Observer:
         kind = type(value)
         if kind is functools._lru_cache_wrapper and type(getattr(value, "__wrapped__", None)) is types.FunctionType \
                 and value.cache_info().maxsize != 0:
-            self._regions.setdefault(value.__wrapped__.__code__, _Memoized(self, value))
+            self._regions.setdefault(value.__wrapped__.__code__, caches.Memoized(self, value))
             return
         if (kind is types.FunctionType or kind is types.BuiltinFunctionType) and value in _SWITCHES:
             self._add(("switch", id(value)), f"torch.{value.__name__}()", lambda e: f"{e.bind(value)}()", value())
@@ -676,120 +660,6 @@ def unrepeatable(value: Any) -> str | None:
     if mtrand is not None and owner is getattr(mtrand, "_rand", None):
         return f"numpy.random.{value.__name__}"
     return None
-
-
-def _python_code(function: Any) -> types.CodeType | None:
-    """The code a call of `function` runs first, if it is a Python function or a method of one (behind an
-    lru_cache, on a miss)."""
-    if type(function) is types.MethodType:
-        function = function.__func__
-    if type(function) is functools._lru_cache_wrapper:
-        function = getattr(function, "__wrapped__", None)
-    return function.__code__ if type(function) is types.FunctionType else None
-
-
-def _getter_code(receiver: Any, name: str) -> types.CodeType | None:
-    """The Python code that answers `receiver.name`, where none of the program's code can be skipped to read it
-    (lookup.attribute_value): a property's getter, a Python descriptor's `__get__`, the class's `__getattr__`."""
-    if receiver is MISSING or issubclass(type(receiver), type):
-        return None
-    cls = type(receiver)
-    found = class_lookup(cls, name)
-    raw = None if found is None else found[1]
-    if type(raw) is property:
-        return _python_code(raw.fget)
-    state = instance_dict(receiver)
-    if raw is not None and (is_data_descriptor(raw) or state is None or name not in state):
-        return _python_code(getattr(type(raw), "__get__", None))
-    if raw is None and (state is None or name not in state):
-        fallback = class_lookup(cls, "__getattr__")
-        return None if fallback is None else _python_code(fallback[1])
-    return None
-
-
-_CACHED_PROPERTY_GET = functools.cached_property.__get__.__code__
-
-
-class _Keeping:
-    """A frames.Region around a function whose return value something keeps beyond the call (`exit` hands it to
-    Observer.kept); nothing is done per line."""
-
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
-
-
-class _Memoized(_Keeping):
-    """The function behind a `functools.lru_cache` (or `functools.cache`) the program reads: a call the cache misses
-    (its `misses` count grew) runs it, and the cache keeps what it returns for later calls."""
-
-    def __init__(self, observer: Observer, cache: Any) -> None:
-        self.observer = observer
-        self.cache = cache
-        self.misses = cache.cache_info().misses
-
-    def enter(self, frame: types.FrameType) -> Any:
-        misses = self.cache.cache_info().misses
-        missed, self.misses = misses > self.misses, misses
-        return frame.f_back if missed else None
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        if not raised:
-            name = getattr(self.cache, "__qualname__", "a function")
-            self.observer.kept(value, f"the functools.lru_cache of {name}", token, self.cache.cache_clear,
-                               objects=True)
-
-
-class _CachedProperty(_Keeping):
-    """`functools.cached_property.__get__` called by the program: it stores what the getter returns in the
-    instance's `__dict__`, which later calls read (the observer guards the name absent until then)."""
-
-    def __init__(self, observer: Observer) -> None:
-        self.observer = observer
-
-    def enter(self, frame: types.FrameType) -> Any:
-        caller = frame.f_back
-        if caller is None or not observed(caller.f_code, caller.f_globals):
-            return None
-        return caller, frame.f_locals.get("instance"), getattr(frame.f_locals.get("self"), "attrname", None)
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        caller, instance, name = token
-        state = instance_dict(instance)
-        if raised or state is None or name is None:
-            return
-
-        def drop() -> None:
-            if state.get(name) is value:
-                del state[name]
-
-        self.observer.kept(value, f"functools.cached_property {name} of {owner_name(instance)}", caller, drop,
-                           objects=False)
-
-
-@functools.cache
-def _template_fields(template: str) -> tuple[tuple[int, tuple[tuple[bool, Any], ...]], ...]:
-    """The positional fields of a `str.format` template that read more than the argument itself: (argument index,
-    (is an attribute, name or key) steps), nested fields of format specs included; keyword fields are left out (no
-    read site names keyword arguments)."""
-    found: list[tuple[int, tuple[tuple[bool, Any], ...]]] = []
-    automatic = itertools.count()  # `{}` fields are numbered in order, a spec's nested fields after their own field
-
-    def scan(text: str) -> None:
-        for _, field, spec, _ in string.Formatter().parse(text):
-            if field is not None:
-                first, rest = _string.formatter_field_name_split(field)
-                first = next(automatic) if first == "" else first
-                steps = tuple(rest)
-                if type(first) is int and steps:
-                    found.append((first, steps))
-            if spec and "{" in spec:
-                scan(spec)
-
-    try:
-        scan(template)
-    except ValueError:
-        return ()  # format raises on it: nothing is read
-    return tuple(found)
 
 
 class _Callee:

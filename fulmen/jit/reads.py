@@ -308,7 +308,7 @@ def _with_captures(sites: dict[int, Read], producers: dict[int, Source | None]) 
             _produced(source, wanted)
     for offset in wanted:
         producer = producers.get(offset)
-        if producer is None or producer is _UNKNOWN:
+        if producer is _UNKNOWN:  # a call of what no site names
             continue
         getter = producer if type(producer) is Attr else None
         sites[offset] = Capture(None if getter else producer, getter, sites.get(offset))
