@@ -17,7 +17,7 @@ anything else naming the user's line.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -73,20 +73,32 @@ class TracedNode:
         return f"<grad_fn of {self.tensor}, unknown while tracing (fulmen)>"
 
 
+class _InputFacts(NamedTuple):
+    """What an input tensor answers, read when the trace starts (a program cannot change them: it sees a proxy)."""
+
+    requires_grad: bool
+    is_leaf: bool
+    is_inference: bool
+
+
 class AutogradFacts:
     """Answers `is_leaf`, `grad_fn` and `is_inference` of the program's tensors, and records what the answers assumed
     of the inputs."""
 
     def __init__(self, functional: Functionalizer) -> None:
         self._functional = functional
-        # id(what the program sees) -> (it, the trace input it stands for, the real tensor)
-        self._inputs: dict[int, tuple[TensorProxy, TensorProxy, torch.Tensor]] = {}
+        # id(what the program sees) -> (it, the trace input it stands for, what the real tensor answers); never the
+        # tensor itself: the interpreter holding this lives in reference cycles, which would keep every traced call's
+        # inputs alive until the cyclic garbage collector runs
+        self._inputs: dict[int, tuple[TensorProxy, TensorProxy, _InputFacts]] = {}
         # (id(trace input), fact) -> (it, the fact: "is_leaf" or "is_inference", its value as traced)
         self.read: dict[tuple[int, str], tuple[TensorProxy, str, bool]] = {}
 
     def add_input(self, visible: TensorProxy, proxy: TensorProxy, tensor: torch.Tensor) -> None:
         """The program sees the input `tensor` (the trace's `proxy`) as `visible`."""
-        self._inputs[id(visible)] = (visible, proxy, tensor)
+        with torch._C.DisableTorchFunction():
+            facts = _InputFacts(tensor.requires_grad, tensor.is_leaf, tensor.is_inference())
+        self._inputs[id(visible)] = (visible, proxy, facts)
 
     def is_leaf(self, x: torch.Tensor) -> bool:
         if type(x) is not TensorProxy:  # a captured tensor: its guard holds its identity and requires_grad
@@ -100,9 +112,8 @@ class AutogradFacts:
         known = self._inputs.get(id(x))
         if known is None or not known[2].requires_grad:  # computed by the program, or a leaf without grad
             return not x.requires_grad
-        _, proxy, tensor = known
-        with torch._C.DisableTorchFunction():
-            leaf = tensor.is_leaf
+        _, proxy, facts = known
+        leaf = facts.is_leaf
         self.read[id(proxy), "is_leaf"] = (proxy, "is_leaf", leaf)
         return leaf
 
@@ -146,8 +157,8 @@ class AutogradFacts:
         with torch._C.DisableTorchFunction():
             if known is None:  # a captured tensor, or a value the program computed
                 return torch.Tensor.is_inference(root)
-            _, proxy, tensor = known
-            inference = tensor.is_inference()
+            _, proxy, facts = known
+        inference = facts.is_inference
         self.read[id(proxy), "is_inference"] = (proxy, "is_inference", inference)
         return inference
 

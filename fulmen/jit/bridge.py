@@ -294,11 +294,12 @@ class FulmenFunction(torch.autograd.Function):
             outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
         ctx.program = program
         ctx.sync = program.distributed is None or program.distributed.sync  # no_sync() is decided when the forward runs
-        if ctx.hooked:
+        saved = _unlinked(saved, outputs)
+        if ctx.hooked:  # a pack hook that keeps the tensor it is given (save_on_cpu on CPU) would close the cycle too
             early = {k for k, _ in program.stale} if ctx.early is not None else set()
             ctx.save_for_backward(*(t for k, t in enumerate(saved) if k not in early))
         else:
-            ctx.saved = list(saved)
+            ctx.saved = saved
             ctx.versions = _versions(program, saved)
         ctx.set_materialize_grads(False)
         if program.non_differentiable:
@@ -355,6 +356,16 @@ class FulmenFunction(torch.autograd.Function):
         if token is not None:
             GraphedProgram.finish_backward(token)
         return (None, *input_grads)
+
+
+def _unlinked(saved: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`saved`, with a detached alias (the same memory and version counter, no autograd history) in place of each that
+    is an output of the node or a view of one. Autograd makes this node those outputs' grad_fn, and the node holds
+    `saved`: an output kept there is a reference cycle that only the cyclic collector frees, and a view of one holds
+    its base's history in C++, a cycle no collector sees, so a forward whose backward never ran kept its outputs
+    alive for good (eager's saved outputs keep no grad_fn either)."""
+    returned = {id(out) for out in outputs}
+    return [t.detach() if id(t) in returned or t._is_view() and id(t._base) in returned else t for t in saved]
 
 
 def _pack_stale(program: GradProgram, inputs: tuple[torch.Tensor, ...]) -> tuple[Callable, list]:
