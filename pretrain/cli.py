@@ -27,7 +27,7 @@ from litgpt.config import Config, name_to_config
 from litgpt.data import DataModule
 
 from fulmen.pretrain.run import run
-from fulmen.pretrain.settings import TINY, FSDPArgs, Settings, make_config
+from fulmen.pretrain.settings import TINY, FSDPArgs, Settings, SettingsError, make_config
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
 DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-3, "weight_decay": 0.1,
@@ -156,8 +156,8 @@ def _check_config_order(parser: ArgumentParser, argv: list[str], parsed: Namespa
     rest = [arg for index, arg in enumerate(argv) if not any(start <= index < end for start, end in configs)]
     clobbered = _differences(parsed, parser.parse_args(first + rest))
     if clobbered:
-        raise ValueError(f"a --config file given after other flags overrides them: {', '.join(clobbered)}. The later "
-                         "argument wins (as in LitGPT), so those flags would be ignored: put --config first")
+        raise SettingsError(f"a --config file given after other flags overrides them: {', '.join(clobbered)}. The "
+                            "later argument wins (as in LitGPT), so those flags would be ignored: put --config first")
 
 
 def _model_base(parser: ArgumentParser, argv: list[str], parsed: Namespace) -> list[str]:
@@ -199,7 +199,11 @@ def parse_and_run(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parse_and_run(list(sys.argv[1:] if argv is None else argv))
+    try:
+        parse_and_run(list(sys.argv[1:] if argv is None else argv))
+    except SettingsError as error:  # a refused setting, found before anything was written: no traceback
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import yaml
 from litgpt.config import Config
 
 from fulmen.distributed import manifest
-from fulmen.pretrain.settings import Settings
+from fulmen.pretrain.settings import Settings, SettingsError
 
 CHECKPOINT_FILE = "lit_model.pth"  # LitGPT's name; a directory for sharded FSDP checkpoints
 CONFIG_FILE = "model_config.yaml"
@@ -48,14 +48,14 @@ def plan(settings: Settings, config: Config) -> Resume:
             else:
                 found.notes.append(f"resume: skipping {directory}: {issue}")
         if not found.candidates and resume is True:
-            raise FileNotFoundError(f"resume: True, but {settings.out_dir} holds no complete step-*/{CHECKPOINT_FILE}"
-                                    + "".join(f"\n  {note}" for note in found.notes)
-                                    + "\nuse resume: auto to start afresh when there is none")
+            raise SettingsError(f"resume: True, but {settings.out_dir} holds no complete step-*/{CHECKPOINT_FILE}"
+                                + "".join(f"\n  {note}" for note in found.notes)
+                                + "\nuse resume: auto to start afresh when there is none")
     else:
         path = Path(resume)
         path = path / CHECKPOINT_FILE if (path / CHECKPOINT_FILE).exists() else path
         if not path.exists():
-            raise FileNotFoundError(f"resume: no checkpoint at {resume}")
+            raise SettingsError(f"resume: no checkpoint at {resume}")
         found = Resume([path], required=True)
         if manifest.read_manifest(path) is None:
             found.notes.append(f"resume: {path} has no manifest (written by another tool, or a save interrupted "
@@ -77,17 +77,17 @@ def check_model(checkpoint: Path, config: Config, allow: bool) -> list[str]:
         try:
             theirs = dataclasses.asdict(Config.from_file(saved))
         except (yaml.YAMLError, ValueError, TypeError) as error:
-            raise ValueError(f"resume: {saved} cannot be read as a LitGPT Config ({error})") from None
+            raise SettingsError(f"resume: {saved} cannot be read as a LitGPT Config ({error})") from None
         ours = dataclasses.asdict(config)
         differences = [f"{key}: checkpoint {theirs.get(key)!r}, this run {ours.get(key)!r}"
                        for key in sorted(set(theirs) | set(ours)) if theirs.get(key) != ours.get(key)]
     if not differences:
         return []
     if not allow:
-        raise ValueError(f"resume: the checkpoint {checkpoint} is of another model than this run's:\n  "
-                         + "\n  ".join(differences)
-                         + "\nresume with the same model_config (or model_name), or set allow_model_change: true to "
-                           "load its weights into this model anyway")
+        raise SettingsError(f"resume: the checkpoint {checkpoint} is of another model than this run's:\n  "
+                            + "\n  ".join(differences)
+                            + "\nresume with the same model_config (or model_name), or set allow_model_change: true to "
+                              "load its weights into this model anyway")
     return [f"resume: {checkpoint}'s model differs (allow_model_change): " + "; ".join(differences)]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import tempfile
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -144,18 +145,18 @@ def _apply(rules: Iterable[Rule], root: Any, prefix: str = "") -> None:
     for rule in rules:
         value = _lookup(root, rule.key[len(prefix):])
         if not rule.test(value):
-            raise ValueError(f"{rule.key} must be {rule.allowed}, got {value!r}")
+            raise SettingsError(f"{rule.key} must be {rule.allowed}, got {value!r}")
 
 
 def model_config(settings: Settings) -> Config:
     """The model the run trains."""
     if settings.model_name is not None and settings.model_name not in name_to_config:
         close = sorted(n for n in name_to_config if settings.model_name.lower()[:6] in n.lower())[:8]
-        raise ValueError(f"model_name {settings.model_name!r} is not a LitGPT config name"
-                         + (f"; close ones: {close}" if close else ""))
+        raise SettingsError(f"model_name {settings.model_name!r} is not a LitGPT config name"
+                            + (f"; close ones: {close}" if close else ""))
     if settings.model_name is not None and settings.model_config is not None:
-        raise ValueError(f"model_name ({settings.model_name}) and model_config are mutually exclusive: give one. "
-                         "On the command line, --model_config.<key> flags change the named model")
+        raise SettingsError(f"model_name ({settings.model_name}) and model_config are mutually exclusive: give one. "
+                            "On the command line, --model_config.<key> flags change the named model")
     if settings.model_name is None:
         return settings.model_config or TINY
     return Config.from_name(settings.model_name)
@@ -169,15 +170,15 @@ def world_size(settings: Settings) -> int:
 def optimizer_factory(optimizer: str | dict | Callable) -> Callable[[Iterable], torch.optim.Optimizer]:
     if isinstance(optimizer, dict) and not ("class_path" in optimizer and set(optimizer) <= {"class_path",
                                                                                             "init_args"}):
-        raise ValueError(f"optimizer must be a torch.optim class name or {{class_path, init_args}}, got {optimizer!r}"
-                         " (on the command line: --optimizer.lr 0.5 or --optimizer.init_args.lr 0.5)")
+        raise SettingsError(f"optimizer must be a torch.optim class name or {{class_path, init_args}}, got "
+                            f"{optimizer!r} (on the command line: --optimizer.lr 0.5 or --optimizer.init_args.lr 0.5)")
     if isinstance(optimizer, str | dict):
         return partial(instantiate_torch_optimizer, {"init_args": {}, **optimizer}
                        if isinstance(optimizer, dict) else optimizer)
     if callable(optimizer):
         return optimizer
-    raise ValueError(f"optimizer must be a torch.optim class name, {{class_path, init_args}} or a callable, got "
-                     f"{optimizer!r}")
+    raise SettingsError(f"optimizer must be a torch.optim class name, {{class_path, init_args}} or a callable, got "
+                        f"{optimizer!r}")
 
 
 def _check_optimizer(settings: Settings) -> Callable[[Iterable], torch.optim.Optimizer]:
@@ -186,11 +187,11 @@ def _check_optimizer(settings: Settings) -> Callable[[Iterable], torch.optim.Opt
     try:
         lr = make([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"]
     except (ValueError, TypeError, ImportError, AttributeError, KeyError) as error:
-        raise ValueError(f"optimizer: {describe_optimizer(settings.optimizer)} refuses its arguments: "
-                         f"{type(error).__name__}: {error}") from None
+        raise SettingsError(f"optimizer: {describe_optimizer(settings.optimizer)} refuses its arguments: "
+                            f"{type(error).__name__}: {error}") from None
     if settings.train.min_lr > float(lr):
-        raise ValueError(f"train.min_lr ({settings.train.min_lr}) must be at most the optimizer's lr ({float(lr)}): "
-                         "the schedule decays from lr down to min_lr")
+        raise SettingsError(f"train.min_lr ({settings.train.min_lr}) must be at most the optimizer's lr ({float(lr)}): "
+                            "the schedule decays from lr down to min_lr")
     return make
 
 
@@ -200,16 +201,25 @@ def describe_optimizer(optimizer: Any) -> str:
     return repr(optimizer)
 
 
+class SettingsError(ValueError):
+    """A setting the run refuses, found before anything is written: the command line prints it as one `error:` line
+    and exits with status 2, as jsonargparse does for a value of the wrong type."""
+
+
 def _check_out_dir(out_dir: Path) -> None:
     existing = out_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"out_dir {out_dir} is a file, not a directory")
+        raise SettingsError(f"out_dir {out_dir} is a file, not a directory")
     if not existing.is_dir():
-        raise ValueError(f"out_dir {out_dir} cannot be made: {existing} is a file, not a directory")
+        raise SettingsError(f"out_dir {out_dir} cannot be made: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"out_dir {out_dir}: no permission to write in {existing}")
+        raise SettingsError(f"out_dir {out_dir}: no permission to write in {existing}")
+    try:  # permissions are not everything (a read-only or virtual file system): make a folder there and remove it
+        os.rmdir(tempfile.mkdtemp(dir=existing))
+    except OSError as error:
+        raise SettingsError(f"out_dir {out_dir} cannot be made in {existing}: {error.strerror}") from None
 
 
 def make_config(values: dict[str, Any]) -> Config:
@@ -218,12 +228,12 @@ def make_config(values: dict[str, Any]) -> Config:
     _apply(MODEL_RULES, given, "model_config.")
     groups, heads = given.n_query_groups, given.n_head
     if groups is not None and heads % groups:
-        raise ValueError(f"model_config.n_query_groups ({groups}) must divide model_config.n_head ({heads})")
+        raise SettingsError(f"model_config.n_query_groups ({groups}) must divide model_config.n_head ({heads})")
     try:
         return Config(**values)
     except (AssertionError, ValueError, TypeError, ZeroDivisionError) as error:
         where = traceback.extract_tb(error.__traceback__)[-1].line
-        raise ValueError(f"model_config: LitGPT's Config refuses it: {error or where}") from None
+        raise SettingsError(f"model_config: LitGPT's Config refuses it: {error or where}") from None
 
 
 def _check_model(config: Config) -> None:
@@ -232,7 +242,7 @@ def _check_model(config: Config) -> None:
         with torch.device("meta"):
             GPT(config)
     except (AssertionError, ValueError, TypeError, ZeroDivisionError, RuntimeError) as error:
-        raise ValueError(f"model_config: LitGPT cannot build this model ({type(error).__name__}: {error})") from None
+        raise SettingsError(f"model_config: LitGPT cannot build this model ({type(error).__name__}: {error})") from None
 
 
 @dataclass(frozen=True)
@@ -255,36 +265,36 @@ def check(settings: Settings) -> Plan:
     world = world_size(settings)
     per_step = train.micro_batch_size * world
     if train.global_batch_size % per_step:
-        raise ValueError(f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
-                         f"train.micro_batch_size ({train.micro_batch_size}) x {world} data-parallel ranks")
+        raise SettingsError(f"train.global_batch_size ({train.global_batch_size}) must be a multiple of "
+                            f"train.micro_batch_size ({train.micro_batch_size}) x {world} data-parallel ranks")
     if (train.max_steps is None) == (train.max_tokens is None):
-        raise ValueError("give exactly one of train.max_steps and train.max_tokens")
+        raise SettingsError("give exactly one of train.max_steps and train.max_tokens")
     if settings.executors is not None and settings.compiler != "fulmen":
-        raise ValueError(f"executors are fulmen's and need compiler: fulmen, got compiler: {settings.compiler}")
+        raise SettingsError(f"executors are fulmen's and need compiler: fulmen, got compiler: {settings.compiler}")
     if settings.executors is not None:
         fulmen.resolve_executors(settings.executors)  # unknown names fail here
     if settings.cuda_graphs and settings.compiler != "fulmen":
-        raise ValueError(f"cuda_graphs is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
+        raise SettingsError(f"cuda_graphs is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
     if settings.activation_memory_budget != 1.0:
         if settings.compiler != "fulmen":
-            raise ValueError("activation_memory_budget is fulmen's and needs compiler: fulmen, got compiler: "
-                             f"{settings.compiler}")
+            raise SettingsError("activation_memory_budget is fulmen's and needs compiler: fulmen, got compiler: "
+                                f"{settings.compiler}")
         fulmen.JitOptions(activation_memory_budget=settings.activation_memory_budget)  # outside [0, 1] fails here
     if settings.offload is not None:
         if settings.compiler != "fulmen":
-            raise ValueError(f"offload is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
+            raise SettingsError(f"offload is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
         fulmen.OffloadOptions(fraction=settings.offload)  # a fraction outside (0, 1] fails here
     if settings.strategy == "fsdp" and settings.compiler != "fulmen":
-        raise ValueError(f"strategy fsdp is fulmen's ThunderFSDPStrategy and needs compiler: fulmen, got "
-                         f"compiler: {settings.compiler}")
+        raise SettingsError(f"strategy fsdp is fulmen's ThunderFSDPStrategy and needs compiler: fulmen, got "
+                            f"compiler: {settings.compiler}")
     seq = train.max_seq_length or config.block_size
     if seq > config.block_size:
-        raise ValueError(f"train.max_seq_length ({seq}) exceeds the model's block_size ({config.block_size})")
+        raise SettingsError(f"train.max_seq_length ({seq}) exceeds the model's block_size ({config.block_size})")
     _check_data(settings, config)
     if settings.logger_name == "tensorboard" and not any(importlib.util.find_spec(m) for m in ("tensorboard",
                                                                                                "tensorboardX")):
-        raise ValueError("logger_name: tensorboard needs the tensorboard package (pip install tensorboard), or use "
-                         "logger_name: csv")
+        raise SettingsError("logger_name: tensorboard needs the tensorboard package (pip install tensorboard), or use "
+                            "logger_name: csv")
     _check_out_dir(settings.out_dir)
     return Plan(config, world, train.global_batch_size // per_step, seq, _check_optimizer(settings))
 
@@ -292,14 +302,14 @@ def check(settings: Settings) -> Plan:
 def _check_data(settings: Settings, config: Config) -> None:
     data = settings.data
     if settings.tokenizer_dir is not None and not Path(settings.tokenizer_dir).is_dir():
-        raise FileNotFoundError(f"tokenizer_dir: no directory at {settings.tokenizer_dir}")
+        raise SettingsError(f"tokenizer_dir: no directory at {settings.tokenizer_dir}")
     if data is None or isinstance(data, ShippedCorpus):
         if data is not None and not Path(data.path).is_file():
-            raise FileNotFoundError(f"data.path: no text file at {data.path}")
+            raise SettingsError(f"data.path: no text file at {data.path}")
         if settings.tokenizer_dir is None and config.padded_vocab_size < 256:
-            raise ValueError(f"the shipped corpus is read as bytes (256 token ids) without a tokenizer, but the "
-                             f"model's padded_vocab_size is {config.padded_vocab_size}: give tokenizer_dir or a "
-                             "larger vocab")
+            raise SettingsError(f"the shipped corpus is read as bytes (256 token ids) without a tokenizer, but the "
+                                f"model's padded_vocab_size is {config.padded_vocab_size}: give tokenizer_dir or a "
+                                "larger vocab")
     elif settings.tokenizer_dir is None:
-        raise ValueError(f"data: {type(data).__name__} needs a tokenizer: give tokenizer_dir (a LitGPT checkpoint "
-                         "directory with tokenizer files)")
+        raise SettingsError(f"data: {type(data).__name__} needs a tokenizer: give tokenizer_dir (a LitGPT checkpoint "
+                            "directory with tokenizer files)")

@@ -155,7 +155,7 @@ def test_resuming_another_model_is_refused_unless_allowed(key, value, saved, tmp
     argv = ["--out_dir", str(out), *RUN, "--resume", "auto", f"--model_config.{key}", value]
     with pytest.raises(ValueError, match=rf"is of another model than this run's:\n  {key}: checkpoint {saved}, "
                                          rf"this run {float(value) if key == 'rotary_percentage' else True}\n"):
-        cli.main(argv)
+        cli.parse_and_run(argv)
     assert sorted(out.rglob("*")) == before  # refused before anything was written
     result = cli.parse_and_run([*argv, "--allow_model_change", "true"])
     assert f"resume: {out / f'step-{STEPS - 1:08d}' / 'lit_model.pth'}'s model differs (allow_model_change): " \

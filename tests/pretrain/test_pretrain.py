@@ -95,7 +95,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
 def test_bad_configurations_fail_before_writing(tmp_path, argv, match):
     out = tmp_path / "run"
     with pytest.raises((ValueError, FileNotFoundError), match=match):
-        cli.main(["--out_dir", str(out), *argv])
+        cli.parse_and_run(["--out_dir", str(out), *argv])
     assert not out.exists()
 
 
@@ -127,7 +127,7 @@ def test_two_process_fsdp_pretraining(tmp_path):
                     reason="tensorboard is installed")
 def test_tensorboard_logger_without_tensorboard_says_how_to_fix(tmp_path):
     with pytest.raises(ValueError, match=r"needs the tensorboard package \(pip install tensorboard\)"):
-        cli.main(["--out_dir", str(tmp_path / "run"), "--logger_name", "tensorboard"])
+        cli.parse_and_run(["--out_dir", str(tmp_path / "run"), "--logger_name", "tensorboard"])
     assert not (tmp_path / "run").exists()
 
 

@@ -6,6 +6,8 @@ would otherwise train; an unwritable out_dir is refused up front."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,7 +59,7 @@ ONE_STEP = ["--compiler", "null", "--train.max_steps", "1", "--train.save_interv
 def test_bad_settings_are_named_before_anything_is_written(tmp_path, argv, message):
     out = tmp_path / "run"
     with pytest.raises(ValueError) as error:
-        cli.main(["--out_dir", str(out), *argv])
+        cli.parse_and_run(["--out_dir", str(out), *argv])
     assert message in str(error.value)
     assert not out.exists()
 
@@ -104,7 +106,7 @@ def test_a_config_file_after_a_flag_it_overrides_is_refused(tmp_path, capsys, mo
     monkeypatch.chdir(tmp_path)  # tiny.yaml's out_dir is relative
     with pytest.raises(ValueError, match="a --config file given after other flags overrides them: out_dir, "
                                          "train.max_steps. The later argument wins .* put --config first"):
-        cli.main(["--out_dir", "mine", "--train.max_steps", "3", "--config", TINY_YAML])
+        cli.parse_and_run(["--out_dir", "mine", "--train.max_steps", "3", "--config", TINY_YAML])
     assert list(tmp_path.iterdir()) == []
     # flags after the file override it; a flag before it that the file does not set stays
     printed = printed_config(capsys, ["--precision", "32-true", "--config", TINY_YAML, "--out_dir", "mine"])
@@ -138,12 +140,37 @@ def test_an_unwritable_out_dir_is_refused_up_front(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(ValueError, match=f"out_dir {blocker}/run cannot be made: {blocker} is a file"):
-        cli.main(["--out_dir", str(blocker / "run")])
+        cli.parse_and_run(["--out_dir", str(blocker / "run")])
     with pytest.raises(ValueError, match=f"out_dir {blocker} is a file, not a directory"):
-        cli.main(["--out_dir", str(blocker)])
+        cli.parse_and_run(["--out_dir", str(blocker)])
     if os.geteuid() != 0:  # root may write anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
-        with pytest.raises(PermissionError, match=f"out_dir {locked}/run: no permission to write in {locked}"):
-            cli.main(["--out_dir", str(locked / "run")])
+        with pytest.raises(ValueError, match=f"out_dir {locked}/run: no permission to write in {locked}"):
+            cli.parse_and_run(["--out_dir", str(locked / "run")])
         assert list(locked.iterdir()) == []
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--train.micro_batch_size", "0"], "error: train.micro_batch_size must be a positive integer, got 0"),
+    (["--devices", "0"], "error: devices must be a positive integer or 'auto', got 0"),
+    (["--resume", "/no/such/checkpoint"], "error: resume: no checkpoint at /no/such/checkpoint"),
+    (["--model_config.n_head", "3"], "error: model_config.n_query_groups (2) must divide model_config.n_head (3)"),
+])
+def test_the_command_line_prints_a_refused_setting_as_one_error_line(tmp_path, capsys, argv, line):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--out_dir", str(out), *argv])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [line]  # no traceback before it
+    assert not out.exists()
+
+
+def test_an_out_dir_the_file_system_cannot_hold_is_one_error_line(tmp_path):
+    # /proc admits root's write permission but makes no folders: found by making one, not by reading permissions
+    done = subprocess.run([sys.executable, "-m", "fulmen.pretrain", "--out_dir", "/proc/fulmen/run"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.splitlines()  # no traceback
+    assert line.startswith("error: out_dir /proc/fulmen/run "), line
+    assert list(tmp_path.iterdir()) == []
