@@ -279,8 +279,10 @@ torch_symbol(F.smooth_l1_loss)
 torch_symbol(F.binary_cross_entropy)
 torch_symbol(F.binary_cross_entropy_with_logits)
 torch_symbol(F.kl_div)
-torch_symbol(F.conv1d)
-torch_symbol(F.conv2d)
+# Every convolution is a torch symbol, so autocast's conversions of its inputs are planned (transforms/autocast.py)
+# as for any op; its grads are eager's backward (autodiff's fallback).
+for _fn in (F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d):
+    torch_symbol(_fn)
 torch_symbol(F.unfold)
 torch_symbol(F.fold)
 

@@ -1,6 +1,6 @@
-"""Convolutions beyond conv1d/conv2d, pooling and unpooling, upsampling, sampling grids, pixel shuffles and instance
-norm, with eager's grads (`eager_grads`). `F.interpolate`, `F.max_pool2d`, `F.grid_sample` and the like are torch's
-Python: they run inline (fulmen/jit/torch_python.py) and reach these ops.
+"""Pooling and unpooling, upsampling, sampling grids, pixel shuffles and instance norm, with eager's grads
+(`eager_grads`). `F.interpolate`, `F.max_pool2d`, `F.grid_sample` and the like are torch's Python: they run inline
+(fulmen/jit/torch_python.py) and reach these ops.
 
 `F.fractional_max_pool2d/3d` draw their pooling regions with `torch.rand` in that Python (unless `_random_samples` is
 given), which is traced as a draw of its own: the pooling op takes the samples as an input, so recomputing it for the
@@ -16,10 +16,9 @@ import torch.nn.functional as F
 
 from fulmen.ops.eager_grads import eager_op, nn_op
 
-for _fn in (F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.pixel_shuffle, F.pixel_unshuffle,
-            F.channel_shuffle, F.avg_pool1d, F.adaptive_avg_pool1d, torch.adaptive_max_pool1d, torch.max_pool1d,
-            torch.max_pool2d, torch.max_pool3d, torch.max_pool1d_with_indices, torch.grid_sampler,
-            torch.affine_grid_generator):
+for _fn in (F.pixel_shuffle, F.pixel_unshuffle, F.channel_shuffle, F.avg_pool1d, F.adaptive_avg_pool1d,
+            torch.adaptive_max_pool1d, torch.max_pool1d, torch.max_pool2d, torch.max_pool3d,
+            torch.max_pool1d_with_indices, torch.grid_sampler, torch.affine_grid_generator):
     eager_op(_fn)
 
 for _name in ("avg_pool2d", "avg_pool3d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
