@@ -62,6 +62,10 @@ class Symbol:
     # Bytes the implementation allocates and frees again within one call (a kernel's workspace), a function of the
     # call's arguments; None: none beyond its outputs. Memory planning counts them at the call.
     scratch: Callable[..., int] | None = None
+    # The floating-point operations one call does, a function of the call's arguments; None: none that the
+    # rematerialisation's cost model knows (it then never reruns the call in the backward). An executor's fused
+    # kernel declares them so that a memory budget can weigh rerunning it against saving its outputs.
+    flops: Callable[..., int] | None = None
     # Per output (in pytree order), whether it can require grad, as eager's autograd marks them (native_layer_norm's
     # mean and rstd cannot); None: every floating output can.
     differentiable_outputs: tuple[bool, ...] | None = None

@@ -147,6 +147,7 @@ class OperatorExecutor(Executor):
         recomputable: bool = False,
         random: bool = False,
         scratch: Callable[..., int] | None = None,
+        flops: Callable[..., int] | None = None,
     ) -> Symbol:
         """A new symbol run by this executor with `fn`; its outputs are described by `like` (or `meta`), a function
         of the symbol's arguments returning `TensorProxy(like=x, shape=..., dtype=...)` templates, which are
@@ -169,6 +170,11 @@ class OperatorExecutor(Executor):
         `scratch`, a function of the operator's arguments, gives the bytes `fn` allocates and frees again within one
         call (a kernel's workspace): planning that moves values across the call counts them there, so it does not
         raise the peak.
+
+        `flops`, a function of the operator's arguments, gives the floating-point operations of one call (a fused
+        attention kernel's matmuls). Without it the backward never reruns the call for its outputs: they are saved.
+        With it, an activation memory budget below 1 may have the backward rerun it, weighed as a matmul of the same
+        flops per byte of output is (fulmen.transforms.remat).
 
         With `replaces=`, calls to that function (a torch function, a function of the user's program or a method
         such as `NewGELU.forward`) are acquired as this symbol while this executor is in the executor list; the
@@ -197,7 +203,7 @@ class OperatorExecutor(Executor):
         # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
         tags = Tag.KERNEL | (Tag.RECOMPUTABLE if recomputable else Tag.NONE) | (Tag.RANDOM if random else Tag.NONE)
         sym = Symbol(name=name, printed=name, impl=fn, meta=_template_meta(name, shapes) if shapes else None,
-                     tags=tags, executor=self, scratch=scratch)
+                     tags=tags, executor=self, scratch=scratch, flops=flops)
         _OPERATOR_NAMES[name] = sym
         self.operators[name] = sym
         if replaces is not None:

@@ -14,10 +14,13 @@ Ops inside `torch.utils.checkpoint.checkpoint` are recomputable whatever they ar
 be saved, so the cut falls on the checkpointed region's inputs, as eager's checkpointing does.
 
 An activation memory budget (`JitOptions.activation_memory_budget`, torch.compile's knob of the same name) below 1
-also lets the backward recompute matmuls and reductions, the cheapest first (fewest flops per byte of output): the
+also lets the backward recompute matmuls, reductions and the executor kernels that declare their flops (a fused
+attention forward: `register_operator(flops=)`), the cheapest first (fewest flops per byte of output): the
 fewest of them, found by bisection over that order, whose recomputation brings the saved bytes within the budget's
 share of what the cut saves without them. Each is then an ordinary recomputable call to the cut, which still
 minimises bytes; where saving an allowed call's output costs what saving its input would, the output is saved.
+At the default budget of 1 none of them is rerun: a fused attention forward saves its output and log-sum-exp, a
+few bytes per query next to the forward's T-fold work per byte.
 """
 
 from __future__ import annotations
@@ -83,8 +86,9 @@ def leaf_calls(bsym: BoundSymbol) -> Iterator[BoundSymbol]:
 
 
 def recompute_flops(bsym: BoundSymbol) -> int | None:
-    """What recomputing `bsym` costs, in flops (a reduction's bytes priced at FLOPS_PER_BYTE), when it is a matmul
-    or reduction the budget may recompute; None for any other call (and for what `recomputable` allows anyway)."""
+    """What recomputing `bsym` costs, in flops (a reduction's bytes priced at FLOPS_PER_BYTE), when it is a matmul,
+    a reduction or a kernel declaring its flops, which the budget may recompute; None for any other call (and for what
+    `recomputable` allows anyway)."""
     if recomputable(bsym) or bsym.sym.tags & (Tag.RANDOM | Tag.IMPURE) or not bsym.proxy_outputs():
         return None
     flops = 0
@@ -94,6 +98,8 @@ def recompute_flops(bsym: BoundSymbol) -> int | None:
             flops += 2 * out.numel() * a.shape[-1]
         elif leaf.sym in _REDUCTION_PRIMS:
             flops += FLOPS_PER_BYTE * nbytes(leaf.args[0])
+        elif leaf.sym.flops is not None:
+            flops += leaf.sym.flops(*leaf.args, **leaf.kwargs)
         elif not leaf.sym.is_prim or leaf.sym not in CHEAP_PRIMS:
             return None
     return flops

@@ -7,6 +7,7 @@ from litgpt.config import Config
 from litgpt.model import GPT
 
 import fulmen
+from fulmen.executors.sdpa import sdpa
 
 
 def _llama():
@@ -22,7 +23,7 @@ def test_printed_trace_round_trips_through_exec():
     idx = torch.randint(0, 96, (2, 7))
     expected = jitted(idx)
     trace = fulmen.last_traces(jitted)[-1]
-    namespace: dict = {}
+    namespace: dict = dict(sdpa.operators)  # the executor's operators the trace names (its attention kernels)
     exec(trace.python(), namespace)  # noqa: S102 - the point of the test
     inputs = [idx] + [source.fetch() for source in jitted._jit._module_inputs]
     # With parameters that require grad this is the forward trace: the output, then what it saves for backward.
@@ -40,7 +41,8 @@ def test_trace_text_has_type_comments_sources_and_provenance():
     assert provenances[0] == "# Constructed by Acquisition (fulmen.jit)"
     assert provenances[-1] == "# Constructed by Delete Last Used"
     final = traces[-1].python()
-    assert 'torch.nn.functional.scaled_dot_product_attention(' in final
+    assert "sdpa_cpu_flash_forward(" in final  # attention by the kernel eager runs, claimed by the sdpa executor
+    assert "# sdpa_cpu_flash_forward: from executor 'sdpa'" in final
     assert '# t_transformer_wte_weight: "cpu f32[96, 64]"' in final
     assert "model.py:" in final  # the user's source lines head each group of statements
     assert "del " in final
