@@ -76,13 +76,16 @@ class GradProgram:
     distributed: DistributionTransform | None = None  # collectives of ddp / fsdp parameters
     dirty: tuple[UpdatedInput, ...] = ()
     places: tuple[str, ...] = ()  # where each output sits in what the program returns, for messages
+    # outputs the caller gets as views taken again from other outputs (fulmen.jit.view_outputs): they get no grad
+    retaken: tuple[int, ...] = ()
     _backward_fns: dict[tuple[tuple[bool, ...], GradSync], Callable[..., tuple]] = field(default_factory=dict)
     graphs: GraphedProgram | None = None  # CUDA graphs: forward_fn and graphed_backward_fn replay them
     plain_forward_fn: Callable[..., tuple] | None = None  # the forward without graphs
     graphed_backward_fn: Callable[..., tuple] | None = None
 
     def __post_init__(self) -> None:
-        self._backward_fns[self.plan.differentiable, GradSync.SYNC] = self._callable(self.backward_traces[-1])
+        self.expected = expected_cotangents(self.plan.differentiable, self.retaken)  # what backward_traces get
+        self._backward_fns[self.expected, GradSync.SYNC] = self._callable(self.backward_traces[-1])
         self.n_outputs = self.plan.n_outputs
         self.non_differentiable = tuple(i for i, d in enumerate(self.plan.differentiable) if not d)
         self.saved_names = tuple(p.pname for p in self.plan.saved)
@@ -112,8 +115,8 @@ class GradProgram:
         `plain_backward` are the same programs without them."""
         self.graphs = graphs
         self.plain_forward_fn = plain_forward.python_callable()
-        self.graphed_backward_fn = self._backward_fns[self.plan.differentiable, GradSync.SYNC]
-        self._backward_fns[self.plan.differentiable, GradSync.SYNC] = self._callable(plain_backward)
+        self.graphed_backward_fn = self._backward_fns[self.expected, GradSync.SYNC]
+        self._backward_fns[self.expected, GradSync.SYNC] = self._callable(plain_backward)
 
     def _callable(self, trace: Trace) -> Callable[..., tuple]:
         fn = trace.python_callable()
@@ -141,7 +144,7 @@ class GradProgram:
         """The input grads; gradients of distributed parameters are reduced across ranks when `sync`, else
         held back (by the distribution) for the next synced backward to add before reducing. `graphed`: the
         forward replayed CUDA graphs (its saved values are their outputs)."""
-        if graphed and present == self.plan.differentiable:
+        if graphed and present == self.expected:
             return self.graphed_backward_fn(saved, cotangents)
         if self.distributed is None:
             return self.backward_fn(present)(saved, cotangents)
@@ -151,6 +154,11 @@ class GradProgram:
         if pending is None:
             return self.distributed.deliver(self.backward_fn(present)(saved, cotangents))
         return self.distributed.deliver(self.backward_fn(present, GradSync.PENDING)(saved, cotangents, pending))
+
+
+def expected_cotangents(differentiable: tuple[bool, ...], retaken: tuple[int, ...]) -> tuple[bool, ...]:
+    """Which outputs a backward usually gets a cotangent for: the differentiable ones the caller holds."""
+    return tuple(d and i not in retaken for i, d in enumerate(differentiable))
 
 
 def apply(program: GradProgram, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -292,6 +300,7 @@ class FulmenFunction(torch.autograd.Function):
         else:
             results = forward_fn(*inputs)
             outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
+        outputs = _unviewed(outputs, inputs)
         ctx.program = program
         ctx.sync = program.distributed is None or program.distributed.sync  # no_sync() is decided when the forward runs
         saved = _unlinked(saved, outputs)
@@ -366,6 +375,23 @@ def _unlinked(saved: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) ->
     alive for good (eager's saved outputs keep no grad_fn either)."""
     returned = {id(out) for out in outputs}
     return [t.detach() if id(t) in returned or t._is_view() and id(t._base) in returned else t for t in saved]
+
+
+def _unviewed(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """`outputs`, with a detached alias (the same memory and version counter, no view) in place of each that is a view
+    of a tensor the forward alone made, and no other output is a view of (`F.linear` of a 3-d input is a view of its
+    2-d result; a base fulmen.jit.view_outputs returns may be one). Autograd marks the views a custom Function returns
+    as made inside it and refuses an in-place update of them while they require grad ("... is a view and is being
+    modified inplace"), where eager updates its view of the same internal tensor, which nothing else holds; an update
+    of the alias gives the alias itself its history, as eager's rebases its view. A view of an input or of another
+    output stays one: an update of it must reach that tensor's history."""
+    views = [isinstance(out, torch.Tensor) and out._is_view() for out in outputs]
+    if not any(views):
+        return outputs
+    external = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._is_view()} | {id(t) for t in outputs}
+    bases = [id(out._base) for out, view in zip(outputs, views) if view]
+    return [out.detach() if view and id(out._base) not in external and bases.count(id(out._base)) == 1 else out
+            for out, view in zip(outputs, views)]
 
 
 def _pack_stale(program: GradProgram, inputs: tuple[torch.Tensor, ...]) -> tuple[Callable, list]:

@@ -18,6 +18,7 @@ from fulmen.jit.global_state import StateLeftChanged
 from fulmen.jit.guards import Guard, compile_first_failure, key_difference
 from fulmen.jit.output_grads import Retained
 from fulmen.jit.registrations import Registration
+from fulmen.jit.view_outputs import ViewOutput
 from fulmen.jit.writes import Write
 
 
@@ -72,6 +73,7 @@ class CacheEntry:
     retained: Retained | None = None  # the tensors whose grad each call keeps (the program's retain_grad calls)
     # which outputs (returned, then rebinds) the program gave as one object (distinct.py); None: at most one
     distinct: tuple[int, ...] | None = None
+    views: tuple[ViewOutput, ...] | None = None  # returned views of computed tensors, taken again by the call
 
     def admits(self, tensors: list, module_tensors: list) -> bool:
         if self.check is not None and not self.check():

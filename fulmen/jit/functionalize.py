@@ -53,6 +53,7 @@ class ViewInfo:
     base_value: TensorProxy
     detached: bool = False  # `.detach()` / `.data`: a write changes the base's value, not its autograd history
     hidden: bool = False  # `.data`: a write leaves the base's version counter alone too
+    grad_enabled: bool = True  # the grad mode it was taken in (eager's view of it made under no_grad refuses updates)
 
     def replay(self, base_value: TensorProxy) -> TensorProxy:
         out = self.sym(base_value, *self.args, **self.kwargs)
@@ -111,6 +112,7 @@ class Functionalizer:
                 kwargs=kwargs,
                 index=None if type(output) is TensorProxy else index,
                 base_value=values[0],
+                grad_enabled=torch.is_grad_enabled(),
             )
 
     def record_detached(self, detach: Symbol, base_obj: TensorProxy, out: TensorProxy, data: bool) -> None:
@@ -227,6 +229,20 @@ class Functionalizer:
             steps.append(info)
             key = id(info.base)
         return roots[key], steps[::-1]
+
+    def tracked_views(self, obj: TensorProxy) -> tuple[TensorProxy, list[ViewInfo]] | None:
+        """The tensor `obj` is a view of as autograd tracks views (its `_base`: the views of a detached alias are views
+        of the alias, not of what it was detached from), and the views from it to `obj`, outermost first; None when
+        `obj` is no such view, or a view takes a traced tensor argument."""
+        steps: list[ViewInfo] = []
+        info = self._views.get(id(obj))
+        while info is not None and not info.detached:
+            if next(iter(iter_proxies((info.args, info.kwargs))), None) is not None:
+                return None
+            steps.append(info)
+            obj = info.base
+            info = self._views.get(id(obj))
+        return (obj, steps[::-1]) if steps else None
 
     def aliased(self, obj: TensorProxy) -> bool:
         """Whether `obj` is a view (or detached alias) of another object, or another object is one of it."""

@@ -39,6 +39,7 @@ from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.registrations import RealModules, Registered, Registration
 from fulmen.jit.replacements import call_table
 from fulmen.jit.rerun import HookSnapshot, reachable_modules
+from fulmen.jit.view_outputs import ViewOutput, retaken, take_views, view_outputs
 from fulmen.ops import prims
 from fulmen.options import CacheLimitAction, JitOptions
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
@@ -155,6 +156,7 @@ class Acquisition:
     compiling: bool  # traced as a tracer is seen (torch.compiler.is_compiling()), see fulmen.jit.compiling
     registrations: tuple[Registration, ...] = ()  # the buffers the program registered (registrations.py)
     places: tuple[str, ...] = ()  # where each returned tensor sits in the output (`output['logits']`), for messages
+    views: tuple[ViewOutput, ...] = ()  # returned views of computed tensors, taken again by the call
 
     def written(self) -> dict[int, SourceLocation | None]:
         """The inputs the program updates in place (their final values are copied back), by position, with the line
@@ -340,6 +342,11 @@ class JittedFunction:
             if entry.program is not None and entry.program.feeding:
                 rewatch(entry.program.feeding, outputs, returned)
             outputs = returned
+        if entry.views is not None:  # views of computed tensors, taken outside the autograd node (view_outputs.py)
+            returned = take_views(entry.views, outputs, produced)
+            if entry.program is not None and entry.program.feeding:
+                rewatch(entry.program.feeding, outputs, returned)
+            outputs = returned
         if entry.distinct is not None and any(first != i for i, first in enumerate(entry.distinct)):
             outputs = repeats_as_first(list(outputs), entry.distinct)
         if entry.retained is not None:
@@ -390,18 +397,20 @@ class JittedFunction:
         refuse_returned_nodes(result)
         module_proxies = tree.proxies if tree else []
         with builder:
-            values, out_spec, out_objects, returns_input, rebinds, dirty, retained = self._outputs(
+            values, out_spec, out_objects, returns_input, rebinds, dirty, retained, views = self._outputs(
                 result, visible + module_proxies, tree, interpreter,
                 proxies + module_proxies + interpreter.captured_inputs() + storage, pytree.identified(spec),
                 real.found)
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
-        interpreter.autograd.refuse_returned_leaves(result, values)
+        interpreter.autograd.refuse_returned_leaves(result, values[: len(returns_input) + len(rebinds)])
         position = {id(p): i for i, p in enumerate(inputs)}
         values += [value for _, value in dirty]
         registrations = (*(tree.registrations() if tree is not None else ()), *(r.registration() for r in real.found))
+        places = _places(result, len(returns_input), rebinds)
+        places += tuple(f"{places[v.output]}._base" for v in views if v.base >= len(places))
         return Acquisition(builder, interpreter, observer, tree, inputs, values, out_spec, out_objects, returns_input,
                            rebinds, retained, tuple(position[id(obj)] for obj, _ in dirty), compiling, registrations,
-                           _places(result, len(returns_input), rebinds))
+                           places, views)
 
     @staticmethod
     def _shared_storage(builder: TraceBuilder, interpreter: Interpreter, proxies: list[TensorProxy],
@@ -491,7 +500,7 @@ class JittedFunction:
             # that enables grad) would have them record no history, leaving the backward without grads
             with torch.inference_mode(False), torch.enable_grad():
                 program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs, dirty,
-                                                                      acquisition.places)
+                                                                      acquisition.places, retaken(acquisition.views))
             traces.extend(forward_traces)
             if graphs is not None:
                 # the forward and backward without graphs, for a forward whose previous backward has not run yet
@@ -534,8 +543,10 @@ class JittedFunction:
             aliases=aliases,
             writes=(*acquisition.observer.writes, *acquisition.registrations,
                     *((StateLeftChanged(left),) if left != before else ())),
-            distinct=identity_pattern(values[: len(returns_input) + len(rebinds)]),
+            # the bases of views the call takes again are objects of their own too
+            distinct=identity_pattern(values[: len(values) - len(acquisition.dirty)]),
             retained=acquisition.retained,
+            views=acquisition.views or None,
         )
         return entry, module_tensors
 
@@ -556,7 +567,9 @@ class JittedFunction:
         returns_input: list[ReturnedInput | None] = []
         retained = interpreter.retained
         kept = [i for i, leaf in enumerate(leaves) if id(leaf) in retained]
+        objects: dict[int, int] = {}  # id(a tensor the program returned or assigned) -> its position in `values`
         for leaf in leaves:
+            objects.setdefault(id(leaf), len(values))
             returned = None
             if type(leaf) is TensorProxy:
                 values.append(functional.resolve(leaf))
@@ -588,12 +601,17 @@ class JittedFunction:
                 else:
                     if id(now) in retained:
                         kept.append(len(values))
+                    objects.setdefault(id(now), len(values))
                     values.append(value)
                     rebinds.append((module, container, name))
+        # views of tensors the program computed, taken again by the call (view_outputs.py): after the returned and
+        # assigned tensors, the trace returns the bases that are neither
+        views = view_outputs(functional, [leaf if r is None else None for leaf, r in zip(leaves, returns_input)],
+                             values, objects)
         dirty = functional.write_back(inputs)
         held = tuple(i for i, p in enumerate(proxies) if id(p) in retained)
         kept_grads = Retained(tuple(kept), held) if kept or held else None
-        return values, out_spec, out_objects, tuple(returns_input), rebinds, dirty, kept_grads
+        return values, out_spec, out_objects, tuple(returns_input), rebinds, dirty, kept_grads, views
 
 
 class JittedModule(nn.Module):

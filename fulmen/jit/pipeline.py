@@ -29,7 +29,7 @@ from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.core.verify import trace_problems
 from fulmen.executors.base import Executor
 from fulmen.executors.passes import transform_for_execution
-from fulmen.jit.bridge import GradProgram, UpdatedInput
+from fulmen.jit.bridge import GradProgram, UpdatedInput, expected_cotangents
 from fulmen.options import JitOptions
 from fulmen.transforms.autocast import autocast_enabled
 from fulmen.transforms.common import cse, dce, delete_last_used
@@ -109,17 +109,19 @@ class Pipeline:
         return traces + self.finish(trace, TraceKind.COMPUTATION, graphs, len(trace.output))
 
     def differentiate(self, trace: Trace, distributed: DistributionTransform | None, graphs: GraphPool | None = None,
-                      dirty: tuple[UpdatedInput, ...] = (), places: tuple[str, ...] = ()
-                      ) -> tuple[GradProgram, list[Trace]]:
+                      dirty: tuple[UpdatedInput, ...] = (), places: tuple[str, ...] = (),
+                      retaken: tuple[int, ...] = ()) -> tuple[GradProgram, list[Trace]]:
         """Stage GRAD and what follows for the forward; the backward's passes run in the returned program. With
         `graphs`, the last two traces of the forward and of the backward capture CUDA graphs and the two before
         them are the same program without graphs. `dirty`: the inputs the program updates in place with a value
         that has an autograd history, which they get. `places`: where the outputs sit in what the program returns
-        (for messages)."""
+        (for messages). `retaken`: the outputs the caller gets as views taken again from other outputs, which never
+        get a grad (fulmen.jit.view_outputs)."""
         plan = plan_grad(trace, self.interpreter_factory, self.executors, self.memory_budget)
         n_saved = len(plan.saved)
         forward = plan.forward
-        backward = self._clean(plan.backward(plan.differentiable))[-1]
+        present = expected_cotangents(plan.differentiable, retaken)
+        backward = self._clean(plan.backward(present))[-1]
         traces, forwards = [forward], []
         for transform in self.transforms:
             before = GradTraces(forward, backward, n_saved)
@@ -133,8 +135,8 @@ class Pipeline:
         traces += self.finish(traces[-1], TraceKind.FORWARD, graphs, plan.n_outputs)
         finalize = BackwardPasses(self, tuple(forwards), n_saved, distributed)
         program = GradProgram(plan, traces[-1].python_callable(), finalize,
-                              finalize(plan.backward(plan.differentiable), GradSync.SYNC, graphs), autocast_enabled(),
-                              distributed, dirty, places)
+                              finalize(plan.backward(present), GradSync.SYNC, graphs), autocast_enabled(),
+                              distributed, dirty, places, retaken)
         return program, traces
 
     def finish(self, trace: Trace, kind: TraceKind, graphs: GraphPool | None = None,
