@@ -40,6 +40,7 @@ import torch
 from torch.autograd import forward_ad
 
 from fulmen.core.errors import TraceError
+from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.trace import Trace
 from fulmen.jit.autograd_facts import refuse_leaf_without_grads
@@ -89,6 +90,11 @@ class GradProgram:
         self.n_outputs = self.plan.n_outputs
         self.non_differentiable = tuple(i for i, d in enumerate(self.plan.differentiable) if not d)
         self.saved_names = tuple(p.pname for p in self.plan.saved)
+        # the saved values that may be an output or a view of one (the same value, or any view): _unlinked checks
+        # only these, as a check per saved value costs most of a microsecond
+        outputs = {p.pname for p in self.plan.forward.output[: self.plan.n_outputs] if type(p) is TensorProxy}
+        self.may_alias_outputs = tuple(k for k, p in enumerate(self.plan.forward.output[self.plan.n_outputs :])
+                                       if type(p) is TensorProxy and (p.pname in outputs or p.meta._is_view()))
         # (saved position, input position) of the inputs the forward saves, then updates in place
         position = {p.pname: i for i, p in enumerate(self.plan.source.inputs)}
         updated = {b.args[1].pname for b in self.plan.forward.bound_symbols
@@ -303,7 +309,7 @@ class FulmenFunction(torch.autograd.Function):
         outputs = _unviewed(outputs, inputs)
         ctx.program = program
         ctx.sync = program.distributed is None or program.distributed.sync  # no_sync() is decided when the forward runs
-        saved = _unlinked(saved, outputs)
+        saved = _unlinked(saved, outputs, program.may_alias_outputs)
         if ctx.hooked:  # a pack hook that keeps the tensor it is given (save_on_cpu on CPU) would close the cycle too
             early = {k for k, _ in program.stale} if ctx.early is not None else set()
             ctx.save_for_backward(*(t for k, t in enumerate(saved) if k not in early))
@@ -367,14 +373,22 @@ class FulmenFunction(torch.autograd.Function):
         return (None, *input_grads)
 
 
-def _unlinked(saved: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`saved`, with a detached alias (the same memory and version counter, no autograd history) in place of each that
-    is an output of the node or a view of one. Autograd makes this node those outputs' grad_fn, and the node holds
-    `saved`: an output kept there is a reference cycle that only the cyclic collector frees, and a view of one holds
-    its base's history in C++, a cycle no collector sees, so a forward whose backward never ran kept its outputs
-    alive for good (eager's saved outputs keep no grad_fn either)."""
+def _unlinked(saved: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+              candidates: tuple[int, ...]) -> list[torch.Tensor]:
+    """`saved`, with a detached alias (the same memory and version counter, no autograd history) in place of each of
+    `candidates` that is an output of the node or a view of one. Autograd makes this node those outputs' grad_fn, and
+    the node holds `saved`: an output kept there is a reference cycle that only the cyclic collector frees, and a view
+    of one holds its base's history in C++, a cycle no collector sees, so a forward whose backward never ran kept its
+    outputs alive for good (eager's saved outputs keep no grad_fn either)."""
+    saved = list(saved)
+    if not candidates:
+        return saved
     returned = {id(out) for out in outputs}
-    return [t.detach() if id(t) in returned or t._is_view() and id(t._base) in returned else t for t in saved]
+    for k in candidates:
+        t = saved[k]
+        if id(t) in returned or t._is_view() and id(t._base) in returned:
+            saved[k] = t.detach()
+    return saved
 
 
 def _unviewed(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
