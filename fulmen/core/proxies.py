@@ -55,9 +55,17 @@ def tracked_meta(meta: torch.Tensor) -> torch.Tensor:
 class TensorProxy(torch.Tensor):
     pname: str
     meta: torch.Tensor
+    # The class of the tensor the proxy stands for (an nn.Parameter argument or module parameter), which `isinstance`
+    # and `x.__class__` answer as eager does; what an op returns is a plain Tensor, as eager's is. (`type(x)` is
+    # still TensorProxy: the observer refuses it for a proxy of another class, type_refusal.)
+    _fulmen_class: type = torch.Tensor
 
     # Only the acquisition mode handles proxies; the subclass itself stays inert.
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property  # isinstance falls back to it where the real type does not match
+    def __class__(self) -> type:  # type: ignore[override]
+        return self._fulmen_class
 
     @staticmethod
     def __new__(cls, name: str | None = None, meta: torch.Tensor | None = None, device: torch.device | None = None,
@@ -114,6 +122,34 @@ def is_proxy(x: object) -> bool:
     return type(x) is TensorProxy
 
 
+# What torch's own tensor classes read off an instance to answer `isinstance`: Parameter's check reads `_is_param`,
+# Buffer's `_is_buffer` (nn.Buffer(t) returns t marked so, with its `persistent` flag).
+CLASS_MARKERS = ("_is_param", "_is_buffer", "persistent")
+
+
+def stand_for(proxy: TensorProxy, tensor: torch.Tensor) -> None:
+    """`proxy` answers `isinstance` and `__class__` as `tensor` does: its class, and the markers torch's classes read.
+    The cache key holds both (guards.argument_key, guards.module_key)."""
+    kind = type(tensor)
+    if kind is not torch.Tensor:
+        proxy._fulmen_class = kind
+    state = tensor.__dict__
+    for name in CLASS_MARKERS:
+        if name in state:
+            proxy.__dict__[name] = state[name]
+
+
+def type_refusal(obj: object) -> str | None:
+    """Why `type(obj)` cannot be answered as eager answers it, where `obj` is a proxy of a class other than Tensor
+    (an nn.Parameter): its real type is TensorProxy, which no program can be given in its place."""
+    if type(obj) is not TensorProxy or obj._fulmen_class is torch.Tensor:
+        return None
+    name = obj._fulmen_class.__qualname__
+    return (f"fulmen cannot answer type() of the {name} {obj.pname}: inside a trace it is fulmen's stand-in "
+            f"(TensorProxy), so `type(x) is {name}` would be False where eager's is True. Ask isinstance(x, {name}) "
+            "or x.__class__, which answer as eager does")
+
+
 # A subclass keeping one of these runs torch's own code on every call, as a plain tensor does (nn.Parameter, Buffer).
 _PLAIN_FUNCTION = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
@@ -122,6 +158,9 @@ def unproxyable(tensor: torch.Tensor) -> str | None:
     """Why a proxy cannot stand for `tensor`, or None: a proxy is a dense strided tensor that runs torch's own
     operators, so a tensor whose class changes what they do would lose it silently."""
     kind = type(tensor)
+    if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):
+        return ("it is an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, ...), which eager "
+                "materializes on the module's first call; call the module once before fulmen.jit")
     if kind is not torch.Tensor and kind is not TensorProxy:
         if kind.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
             return (f"its class {kind.__qualname__} overrides __torch_dispatch__ (a wrapper subclass such as DTensor "

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from fulmen.core import pytree
+from fulmen.core.proxies import CLASS_MARKERS
 from fulmen.jit.values import compile_statements, immutable
 
 
@@ -28,13 +30,28 @@ def tensor_key(tensors: Sequence[torch.Tensor]) -> tuple:
 
 def argument_key(tensors: Sequence[torch.Tensor]) -> tuple:
     """`tensor_key` of the arguments, with each one's Python attributes (`x.scale = 4.0`), which the program may read
-    (the trace's proxy carries them): immutable values by value, others by identity. Tensors rarely have any."""
-    return tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, _attributes(d) if (d := t.__dict__) else ())
+    (the trace's proxy carries them): immutable values by value, others by identity. Tensors rarely have any. Then
+    its class, which `isinstance(x, nn.Parameter)` reads (the proxy answers with it: proxies.stand_for)."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, _attributes(d) if (d := t.__dict__) else (),
+                   type(t)) for t in tensors])
+
+
+def module_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    """`tensor_key` of the module's tensors, with what `isinstance` reads of each: the markers torch's classes read
+    (a Buffer's) and its class. Other Python attributes stay on the module's tensor, unread by the trace. A Parameter
+    carries no marker that changes an answer (nn.Buffer(p) marks a detached plain tensor), and parameters are most of
+    a module's tensors: theirs are not looked for (the cost of a cache hit grows with them)."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad,
+                   _markers(d) if (kind := type(t)) is not nn.Parameter and (d := t.__dict__) else (), kind)
                   for t in tensors])
 
 
 def _attributes(attributes: dict[str, Any]) -> tuple:
     return tuple([(name, value if immutable(value) else ("object", id(value))) for name, value in attributes.items()])
+
+
+def _markers(attributes: dict[str, Any]) -> tuple:
+    return tuple([(name, attributes[name]) for name in CLASS_MARKERS if name in attributes])
 
 
 def global_state_key() -> tuple:
@@ -58,7 +75,7 @@ KEY_PARTS = ("the inputs' structure or Python values", "argument tensor metadata
              "grad mode, default dtype, attention switches or autocast",
              "its executors' registrations (register_implementation, register_operator or register_lookaside since "
              "the trace was built)")
-TENSOR_FIELDS = ("shape", "strides", "dtype", "device", "requires_grad", "Python attributes")
+TENSOR_FIELDS = ("shape", "strides", "dtype", "device", "requires_grad", "Python attributes", "class")
 
 
 def key_difference(old: tuple | None, new: tuple | None, names: Sequence[str]) -> str:

@@ -16,7 +16,7 @@ from torch import nn
 
 from fulmen.core import pytree
 from fulmen.core.errors import CacheLimitError, CacheLimitWarning, DataDependentError, TraceError
-from fulmen.core.proxies import TensorProxy, unproxyable
+from fulmen.core.proxies import TensorProxy, stand_for, unproxyable
 from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors import base as executor_base
@@ -30,7 +30,7 @@ from fulmen.jit.compiling import seen_as_compiling
 from fulmen.jit.distinct import identity_pattern, kept_distinct, repeats_as_first
 from fulmen.jit.function_apply import function_apply_recorded
 from fulmen.jit.global_state import GlobalState, StateLeftChanged
-from fulmen.jit.guards import argument_key, compile_check, global_state_key, tensor_key
+from fulmen.jit.guards import argument_key, compile_check, global_state_key, module_key
 from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
 from fulmen.jit.observe import Observer
 from fulmen.jit.output_grads import Retained, rewatch
@@ -187,6 +187,7 @@ def _refuse_unproxyable(tensors: list[torch.Tensor], names: list[str]) -> None:
 
 def _module_proxy(builder: TraceBuilder, interpreter: Interpreter, tensor: torch.Tensor, name: str) -> TensorProxy:
     proxy = builder.make_proxy(logical_meta(tensor), tensor.device, tensor.requires_grad, name=name)
+    stand_for(proxy, tensor)
     interpreter.autograd.add_input(proxy, proxy, tensor)
     return proxy
 
@@ -242,7 +243,7 @@ class JittedFunction:
                          else self._recount_registrations())
         state = global_state_key()
         try:
-            key = (spec, argument_key(tensors), tensor_key(module_tensors), state, registrations)
+            key = (spec, argument_key(tensors), module_key(module_tensors), state, registrations)
         except AttributeError:  # a module tensor was removed or replaced by a non-tensor: trace anew
             key = None
         except RuntimeError:  # a tensor without strides (nested): refused, named
@@ -285,7 +286,7 @@ class JittedFunction:
                 continue
             other = [source.fetch() for source in layout]
             try:
-                key = (spec, argument_key(tensors), tensor_key(other), *tail)
+                key = (spec, argument_key(tensors), module_key(other), *tail)
             except AttributeError:
                 continue
             entry = self._cache.lookup(key, tensors, other)
@@ -370,6 +371,7 @@ class JittedFunction:
         for tensor, proxy, name in zip(tensors, visible, names):
             if tensor.__dict__:  # Python attributes the program may read (the cache key holds them)
                 _carry_attributes(tensor, proxy, name)
+            stand_for(proxy, tensor)
         originals: dict[int, Any] = {}
         spec = pytree.flatten((args, kwargs), [], originals)
         proxy_args, proxy_kwargs = pytree.unflatten(spec, visible, originals)
@@ -533,7 +535,7 @@ class JittedFunction:
             constants=tuple(constants),
             backward_traces=tuple(program.backward_traces) if program is not None else (),
             program=program,
-            key=(key_parts[0], argument_key(tensors), tensor_key(module_tensors), *key_parts[1:]),
+            key=(key_parts[0], argument_key(tensors), module_key(module_tensors), *key_parts[1:]),
             guards=guards,
             check=compile_check(guards),
             storage=storage_groups(real_inputs) if written else None,
