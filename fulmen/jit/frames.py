@@ -5,6 +5,11 @@ Frames of fulmen, torch (but for `torch.nn.modules`, whose module classes read m
 and the standard library are not followed, nor imports the program triggers. While a symbol records its meta and
 decomposition (the bulk of an acquisition's Python calls, none of them the program's), tracing is off (`Quiet`).
 
+The tap sees only the thread that runs the program (`sys.settrace` and `sys.setprofile` are per thread): what a
+thread started during the acquisition runs (tqdm's monitor, a DataLoader's pin-memory thread) is not the program's.
+Calls of C functions are not followed; once the program got a C function that gives a new value on every call (a
+clock), the tap also watches the program's C calls (`FrameTap.watch_calls`), so only a call of it is refused.
+
 Two kinds of standard-library frames are seen though they are not followed: those that make an object without its
 `__init__` (a copy's, `_NEW_OBJECT`: the object is the program's own, as one whose `__init__` runs), and those that
 read all an object holds (`_STATE_READERS`: copies and dataclasses' helpers, called by the program or inside one
@@ -55,6 +60,8 @@ class Reader(Protocol):
     def read_state(self, obj: Any, reader: str) -> None: ...  # `reader` reads all `obj` holds
 
     def entered(self, code: types.CodeType) -> None: ...  # a frame of the program's code starts
+
+    def called(self, function: Any, frame: types.FrameType) -> None: ...  # program code calls a C function (watched)
 
 
 _FULMEN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -115,16 +122,20 @@ def _sites_of(frame: types.FrameType) -> dict[int, reads.Read] | None:
 
 
 class Quiet:
-    __slots__ = ("tracer",)
+    __slots__ = ("tap",)
 
-    def __init__(self, tracer: Callable[..., Any]) -> None:
-        self.tracer = tracer
+    def __init__(self, tap: FrameTap) -> None:
+        self.tap = tap
 
     def __enter__(self) -> None:
         sys.settrace(None)
+        if self.tap.profiling:
+            sys.setprofile(None)
 
     def __exit__(self, *exc: object) -> None:
-        sys.settrace(self.tracer)
+        sys.settrace(self.tap.call)
+        if self.tap.profiling:
+            sys.setprofile(self.tap.profile)
 
 
 class FrameTap:
@@ -143,6 +154,27 @@ class FrameTap:
         self.unfollowed = 0  # module bodies being imported and loggers handling records, running now
         self.reading = 0  # frames of _STATE_READERS the program called, running now
         self.returned = _Returned(observer)
+        self.profiling = False  # the program's C calls are watched (watch_calls)
+
+    def watch_calls(self) -> bool:
+        """From now until the acquisition ends, tell the observer of every C function the program's code calls
+        (`sys.setprofile` on this thread). False when a profiler is already set (cProfile): it is not replaced."""
+        if not self.profiling:
+            if sys.getprofile() is not None:
+                return False
+            sys.setprofile(self.profile)
+            self.profiling = True
+        return True
+
+    def stop(self) -> None:
+        """The acquisition ends: C calls are no longer watched."""
+        if self.profiling:
+            sys.setprofile(None)
+            self.profiling = False
+
+    def profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "c_call" and not self.unfollowed and _sites_of(frame) is not None:
+            self.observer.called(arg, frame)
 
     def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
         local = _around(frame, self.regions, self._follow(frame, event, arg))

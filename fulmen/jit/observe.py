@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from fulmen.core.errors import TraceError
-from fulmen.core.proxies import TensorProxy, type_refusal
+from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import frame_location
 from fulmen.jit import caches, reads
 from fulmen.jit.containers import MUTATORS, ContainerLog, ContainerWrite, is_container
@@ -72,6 +72,7 @@ from fulmen.jit.lookup import (
     slot_value,
     template_fields,
 )
+from fulmen.jit.threads import Threads, building_thread
 from fulmen.jit.values import MISSING, Emitter, describe, immutable, value_check
 from fulmen.jit.writes import Write, WriteLog
 
@@ -107,7 +108,10 @@ class Observer:
         self.expecting: dict[int, tuple[int, types.CodeType]] = {}
         self._results: dict[tuple[int, int], Any] = {}
         # what the observer does around calls of some functions (frames.Region): caches keeping what they return
-        self._regions: dict[types.CodeType, Region] = {caches.CACHED_PROPERTY_GET: caches.CachedProperty(self)}
+        self._threads = Threads()  # the threads the program starts: one it waits for is refused
+        self._regions: dict[types.CodeType, Region] = {caches.CACHED_PROPERTY_GET: caches.CachedProperty(self),
+                                                       **self._threads.regions}
+        self._tap: FrameTap | None = None
         self._dropped: list[Callable[[], None]] = []  # run once the program ran: what a refused cache kept
         # (id(object or globals dict), name) the program assigned while acquired: its later reads read that value
         self._written: set[tuple[int, str]] = set()
@@ -428,8 +432,6 @@ class Observer:
         if type(function) is operator.attrgetter:
             for dotted in function.__reduce__()[1]:
                 self._read_path(arguments[0], tuple((True, name) for name in dotted.split(".")))
-        elif function is type and self._refused is None and (why := type_refusal(arguments[0])) is not None:
-            self._refused = TraceError(why, frame_location(frame))
         elif function is isinstance or function is type:
             self._read_class(arguments[0])
 
@@ -471,21 +473,27 @@ class Observer:
         """Observes the frames of user code started inside the block (this thread only). `regions`: what the
         acquisition does around calls of some functions (replacements.py), by code object."""
         previous = sys.gettrace()
-        tracer = FrameTap(self, previous, ChainMap(regions or {}, self._regions))
+        tracer = self._tap = FrameTap(self, previous, ChainMap(regions or {}, self._regions))
         sys.settrace(tracer.call)
         self.active = True
         if previous is None:  # with a debugger attached, fulmen's internals stay visible to it
-            self.quiet = Quiet(tracer.call)
+            self.quiet = Quiet(tracer)
         try:
             yield
+        except BaseException as error:
+            if self._threads.refused is not None:  # the program failed on what the thread it waited for did
+                raise self._threads.refused from error
+            raise
         finally:
             self.active = False
             self.quiet = contextlib.nullcontext()
+            tracer.stop()
             sys.settrace(previous)
             for drop in self._dropped:
                 drop()
-        if self._refused is not None:
-            raise self._refused
+        refused = self._refused or self._threads.refused
+        if refused is not None:
+            raise refused
         changed, same_objects = self._containers.finish(self._created)
         for guard in same_objects:
             self._guards[("same object", guard.source)] = guard
@@ -500,9 +508,12 @@ class Observer:
     def _special(self, value: Any, frame: types.FrameType) -> None:
         """Values whose reading reads state no attribute holds. Torch's global switches the program asks for
         (`torch.are_deterministic_algorithms_enabled()`) are guarded on their answer, the environment on all of it.
-        A program that gets a function giving a new value on each call (Python's random draws, a clock) is refused
+        A program that calls a function giving a new value on each call (Python's random draws, a clock) is refused
         once it has run: a trace would repeat the value it gave while tracing. (Not raised here: the program could
-        catch it, and would run on unobserved.)"""
+        catch it, and would run on unobserved.) Where it is got, but for a C function got by a thread's `__init__`
+        (tqdm's monitor thread is given `time.time`, to call in its own thread): that one is refused where the
+        program's thread calls it (`called`), from then on. (Handed on to other code, a function could be called by
+        C code no frame shows: `functools.partial(time.time)()`.)"""
         kind = type(value)
         if kind is functools._lru_cache_wrapper and type(getattr(value, "__wrapped__", None)) is types.FunctionType \
                 and value.cache_info().maxsize != 0:
@@ -517,15 +528,26 @@ class Observer:
                           lambda e: f"{e.bind(environ)} == {e.bind(dict(environ))}")
             return
         name = unrepeatable(value)
+        if name is not None and self._refused is None and not (kind is types.BuiltinFunctionType
+                                                                and building_thread(frame) and self._tap is not None
+                                                                and self._tap.watch_calls()):
+            self._refuse_unrepeatable(name, frame)
+
+    def called(self, function: Any, frame: types.FrameType) -> None:
+        """The program's code calls the C function `function` (the tap watches its calls once it got a clock)."""
+        name = unrepeatable(function)
         if name is not None and self._refused is None:
-            fix = ("Draw it with torch (torch.rand, torch.randint, torch.bernoulli), which the trace draws anew on "
-                   "every call, or pass it in as an argument" if "random" in name else
-                   "Read it outside the jitted program and pass it in as an argument, or leave it out")
-            location = frame_location(frame)
-            where = f" ({location.short()})" if location is not None else ""
-            self._refused = TraceError(f"fulmen cannot compile a program that calls {name}{where}: it gives a new "
-                                       f"value on every call, and a trace would repeat the one it gave while "
-                                       f"tracing. {fix}.", location)
+            self._refuse_unrepeatable(name, frame)
+
+    def _refuse_unrepeatable(self, name: str, frame: types.FrameType) -> None:
+        fix = ("Draw it with torch (torch.rand, torch.randint, torch.bernoulli), which the trace draws anew on "
+               "every call, or pass it in as an argument" if "random" in name else
+               "Read it outside the jitted program and pass it in as an argument, or leave it out")
+        location = frame_location(frame)
+        where = f" ({location.short()})" if location is not None else ""
+        self._refused = TraceError(f"fulmen cannot compile a program that calls {name}{where}: it gives a new "
+                                   f"value on every call, and a trace would repeat the one it gave while "
+                                   f"tracing. {fix}.", location)
 
     # --- the module tap ----------------------------------------------------------------------------------------------
     def module_write(self, shadow: nn.Module, original: nn.Module, name: str, writer: types.FrameType,
