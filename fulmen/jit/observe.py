@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from fulmen.core.errors import TraceError
-from fulmen.core.proxies import TensorProxy
+from fulmen.core.proxies import TensorProxy, type_refusal
 from fulmen.core.source import frame_location
 from fulmen.jit import caches, reads
 from fulmen.jit.containers import MUTATORS, ContainerLog, ContainerWrite, is_container
@@ -432,6 +432,8 @@ class Observer:
         if type(function) is operator.attrgetter:
             for dotted in function.__reduce__()[1]:
                 self._read_path(arguments[0], tuple((True, name) for name in dotted.split(".")))
+        elif function is type and self._refused is None and (why := type_refusal(arguments[0])) is not None:
+            self._refused = TraceError(why, frame_location(frame))
         elif function is isinstance or function is type:
             self._read_class(arguments[0])
 
