@@ -5,13 +5,14 @@ Nothing of the program is rebound: no module global, class attribute or function
 
 - a torch callable an executor replaces (`replaces=F.layer_norm`): the interpreter's dispatch table
   (`Interpreter.replaced`), since its torch-function mode sees every torch call;
-- a Python function or method an executor replaces (`replaces=apply_rope`, `replaces=NewGELU.forward`), and
-  `torch.utils.checkpoint.checkpoint`: a *call region*, keyed by code object. The frame tap (frames.py) sees every
-  frame the acquired program starts, however the function was reached (a module global, an import by name, a
-  closure, a saved bound method); for a region it calls `enter` as the frame starts and `exit` as it returns, and the
-  function's own code runs in between. A replaced function's ops become the parts of one call of its operator; a
-  checkpoint call is set to its reentrant form, which function_apply.py records as a checkpointed region; a
-  `torch.autograd.Function.apply` call hands its `super().apply` to the recording of function_apply.py;
+- a Python function or method an executor replaces (`replaces=apply_rope`, `replaces=NewGELU.forward`),
+  `torch.utils.checkpoint.checkpoint` and the wrapper of a function torch.compile made: a *call region*, keyed by code
+  object. The frame tap (frames.py) sees every frame the acquired program starts, however the function was reached (a
+  module global, an import by name, a closure, a saved bound method); for a region it calls `enter` as the frame starts
+  and `exit` as it returns, and the function's own code runs in between. A replaced function's ops become the parts of
+  one call of its operator; a checkpoint call is set to its reentrant form, which function_apply.py records as a
+  checkpointed region; a `torch.autograd.Function.apply` call hands its `super().apply` to the recording of
+  function_apply.py; a compiled function runs the function it wraps, traced (compiled.py);
 - a method lookaside (`register_lookaside(LLaMAMLP.forward, ...)`): a method that runs *instead of* the original,
   so it must be found before the call: a module's forward where `nn.Module.__call__` looked it up (a region on
   `_call_impl`, `ForwardLookasideRegion`), and any method the program looks up on the jitted module and its
@@ -36,6 +37,7 @@ import torch.utils.checkpoint
 
 from fulmen.core.source import frame_location
 from fulmen.core.symbol import Symbol
+from fulmen.jit.compiled import COMPILE_WRAPPER_CODE, CompiledCallRegion
 from fulmen.jit.frames import Region
 from fulmen.jit.function_apply import APPLY_CODE, FunctionApplyRegion
 from fulmen.jit.lookasides import method_lookasides
@@ -172,6 +174,8 @@ def call_table(executors: tuple[Any, ...], interpreter: Any) -> CallTable:
     """The table of one acquisition with these executors, recording through `interpreter`."""
     torch_calls: dict[Callable[..., Any], Symbol] = {}
     regions: dict[types.CodeType, Region] = {_CHECKPOINT_CODE: CheckpointRegion(), APPLY_CODE: FunctionApplyRegion()}
+    if COMPILE_WRAPPER_CODE is not None:
+        regions[COMPILE_WRAPPER_CODE] = CompiledCallRegion()
     lookasides: dict[Callable[..., Any], Callable[..., Any]] = {}
     for original, target in replacement_table(executors).items():
         if lookup(original) is not None:
