@@ -6,6 +6,7 @@ returns a new trace stamped with its provenance; `Trace.python()` prints it as v
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import keyword
 from collections.abc import Callable
@@ -17,11 +18,21 @@ import torch
 from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy, TrackedMetas
 from fulmen.core.source import SourceLocation
-from fulmen.core.symbol import BoundSymbol, Builder, Symbol, Tag, iter_proxies, map_proxies, pop_builder, push_builder
+from fulmen.core.symbol import (
+    IMPORTS,
+    BoundSymbol,
+    Builder,
+    Symbol,
+    Tag,
+    iter_proxies,
+    map_proxies,
+    pop_builder,
+    push_builder,
+)
 
-# Names a generated trace must not shadow.
-_RESERVED = (frozenset({"torch", "prims", "impls", "fused_loss", "operator", "math", "inf", "nan"})
-             | frozenset(dir(__builtins__)))
+# Names a generated trace must not shadow: the roots it imports (a user's argument named `dist` would hide the
+# collectives' module) and Python's builtins.
+_RESERVED = frozenset(IMPORTS) | frozenset(dir(builtins))
 
 
 class Namespace:
@@ -229,7 +240,8 @@ class TraceBuilder(Builder):
 
     def _meta_outputs(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         try:
-            key = _meta_key((sym, args, kwargs))
+            # factories and Python numbers take the default dtype, which the program may set (torch.set_default_dtype)
+            key = (_meta_key((sym, args, kwargs)), torch.get_default_dtype())
         except _Uncacheable:
             key = None
         cached = self._metas.get(key) if key is not None else None

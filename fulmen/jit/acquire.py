@@ -10,6 +10,7 @@ them (and the guards check them).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
-from fulmen.jit import known, torch_python, validation
+from fulmen.jit import arrays, known, torch_python, validation
 from fulmen.jit.aliasing import reads_elements_written_elsewhere
 from fulmen.jit.autograd_facts import AutogradFacts
 from fulmen.jit.bounds import Bounds
@@ -137,6 +138,7 @@ class Interpreter(TorchFunctionMode):
         self.known = known.KnownValues()
         self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
         self._constant_ids: dict[int, TensorProxy] = {}
+        self.arrays = arrays.Arrays()  # the NumPy arrays it converted, the memory torch does not own it read
         self.ops_seen: list[str] = []
         self._inlining: set[Callable[..., Any]] = set()  # torch's Python functions running inline (torch_python.py)
         self._pinned: list[Any] = []  # while a grad rule runs, its ops carry the differentiated op's source line
@@ -148,7 +150,7 @@ class Interpreter(TorchFunctionMode):
         self.autocast_casts = CastCache(builder, self.autograd.is_leaf)
         builder.operator_calls = self._operator
         self.special: dict[Callable[..., Any], Callable[..., Any]] = {
-            T.__setitem__: self._setitem,
+            T.__setitem__: lambda x, index, value: self._setitem(x, self._arrays_in(index), value),
             T.copy_: self._copy_,
             T.fill_: self._fill_,
             T.zero_: self._zero_,
@@ -182,13 +184,15 @@ class Interpreter(TorchFunctionMode):
             T.__repr__: lambda x, **kw: repr(x),
             T.__str__: lambda x: repr(x),
             T.__format__: lambda x, spec: repr(x),
-            T.__getitem__: self._getitem,
+            T.__getitem__: lambda x, index: self._getitem(x, self._arrays_in(index)),
             torch.where: self._where,
             F.batch_norm: self._batch_norm,
             T.storage_offset: self._storage_offset,
             T.register_hook: self._register_hook,
             torch._is_all_true: self._is_all_true,
         }
+        for func in (torch.tensor, torch.as_tensor, T.new_tensor):
+            self.special[func] = functools.partial(self._from_data, func)
         for name, dtype in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
                             ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64),
                             ("short", torch.int16), ("char", torch.int8), ("byte", torch.uint8),
@@ -226,6 +230,9 @@ class Interpreter(TorchFunctionMode):
         special = self.special.get(func)
         if special is not None:
             return special(*args, **kwargs)
+        return self._call(func, args, kwargs)
+
+    def _call(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         binding = lookup(func)
         if binding is None and torch_python.inlinable(func):  # torch's Python: trace the calls it makes
             return self._inline(func, args, kwargs)
@@ -341,7 +348,29 @@ class Interpreter(TorchFunctionMode):
     def _value(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.functional.resolve(obj if type(obj) is TensorProxy else self._constant(obj))
+        if arrays.is_array(obj) and obj.ndim:  # eager takes one as data (_from_data) or an index (_arrays_in) only
+            raise UnsupportedOpError(f"fulmen cannot pass a NumPy array to {self.ops_seen[-1]}: convert it first "
+                                     "(torch.from_numpy(array), torch.tensor(array))", self.builder.source)
         return obj.item()
+
+    def _from_data(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`torch.tensor`, `torch.as_tensor` or `Tensor.new_tensor` of NumPy data (arrays.py); of other data, the
+        call itself."""
+        asked = arrays.conversion(func, args, kwargs)
+        if asked is None:
+            return self._call(func, args, kwargs)
+        if arrays.is_numpy_scalar(asked.data):  # a number of its dtype
+            placed = {} if asked.device is None else {"device": asked.device}
+            return self._call(torch.tensor, (asked.data.item(),),
+                              {"dtype": asked.dtype or arrays.scalar_dtype(asked.data), **placed})
+        return self._convert(self._arrays_in(asked.data), device=asked.device, dtype=asked.dtype, copy=asked.copy,
+                             memory_format=torch.contiguous_format if asked.copy else None)
+
+    def _arrays_in(self, obj: Any) -> Any:
+        """`obj` (an index, a value) with its NumPy arrays as the trace's inputs sharing their memory (arrays.py)."""
+        if arrays.is_array(obj):
+            return self._constant(self.arrays.tensor(obj))
+        return tuple(self._arrays_in(item) for item in obj) if type(obj) is tuple else obj
 
     def _constant(self, tensor: torch.Tensor) -> TensorProxy:
         proxy = self._constant_ids.get(id(tensor))
@@ -358,6 +387,7 @@ class Interpreter(TorchFunctionMode):
             proxy = self.builder.make_proxy(meta, tensor.device, tensor.requires_grad, name=f"c{len(self.constants)}")
             self.constants.append((tensor, proxy))
             self._constant_ids[id(tensor)] = proxy
+            self.arrays.read(tensor, proxy, self.builder.source)
         return proxy
 
     def captured_inputs(self) -> list[TensorProxy]:
@@ -367,6 +397,7 @@ class Interpreter(TorchFunctionMode):
             # eager refuses an in-place update of a leaf that requires grad; a tensor with a history takes a new one
             if self.functional.was_written(proxy) and tensor.requires_grad and tensor.is_leaf:
                 raise TraceError(_captured(tensor), self.functional.written_at(proxy))
+        self.arrays.refuse_changes(self.functional.was_written, self.functional.written_at)
         return [proxy for _, proxy in self.constants]
 
     def _proxy(self, obj: torch.Tensor) -> TensorProxy:

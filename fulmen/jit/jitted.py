@@ -403,6 +403,7 @@ class JittedFunction:
                 result, visible + module_proxies, tree, interpreter,
                 proxies + module_proxies + interpreter.captured_inputs() + storage, pytree.identified(spec),
                 real.found)
+        interpreter.arrays.refuse_returned(values, interpreter.functional.root)
         inputs = proxies + module_proxies + [p for _, p in interpreter.constants] + storage
         interpreter.autograd.refuse_returned_leaves(result, values[: len(returns_input) + len(rebinds)])
         position = {id(p): i for i, p in enumerate(inputs)}

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import fulmen
-from fulmen.core.errors import TraceError
+from fulmen.core.errors import TraceError, UnsupportedOpError
 
 
 def _isinstance_parameter(x, p):
@@ -97,3 +98,125 @@ def test_an_uninitialized_parameter_is_refused_naming_the_fix():
     with pytest.raises(TraceError, match="uninitialized parameter or buffer of a lazy module.*call the module once"):
         fulmen.jit(nn.LazyLinear(2))(torch.ones(1, 3))
 
+
+# --- NumPy data ----------------------------------------------------------------------------------------------------
+# A NumPy array a program converts is read on every call as it is then (its memory is the trace's input), small
+# or over the 64 KiB up to which a guard compares an array's bytes.
+SMALL = np.arange(6.0)
+LARGE = np.zeros(10_000)  # 80 KB
+
+CONVERSIONS = {
+    "tensor": lambda x: x * torch.tensor(SMALL[:3]),
+    "tensor dtype": lambda x: x * torch.tensor(SMALL[1:4], dtype=torch.float32),
+    "tensor of a transposed array": lambda x: x * torch.tensor(SMALL.reshape(3, 2).T)[1],
+    "as_tensor": lambda x: x * torch.as_tensor(SMALL)[:3],
+    "as_tensor dtype": lambda x: x * torch.as_tensor(SMALL, dtype=torch.float32)[2:5],
+    "from_numpy": lambda x: x * torch.from_numpy(SMALL)[3:],
+    "new_tensor": lambda x: x * x.new_tensor(SMALL[:3]),
+    "large as_tensor": lambda x: x + torch.as_tensor(LARGE)[:3],
+    "index": lambda x: x[np.array([2, 0])],
+    "index in a tuple": lambda x: x.reshape(3, 1).expand(3, 2)[np.array([1, 2]), 1],
+    "index by an int32 array": lambda x: x[np.array([1, 1], dtype=np.int32)],
+    # (a 0-dim tensor does not take part in type promotion: these keep the data's own dtype)
+    "numpy scalars keep their dtype": lambda x: torch.tensor(np.float64(2.0)) + torch.as_tensor(np.int32(3)),
+    "a 0-dim array keeps its dtype": lambda x: torch.tensor(np.array(2, dtype=np.int16)) + 1,
+    "setitem": lambda x: _set(x.clone(), np.array([0, 2]), torch.tensor([5.0, 6.0])),
+}
+
+
+def _set(x, index, value):
+    x[index] = value
+    return x
+
+
+@pytest.mark.parametrize("name", list(CONVERSIONS))
+def test_numpy_data_converts_as_eager_and_is_read_anew(name: str):
+    fn, x = CONVERSIONS[name], torch.arange(1.0, 4.0)
+    jitted = fulmen.jit(fn)
+    try:
+        for step in range(3):
+            expected, got = fn(x), jitted(x)
+            assert got.dtype == expected.dtype
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+            SMALL[:] += step + 1  # the caller changes the arrays in place between calls
+            LARGE[:3] = step + 10
+    finally:
+        SMALL[:] = np.arange(6.0)
+        LARGE[:] = 0.0
+
+
+def test_an_array_argument_is_read_anew_and_keyed_by_identity():
+    fn = lambda x, a: x + torch.tensor(a) * torch.as_tensor(a)
+    jitted, x, a = fulmen.jit(fn), torch.ones(3), np.arange(3.0)
+    torch.testing.assert_close(jitted(x, a), fn(x, a), rtol=0, atol=0)
+    a[0] = 5.0
+    torch.testing.assert_close(jitted(x, a), fn(x, a), rtol=0, atol=0)
+    other = np.full(3, 7.0)
+    torch.testing.assert_close(jitted(x, other), fn(x, other), rtol=0, atol=0)
+
+
+def test_a_copy_of_an_array_the_program_makes_is_fresh_on_every_call():
+    fn = lambda x: (x + 1, torch.tensor(np.zeros(2)))
+    jitted, x = fulmen.jit(fn), torch.ones(2)
+    for _ in range(2):
+        _, made = jitted(x)
+        assert made.tolist() == fn(x)[1].tolist() == [0.0, 0.0]
+        made.add_(5.0)  # the caller's change of one call's result is not the next call's
+
+
+def _update_through_from_numpy(x):
+    shared = torch.from_numpy(np.zeros(2))
+    shared.add_(1.0)
+    return x + shared
+
+
+def _update_through_as_tensor(x):
+    shared = torch.as_tensor(SMALL)
+    shared[0] = 4.0
+    return x + shared[:2]
+
+
+def _returns_from_numpy(x):
+    return x + 1, torch.from_numpy(np.zeros(2))
+
+
+def _returns_view_of_as_tensor(x):
+    return x + 1, torch.as_tensor(SMALL)[:2]
+
+
+def _numpy_changes_after_conversion(x):
+    indices = np.array([0, 0])
+    first = x[indices]
+    indices += 1
+    return first + x[indices]
+
+
+@pytest.mark.parametrize(("fn", "message", "line"), [
+    (_update_through_from_numpy, "in-place update of a torch.float64 tensor of shape \\(2,\\) sharing memory",
+     "shared.add_(1.0)"),
+    (_update_through_as_tensor, "in-place update of .* sharing memory torch does not own", "shared[0] = 4.0"),
+    (_returns_from_numpy, "cannot return a torch.float64 tensor .* eager's result shares that memory",
+     "torch.from_numpy(np.zeros(2))"),
+    (_returns_view_of_as_tensor, "cannot return .* \\(or a view of it\\)", "torch.as_tensor(SMALL)[:2]"),
+    (_numpy_changes_after_conversion, "changes a torch.int64 tensor .* after reading it, by code fulmen does not see",
+     "first = x[indices]"),
+])
+def test_where_sharing_an_arrays_memory_matters_it_is_refused_naming_the_line(fn: Callable, message: str, line: str):
+    before = SMALL.copy()
+    fn(torch.ones(2))  # eager runs it
+    SMALL[:] = before
+    with pytest.raises(TraceError, match=message) as error:
+        fulmen.jit(fn)(torch.ones(2))
+    assert line in str(error.value)
+    np.testing.assert_array_equal(SMALL, before)  # the refused trace wrote nothing
+
+
+@pytest.mark.filterwarnings("ignore:Creating a tensor from a list of numpy.ndarrays")
+def test_numpy_arrays_inside_other_data_are_refused_naming_the_op():
+    fn = lambda x: x * torch.tensor([np.ones(2), np.ones(2)])  # eager: a 2x2 tensor (slowly)
+    assert fn(torch.ones(2)).shape == (2, 2)
+    with pytest.raises(UnsupportedOpError, match="cannot pass a NumPy array to torch.tensor") as error:
+        fulmen.jit(fn)(torch.ones(2))
+    assert "torch.tensor([np.ones(2), np.ones(2)])" in str(error.value)
+    with pytest.raises(TypeError, match="must be Tensor, not numpy.ndarray"):  # where eager's own parser refuses
+        fulmen.jit(lambda x: torch.add(x, np.ones(2)))(torch.ones(2))
