@@ -93,15 +93,15 @@ class Arrays:
         """The tensor sharing `array`'s memory (eager's own conversion, with its errors: negative strides, objects)."""
         found = self._tensors.get(id(array))
         if found is None:
-            with warnings.catch_warnings():  # a read-only array: fulmen never writes into it (see `refusal`)
+            with warnings.catch_warnings():  # a read-only array: fulmen never writes into it (refuse_changes)
                 warnings.simplefilter("ignore", UserWarning)
                 found = self._tensors[id(array)] = (array, torch.from_numpy(array))
         return found[1]
 
     def read(self, tensor: torch.Tensor, proxy: TensorProxy, location: SourceLocation | None) -> None:
         """The program read the real `tensor`, captured as `proxy`: its memory is checked at the end if external."""
-        if external(tensor):
-            with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction():  # outside __torch_function__ the acquisition mode would see these
+            if external(tensor):
                 self._reads.append(_Read(tensor, proxy, tensor.clone(), location))
 
     def refuse_changes(self, written: Callable[[TensorProxy], bool],
