@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import fulmen
 
@@ -363,3 +365,68 @@ def test_forward_mode_tangents_are_refused_before_the_piece_runs():
         torch.testing.assert_close(got, want)
     (piece,) = backend.pieces
     assert piece.runs_by == "eager" and "forward-mode tangents" in piece.reasons[0]
+
+
+def compute_mask_indices(shape: tuple[int, int], mask_prob: float, mask_length: int, seed: int) -> np.ndarray:
+    """Spans of frames to mask, drawn in numpy as transformers' `_compute_mask_indices` draws them (Dynamo breaks
+    the graph there)."""
+    rng = np.random.default_rng(seed)
+    batch, frames = shape
+    mask = np.zeros(shape, dtype=bool)
+    spans = max(1, int(mask_prob * frames / mask_length))
+    for row in range(batch):
+        for start in rng.choice(frames - mask_length, spans, replace=False):
+            mask[row, start : start + mask_length] = True
+    return mask
+
+
+class SpecAugmentLike(nn.Module):
+    """Wav2Vec2's feature encoder, feature projection and time masking (`_mask_hidden_states`): the frames of a mask
+    drawn in numpy take a learned embedding, written through a boolean mask into a view the graph before the break
+    returned: the transposed convolution's features (a view of a tensor the graph computed), or the projection's
+    result (a linear of a 3-d input, a view of its 2-d result)."""
+
+    def __init__(self, masked: str) -> None:
+        super().__init__()
+        self.masked = masked
+        self.conv = nn.Conv1d(3, 6, 3)
+        self.layer_norm = nn.LayerNorm(6)
+        self.projection = nn.Linear(6, 6)
+        self.masked_spec_embed = nn.Parameter(torch.linspace(-1.0, 1.0, 6))
+        self.head = nn.Linear(6, 2)
+
+    def _mask(self, hidden_states: torch.Tensor, seed: int) -> torch.Tensor:
+        mask_time_indices = compute_mask_indices(tuple(hidden_states.shape[:2]), 0.3, 2, seed)
+        mask_time_indices = torch.tensor(mask_time_indices, device=hidden_states.device, dtype=torch.bool)
+        hidden_states[mask_time_indices] = self.masked_spec_embed.to(hidden_states.dtype)
+        return hidden_states
+
+    def forward(self, input_values: torch.Tensor, seed: int) -> torch.Tensor:
+        features = self.conv(input_values).transpose(1, 2)
+        if self.masked == "features":
+            features = self._mask(features, seed)
+        hidden_states = self.projection(self.layer_norm(features))
+        if self.masked == "hidden_states":
+            hidden_states = self._mask(hidden_states, seed)
+        return self.head(hidden_states.tanh()).sum()
+
+
+@pytest.mark.parametrize("masked", ["features", "hidden_states"])
+def test_a_view_a_graph_returned_is_updated_through_a_boolean_mask_after_a_break(masked):
+    # fulmen's view outputs were views made inside its autograd Function: the graph after the break failed in
+    # Dynamo's fake-tensor run of the setitem ('Output 0 of AsStrided is a view ... created inside a custom Function')
+    torch.manual_seed(0)
+    model = SpecAugmentLike(masked)
+    backend = fulmen.dynamo.backend(fallback="eager")
+    compiled = torch.compile(model, backend=backend)
+    input_values = torch.randn(2, 3, 12)
+    for seed in range(3):
+        results = []
+        for run in (model, compiled):
+            model.zero_grad()
+            loss = run(input_values, seed)
+            loss.backward()
+            results.append((loss.detach(), *(p.grad.clone() for p in model.parameters())))
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want)
+    assert len(backend.graphs) >= 2 and all(piece.by_fulmen for piece in backend.pieces)
