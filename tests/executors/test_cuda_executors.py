@@ -261,3 +261,76 @@ def test_attention_dropout_grads_equal_eagers_on_the_same_seed(backend, dtype, h
     assert torch.equal(got_rng, want_rng)
     for g, w in zip(got_grads, want_grads):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "2d-bool"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_masked_attention_runs_cudnns_forward_once_as_eager(mask_kind, heads):
+    """A masked call goes to cuDNN with the additive bias eager hands it (a boolean mask converted as eager converts
+    it, fully masked rows included); the backward reuses the forward's output and log-sum-exp: bit for bit eager's."""
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(2, heads[0], 192, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k, v = (torch.randn(2, heads[1], 192, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+            for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    keep = torch.rand(2, 1, 192, 192, device="cuda", generator=generator) > 0.3
+    keep[1, :, 5] = False  # a query that sees no key
+    mask = {"bool": keep, "additive": torch.where(keep, 0.0, -1e4).to(torch.bfloat16), "2d-bool": keep[0, 0]}[mask_kind]
+    cotangent = torch.randn(2, heads[0], 192, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+
+    def f(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads[0] != heads[1])
+
+    def run(fn):
+        out = fn(q, k, v, mask)
+        return out, torch.autograd.grad(out, (q, k, v), cotangent)
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        try:
+            want, want_grads = run(f)
+        except RuntimeError as error:
+            pytest.skip(f"eager has no cuDNN kernel for this masked call: {error}")
+        jitted = fulmen.jit(f, executors=["sdpa"])
+        got, got_grads = run(jitted)
+    forward = [b.sym.name for b in fulmen.last_traces(jitted)[-1].bound_symbols]
+    backward = [b.sym.name for b in fulmen.last_backward_traces(jitted)[-1].bound_symbols]
+    assert "sdpa_cudnn_forward" in forward and "sdpa_cudnn_backward" in backward
+    assert not [name for name in backward if "forward" in name or name == "torch_vjp"]
+    assert torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.0])
+def test_masked_hf_llama_saves_cudnns_attention_unless_a_budget_asks(budget):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.transforms.test_attention_not_recomputed import attention_forwards
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 256), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :32] = 0
+
+    def loss_fn(model, ids, mask):
+        return model(input_ids=ids, attention_mask=mask, labels=ids).loss
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(model, ids, mask)
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    jitted = fulmen.jit(loss_fn, options=fulmen.JitOptions(activation_memory_budget=budget))
+    (loss, got), (want_loss, want) = grads(jitted), grads(loss_fn)
+    forward, backward = fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1]
+    assert attention_forwards(forward) == ["sdpa_cudnn_forward"] * 2  # the kernel eager runs for a masked call
+    assert ("sdpa_cudnn_forward" in attention_forwards(backward)) == (budget == 0.0)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-2, atol=1e-2)
+    for name, grad in got.items():
+        scale = want[name].abs().max().clamp_min(1e-6)
+        assert (grad - want[name]).abs().max() / scale < 5e-2, name
