@@ -234,6 +234,8 @@ class Interpreter(TorchFunctionMode):
 
     def _call(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         binding = lookup(func)
+        if binding is not None and binding.flag is not None:  # `F.elu(x, inplace=True)` updates x, as `F.elu_(x)`
+            binding, args, kwargs = binding.flag.resolve(binding, args, kwargs)
         if binding is None and torch_python.inlinable(func):  # torch's Python: trace the calls it makes
             return self._inline(func, args, kwargs)
         replacement = self.replaced.get(func)

@@ -4,6 +4,7 @@ Importing this package registers every supported torch callable (see `registry.T
 """
 
 from fulmen.ops import (  # noqa: F401  (registration side effects)
+    activations,
     backward_kernels,
     builders,
     checks,

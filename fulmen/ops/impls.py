@@ -164,6 +164,46 @@ def gelu_backward(g: torch.Tensor, x: torch.Tensor, approximate: str) -> torch.T
     return torch.ops.aten.gelu_backward(g, x, approximate=approximate)
 
 
+def hardswish_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.hardswish_backward(g, x)
+
+
+def hardsigmoid_backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.hardsigmoid_backward(g, x)
+
+
+def hardtanh_backward(g: torch.Tensor, x: torch.Tensor, min_val: float, max_val: float) -> torch.Tensor:
+    return torch.ops.aten.hardtanh_backward(g, x, min_val, max_val)
+
+
+def leaky_relu_backward(g: torch.Tensor, x_or_y: torch.Tensor, negative_slope: float, is_result: bool
+                        ) -> torch.Tensor:
+    return torch.ops.aten.leaky_relu_backward(g, x_or_y, negative_slope, is_result)
+
+
+def elu_backward(g: torch.Tensor, alpha: float, scale: float, input_scale: float, is_result: bool,
+                 x_or_y: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.elu_backward(g, alpha, scale, input_scale, is_result, x_or_y)
+
+
+# The values in-place activations write, computed out of place: symbols of their own (fulmen/ops/activations.py)
+# because eager's grads of these updates read their result, not their input, and round otherwise.
+def elu_update(x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    return torch.nn.functional.elu(x, alpha)
+
+
+def celu_update(x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    return torch.celu(x, alpha)
+
+
+def selu_update(x: torch.Tensor) -> torch.Tensor:
+    return torch.selu(x)
+
+
+def leaky_relu_update(x: torch.Tensor, negative_slope: float = 0.01) -> torch.Tensor:
+    return torch.nn.functional.leaky_relu(x, negative_slope)
+
+
 def softmax_backward(g: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.ops.aten._softmax_backward_data(g, y, dim, y.dtype)
 

@@ -173,8 +173,8 @@ def silu_decomposition(x, inplace: bool = False) -> Any:
 
 torch_symbol(F.gelu, decomposition=gelu_decomposition)
 torch_symbol(F.silu, decomposition=silu_decomposition)
-for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish, F.hardsigmoid,
-            F.logsigmoid, F.glu, F.softsign, F.tanhshrink, F.threshold):
+# (the activations that may update their input in place: activations.py)
+for _fn in (F.softplus, F.logsigmoid, F.glu, F.softsign, F.tanhshrink):
     torch_symbol(_fn)
 
 

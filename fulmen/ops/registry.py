@@ -9,6 +9,8 @@ alias the plain symbol, whose impl accepts (tensor, scalar); the others keep the
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,6 +28,31 @@ class TorchBinding:
     # Maps another spelling's arguments onto the symbol's signature (`F.softmax(x, dim=d)` records
     # `torch.softmax(x, d)`), so one op has one symbol: one grad rule, one place for executors to claim it.
     normalize: Callable[..., tuple[tuple, dict[str, Any]]] | None = None
+    # The callable's `inplace` parameter, where it has one (`F.elu(x, inplace=True)`).
+    flag: InplaceFlag | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InplaceFlag:
+    """The `inplace` parameter of a callable such as `F.elu(input, alpha, inplace)`: set, the call updates its first
+    argument, so it is recorded as `updating` records it (functionalised and written back, as `x.relu_()` is). A
+    trace never holds the flag set: its torch executor would update a value other calls of the trace still read
+    (and autodiff's eager-backward fallback would run the update on a leaf of autograd)."""
+
+    position: int  # of `inplace` among the callable's parameters
+    updating: TorchBinding  # an in-place binding
+
+    def resolve(self, binding: TorchBinding, args: tuple, kwargs: dict[str, Any]
+                ) -> tuple[TorchBinding, tuple, dict[str, Any]]:
+        """The binding that records this call, and its arguments without the flag."""
+        if "inplace" in kwargs:
+            kwargs = dict(kwargs)
+            flag = kwargs.pop("inplace")
+        elif len(args) > self.position:
+            flag, args = args[self.position], args[:self.position] + args[self.position + 1:]
+        else:
+            flag = False
+        return (self.updating if flag else binding), args, kwargs
 
 
 TORCH_BINDINGS: dict[Callable[..., Any], TorchBinding] = {}
@@ -135,6 +162,16 @@ def torch_symbol(
     for alias in inplace:
         bind(alias, TorchBinding(sym, inplace=True))
     return sym
+
+
+def takes_inplace_flag(fn: Callable[..., Any], updating: Symbol | None = None) -> None:
+    """`fn` (bound already) takes an `inplace` flag: a call that sets it records `updating` (by default `fn`'s own
+    symbol) as an in-place update of its first argument. `updating` is another symbol where eager's grad of the
+    in-place op is not the out-of-place op's (ELU's reads the result)."""
+    binding = TORCH_BINDINGS[fn]
+    position = list(inspect.signature(fn).parameters).index("inplace")
+    TORCH_BINDINGS[fn] = dataclasses.replace(
+        binding, flag=InplaceFlag(position, TorchBinding(updating or binding.symbol, inplace=True)))
 
 
 def impl_symbol(fn: Callable[..., Any], tags: Tag = Tag.NONE, meta: Callable[..., Any] | None = None,
