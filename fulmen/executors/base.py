@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import keyword
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -184,14 +185,21 @@ class OperatorExecutor(Executor):
             raise ValueError(f"register_operator({name!r}): give like= or meta=, not both")
         if not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"register_operator: {name!r} is not a valid Python identifier (traces print it)")
-        if name in _OPERATOR_NAMES:
-            owner = _OPERATOR_NAMES[name].executor
-            raise ValueError(f"an operator named {name!r} is already registered by executor {owner.name!r}")
+        previous = _OPERATOR_NAMES.get(name)
+        if previous is not None and previous.executor.name != self.name:
+            raise ValueError(f"an operator named {name!r} is already registered by executor "
+                             f"{previous.executor.name!r}")
         if not callable(fn):
             raise TypeError(f"register_operator({name!r}): fn must be callable, got {fn!r}")
         if recomputable and random:
             raise ValueError(f"register_operator({name!r}): a random operator cannot be recomputable (a rerun would "
                              "draw other numbers)")
+        if previous is not None:
+            # the same name from an executor of the same name: a notebook cell run again, which replaces its operator
+            warnings.warn(f"register_operator({name!r}): registered again by executor {self.name!r}; the new "
+                          "registration replaces the old one (callables jitted before trace again on their next "
+                          "call)", stacklevel=2)
+            previous.executor._forget_operator(previous)
         if replaces is not None:
             if not callable(replaces):
                 raise TypeError(f"register_operator({name!r}): replaces= must be a function, got {replaces!r}")
@@ -232,6 +240,13 @@ class OperatorExecutor(Executor):
             raise TypeError(f"register_lookaside: {original!r} is not a method of a module class; a function is "
                             "replaced with register_operator(replaces=)")
         self.lookasides[original] = replacement
+        self._registered()
+
+    def _forget_operator(self, sym: Symbol) -> None:
+        del _OPERATOR_NAMES[sym.name]
+        if self.operators.get(sym.name) is sym:
+            del self.operators[sym.name]
+        self.replacements = {original: op for original, op in self.replacements.items() if op is not sym}
         self._registered()
 
     def _check_unreplaced(self, original: Callable[..., Any]) -> None:

@@ -23,7 +23,12 @@ def register_executor(executor: Executor) -> Executor:
         raise TypeError(f"register_executor expects an executor, got {type(executor).__name__}")
     known = EXECUTORS.get(executor.name)
     if known is not None and known is not executor:
-        raise ValueError(f"an executor named {executor.name!r} is already registered")
+        if executor.name in PROVIDERS or known is torch_executor:
+            raise ValueError(f"an executor named {executor.name!r} is already registered: fulmen's own")
+        # a notebook cell that makes and registers an executor, run again
+        warnings.warn(f"register_executor: an executor named {executor.name!r} is registered again; the new one "
+                      "replaces the old one for names resolved from now on (callables jitted before keep theirs)",
+                      stacklevel=2)
     EXECUTORS[executor.name] = executor
     return executor
 

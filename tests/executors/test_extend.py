@@ -256,8 +256,9 @@ def test_errors_are_clear():
     ex = OperatorExecutor(f"errors{next(_names)}")
     name = f"op{next(_names)}"
     ex.register_operator(name, like=lambda x: TensorProxy(like=x), fn=torch.neg)
-    with pytest.raises(ValueError, match="already registered"):
-        ex.register_operator(name, like=lambda x: TensorProxy(like=x), fn=torch.neg)
+    with pytest.raises(ValueError, match=f"an operator named '{name}' is already registered by executor '{ex.name}'"):
+        OperatorExecutor(f"other{next(_names)}").register_operator(name, like=lambda x: TensorProxy(like=x),
+                                                                   fn=torch.neg)
     with pytest.raises(ValueError, match="identifier"):
         ex.register_operator("not valid", fn=torch.neg)
     with pytest.raises(ValueError, match="unknown executor 'nope'"):
@@ -266,9 +267,42 @@ def test_errors_are_clear():
         fulmen.jit(lambda x: x, executors="sdpa")
     with pytest.raises(AttributeError, match="no symbol 'frobnicate'"):
         fulmen.torch.frobnicate  # noqa: B018
-    register_executor(ex)
-    with pytest.raises(ValueError, match="already registered"):
-        register_executor(OperatorExecutor(ex.name))
+    with pytest.raises(ValueError, match="an executor named 'sdpa' is already registered: fulmen's own"):
+        register_executor(OperatorExecutor("sdpa"))
+
+
+def _notebook_cell(scale: float) -> tuple[OperatorExecutor, object]:
+    """What a notebook cell defining a custom kernel does; run again with another kernel."""
+    ex = register_executor(OperatorExecutor("notebook"))
+    op = ex.register_operator("notebook_scale", like=lambda x: TensorProxy(like=x), fn=lambda x: x * scale)
+    ex.register_operator("notebook_double", fn=lambda x: x * 2.0, replaces=double)
+    return ex, op
+
+
+def double(x):
+    return x * 2.0
+
+
+def test_running_a_cell_that_registers_an_executor_again_replaces_it():
+    ex, op = _notebook_cell(2.0)
+    x = torch.randn(3)
+    first = fulmen.jit(lambda x: op(x) + double(x), executors=["notebook"])
+    torch.testing.assert_close(first(x), x * 2 + x * 2)
+    assert "notebook_scale" in _names_in(fulmen.last_traces(first)[-1])
+    with pytest.warns(UserWarning) as warned:
+        again, op_again = _notebook_cell(3.0)  # the kernel edited, the cell run again
+    messages = [str(w.message) for w in warned]
+    assert any("an executor named 'notebook' is registered again" in m for m in messages), messages
+    for name in ("notebook_scale", "notebook_double"):
+        assert any(f"register_operator('{name}'): registered again by executor 'notebook'" in m
+                   for m in messages), messages
+    assert fulmen.get_executor("notebook") is again and set(again.operators) == {"notebook_scale", "notebook_double"}
+    assert not ex.operators and not ex.replacements  # the old registration is gone, not left to shadow the new
+    second = fulmen.jit(lambda x: op_again(x) + double(x), executors=["notebook"])
+    torch.testing.assert_close(second(x), x * 3 + x * 2)
+    with pytest.warns(UserWarning, match="registered again by executor 'notebook'"):  # the same executor, again
+        op_third = again.register_operator("notebook_scale", like=lambda x: TensorProxy(like=x), fn=lambda x: x * 4)
+    torch.testing.assert_close(fulmen.jit(lambda x: op_third(x) + 1, executors=[again])(x), x * 4 + 1)
 
 
 def test_wrong_like_and_missing_grad_are_reported_at_the_user_line():
