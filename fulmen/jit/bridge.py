@@ -45,6 +45,7 @@ from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.trace import Trace
 from fulmen.jit.autograd_facts import refuse_leaf_without_grads
 from fulmen.jit.output_grads import check_watched, feeding_outputs, watch
+from fulmen.jit.view_outputs import internal_views, unviewed
 from fulmen.ops import prims
 from fulmen.transforms.autocast import without_autocast
 from fulmen.transforms.cudagraphs import GraphedProgram
@@ -93,6 +94,9 @@ class GradProgram:
         # the saved values that may be an output or a view of one (the same value, or any view): _unlinked checks
         # only these, as a check per saved value costs most of a microsecond
         outputs = {p.pname for p in self.plan.forward.output[: self.plan.n_outputs] if type(p) is TensorProxy}
+        # outputs the caller gets from the node that are views of a tensor only the forward makes (view_outputs.py)
+        self.internal_views = internal_views(self.plan.forward, self.plan.n_outputs,
+                                             {*self.retaken, *(d.output for d in self.dirty)})
         self.may_alias_outputs = tuple(k for k, p in enumerate(self.plan.forward.output[self.plan.n_outputs :])
                                        if type(p) is TensorProxy and (p.pname in outputs or p.meta._is_view()))
         # (saved position, input position) of the inputs the forward saves, then updates in place
@@ -306,7 +310,8 @@ class FulmenFunction(torch.autograd.Function):
         else:
             results = forward_fn(*inputs)
             outputs, saved = results[: program.n_outputs], results[program.n_outputs :]
-        outputs = _unviewed(outputs, inputs)
+        if program.internal_views:
+            outputs = unviewed(outputs, program.internal_views)
         ctx.program = program
         ctx.sync = program.distributed is None or program.distributed.sync  # no_sync() is decided when the forward runs
         saved = _unlinked(saved, outputs, program.may_alias_outputs)
@@ -389,23 +394,6 @@ def _unlinked(saved: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
         if id(t) in returned or t._is_view() and id(t._base) in returned:
             saved[k] = t.detach()
     return saved
-
-
-def _unviewed(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-    """`outputs`, with a detached alias (the same memory and version counter, no view) in place of each that is a view
-    of a tensor the forward alone made, and no other output is a view of (`F.linear` of a 3-d input is a view of its
-    2-d result; a base fulmen.jit.view_outputs returns may be one). Autograd marks the views a custom Function returns
-    as made inside it and refuses an in-place update of them while they require grad ("... is a view and is being
-    modified inplace"), where eager updates its view of the same internal tensor, which nothing else holds; an update
-    of the alias gives the alias itself its history, as eager's rebases its view. A view of an input or of another
-    output stays one: an update of it must reach that tensor's history."""
-    views = [isinstance(out, torch.Tensor) and out._is_view() for out in outputs]
-    if not any(views):
-        return outputs
-    external = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._is_view()} | {id(t) for t in outputs}
-    bases = [id(out._base) for out, view in zip(outputs, views) if view]
-    return [out.detach() if view and id(out._base) not in external and bases.count(id(out._base)) == 1 else out
-            for out, view in zip(outputs, views)]
 
 
 def _pack_stale(program: GradProgram, inputs: tuple[torch.Tensor, ...]) -> tuple[Callable, list]:

@@ -11,19 +11,27 @@ whose memory and version counter it shares, and an in-place update of it rebases
 grad_fn becomes CopySlices over the node), so the grads after it are eager's. The node's own output for the view is
 dropped: it never gets a grad, and the backward compiled first is the one without it (`GradProgram.retaken`).
 
-A view taken by an op with a tensor argument (`view_as`) stays the node's output, as before: an in-place update of
-it while it requires grad is refused by autograd (clone it first).
+An output that is a view of a tensor only the forward makes, which the program never sees (`F.linear` of a contiguous
+3-d input is a view of its 2-d result, in eager and in the trace; the base of a view taken again may be one), leaves
+the node as a detached alias of it, of the same memory and version counter (`unviewed`): nothing else holds that
+tensor, so an update of the alias giving the alias itself its history is eager's update of its view (whose `_base`,
+the internal tensor, the caller cannot otherwise reach; the alias is no view: `_is_view()` is False there).
+
+A view taken by an op with a tensor argument (`view_as`) of another output stays the node's output, as before: an
+in-place update of it while it requires grad is refused by autograd (clone it first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.trace import Trace
 from fulmen.jit.functionalize import Functionalizer
 
 
@@ -90,3 +98,32 @@ def take_views(views: tuple[ViewOutput, ...], outputs: list[torch.Tensor], produ
 def retaken(views: tuple[ViewOutput, ...] | None) -> tuple[int, ...]:
     """The trace's outputs that the caller gets as views taken again, whose node outputs never get a grad."""
     return tuple(view.output for view in views) if views else ()
+
+
+def internal_views(forward: Trace, n_outputs: int, excluded: Collection[int]) -> tuple[int, ...]:
+    """The outputs of `forward` (but `excluded`: outputs the caller never gets from the node, or gets as an input it
+    updated) whose metas say they are views of a tensor the forward alone makes: neither an input, nor another output,
+    nor what another output is a view of."""
+    outputs = forward.output[:n_outputs]
+    held = [i for i, p in enumerate(outputs) if type(p) is TensorProxy and i not in excluded]
+    roots = Counter(id(_root(outputs[i].meta)) for i in held)
+    external = {id(_root(p.meta)) for p in forward.inputs if type(p) is TensorProxy}
+    return tuple(i for i in held if outputs[i].meta._is_view() and id(_root(outputs[i].meta)) not in external
+                 and roots[id(_root(outputs[i].meta))] == 1)
+
+
+def unviewed(outputs: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[torch.Tensor]:
+    """`outputs`, with a detached alias in place of each at `positions` (`internal_views`) that is a view when it
+    runs: autograd marks a custom Function's view outputs as made inside it and refuses their in-place updates while
+    they require grad ("... is a view and is being modified inplace"), where eager updates its view. A view whose base
+    requires grad is not the forward's own (the forward runs without grad): it stays one."""
+    result = list(outputs)
+    for i in positions:
+        out = result[i]
+        if out._is_view() and not out._base.requires_grad:
+            result[i] = out.detach()
+    return result
+
+
+def _root(meta: torch.Tensor) -> torch.Tensor:
+    return meta._base if meta._is_view() else meta

@@ -190,6 +190,42 @@ def test_a_projection_updated_through_a_boolean_mask_by_the_caller_trains_as_eag
         torch.testing.assert_close(got, want)
 
 
+LINEAR = torch.nn.Linear(4, 5)
+
+
+def a_linear_of_3d(x):
+    return LINEAR(x)  # eager's result, and the trace's, is a view of the 2-d one linear computes
+
+
+def a_view_of_a_linear_of_3d(x):
+    return LINEAR(x).transpose(1, 2)  # a view of a tensor the forward returns for it, itself a view
+
+
+def a_linear_of_3d_and_a_row_of_it(x):
+    out = LINEAR(x)
+    return out, out[0]
+
+
+@pytest.mark.parametrize("fn", [a_linear_of_3d, a_view_of_a_linear_of_3d, a_linear_of_3d_and_a_row_of_it],
+                         ids=lambda fn: fn.__name__)
+def test_an_output_viewing_a_tensor_only_the_forward_makes_is_updated_as_eagers(fn):
+    jitted = fulmen.jit(fn)
+    x = torch.linspace(-1.0, 1.0, 24).reshape(2, 3, 4)
+    for _ in range(2):
+        results = []
+        for run in (fn, jitted):
+            LINEAR.zero_grad()
+            w = torch.tensor(1.5, requires_grad=True)
+            outs = run(x)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            outs[-1][0] = w  # the caller's update, with a value that requires grad
+            sum((o * torch.arange(o.numel()).reshape(o.shape)).sum() for o in outs).backward()
+            results.append(([o.detach().clone() for o in outs], w.grad, LINEAR.weight.grad, LINEAR.bias.grad))
+        (got_outs, *got), (want_outs, *want) = results[1], results[0]
+        for g, w in zip([*got_outs, *got], [*want_outs, *want]):
+            torch.testing.assert_close(g, w)
+
+
 def test_a_hook_on_the_base_of_a_view_output_that_other_outputs_use_is_refused():
     def view_and_a_sum_of_its_base(x):
         a = x * 2
