@@ -39,6 +39,7 @@ from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.registrations import RealModules, Registered, Registration
 from fulmen.jit.replacements import call_table
 from fulmen.jit.rerun import HookSnapshot, reachable_modules
+from fulmen.jit.setters import Setters
 from fulmen.jit.view_outputs import ViewOutput, retaken, take_views, view_outputs
 from fulmen.ops import prims
 from fulmen.options import CacheLimitAction, JitOptions
@@ -381,13 +382,15 @@ class JittedFunction:
         tree: ShadowTree | None = None
         real = RealModules(reachable_modules(self._fn, self._module, args, kwargs))
         calls = call_table(self.executors, interpreter)
+        setters = Setters(interpreter)  # torch's global setters the program calls, recorded where it calls them
+        regions = {**calls.regions, **setters.regions}
         if self._module is not None:
             # A sharded parameter enters with its full shape (its distribution gathers it before use).
             tree = build_shadow(self._module, functools.partial(_module_proxy, builder, interpreter), observer,
                                 calls.lookasides)
             target = tree.root
         try:
-            with (builder, interpreter, interpreter.replacing(calls.torch), observer.watching(calls.regions),
+            with (builder, interpreter, interpreter.replacing(calls.torch), observer.watching(regions),
                   real.watching(), function_apply_recorded(interpreter),
                   seen_as_compiling() if compiling else contextlib.nullcontext()):
                 interpreter.quiet = observer.quiet
@@ -395,6 +398,7 @@ class JittedFunction:
         except DataDependentError:
             observer.undo()  # acquired again as a tracer is seen (_compile), or refused: stored once, as eager
             raise
+        setters.check()
         _refuse_stored_proxies(args, kwargs)
         refuse_returned_nodes(result)
         module_proxies = tree.proxies if tree else []
@@ -473,6 +477,8 @@ class JittedFunction:
                 tree, interpreter = acquisition.tree, acquisition.interpreter
                 constants = [t for t, _ in interpreter.constants]
                 real_inputs = [*tensors, *module_tensors, *constants]
+        # what the trace sets again itself (setters.py), from the state the call began with, as on every later call
+        before.restore_replayed()
         if acquisition.dirty and aliases is not None:
             updated = acquisition.inputs[acquisition.dirty[0]]
             raise TraceError("the program updates in place an input that shares memory with another input, with a "

@@ -22,7 +22,8 @@ since nothing changes it afterwards, unless a cache keeps it beyond the call (`f
 function or getter returned are named from that return (reads.Capture); what C code reads is seen only where
 reads.py names it. Some state is read
 through a value rather than an attribute (`_special`): torch's global switches, the environment, Python's random
-draws and clocks (refused), and a function the program runs is guarded on its code and defaults.
+draws and clocks (refused), torch's global setters that no trace could set again (setters.py, refused),
+and a function the program runs is guarded on its code and defaults.
 
 Python attributes set on a tensor argument (`x.scale = 2.0`) are copied onto its proxy and held by the cache key
 (guards.argument_key). Known limits, with no cheap guard: the content of a mutable value such an attribute holds,
@@ -51,7 +52,7 @@ from torch import nn
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy, type_refusal
 from fulmen.core.source import frame_location
-from fulmen.jit import caches, reads
+from fulmen.jit import caches, reads, setters
 from fulmen.jit.containers import MUTATORS, ContainerLog, ContainerWrite, is_container
 from fulmen.jit.frames import FrameTap, Quiet, Region, observed
 from fulmen.jit.guards import Guard
@@ -353,6 +354,8 @@ class Observer:
             if receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
                 self._special(attribute_value(receiver, site.name), frame)
+                if self._refused is None and isinstance(receiver, _SETTER_OWNERS):
+                    self._refused = setters.attribute_refusal(receiver, site.name, frame)
                 if site.name in MUTATORS:
                     self._containers.changing(receiver, frame)
         elif kind is reads.AttrWrite:
@@ -529,6 +532,8 @@ class Observer:
             self._add_raw(("environ",), "the environment (os.environ)",
                           lambda e: f"{e.bind(environ)} == {e.bind(dict(environ))}")
             return
+        if self._refused is None:  # a setter of torch's that no call of the trace could set again
+            self._refused = setters.refusal(value, frame)
         name = unrepeatable(value)
         if name is not None and self._refused is None and not (kind is types.BuiltinFunctionType
                                                                 and building_thread(frame) and self._tap is not None
@@ -666,6 +671,8 @@ _SWITCHES = frozenset({torch.are_deterministic_algorithms_enabled, torch.is_dete
                        torch.get_float32_matmul_precision, torch.get_num_threads, torch.get_num_interop_threads,
                        torch.is_anomaly_enabled, torch.is_anomaly_check_nan_enabled, torch.is_inference_mode_enabled,
                        torch.is_warn_always_enabled, torch.get_default_device})
+# What holds setters the observer cannot see as values: a generator's C methods, a backend module's functions
+_SETTER_OWNERS = (torch.Generator, torch.backends.PropModule)
 # Functions whose every call gives a new value (a trace would repeat one): clocks and entropy.
 _CLOCKS = frozenset({time.time, time.time_ns, time.perf_counter, time.perf_counter_ns, time.monotonic,
                      time.monotonic_ns, time.process_time, time.process_time_ns, os.urandom})

@@ -365,3 +365,12 @@ def wait_for_copy(x: torch.Tensor) -> torch.Tensor:
         torch.cuda.current_stream(x.device).wait_event(ready)
         x._fulmen_ready = None  # type: ignore[attr-defined]
     return x
+
+
+def set_switch(owner: str, name: str, value: Any) -> None:
+    """`owner.name = value` for one of torch's backend switches (`torch.backends.cudnn.deterministic = True`),
+    `owner` named by its dotted path from `torch` (fulmen.ops.setters)."""
+    target: Any = torch
+    for part in owner.split(".")[1:]:
+        target = getattr(target, part)
+    setattr(target, name, value)

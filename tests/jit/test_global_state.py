@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.core.errors import UnsupportedOpError
+from fulmen.core.errors import TraceError, UnsupportedOpError
 
 
 def grad_off_then_refused(x, w):
@@ -80,3 +80,231 @@ def test_the_state_a_program_leaves_changed_is_set_by_every_call(program):
         torch.set_autocast_enabled("cpu", False)
         assert after == ((False, False, True) if program is turns_grad_off_for_its_caller else (True, True, True))
     assert fulmen.cache_hits(jitted) == 1
+
+
+# --- torch's global setters (fulmen/jit/setters.py): set again by every call, in program order, or refused ---------
+
+
+def seeded_draw(x):
+    torch.manual_seed(0)
+    return x + torch.rand(3)
+
+
+def draws_then_seeds_then_draws(x):
+    first = torch.rand(2)  # from the caller's stream: another value on every call
+    torch.random.manual_seed(1)
+    return x + torch.randn(3), first
+
+
+def seeded_dropout(x):
+    torch.manual_seed(2)
+    return torch.nn.functional.dropout(x, 0.5).sum()
+
+
+def seeded_by_argument(x, seed):
+    torch.manual_seed(seed)
+    return x * torch.rand(3)
+
+
+@pytest.mark.parametrize("program", [seeded_draw, draws_then_seeds_then_draws, seeded_dropout, seeded_by_argument])
+def test_a_seed_the_program_sets_makes_every_call_draw_as_eagers(program):
+    # before: the trace drew from wherever the generator was (the seed ran once, while tracing), and on the first
+    # call the draws before the seed came from the seeded stream
+    results = []
+    for fn in (program, fulmen.jit(program)):
+        torch.manual_seed(100)
+        calls = []
+        for seed in (0, 1, 0):
+            x = torch.ones(3, requires_grad=True)
+            out = fn(x, seed) if program is seeded_by_argument else fn(x)
+            grad = torch.autograd.grad(out, x)[0] if program is seeded_dropout else None
+            calls.append((out, grad, torch.rand(4)))  # the generator's state after the call: the next draws
+        results.append(calls)
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def sets_the_default_dtype(x):
+    before = torch.ones(2)  # the caller's default
+    torch.set_default_dtype(torch.float64)
+    return x + 1, before, torch.ones(2), torch.arange(3) * 0.5, torch.rand(2).dtype == torch.float64
+
+
+@pytest.mark.parametrize("caller_resets", [True, False], ids=["caller-resets", "caller-keeps"])
+def test_the_default_dtype_the_program_sets_is_set_by_every_call_where_the_program_sets_it(caller_resets):
+    # before: a cache hit left the caller's float32 (and computed the later factories in it, against its own
+    # metadata); on the first call the factories before the setter already came out float64
+    results = []
+    try:
+        for fn in (sets_the_default_dtype, fulmen.jit(sets_the_default_dtype)):
+            calls = []
+            for _ in range(3):
+                out = fn(torch.ones(3))
+                calls.append(([(t.dtype, t.tolist()) if isinstance(t, torch.Tensor) else t for t in out],
+                              torch.get_default_dtype()))
+                if caller_resets:
+                    torch.set_default_dtype(torch.float32)
+            results.append(calls)
+            torch.set_default_dtype(torch.float32)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert results[0][0][1] == torch.float64 and results[0][0][0][1][0] == torch.float32
+    assert results[1] == results[0]
+
+
+def _deterministic() -> tuple:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def deterministic_empty(x):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return x + 1, torch.empty(3)  # eager fills uninitialised memory with NaN under deterministic algorithms
+
+
+def matmul_precision(x):
+    torch.set_float32_matmul_precision("medium")
+    return x + 1
+
+
+def print_options(x):
+    torch.set_printoptions(precision=2)
+    return x + 1
+
+
+def cudnn_flag(x):
+    torch.backends.cudnn.deterministic = True
+    return x + 1
+
+
+def cublas_flag(x):
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return x + 1
+
+
+def fp32_precision_flag(x):
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    return x + 1
+
+
+def warn_always(x):
+    torch.set_warn_always(True)
+    return x + 1
+
+
+SWITCHES = {  # program: (read the state it sets, set the caller's back)
+    deterministic_empty: (_deterministic, lambda: torch.use_deterministic_algorithms(False)),
+    matmul_precision: (torch.get_float32_matmul_precision, lambda: torch.set_float32_matmul_precision("highest")),
+    print_options: (lambda: torch._tensor_str.PRINT_OPTS.precision, lambda: torch.set_printoptions(precision=4)),
+    cudnn_flag: (lambda: torch.backends.cudnn.deterministic,
+                 lambda: setattr(torch.backends.cudnn, "deterministic", False)),
+    cublas_flag: (lambda: torch.backends.cuda.matmul.allow_tf32,
+                  lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False)),
+    fp32_precision_flag: (lambda: torch.backends.cudnn.conv.fp32_precision,
+                          lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "tf32")),
+    warn_always: (torch.is_warn_always_enabled, lambda: torch.set_warn_always(False)),
+}
+
+
+@pytest.mark.parametrize("program", list(SWITCHES), ids=lambda p: p.__name__)
+def test_a_switch_the_program_sets_is_set_by_every_call_before_the_ops_after_it(program):
+    # before: set on the first call only (by the acquisition); a caller that set it back kept its own from then on
+    read, reset = SWITCHES[program]
+    reset()
+    initial = read()
+    jitted = fulmen.jit(program)
+    seen = []
+    try:
+        for fn in (program, jitted, jitted, jitted):
+            out = fn(torch.ones(3))
+            seen.append(read())
+            if program is deterministic_empty:  # the op after the setter ran under it
+                assert torch.isnan(out[1]).all()
+            reset()
+    finally:
+        reset()
+    assert seen[0] != initial and seen == [seen[0]] * 4
+    assert fulmen.cache_hits(jitted) == 2
+
+
+def seeds_from_the_clock(x):
+    torch.seed()
+    return x + torch.rand(3)
+
+
+def reads_the_generator_state(x):
+    return x + torch.rand(3), torch.get_rng_state()
+
+
+SAVED_STATE = torch.get_rng_state()
+
+
+def sets_the_generator_state(x):
+    torch.set_rng_state(SAVED_STATE)
+    return x + torch.rand(3)
+
+
+def forks_the_generator(x):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return x + torch.rand(3)
+
+
+def seeds_the_default_generator(x):
+    torch.default_generator.manual_seed(0)
+    return x + torch.rand(3)
+
+
+def sets_the_thread_count(x):
+    torch.set_num_threads(1)
+    return x + 1
+
+
+def sets_the_default_device(x):
+    torch.set_default_device("cpu")
+    return x + 1
+
+
+def detects_anomalies(x):
+    torch.autograd.set_detect_anomaly(True)
+    return x + 1
+
+
+def sets_cudnn_flags_for_a_block(x):
+    with torch.backends.cudnn.flags(enabled=False):
+        return x + 1
+
+
+def seeds_inside_a_checkpoint(x):
+    def seeded(x):
+        torch.manual_seed(0)
+        return x * torch.rand(3)
+
+    return torch.utils.checkpoint.checkpoint(seeded, x, use_reentrant=False)
+
+
+REFUSED = {
+    seeds_from_the_clock: "torch.seed",
+    reads_the_generator_state: "torch.get_rng_state",
+    sets_the_generator_state: "torch.set_rng_state",
+    forks_the_generator: "torch.random.fork_rng",
+    seeds_the_default_generator: "torch.default_generator.manual_seed",
+    sets_the_thread_count: "torch.set_num_threads",
+    sets_the_default_device: "torch.set_default_device",
+    detects_anomalies: "torch.autograd.set_detect_anomaly",
+    sets_cudnn_flags_for_a_block: "torch.backends.cudnn.flags",
+    seeds_inside_a_checkpoint: r"torch.manual_seed \(test_global_state.py:\d+ in seeded\) inside torch.utils.check",
+}
+
+
+@pytest.mark.parametrize("program", list(REFUSED), ids=lambda p: p.__name__)
+def test_a_setter_no_call_could_set_again_is_refused_naming_the_line_and_leaves_the_state_as_it_was(program):
+    # before: each ran once, while tracing, and the later calls went on without it (or with its first answer)
+    threads = torch.get_num_threads()
+    torch.manual_seed(5)
+    want = torch.rand(4)
+    torch.manual_seed(5)
+    with pytest.raises(TraceError, match=REFUSED[program]) as error:
+        fulmen.jit(program)(torch.ones(3, requires_grad=True))
+    assert "test_global_state.py" in str(error.value)
+    assert torch.equal(torch.rand(4), want)  # no seed the acquisition ran is left behind
+    assert torch.get_num_threads() == threads and not torch.is_anomaly_enabled()
