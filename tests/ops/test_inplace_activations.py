@@ -288,3 +288,19 @@ def test_a_mobilenet_block_trains_as_eager():
             optimizer.zero_grad()
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_dropout_in_place_in_training_draws_and_differentiates_as_eager():
+    """nn.Dropout(inplace=True) on an intermediate read again afterwards: the same draw (same seed), output and
+    grads bitwise eager's."""
+
+    def program(x):
+        y = x * 2
+        F.dropout(y, 0.3, True, inplace=True)
+        return (y * 3,)
+
+    runs = []
+    for fn in (fulmen.jit(program), program):
+        torch.manual_seed(5)
+        runs.append(_run(fn, sample(torch.float32), []))
+    _assert_same(*runs)
