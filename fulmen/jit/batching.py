@@ -11,12 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._functorch.apis
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_leaves, tree_unflatten
 
 import fulmen.transforms.batching_random  # noqa: F401  (registers the batching rules)
 import fulmen.transforms.batching_torch  # noqa: F401  (registers the batching rules)
 from fulmen.core.proxies import TensorProxy
 from fulmen.jit.acquire import Interpreter, current_interpreter
+from fulmen.jit.func_transforms import made_as
 from fulmen.jit.functional import (
     Acquired,
     FunctionalTransform,
@@ -151,3 +153,8 @@ def vmap(fn: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomness
         raise ValueError(f"fulmen.vmap: chunk_size must be a positive int or None, got {chunk_size!r}")
     inline = functools.partial(_vmap_inline, fn, in_dims, out_dims, mode, chunk_size)
     return FunctionalTransform(lambda *args, **kwargs: inline(args, kwargs), f"vmap({name_of(fn)})")
+
+
+# torch.vmap made inside a program fulmen acquires is this vmap (func_transforms.py)
+made_as(torch._functorch.apis.vmap, "wrapped", lambda local: vmap(
+    local["func"], local["in_dims"], local["out_dims"], local["randomness"], chunk_size=local["chunk_size"]))

@@ -12,7 +12,8 @@ Nothing of the program is rebound: no module global, class attribute or function
   and `exit` as it returns, and the function's own code runs in between. A replaced function's ops become the parts of
   one call of its operator; a checkpoint call is set to its reentrant form, which function_apply.py records as a
   checkpointed region; a `torch.autograd.Function.apply` call hands its `super().apply` to the recording of
-  function_apply.py; a compiled function runs the function it wraps, traced (compiled.py);
+  function_apply.py; a compiled function runs the function it wraps, traced (compiled.py); a torch.func transform
+  made gives fulmen's (func_transforms.py);
 - a method lookaside (`register_lookaside(LLaMAMLP.forward, ...)`): a method that runs *instead of* the original,
   so it must be found before the call: a module's forward where `nn.Module.__call__` looked it up (a region on
   `_call_impl`, `ForwardLookasideRegion`), and any method the program looks up on the jitted module and its
@@ -39,6 +40,7 @@ from fulmen.core.source import frame_location
 from fulmen.core.symbol import Symbol
 from fulmen.jit.compiled import COMPILE_WRAPPER_CODE, CompiledCallRegion
 from fulmen.jit.frames import Region
+from fulmen.jit.func_transforms import REGIONS as FUNC_TRANSFORM_REGIONS
 from fulmen.jit.function_apply import APPLY_CODE, FunctionApplyRegion
 from fulmen.jit.lookasides import method_lookasides
 from fulmen.ops import lookup
@@ -176,6 +178,7 @@ def call_table(executors: tuple[Any, ...], interpreter: Any) -> CallTable:
     regions: dict[types.CodeType, Region] = {_CHECKPOINT_CODE: CheckpointRegion(), APPLY_CODE: FunctionApplyRegion()}
     if COMPILE_WRAPPER_CODE is not None:
         regions[COMPILE_WRAPPER_CODE] = CompiledCallRegion()
+    regions.update(FUNC_TRANSFORM_REGIONS)
     lookasides: dict[Callable[..., Any], Callable[..., Any]] = {}
     for original, target in replacement_table(executors).items():
         if lookup(original) is not None:

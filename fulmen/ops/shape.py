@@ -132,6 +132,12 @@ def getitem_decomposition(x: torch.Tensor, index: Any) -> Any:
 getitem = torch_symbol(torch.Tensor.__getitem__, decomposition=getitem_decomposition)
 
 
+# `aten.index(x, indices)`, which torch's TransformGetItemToIndex makes of `x[i, j]` with 0-dim index tensors (as
+# transformers' mask functions index under vmap): `x[i, j]` itself would read them as Python ints.
+aten_index = torch_symbol(torch.ops.aten.index.Tensor, aliases=(torch.ops.aten.index,),
+                          printed="torch.ops.aten.index.Tensor")
+
+
 def _select_at_decomposition(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     size = x.shape[dim]
     position = prims.where(prims.lt(index, 0), prims.add(index, size), index)  # select's negative positions

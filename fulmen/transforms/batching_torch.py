@@ -39,6 +39,21 @@ def _setitem(batch: Batch, args: tuple, kwargs: dict):
     return SYMBOLS["impls.setitem"](x, (slice(None), *items), value)
 
 
+@register_batching(torch.ops.aten.index.Tensor)
+def _aten_index(batch: Batch, args: tuple, kwargs: dict):
+    """`x[i, j, ...]` with index tensors for its first dims: the batch becomes one more index (the first, an
+    arange over x's batch dim) or stays the first dim of the broadcast indices."""
+    x, indices = args
+    if kwargs or not indices or any(i is None for i in indices):
+        return NotImplemented  # a full slice between indices moves the indexed dims: once per example
+    example = max(i.dim() - batch.batched(i) for i in indices)
+    lifted = [batch.pad_to(batch.materialize(i), example) for i in indices]
+    if batch.batched(x):
+        rows = torch.arange(batch.size, device=x.device)
+        lifted.insert(0, prims.reshape(rows, (batch.size, *(1,) * example)))
+    return torch.ops.aten.index.Tensor(x, lifted)
+
+
 # --- torch-level leaves with a dim argument ------------------------------------------------------------------------
 def with_dim(fn: Callable[..., Any], position: int, keyword: str, default: int | None, flatten: bool = False):
     """The rule of an op of one tensor and a `dim` argument (at `position` or `keyword`). dim=None (every dim) is

@@ -30,7 +30,6 @@ JIT_REFUSED = {
     "aria_text": "experts slice tokens with tensor bounds (data-dependent shapes)",
     "bamba": "branches on tensor values (`if ... torch.all(attention_mask == 1)`)",
     "deepseek_v2": "complex tensors (torch.polar) are not supported",
-    "falcon": "builds its mask with torch.vmap (fulmen does not trace torch.func transforms)",
     "falcon_h1": "branches on tensor values (`if ... torch.all(attention_mask == 1)`)",
     "fsmt": "branches on tensor values (`if not padding_mask.any()`)",
     "funnel": "torch.arange with tensor bounds reads tensor values",
