@@ -10,14 +10,12 @@ and compose with `fulmen.jit`. Called on tensors outside any fulmen trace, a tra
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._functorch.apis
 from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -28,7 +26,6 @@ from fulmen.core.source import user_location
 from fulmen.core.trace import Trace
 from fulmen.executors.registry import resolve
 from fulmen.jit.acquire import Interpreter, current_interpreter
-from fulmen.jit.func_transforms import made_as
 from fulmen.jit.jitted import JittedFunction
 from fulmen.ops import prims
 from fulmen.options import JitOptions
@@ -55,20 +52,15 @@ class FunctionalTransform(JittedFunction):
         return f"<fulmen {self.__name__}>"
 
 
-@contextlib.contextmanager
-def transforming(interpreter: Interpreter) -> Iterator[None]:
+def transforming(interpreter: Interpreter) -> Any:
     """Where a transform runs its rules: off the acquisition's mode (the rules push it again themselves, and its
-    handler must not see the torch calls of another handler running below it), and off the program's modes above it
-    (transformers' TransformGetItemToIndex around its mask vmap): those saw the transformed function's own calls as
-    it was acquired, as eager's run it, and fulmen's rules are none of the program's calls."""
-    stack = _get_current_function_mode_stack()
-    if interpreter not in stack:
-        raise TraceError("fulmen's functional transforms run inside the acquisition's torch-function mode only",
+    handler must not see the torch calls of another handler running below it)."""
+    top = _get_current_function_mode_stack()[-1:]
+    if top != [interpreter]:
+        raise TraceError(f"fulmen's functional transforms cannot run inside another torch-function mode "
+                         f"({type(top[0]).__name__}, e.g. `with torch.device(...)`); move the transform outside it",
                          user_location())
-    with contextlib.ExitStack() as popped:
-        for _ in range(len(stack) - stack.index(interpreter)):
-            popped.enter_context(_pop_mode_temporarily())
-        yield
+    return _pop_mode_temporarily()
 
 
 def name_of(fn: Callable[..., Any]) -> str:
@@ -113,6 +105,15 @@ def acquire(interpreter: Interpreter, fn: Callable[..., Any], args: tuple, kwarg
     for bsym in bsyms:
         free.update((p.pname, p) for p in bsym.proxy_args() if p.pname not in produced)
         produced.update(bsym.output_names())
+    # A tensor from outside updated with a value of this trace: the transforms write its trace elsewhere, under
+    # other names, so the update's write-back would read a value the program never computes.
+    updated = interpreter.functional.updated_within(produced)
+    if updated:
+        obj = updated[0]
+        raise TraceError(f"{what}: the function updates in place a tensor from outside it ({obj.type_string()}), as "
+                         f"F.batch_norm in training mode does its running statistics, which {what} does not "
+                         "support; return the new value from the function instead (for batch_norm: running_mean="
+                         "None and running_var=None, or eval mode)", interpreter.functional.written_at(obj))
     free.update((p.pname, p) for p in results if type(p) is TensorProxy and p.pname not in produced)
     outputs = tuple(p for p in results if type(p) is TensorProxy)
     trace = Trace(what.replace(".", "_"), inputs + list(free.values()), bsyms, outputs, what, builder.namespace)
@@ -330,10 +331,6 @@ def vjp(fn: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple:
         return backward_jitted(saved, cotangents)
 
     return (out, vjp_fn, aux) if has_aux else (out, vjp_fn)
-
-
-# torch.func.grad made inside a program fulmen acquires is this grad (func_transforms.py)
-made_as(torch._functorch.apis.grad, "wrapper", lambda local: grad(local["func"], local["argnums"], local["has_aux"]))
 
 
 # --- jvp ------------------------------------------------------------------------------------------------------------

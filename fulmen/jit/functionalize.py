@@ -71,6 +71,7 @@ class Functionalizer:
         self._alive: list[TensorProxy] = []  # keeps ids unique while they are dictionary keys
         self._kept: dict[int, tuple[TensorProxy, TensorProxy]] = {}  # keep_history's output -> (it, old value)
         self._written_at: dict[int, SourceLocation | None] = {}
+        self._written: dict[int, TensorProxy] = {}  # every object updated in place
         self._bumps: dict[int, int] = {}  # how many times eager bumps an object's version counter (not via .data)
         self._through_view: dict[int, bool] = {}  # whether the last update autograd saw was through a view of it
         # a leaf of autograd the program made (requires_grad_()) -> (it, that call's line)
@@ -140,6 +141,7 @@ class Functionalizer:
             self.refuse_leaf_update(obj)
             self._through_view[key] = through_view  # eager's grad_fn of a tensor updated through a view: CopySlices
         self._alive.append(obj)
+        self._written[key] = obj
         self._current[key] = value
         self._versions[key] = self._versions.get(key, 0) + 1
         self._written_at[key] = self._source()
@@ -286,6 +288,12 @@ class Functionalizer:
 
     def was_written(self, obj: TensorProxy) -> bool:
         return self._versions.get(id(obj), 0) > 0
+
+    def updated_within(self, made: set[str]) -> list[TensorProxy]:
+        """The objects made outside a region of the trace (not among `made`, the names of the values the region
+        made) that now hold a value the region made: the tensors it updated in place."""
+        return [obj for key, obj in self._written.items()
+                if obj.pname not in made and self._current.get(key, obj).pname in made]
 
     def written_at(self, obj: TensorProxy) -> SourceLocation | None:
         """The line of the last update of `obj`."""

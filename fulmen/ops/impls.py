@@ -253,8 +253,13 @@ def torch_vjp(fn: Callable[..., Any], args: tuple, kwargs: dict, wrt: tuple[int,
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
         if next(position) in wrt:
-            t = t.detach().requires_grad_(True)
+            # detach() drops a forward-mode tangent too: under fulmen.jvp (torch_jvp of this backward) the op must
+            # still see its inputs' tangents, or the grads' tangents lose the op's second derivative
+            primal, tangent = forward_ad.unpack_dual(t)
+            t = primal.detach().requires_grad_(True)
             leaves.append(t)
+            if tangent is not None:
+                t = forward_ad.make_dual(t, tangent)
         return t
 
     with torch.enable_grad():

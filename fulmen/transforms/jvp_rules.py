@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from fulmen.core import pytree
-from fulmen.ops import lookup, prims
+from fulmen.ops import backward_kernels, lookup, prims
 from fulmen.ops.registry import SYMBOLS
+from fulmen.ops.utils import compute_dtype
 from fulmen.transforms.jvp import JVP_RULES, Dot, add_tangents, register_jvp, zeros_like
 from fulmen.transforms.vjp_prims import BINARY_VJPS, UNARY_VJPS, keep_reduced
 
@@ -232,6 +233,53 @@ def _native_layer_norm(dot: Dot, args: tuple, kwargs: dict):
         tangents.append(dot(bias).to(compute))
     tangent = add_tangents(*tangents)
     return (y, mean, rstd), (None if tangent is None else _as_tangent(tangent, y), None, None)
+
+
+@register_jvp(backward_kernels.layer_norm_backward)
+def _layer_norm_backward(dot: Dot, args: tuple, kwargs: dict):
+    """The tangents of layer norm's grads (forward-over-reverse). The kernel takes the mean and rstd as given, but
+    they are x's statistics (the grad rule passes native_layer_norm's), which get no tangent of their own (see
+    above): their tangents follow from x's, as torch.func's decomposition of the backward recomputes them from x."""
+    names = ("g", "x", "normalized_shape", "mean", "rstd", "weight", "bias_dtype", "output_mask")
+    bound = dict(zip(names, args)) | kwargs
+    g, x, normalized_shape, mean, rstd, weight, bias_dtype, output_mask = (bound[name] for name in names)
+    grads = backward_kernels.layer_norm_backward(g, x, normalized_shape, mean, rstd, weight, bias_dtype,
+                                                 output_mask)
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    batch = tuple(range(x.dim() - len(dims)))
+    compute = compute_dtype(x.dtype)  # the kernel's: half-precision tensors in float32
+
+    def mean_over(t):
+        return t.mean(dims, keepdim=True)
+
+    def batch_sum(t):
+        return t.sum(batch) if batch else t
+
+    tg, tx, tw = dot(g), dot(x), None if weight is None else dot(weight)
+    tg, tx, tw = (None if t is None else t.to(compute) for t in (tg, tx, tw))
+    g, rstd = g.to(compute), rstd.to(compute)
+    xhat = (x.to(compute) - mean.to(compute)) * rstd
+    w = None if weight is None else weight.to(compute)
+    # d xhat and d rstd from x's tangent: rstd = (var + eps) ** -0.5 with var the biased variance over `dims`
+    txhat = None if tx is None else rstd * (tx - mean_over(tx) - xhat * mean_over(tx * xhat))
+    trstd = None if tx is None else -rstd * rstd * mean_over(xhat * tx)
+    gxhat = g if w is None else g * w
+    tgxhat = add_tangents(None if tg is None else (tg if w is None else tg * w), None if tw is None else g * tw)
+    tangents: list[Any] = [None, None, None]
+    if grads[0] is not None:
+        inner = mean_over(gxhat * xhat)
+        parts = [None if trstd is None else trstd * (gxhat - mean_over(gxhat) - xhat * inner)]
+        if tgxhat is not None:
+            parts.append(rstd * (tgxhat - mean_over(tgxhat) - xhat * mean_over(tgxhat * xhat)))
+        if txhat is not None:
+            parts.append(-rstd * (txhat * inner + xhat * mean_over(gxhat * txhat)))
+        tangents[0] = add_tangents(*parts)
+    if grads[1] is not None:
+        tangents[1] = add_tangents(None if tg is None else batch_sum(tg * xhat),
+                                   None if txhat is None else batch_sum(g * txhat))
+    if grads[2] is not None and tg is not None:
+        tangents[2] = batch_sum(tg)
+    return grads, tuple(None if t is None else _as_tangent(t, grad) for t, grad in zip(tangents, grads))
 
 
 # --- torch-level leaves: activations and losses by their derivative, composites by their parts --------------------

@@ -384,6 +384,65 @@ def run_vmap_case(case: Case) -> str:
     return "loop" if "impls.batch_loop" in str(fulmen.last_traces(mapped)[-1]) else "rules"
 
 
+# --- torch.func as the oracle: forward-over-reverse, fulmen.jvp(fulmen.grad(f)) on float64 samples ------------------
+# One sample per OpInfo: each case compiles a forward, a backward and the backward's JVP (the CPU budget).
+JVP_OF_GRAD_SAMPLES_PER_OP = 1
+
+
+def jvp_of_grad_cases() -> Iterator[Case]:
+    return _samples(_differentiable_opinfos(), torch.float64, True, JVP_OF_GRAD_SAMPLES_PER_OP)
+
+
+def _scalarised(case: Case):
+    """The sample as a scalar function of its floating tensors that require grad, `sum(c * out * out)` over its
+    floating outputs (c fixed, random): its Hessian holds both the op's second derivative (weighted by the outputs)
+    and the op's Jacobian twice, so it sees the JVP of every part of the op's backward. Returns the function and
+    the primals; the sample's other tensors are captured."""
+    op, sample = case.opinfo.op, case.sample
+    structure = (sample.input, sample.args, sample.kwargs)
+    leaves, spec = torch.utils._pytree.tree_flatten(structure)
+    positions = [i for i, x in enumerate(leaves)
+                 if isinstance(x, torch.Tensor) and x.requires_grad and x.dtype.is_floating_point]
+    if not positions:
+        raise NotDifferentiable
+    wrapper = case.opinfo.gradcheck_wrapper if case.opinfo.gradcheck_wrapper in INPUT_WRAPPERS else None
+    wrapper = VJP_INPUT_WRAPPERS.get(case.op_name, wrapper)
+
+    def outputs(*primals):
+        filled = list(leaves)
+        for i, p in zip(positions, primals):
+            filled[i] = p
+        inp, args, kwargs = torch.utils._pytree.tree_unflatten(filled, spec)
+        out = wrapper(op, inp, *args, **kwargs) if wrapper is not None else op(inp, *args, **kwargs)
+        return [o for o in _tensors(out) if o.dtype.is_floating_point]
+
+    primals = tuple(leaves[i].detach() for i in positions)
+    with torch.no_grad():
+        shapes = [o.shape for o in outputs(*primals)]
+    if not shapes:
+        raise NotDifferentiable
+    generator = torch.Generator().manual_seed(case.index)
+    weights = [torch.randn(shape, dtype=torch.float64, generator=generator) for shape in shapes]
+
+    def scalar(*primals):
+        return sum((c * o * o).sum() for c, o in zip(weights, outputs(*primals)))
+
+    return scalar, primals
+
+
+def run_jvp_of_grad_case(case: Case) -> None:
+    """fulmen.jvp(fulmen.grad(f)) against torch.func.jvp(torch.func.grad(f)) (the gradient and its directional
+    derivative, a Hessian-vector product) for f the sample scalarised, with respect to every input that requires
+    grad."""
+    scalar, primals = _scalarised(case)
+    argnums = tuple(range(len(primals)))
+    generator = torch.Generator().manual_seed(case.index + 1)
+    tangents = tuple(torch.randn(p.shape, dtype=p.dtype, generator=generator) for p in primals)
+    expected = _oracle(lambda: torch.func.jvp(torch.func.grad(scalar, argnums), primals, tangents))
+    actual = fulmen.jit(lambda p, t: fulmen.jvp(fulmen.grad(scalar, argnums), p, t))(primals, tangents)
+    _assert_same(actual, expected)
+
+
 # --- eager autograd as the oracle: fulmen's gradients equal eager's, at edge values too ------------------------------
 # Values each floating input is drawn from, beyond the sample's own: ties, zeros and clamp bounds ("kinks"), and
 # the values where formulas read 0/0, inf - inf or 0 * inf ("nonfinite"). Finite differences cannot see these
