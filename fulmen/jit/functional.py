@@ -10,12 +10,14 @@ and compose with `fulmen.jit`. Called on tensors outside any fulmen trace, a tra
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._functorch.apis
 from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -26,6 +28,7 @@ from fulmen.core.source import user_location
 from fulmen.core.trace import Trace
 from fulmen.executors.registry import resolve
 from fulmen.jit.acquire import Interpreter, current_interpreter
+from fulmen.jit.func_transforms import made_as
 from fulmen.jit.jitted import JittedFunction
 from fulmen.ops import prims
 from fulmen.options import JitOptions
@@ -52,15 +55,20 @@ class FunctionalTransform(JittedFunction):
         return f"<fulmen {self.__name__}>"
 
 
-def transforming(interpreter: Interpreter) -> Any:
+@contextlib.contextmanager
+def transforming(interpreter: Interpreter) -> Iterator[None]:
     """Where a transform runs its rules: off the acquisition's mode (the rules push it again themselves, and its
-    handler must not see the torch calls of another handler running below it)."""
-    top = _get_current_function_mode_stack()[-1:]
-    if top != [interpreter]:
-        raise TraceError(f"fulmen's functional transforms cannot run inside another torch-function mode "
-                         f"({type(top[0]).__name__}, e.g. `with torch.device(...)`); move the transform outside it",
+    handler must not see the torch calls of another handler running below it), and off the program's modes above it
+    (transformers' TransformGetItemToIndex around its mask vmap): those saw the transformed function's own calls as
+    it was acquired, as eager's run it, and fulmen's rules are none of the program's calls."""
+    stack = _get_current_function_mode_stack()
+    if interpreter not in stack:
+        raise TraceError("fulmen's functional transforms run inside the acquisition's torch-function mode only",
                          user_location())
-    return _pop_mode_temporarily()
+    with contextlib.ExitStack() as popped:
+        for _ in range(len(stack) - stack.index(interpreter)):
+            popped.enter_context(_pop_mode_temporarily())
+        yield
 
 
 def name_of(fn: Callable[..., Any]) -> str:
@@ -331,6 +339,10 @@ def vjp(fn: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple:
         return backward_jitted(saved, cotangents)
 
     return (out, vjp_fn, aux) if has_aux else (out, vjp_fn)
+
+
+# torch.func.grad made inside a program fulmen acquires is this grad (func_transforms.py)
+made_as(torch._functorch.apis.grad, "wrapper", lambda local: grad(local["func"], local["argnums"], local["has_aux"]))
 
 
 # --- jvp ------------------------------------------------------------------------------------------------------------
