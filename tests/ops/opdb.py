@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +19,8 @@ from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.executors.base import Executor, Implementation
 from fulmen.ops import lookup
 from fulmen.ops.eager_grads import EAGER_OPS
+from fulmen.transforms.autodiff import GRAD_RULES
+from fulmen.transforms.jvp import JVP_RULES
 
 # Samples per OpInfo, of up to several hundred: 381 OpInfos, within the CPU CI budget (each sweep's own cap below).
 SAMPLES_PER_OP = 16
@@ -385,12 +389,35 @@ def run_vmap_case(case: Case) -> str:
 
 
 # --- torch.func as the oracle: forward-over-reverse, fulmen.jvp(fulmen.grad(f)) on float64 samples ------------------
-# One sample per OpInfo: each case compiles a forward, a backward and the backward's JVP (the CPU budget).
+# One sample per OpInfo: of every OpInfo fulmen differentiates with a grad or JVP rule of its own, every 4th of those
+# it differentiates through their decomposition (the prims' rules, which many share) and every 10th of those it
+# differentiates by eager's backward (impls.torch_vjp and torch_jvp of it, the same for all; the rest is torch's).
+# Compiling a grad and its JVP costs ~0.15-0.3 s per OpInfo, on the CPU budget. FULMEN_JVP_OF_GRAD_ALL=1: every one.
 JVP_OF_GRAD_SAMPLES_PER_OP = 1
+JVP_OF_GRAD_STRIDES = {"rules": 1, "decomposition": 4, "eager": 10}
 
 
-def jvp_of_grad_cases() -> Iterator[Case]:
-    return _samples(_differentiable_opinfos(), torch.float64, True, JVP_OF_GRAD_SAMPLES_PER_OP)
+def differentiated_by(opinfo) -> str:
+    """How fulmen differentiates the OpInfo's op: by a rule of its own (a grad or JVP rule), through its
+    decomposition, or (autodiff's fallback) by eager's backward ("eager")."""
+    binding = lookup(opinfo.op) or lookup(_named_callable(opinfo.name)) or lookup(INLINED.get(opinfo.name))
+    sym = binding.symbol
+    if sym in GRAD_RULES or sym in JVP_RULES:
+        return "rules"
+    return "decomposition" if sym.decomposition is not None else "eager"
+
+
+def jvp_of_grad_cases() -> list[Case]:
+    """The first sample of each OpInfo chosen, made on a thread of its own: OpInfo.sample_inputs walks the caller's
+    stack (common_utils.extract_test_fn, inspect.stack), and on pytest's stack, while the test module is imported,
+    inspect.getmodule scans every loaded module for each frame (~20x slower)."""
+    every = os.environ.get("FULMEN_JVP_OF_GRAD_ALL") == "1"
+    by_kind: dict[str, list] = {kind: [] for kind in JVP_OF_GRAD_STRIDES}
+    for opinfo in sorted(_differentiable_opinfos(), key=_full_name):
+        by_kind[differentiated_by(opinfo)].append(opinfo)
+    chosen = [o for kind, opinfos in by_kind.items() for o in opinfos[::1 if every else JVP_OF_GRAD_STRIDES[kind]]]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: list(_samples(chosen, torch.float64, True, JVP_OF_GRAD_SAMPLES_PER_OP))).result()
 
 
 def _scalarised(case: Case):
@@ -433,11 +460,11 @@ def _scalarised(case: Case):
 def run_jvp_of_grad_case(case: Case) -> None:
     """fulmen.jvp(fulmen.grad(f)) against torch.func.jvp(torch.func.grad(f)) (the gradient and its directional
     derivative, a Hessian-vector product) for f the sample scalarised, with respect to every input that requires
-    grad."""
+    grad (NotDifferentiable: none; NoOracle: torch.func cannot)."""
     scalar, primals = _scalarised(case)
-    argnums = tuple(range(len(primals)))
     generator = torch.Generator().manual_seed(case.index + 1)
     tangents = tuple(torch.randn(p.shape, dtype=p.dtype, generator=generator) for p in primals)
+    argnums = tuple(range(len(primals)))
     expected = _oracle(lambda: torch.func.jvp(torch.func.grad(scalar, argnums), primals, tangents))
     actual = fulmen.jit(lambda p, t: fulmen.jvp(fulmen.grad(scalar, argnums), p, t))(primals, tangents)
     _assert_same(actual, expected)
