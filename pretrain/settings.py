@@ -256,6 +256,14 @@ class Plan:
     make_optimizer: Callable[[Iterable], torch.optim.Optimizer]
 
 
+def _fulmen_refusal(make: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """`make(...)`, fulmen's own check of a setting, its refusal (a ValueError) made a SettingsError."""
+    try:
+        make(*args, **kwargs)
+    except ValueError as error:
+        raise SettingsError(str(error)) from None
+
+
 def check(settings: Settings) -> Plan:
     """Everything that can be wrong with the settings, before anything is written."""
     _apply(RULES, settings)
@@ -272,18 +280,18 @@ def check(settings: Settings) -> Plan:
     if settings.executors is not None and settings.compiler != "fulmen":
         raise SettingsError(f"executors are fulmen's and need compiler: fulmen, got compiler: {settings.compiler}")
     if settings.executors is not None:
-        fulmen.resolve_executors(settings.executors)  # unknown names fail here
+        _fulmen_refusal(fulmen.resolve_executors, settings.executors)  # unknown names fail here
     if settings.cuda_graphs and settings.compiler != "fulmen":
         raise SettingsError(f"cuda_graphs is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
     if settings.activation_memory_budget != 1.0:
         if settings.compiler != "fulmen":
             raise SettingsError("activation_memory_budget is fulmen's and needs compiler: fulmen, got compiler: "
                                 f"{settings.compiler}")
-        fulmen.JitOptions(activation_memory_budget=settings.activation_memory_budget)  # outside [0, 1] fails here
+        _fulmen_refusal(fulmen.JitOptions, activation_memory_budget=settings.activation_memory_budget)  # not in [0, 1]
     if settings.offload is not None:
         if settings.compiler != "fulmen":
             raise SettingsError(f"offload is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
-        fulmen.OffloadOptions(fraction=settings.offload)  # a fraction outside (0, 1] fails here
+        _fulmen_refusal(fulmen.OffloadOptions, fraction=settings.offload)  # a fraction outside (0, 1] fails here
     if settings.strategy == "fsdp" and settings.compiler != "fulmen":
         raise SettingsError(f"strategy fsdp is fulmen's ThunderFSDPStrategy and needs compiler: fulmen, got "
                             f"compiler: {settings.compiler}")

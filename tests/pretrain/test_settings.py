@@ -156,13 +156,17 @@ def test_an_unwritable_out_dir_is_refused_up_front(tmp_path):
     (["--devices", "0"], "error: devices must be a positive integer or 'auto', got 0"),
     (["--resume", "/no/such/checkpoint"], "error: resume: no checkpoint at /no/such/checkpoint"),
     (["--model_config.n_head", "3"], "error: model_config.n_query_groups (2) must divide model_config.n_head (3)"),
+    (["--executors", "[nope]"], "error: unknown executor 'nope'"),
+    (["--activation_memory_budget", "2"], "error: JitOptions.activation_memory_budget"),
+    (["--offload", "2"], "error: OffloadOptions.fraction"),
 ])
 def test_the_command_line_prints_a_refused_setting_as_one_error_line(tmp_path, capsys, argv, line):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--out_dir", str(out), *argv])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [line]  # no traceback before it
+    (printed,) = capsys.readouterr().err.splitlines()  # no traceback before it
+    assert printed.startswith(line), printed
     assert not out.exists()
 
 
