@@ -100,6 +100,9 @@ DIRECT = Implementation()
 
 # Operator names print as globals of the generated code: unique over all executors.
 _OPERATOR_NAMES: dict[str, Symbol] = {}
+# The executors fulmen ships (fulmen.executors.registry.PROVIDERS, and "torch"): neither they nor their operators
+# are replaced by a registration under their names.
+OWN_EXECUTORS = frozenset({"torch", "sdpa", "torchcompile", "unsloth", "liger"})
 
 
 def _is_template(obj: Any) -> bool:
@@ -186,7 +189,7 @@ class OperatorExecutor(Executor):
         if not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"register_operator: {name!r} is not a valid Python identifier (traces print it)")
         previous = _OPERATOR_NAMES.get(name)
-        if previous is not None and previous.executor.name != self.name:
+        if previous is not None and (previous.executor.name != self.name or self.name in OWN_EXECUTORS):
             raise ValueError(f"an operator named {name!r} is already registered by executor "
                              f"{previous.executor.name!r}")
         if not callable(fn):
@@ -194,19 +197,19 @@ class OperatorExecutor(Executor):
         if recomputable and random:
             raise ValueError(f"register_operator({name!r}): a random operator cannot be recomputable (a rerun would "
                              "draw other numbers)")
-        if previous is not None:
-            # the same name from an executor of the same name: a notebook cell run again, which replaces its operator
-            warnings.warn(f"register_operator({name!r}): registered again by executor {self.name!r}; the new "
-                          "registration replaces the old one (callables jitted before trace again on their next "
-                          "call)", stacklevel=2)
-            previous.executor._forget_operator(previous)
         if replaces is not None:
             if not callable(replaces):
                 raise TypeError(f"register_operator({name!r}): replaces= must be a function, got {replaces!r}")
             if lookup(replaces) is None and type(replaces) is not types.FunctionType:
                 raise TypeError(f"register_operator({name!r}): replaces= must be a torch function or a Python "
                                 f"function or method (found by its code when called), got {replaces!r}")
-            self._check_unreplaced(replaces)
+            self._check_unreplaced(replaces, replacing=previous)
+        if previous is not None:  # checked: the old registration goes only when the new one is made
+            # the same name from an executor of the same name: a notebook cell run again, which replaces its operator
+            warnings.warn(f"register_operator({name!r}): registered again by executor {self.name!r}; the new "
+                          "registration replaces the old one (callables jitted before trace again on their next "
+                          "call)", stacklevel=2)
+            previous.executor._forget_operator(previous)
         shapes = like or meta
         # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
         tags = Tag.KERNEL | (Tag.RECOMPUTABLE if recomputable else Tag.NONE) | (Tag.RANDOM if random else Tag.NONE)
@@ -249,8 +252,8 @@ class OperatorExecutor(Executor):
         self.replacements = {original: op for original, op in self.replacements.items() if op is not sym}
         self._registered()
 
-    def _check_unreplaced(self, original: Callable[..., Any]) -> None:
-        if original in self.replacements:
+    def _check_unreplaced(self, original: Callable[..., Any], replacing: Symbol | None = None) -> None:
+        if original in self.replacements and self.replacements[original] is not replacing:
             raise ValueError(f"executor {self.name!r} already replaces {original!r} by "
                              f"{self.replacements[original].name}")
         if original in self.lookasides:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fulmen.executors.base import Executor
+from fulmen.executors.base import OWN_EXECUTORS, Executor
 from fulmen.executors.torch_eager import torch_executor
 
 EXECUTORS: dict[str, Executor] = {}
@@ -23,7 +23,7 @@ def register_executor(executor: Executor) -> Executor:
         raise TypeError(f"register_executor expects an executor, got {type(executor).__name__}")
     known = EXECUTORS.get(executor.name)
     if known is not None and known is not executor:
-        if executor.name in PROVIDERS or known is torch_executor:
+        if executor.name in OWN_EXECUTORS:
             raise ValueError(f"an executor named {executor.name!r} is already registered: fulmen's own")
         # a notebook cell that makes and registers an executor, run again
         warnings.warn(f"register_executor: an executor named {executor.name!r} is registered again; the new one "
@@ -42,6 +42,9 @@ PROVIDERS: dict[str, str] = {
     "unsloth": "fulmen.unsloth",
     "liger": "fulmen.liger",
 }
+
+
+assert OWN_EXECUTORS == {*PROVIDERS, torch_executor.name}, "fulmen's own executors are named in both places"
 
 
 def get_executor(name: str) -> Executor:

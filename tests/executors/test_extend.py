@@ -269,6 +269,11 @@ def test_errors_are_clear():
         fulmen.torch.frobnicate  # noqa: B018
     with pytest.raises(ValueError, match="an executor named 'sdpa' is already registered: fulmen's own"):
         register_executor(OperatorExecutor("sdpa"))
+    sdpa = fulmen.get_executor("sdpa")
+    (own,) = [name for name in sdpa.operators if name.endswith("_forward")][:1]
+    with pytest.raises(ValueError, match=f"an operator named '{own}' is already registered by executor 'sdpa'"):
+        OperatorExecutor("sdpa").register_operator(own, fn=torch.neg)  # one of fulmen's own, under its name
+    assert own in sdpa.operators
 
 
 def _notebook_cell(scale: float) -> tuple[OperatorExecutor, object]:
@@ -300,6 +305,11 @@ def test_running_a_cell_that_registers_an_executor_again_replaces_it():
     assert not ex.operators and not ex.replacements  # the old registration is gone, not left to shadow the new
     second = fulmen.jit(lambda x: op_again(x) + double(x), executors=["notebook"])
     torch.testing.assert_close(second(x), x * 3 + x * 2)
+    with pytest.raises(TypeError, match="replaces= must be a function"):  # refused: the old registration stays
+        again.register_operator("notebook_double", fn=lambda x: x * 2.0, replaces=123)
+    assert again.operators["notebook_double"].executor is again and double in again.replacements
+    with pytest.warns(UserWarning, match="registered again by executor 'notebook'"):  # the same executor, again
+        again.register_operator("notebook_double", fn=lambda x: x * 2.0, replaces=double)
     with pytest.warns(UserWarning, match="registered again by executor 'notebook'"):  # the same executor, again
         op_third = again.register_operator("notebook_scale", like=lambda x: TensorProxy(like=x), fn=lambda x: x * 4)
     torch.testing.assert_close(fulmen.jit(lambda x: op_third(x) + 1, executors=[again])(x), x * 4 + 1)
