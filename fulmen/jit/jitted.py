@@ -414,7 +414,11 @@ class JittedFunction:
         values += [value for _, value in dirty]
         registrations = (*(tree.registrations() if tree is not None else ()), *(r.registration() for r in real.found))
         places = _places(result, len(returns_input), rebinds)
-        places += tuple(f"{places[v.output]}._base" for v in views if v.base >= len(places))
+        hidden: dict[int, str] = {}  # one label per base the trace returns beside the program's outputs
+        for v in views:
+            if v.base >= len(places):
+                hidden.setdefault(v.base, f"{places[v.output]}._base")
+        places += tuple(hidden[base] for base in sorted(hidden))
         return Acquisition(builder, interpreter, observer, tree, inputs, values, out_spec, out_objects, returns_input,
                            rebinds, retained, tuple(position[id(obj)] for obj, _ in dirty), compiling, registrations,
                            places, views)

@@ -254,3 +254,17 @@ def test_a_hook_on_a_view_output_sees_eagers_grad_and_one_backward_is_compiled()
         torch.testing.assert_close(got, want)
     # the node's own output for the view never gets a grad: the backward compiled with the forward is the one run
     assert len(jitted_core(jitted)._cache.entries[0].program._backward_fns) == 1
+
+
+def test_two_view_outputs_of_one_hidden_base_name_every_output_once():
+    # the trace returns the base once beside the program's outputs: one label for it, so the outputs after it (an
+    # updated input) keep their own names in messages
+    def two_views_and_an_update(x, buf):
+        t = x * 2
+        buf.add_(t.sum(0))
+        return t.transpose(0, 1), t[0]
+
+    jitted = fulmen.jit(two_views_and_an_update)
+    jitted(torch.randn(3, 4, requires_grad=True), torch.zeros(4))
+    places = jitted_core(jitted)._cache.entries[0].program.places
+    assert places == ("output[0]", "output[1]", "output[0]._base"), places  # the updated input: by its number
