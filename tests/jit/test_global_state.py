@@ -205,7 +205,15 @@ SWITCHES = {  # program: (read the state it sets, set the caller's back)
 }
 
 
+@pytest.fixture
+def assignable_backend_flags(monkeypatch):
+    # torch.testing's common_utils, which op_db's tests import, freezes bare assignments of torch.backends flags for
+    # the rest of the process (disable_global_flags); the programs here assign them, as a user's program may
+    monkeypatch.setitem(torch.backends.flags_frozen.__globals__, "__allow_nonbracketed_mutation_flag", True)
+
+
 @pytest.mark.parametrize("program", list(SWITCHES), ids=lambda p: p.__name__)
+@pytest.mark.usefixtures("assignable_backend_flags")
 def test_a_switch_the_program_sets_is_set_by_every_call_before_the_ops_after_it(program):
     # before: set on the first call only (by the acquisition); a caller that set it back kept its own from then on
     read, reset = SWITCHES[program]
