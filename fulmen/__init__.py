@@ -33,8 +33,8 @@ from fulmen.examine import ExamineReport, examine
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import get_default_executors, get_executor
 from fulmen.executors.registry import resolve as resolve_executors
-from fulmen.jit.batching import vmap
-from fulmen.jit.functional import FunctionalTransform, grad, jvp, vjp
+from fulmen.functional.derivatives import FunctionalTransform, grad, jvp, vjp
+from fulmen.functional.vmap import vmap
 from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule
 from fulmen.jit.jitted import core as _jitted_core  # not `core`, which would hide the subpackage fulmen.core
 from fulmen.jit.rewrite import rewrite

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from fulmen.acquisition.acquire import DATA_DEPENDENT, METADATA, Interpreter
 from fulmen.core.errors import TraceError
 from fulmen.core.trace import TraceBuilder
-from fulmen.jit.acquire import DATA_DEPENDENT, METADATA, Interpreter
 from fulmen.jit.jitted import core
 from fulmen.ops import lookup
 from fulmen.transforms.fused_loss import PROVENANCE as FUSED_LOSS

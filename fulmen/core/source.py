@@ -93,7 +93,7 @@ def stack_trace_location(stack: str | None) -> SourceLocation | None:
 
 # torch's dispatch plumbing between a library's line and fulmen's handler; never the line that does the reading
 _DISPATCH_FILES: tuple[str, ...] = tuple(
-    os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), name) for name in ("overrides.py", "_tensor.py")
+    os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), name) for name in ("module_inputs.py", "_tensor.py")
 )
 
 

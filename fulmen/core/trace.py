@@ -185,7 +185,7 @@ class TraceBuilder(Builder):
         self.checkpoint_region = 0  # the torch.utils.checkpoint.checkpoint call being traced (0: none)
         self.checkpoint_regions = 0
         # Records the program's own calls of executors' operators where the program's state applies to them (its
-        # in-place updates, torch.autocast): fulmen.jit.acquire's interpreter sets it.
+        # in-place updates, torch.autocast): fulmen.acquisition.acquire's interpreter sets it.
         self.operator_calls: Callable[[Symbol, tuple, dict[str, Any]], Any] | None = None
 
     def __enter__(self) -> TraceBuilder:

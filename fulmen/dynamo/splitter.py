@@ -19,15 +19,15 @@ import torch.fx
 from torch.fx.experimental import symbolic_shapes
 from torch.fx.passes.split_module import split_module
 
+from fulmen.acquisition.acquire import DATA_DEPENDENT, Interpreter
+from fulmen.acquisition.autograd_functions import function_apply_recorded
+from fulmen.acquisition.replacements import call_table
 from fulmen.core.errors import FulmenError
 from fulmen.core.source import SourceLocation, stack_trace_location
 from fulmen.core.trace import TraceBuilder
 from fulmen.dynamo.func_regions import func_regions
 from fulmen.dynamo.hops import CONTEXT_CALLS, checkpoint_reason
-from fulmen.jit.acquire import DATA_DEPENDENT, Interpreter
-from fulmen.jit.frames import CallTap
-from fulmen.jit.function_apply import function_apply_recorded
-from fulmen.jit.replacements import call_table
+from fulmen.observation.frame_tap import CallTap
 from fulmen.transforms.distribution import logical_meta
 
 CALLS = ("call_function", "call_method", "call_module")

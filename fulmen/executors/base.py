@@ -226,7 +226,7 @@ class OperatorExecutor(Executor):
         """While this executor is active, acquisition traces `replacement` wherever the program calls `original`, a
         method of a module class of the user's program (e.g. `LLaMAMLP.forward`), with the same arguments: a
         forward wherever `nn.Module.__call__` runs it, any method where the program looks it up on the jitted
-        module and its submodules (nothing of the class is patched; see fulmen/jit/replacements.py).
+        module and its submodules (nothing of the class is patched; see fulmen/acquisition/replacements.py).
 
         For programs whose code has no call boundary around the computation an operator should replace: the
         replacement restates `original` through a function that has one (and that `register_operator(replaces=)`

@@ -1,1 +1,2 @@
-"""Acquisition (torch-function interception), functionalization, guards, the cache and the jitted callables."""
+"""`fulmen.jit`'s driver: the jitted callables, their cache of traces, the pipeline from acquisition to execution, and
+what a jitted module adds (its parameters and buffers as inputs, its hooks)."""

@@ -14,6 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from fulmen.acquisition.acquire import Interpreter, current_interpreter
+from fulmen.acquisition.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
+from fulmen.acquisition.autograd_facts import refuse_leaf_without_grads, refuse_returned_nodes
+from fulmen.acquisition.autograd_functions import function_apply_recorded
+from fulmen.acquisition.is_compiling import seen_as_compiling
+from fulmen.acquisition.replacements import call_table
 from fulmen.core import pytree
 from fulmen.core.errors import CacheLimitError, CacheLimitWarning, DataDependentError, TraceError
 from fulmen.core.proxies import TensorProxy, stand_for, unproxyable
@@ -21,28 +27,22 @@ from fulmen.core.source import SourceLocation
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors import base as executor_base
 from fulmen.executors.base import Executor
-from fulmen.jit.acquire import Interpreter, current_interpreter
-from fulmen.jit.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
-from fulmen.jit.autograd_facts import refuse_leaf_without_grads, refuse_returned_nodes
-from fulmen.jit.bridge import UpdatedInput, apply
-from fulmen.jit.cache import Cache, CacheEntry, ReturnedInput
-from fulmen.jit.compiling import seen_as_compiling
-from fulmen.jit.distinct import identity_pattern, kept_distinct, repeats_as_first
-from fulmen.jit.function_apply import function_apply_recorded
-from fulmen.jit.global_state import GlobalState, StateLeftChanged
-from fulmen.jit.guards import argument_key, compile_check, global_state_key, module_key
-from fulmen.jit.hooks import call_with_own_hooks, has_global_hooks
-from fulmen.jit.observe import Observer
-from fulmen.jit.output_grads import Retained, rewatch
-from fulmen.jit.overrides import ModuleInput, ShadowTree, build_shadow
+from fulmen.jit.buffer_registrations import RealModules, Registered, Registration
+from fulmen.jit.module_hooks import call_with_own_hooks, has_global_hooks
+from fulmen.jit.module_inputs import ModuleInput, ShadowTree, build_shadow
 from fulmen.jit.pipeline import Pipeline
-from fulmen.jit.registrations import RealModules, Registered, Registration
-from fulmen.jit.replacements import call_table
-from fulmen.jit.rerun import HookSnapshot, reachable_modules
-from fulmen.jit.setters import Setters
-from fulmen.jit.view_outputs import ViewOutput, retaken, take_views, view_outputs
+from fulmen.jit.trace_cache import Cache, CacheEntry, ReturnedInput
+from fulmen.jit.undo import HookSnapshot, reachable_modules
+from fulmen.observation.global_setters import Setters
+from fulmen.observation.global_state import GlobalState, StateLeftChanged
+from fulmen.observation.guards import argument_key, compile_check, global_state_key, module_key
+from fulmen.observation.observer import Observer
 from fulmen.ops import prims
 from fulmen.options import CacheLimitAction, JitOptions
+from fulmen.runtime.distinct_outputs import identity_pattern, kept_distinct, repeats_as_first
+from fulmen.runtime.output_grads import Retained, rewatch
+from fulmen.runtime.trace_function import UpdatedInput, apply
+from fulmen.runtime.view_outputs import ViewOutput, retaken, take_views, view_outputs
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
 from fulmen.transforms.cudagraphs import GraphedProgram, graph_pool_for
 from fulmen.transforms.distribution import distributed_input, distributed_program, logical_meta
@@ -154,8 +154,8 @@ class Acquisition:
     rebinds: list[tuple[nn.Module, str, str]]
     retained: Retained | None  # what each call keeps the grad of (the program's retain_grad calls)
     dirty: tuple[int, ...]  # inputs that get an autograd history (their values follow the rebinds' in `values`)
-    compiling: bool  # traced as a tracer is seen (torch.compiler.is_compiling()), see fulmen.jit.compiling
-    registrations: tuple[Registration, ...] = ()  # the buffers the program registered (registrations.py)
+    compiling: bool  # traced as a tracer is seen (torch.compiler.is_compiling()), see fulmen.acquisition.is_compiling
+    registrations: tuple[Registration, ...] = ()  # the buffers the program registered (buffer_registrations.py)
     places: tuple[str, ...] = ()  # where each returned tensor sits in the output (`output['logits']`), for messages
     views: tuple[ViewOutput, ...] = ()  # returned views of computed tensors, taken again by the call
 
@@ -324,9 +324,9 @@ class JittedFunction:
     @staticmethod
     def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor], module_tensors: list[torch.Tensor]
                 ) -> Any:
-        for write in entry.writes:  # the Python state the program stored (fulmen.jit.writes)
+        for write in entry.writes:  # the Python state the program stored (fulmen.observation.state_writes)
             write.apply()
-        if entry.distinct is not None:  # what the trace merged, eager gives as distinct tensors (distinct.py)
+        if entry.distinct is not None:  # what the trace merged, eager gives as distinct tensors (distinct_outputs.py)
             distinct = kept_distinct(outputs, entry.distinct)
             if distinct is not outputs and entry.program is not None and entry.program.feeding:
                 rewatch(entry.program.feeding, outputs, distinct)
@@ -450,7 +450,7 @@ class JittedFunction:
     # --- compilation ---------------------------------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], key_parts: tuple,
                  names: list[str], before: GlobalState) -> tuple[CacheEntry, list]:
-        # What a run that is acquired again did to Python state is undone first (rerun.py): eager runs it once.
+        # What a run that is acquired again did to Python state is undone first (undo.py): eager runs it once.
         hooks = HookSnapshot(reachable_modules(self._fn, self._module, args, kwargs))
         try:
             acquisition = self._acquire(args, kwargs, tensors, names, None, [], compiling=False)
@@ -600,7 +600,7 @@ class JittedFunction:
                 returned = ReturnedInput(len(proxies) + captured) if captured is not None else None
             returns_input.append(returned)
         rebinds = []
-        # then the buffers the program registered in modules that are not shadows (registrations.py)
+        # then the buffers the program registered in modules that are not shadows (buffer_registrations.py)
         found = [(r.module, "_buffers", r.name, None, r.value) for r in registered]
         if tree is not None or found:
             for module, container, name, given, now in [*(tree.rebinds() if tree is not None else ()), *found]:
@@ -632,7 +632,7 @@ class JittedModule(nn.Module):
 
     Parameters, buffers, state dicts, train/eval and device moves are the wrapped module's own (no prefix), so
     optimizers, Fabric and checkpoints see the original module. Its call runs the hooks registered on it, never the
-    global module hooks: the trace holds those of the wrapped module's call (see hooks.py).
+    global module hooks: the trace holds those of the wrapped module's call (see module_hooks.py).
     """
 
     def __init__(self, model: nn.Module, options: JitOptions, executors: tuple[Executor, ...] = ()) -> None:
@@ -661,7 +661,7 @@ class JittedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if current_interpreter() is not None:
-            # Inside a program another fulmen.jit acquires (self is then its stand-in, see overrides.py), the
+            # Inside a program another fulmen.jit acquires (self is then its stand-in, see module_inputs.py), the
             # wrapped module is traced as part of it, with its parameters as that trace's module inputs.
             return self._model(*args, **kwargs)
         return self._jit(*args, **kwargs)
@@ -718,7 +718,8 @@ def _refuse_data_alias_history(functional: Any, output: TensorProxy, given: Tens
     """An output that is a `.data` alias of an input (or a view of one), given an autograd history by an in-place
     update with a value that has one (`t = x.data; t.mul_(w)`): eager's alias shares the input's memory but has a
     version counter of its own, which counts the updates through it; the alias fulmen takes from the input after
-    the call starts a new one. (A `.detach()` alias shares the input's counter, and gets the history: cache.py.)"""
+    the call starts a new one. (A `.detach()` alias shares the input's counter, and gets the history:
+    trace_cache.py.)"""
     raise TraceError(
         f"the program returns a .data alias of its input {given.pname} that an in-place update gave an autograd "
         "history (a value that requires grad): fulmen cannot give it eager's version counter; return a .detach() "

@@ -29,8 +29,8 @@ from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.core.verify import trace_problems
 from fulmen.executors.base import Executor
 from fulmen.executors.passes import transform_for_execution
-from fulmen.jit.bridge import GradProgram, UpdatedInput, expected_cotangents
 from fulmen.options import JitOptions
+from fulmen.runtime.trace_function import GradProgram, UpdatedInput, expected_cotangents
 from fulmen.transforms.autocast import autocast_enabled
 from fulmen.transforms.common import cse, dce, delete_last_used
 from fulmen.transforms.cudagraphs import GraphPool, capture_regions
@@ -116,7 +116,7 @@ class Pipeline:
         them are the same program without graphs. `dirty`: the inputs the program updates in place with a value
         that has an autograd history, which they get. `places`: where the outputs sit in what the program returns
         (for messages). `retaken`: the outputs the caller gets as views taken again from other outputs, which never
-        get a grad (fulmen.jit.view_outputs)."""
+        get a grad (fulmen.runtime.view_outputs)."""
         plan = plan_grad(trace, self.interpreter_factory, self.executors, self.memory_budget)
         n_saved = len(plan.saved)
         forward = plan.forward

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fulmen.acquisition.acquire import Interpreter
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.jit.acquire import Interpreter
 from fulmen.transforms.recording import record_call
 
 

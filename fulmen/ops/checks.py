@@ -3,7 +3,8 @@
 torch.distributions validates its arguments and samples (`validate_args`, on by default) with
 `if not torch._is_all_true(valid): raise ValueError(...)`. A branch on values cannot be traced, but this one has a
 single outcome that continues: the trace goes on as if the values were valid, and checks them when it runs, raising
-eager's ValueError where they are not. The message is the distribution's, stated while tracing (`jit/validation.py`).
+eager's ValueError where they are not. The message is the distribution's, stated while tracing
+(`acquisition/distribution_checks.py`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A program that seeds the generator (`torch.manual_seed(0)`) or sets the default dtype, determinism or matmul
 precision changes what the ops after the call compute (the draws, factory dtypes, kernels), and eager's program
 does it on every call. A trace that ran only its ops would do it on the first call alone (acquisition runs the
-setter for real), so the setter is recorded as a call of its own (fulmen.jit.setters), printed as the program wrote
+setter for real), so the setter is recorded as a call of its own (fulmen.observation.global_setters), printed as the
+program wrote
 it and run by the torch executor.
 """
 

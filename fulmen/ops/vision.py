@@ -1,6 +1,6 @@
 """Pooling and unpooling, upsampling, sampling grids, pixel shuffles and instance norm, with eager's grads
 (`eager_grads`). `F.interpolate`, `F.max_pool2d`, `F.grid_sample` and the like are torch's Python: they run inline
-(fulmen/jit/torch_python.py) and reach these ops.
+(fulmen/acquisition/torch_python.py) and reach these ops.
 
 `F.fractional_max_pool2d/3d` draw their pooling regions with `torch.rand` in that Python (unless `_random_samples` is
 given), which is traced as a draw of its own: the pooling op takes the samples as an input, so recomputing it for the

@@ -264,7 +264,7 @@ class CastCache:
     those ops are summed in the lower precision before its backward converts them; any other value is converted
     once per op (the grads summed in float32). The cache holds until torch clears it (the outermost autocast
     exits: `clear`), and is used while `torch.is_autocast_cache_enabled()`. The trace states the same conversions.
-    `is_leaf` answers as eager for the program's values (fulmen.jit.autograd_facts: for a trace input the real
+    `is_leaf` answers as eager for the program's values (fulmen.acquisition.autograd_facts: for a trace input the real
     tensor answers, and the trace holds only for inputs that answer the same)."""
 
     builder: TraceBuilder

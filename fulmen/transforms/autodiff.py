@@ -67,7 +67,7 @@ PUT_GRAD = Symbol("put_grad", "put_grad", _marker_impl, meta=lambda builder, x, 
 class _RuleScope:
     bsym: BoundSymbol
     inputs: set[str]
-    interpreter: Any  # what the rule's torch calls run under (fulmen.jit.acquire.Interpreter)
+    interpreter: Any  # what the rule's torch calls run under (fulmen.acquisition.acquire.Interpreter)
 
 
 # The grad rules running now, innermost last (a rule may differentiate a call that has a rule of its own).

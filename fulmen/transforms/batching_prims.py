@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from fulmen.functional.batching import BATCH_RULES, Batch, register_batching
 from fulmen.ops import prims
-from fulmen.transforms.vmap import BATCH_RULES, Batch, register_batching
 
 
 def shift(dim: int) -> int:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from fulmen.core.symbol import iter_proxies
+from fulmen.functional.batching import DRAWS, SAME_RANDOMNESS_RULES, Batch
 from fulmen.ops import lookup, prims
-from fulmen.transforms.vmap import DRAWS, SAME_RANDOMNESS_RULES, Batch
 
 
 def _like_same(sym):

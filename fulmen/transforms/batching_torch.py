@@ -11,10 +11,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fulmen.functional.batching import BATCH_RULES, Batch, register_batching
 from fulmen.ops import lookup, prims
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.batching_prims import batch_matmul, broadcast, elementwise, is_tensor, shift
-from fulmen.transforms.vmap import BATCH_RULES, Batch, register_batching
 
 for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
             F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink, F.threshold, torch.nan_to_num, torch.clamp_min,

@@ -187,7 +187,7 @@ def _copies_of_overwritten_views(bsyms: list[BoundSymbol], saved: list[TensorPro
     version check naming a tensor eager never saved). So is a saved `.detach()` alias of such an input, or a view of
     one (`t = x.detach(); t *= x * 2` saves t for the grad of `x * 2`: the backward read t's new value, where eager's
     mul_ saves the old one): a detached tensor's meta is not a view, though it shares the input's memory. An input
-    saved itself is the bridge's (bridge.py: originals)."""
+    saved itself is the bridge's (trace_function.py: originals)."""
     roots = {id(_meta_root(p)) for p in trace.inputs if p.pname in overwritten}
     detached = set()
     for bsym in bsyms:

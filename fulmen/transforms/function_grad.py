@@ -1,6 +1,7 @@
 """User autograd Functions in traces: the forward as a recorded region, the Function's own backward as its grad.
 
-Acquisition (`fulmen.jit.function_apply`) records `Square.apply(x)` as one `autograd_function` call whose parts are
+Acquisition (`fulmen.acquisition.autograd_functions`) records `Square.apply(x)` as one `autograd_function` call whose
+parts are
 the ops the Function's `forward` made, run as eager runs it (grad mode off). The call runs as those parts. Its grad
 rule replays the parts and traces the Function's `backward` on the cotangents of its outputs, so the backward trace
 holds the user's backward where eager's autograd would call it, with the same `ctx`: saved tensors,

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from fulmen.core import pytree
+from fulmen.functional.forward_mode import JVP_RULES, Dot, add_tangents, register_jvp, zeros_like
 from fulmen.ops import backward_kernels, lookup, prims
 from fulmen.ops.registry import SYMBOLS
 from fulmen.ops.utils import compute_dtype
-from fulmen.transforms.jvp import JVP_RULES, Dot, add_tangents, register_jvp, zeros_like
 from fulmen.transforms.vjp_prims import BINARY_VJPS, UNARY_VJPS, keep_reduced
 
 

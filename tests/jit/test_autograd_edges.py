@@ -89,8 +89,8 @@ def _independent(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x * 2, x * 3
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (fulmen/jit/output_grads.py): the program is one autograd node, "
-                   "so a hook on an output without a grad runs with None when another output gets one")
+@pytest.mark.xfail(strict=True, reason="known limit (fulmen/runtime/output_grads.py): the program is one autograd "
+                   "node, so a hook on an output without a grad runs with None when another output gets one")
 def test_a_hook_on_an_output_without_a_grad_is_not_called():
     calls = []
     for fn in (_independent, fulmen.jit(_independent)):

@@ -1,5 +1,5 @@
-"""Python containers the program changes in place (fulmen/jit/containers.py), against eager: replayed by every call
-when the change is exactly repeatable, refused naming the container and the line otherwise."""
+"""Python containers the program changes in place (fulmen/observation/container_writes.py), against eager: replayed
+by every call when the change is exactly repeatable, refused naming the container and the line otherwise."""
 
 from __future__ import annotations
 

@@ -82,7 +82,8 @@ def test_the_state_a_program_leaves_changed_is_set_by_every_call(program):
     assert fulmen.cache_hits(jitted) == 1
 
 
-# --- torch's global setters (fulmen/jit/setters.py): set again by every call, in program order, or refused ---------
+# --- torch's global setters (fulmen/observation/global_setters.py): set again by every call, in program order, or
+# refused ---------
 
 
 def seeded_draw(x):

@@ -1,4 +1,5 @@
-"""Reads of tensors made from Python numbers alone (fulmen/jit/known.py) are answered as eager answers them.
+"""Reads of tensors made from Python numbers alone (fulmen/acquisition/known_values.py) are answered as eager
+answers them.
 
 Each program takes eager's branch; under a compiler (`torch.compiler.is_compiling()`) it would take another, which
 fulmen took before: a read of any tensor value made it trace the program again as a compiler (compiling.py), the

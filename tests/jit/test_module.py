@@ -288,7 +288,7 @@ class OwnFlatten(nn.GRU):
 
 
 def test_a_method_lookaside_stands_for_torchs_method_not_a_subclass_override():
-    from fulmen.jit.lookasides import method_lookasides, rnn_flatten_parameters
+    from fulmen.acquisition.lookasides import method_lookasides, rnn_flatten_parameters
 
     assert method_lookasides(nn.LSTM) == {"flatten_parameters": rnn_flatten_parameters}
     assert method_lookasides(OwnFlatten) == {}

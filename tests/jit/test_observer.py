@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.jit import reads
 from fulmen.jit.jitted import core as jitted_core
+from fulmen.observation import read_sites
 
 SCALE = 2.0
 
@@ -40,13 +40,14 @@ def program(self, cfg, x):
 
 
 def test_read_sites_name_what_each_instruction_reads():
-    sites = set(reads.read_sites(program.__code__).values())
-    assert reads.GlobalRead("SCALE") in sites and reads.GlobalRead("getattr") in sites
-    assert reads.AttrRead(reads.Local("cfg"), "s") in sites
-    assert reads.AttrRead(reads.Attr(reads.Local("self"), "config"), "n") in sites
-    assert reads.AttrCall(reads.Global("getattr"), reads.Local("cfg"), reads.Const("t")) in sites
-    assert reads.AttrRead(reads.Local("cfg"), "items") in sites
-    assert not any(isinstance(s, reads.AttrRead) and s.name == "shape" for s in sites)  # `(x * SCALE).shape`: unnamed
+    sites = set(read_sites.read_sites(program.__code__).values())
+    assert read_sites.GlobalRead("SCALE") in sites and read_sites.GlobalRead("getattr") in sites
+    assert read_sites.AttrRead(read_sites.Local("cfg"), "s") in sites
+    assert read_sites.AttrRead(read_sites.Attr(read_sites.Local("self"), "config"), "n") in sites
+    assert read_sites.AttrCall(read_sites.Global("getattr"), read_sites.Local("cfg"), read_sites.Const("t")) in sites
+    assert read_sites.AttrRead(read_sites.Local("cfg"), "items") in sites
+    # `(x * SCALE).shape`: unnamed
+    assert not any(isinstance(s, read_sites.AttrRead) and s.name == "shape" for s in sites)
 
 
 def test_closure_reads_are_sites_only_for_free_variables():
@@ -60,8 +61,8 @@ def test_closure_reads_are_sites_only_for_free_variables():
 
         return nested() * k
 
-    sites = set(reads.read_sites(inner.__code__).values())
-    assert reads.CellRead("k") in sites and reads.CellRead("own") not in sites
+    sites = set(read_sites.read_sites(inner.__code__).values())
+    assert read_sites.CellRead("k") in sites and read_sites.CellRead("own") not in sites
 
 
 def test_observing_runs_no_code_of_the_program():

@@ -98,9 +98,9 @@ def test_the_tracer_path_is_taken_only_where_eagers_path_reads_values():
 
 
 def test_both_ways_of_setting_the_flag_are_seen_and_restored():
-    from fulmen.jit import compiling
+    from fulmen.acquisition import is_compiling
 
-    for session in (compiling.seen_as_compiling, compiling._session_flag):
+    for session in (is_compiling.seen_as_compiling, is_compiling._session_flag):
         with session():
             assert torch.compiler.is_compiling()
         assert not torch.compiler.is_compiling()

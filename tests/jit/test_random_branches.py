@@ -1,4 +1,5 @@
-"""An `if` on a comparison of a `torch.rand` draw with a number it never crosses (fulmen/jit/bounds.py), against eager.
+"""An `if` on a comparison of a `torch.rand` draw with a number it never crosses (fulmen/acquisition/random_bounds.py),
+against eager.
 
 Eager takes the same branch whatever is drawn, so fulmen traces it, keeping the draw (the generator advances as
 eager's does); a comparison whose answer depends on the draw is refused, naming the line. Hugging Face's LayerDrop

@@ -1,5 +1,5 @@
 """`retain_grad()` inside a jitted program, against eager: the call keeps the grad of the tensor it gives the caller
-for the value (fulmen/jit/output_grads.py, `Retained`)."""
+for the value (fulmen/runtime/output_grads.py, `Retained`)."""
 
 from __future__ import annotations
 

@@ -52,8 +52,9 @@ def _assert_same_grads(model: torch.nn.Module, eager: torch.nn.Module) -> None:
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_hidden_states_and_attentions_with_a_padding_mask(attn):
     """transformers installs its output-capturing hooks inside the first forward that asks for them. With a padding
-    mask, fulmen acquires that forward twice (the first run reads `padding_mask.all()`, see fulmen/jit/compiling.py):
-    the hooks the abandoned run installed stayed, and every layer's hidden state and attention map came back twice."""
+    mask, fulmen acquires that forward twice (the first run reads `padding_mask.all()`, see
+    fulmen/acquisition/is_compiling.py): the hooks the abandoned run installed stayed, and every layer's hidden state
+    and attention map came back twice."""
     eager = _build("llama", "LlamaForCausalLM", attn_implementation=attn)
     model = copy.deepcopy(eager)
     jitted = fulmen.jit(model)
@@ -219,7 +220,8 @@ def test_retain_grad_on_a_hidden_state_is_refused_naming_it():
 
 def test_training_without_a_cache_takes_eagers_attention_path():
     """With `use_cache=False` (gradient checkpointing sets it) and no attention mask, transformers reads the
-    `position_ids` it builds to find packed sequences; fulmen knows their values (fulmen/jit/known.py), so it takes
+    `position_ids` it builds to find packed sequences; fulmen knows their values (fulmen/acquisition/known_values.py),
+    so it takes
     eager's path: `is_causal` with grouped heads. It took the compiler's path before (an explicit mask, repeated keys),
     and the bfloat16 grads rounded otherwise (by 8e-4)."""
     eager = _build("llama", "LlamaForCausalLM").train()

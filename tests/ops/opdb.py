@@ -17,10 +17,10 @@ from torch.testing._internal.common_methods_invocations import op_db
 import fulmen
 from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.executors.base import Executor, Implementation
+from fulmen.functional.forward_mode import JVP_RULES
 from fulmen.ops import lookup
 from fulmen.ops.eager_grads import EAGER_OPS
 from fulmen.transforms.autodiff import GRAD_RULES
-from fulmen.transforms.jvp import JVP_RULES
 
 # Samples per OpInfo, of up to several hundred: 381 OpInfos, within the CPU CI budget (each sweep's own cap below).
 SAMPLES_PER_OP = 16

@@ -1,7 +1,8 @@
 """torch.nn layers beyond the transformer's, jitted whole, against eager.
 
 They reach fulmen three ways: torch's own Python (`F.multi_head_attention_forward`, `F.interpolate`, boolean
-dispatchers like `F.max_pool2d`) runs inline so its torch calls are traced one by one (fulmen/jit/torch_python.py);
+dispatchers like `F.max_pool2d`) runs inline so its torch calls are traced one by one
+(fulmen/acquisition/torch_python.py);
 the ops it reaches without a rule of fulmen's (pooling, upsampling, recurrent layers, less common losses) are
 differentiated by eager's own backward (fulmen/ops/eager_grads.py); and what would change state or draw again when
 recomputed is refused naming the user's line.

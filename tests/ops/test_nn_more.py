@@ -319,6 +319,6 @@ def test_tensor_new_gives_eagers_shape(sizes):
 
 def test_the_locals_a_distributions_validation_message_is_stated_from_are_torchs():
     # fulmen words eager's ValueError from these locals of torch's validating frames; were one renamed, the read of
-    # torch._is_all_true would be refused as data-dependent instead (fulmen/jit/validation.py)
+    # torch._is_all_true would be refused as data-dependent instead (fulmen/acquisition/distribution_checks.py)
     assert {"self", "value", "param", "constraint"} <= set(D.Distribution.__init__.__code__.co_varnames)
     assert {"self", "value", "support"} <= set(D.Distribution._validate_sample.__code__.co_varnames)

@@ -39,14 +39,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd import forward_ad
 
+from fulmen.acquisition.autograd_facts import refuse_leaf_without_grads
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.trace import Trace
-from fulmen.jit.autograd_facts import refuse_leaf_without_grads
-from fulmen.jit.output_grads import check_watched, feeding_outputs, watch
-from fulmen.jit.view_outputs import internal_views, unviewed
 from fulmen.ops import prims
+from fulmen.runtime.output_grads import check_watched, feeding_outputs, watch
+from fulmen.runtime.view_outputs import internal_views, unviewed
 from fulmen.transforms.autocast import without_autocast
 from fulmen.transforms.cudagraphs import GraphedProgram
 from fulmen.transforms.distribution import DistributionTransform, GradSync
@@ -78,7 +78,7 @@ class GradProgram:
     distributed: DistributionTransform | None = None  # collectives of ddp / fsdp parameters
     dirty: tuple[UpdatedInput, ...] = ()
     places: tuple[str, ...] = ()  # where each output sits in what the program returns, for messages
-    # outputs the caller gets as views taken again from other outputs (fulmen.jit.view_outputs): they get no grad
+    # outputs the caller gets as views taken again from other outputs (fulmen.runtime.view_outputs): they get no grad
     retaken: tuple[int, ...] = ()
     _backward_fns: dict[tuple[tuple[bool, ...], GradSync], Callable[..., tuple]] = field(default_factory=dict)
     graphs: GraphedProgram | None = None  # CUDA graphs: forward_fn and graphed_backward_fn replay them

@@ -10,19 +10,18 @@ and a call that finds 1 misses the guard on `steps` and traces anew.
 Only values that are the same whichever call made them can be stored again: numbers, strings, None, dtypes,
 devices, enum members and tuples of those. A write of any other value (a list, an object, a tensor in a place
 that held none) is refused, naming the attribute and the user's line. A tensor stored where the module held one is
-a rebind (overrides.ShadowTree.rebinds), returned by the trace.
+a rebind (module_inputs.ShadowTree.rebinds), returned by the trace.
 
-Writes to the jitted module's tree land on its shadow (overrides.py), which reports those the program's own code
-makes (frames.observed: not torch's internals, such as a lazily compiled GraphModule storing its code); writes to
-other objects happen for real, seen by the frame tap before they run (reads.AttrWrite, reads.GlobalWrite), and are
-stored again when their value is immutable (any other value may be an object the call created, which fulmen cannot
-tell from one that existed before); one holding a tensor the program computed is refused, and the stores undone,
-where the object held state before the store (the trace's stand-in would stay there: a KV cache extended in place),
-or left to the check of the program's arguments (jitted.py) where it did not. Lists, dicts and sets changed in
-place are containers.py's. Deletions (`del obj.name`, `delattr`, `del` of a global) are writes of no value: done
-again by every call, on a trace guarded on the value being there (eager's `del` fails where it is not). Known
-limits: writes that no bytecode of the program names are not seen (C code, `setattr` under another name).
-"""
+Writes to the jitted module's tree land on its shadow (module_inputs.py), which reports those the program's own code
+makes (frame_tap.observed: not torch's internals, such as a lazily compiled GraphModule storing its code); writes to
+other objects happen for real, seen by the frame tap before they run (read_sites.AttrWrite, read_sites.GlobalWrite), and
+are stored again when their value is immutable (any other value may be an object the call created, which fulmen cannot
+tell from one that existed before); one holding a tensor the program computed is refused, and the stores undone, where
+the object held state before the store (the trace's stand-in would stay there: a KV cache extended in place), or left to
+the check of the program's arguments (jitted.py) where it did not. Lists, dicts and sets changed in place are
+container_writes.py's. Deletions (`del obj.name`, `delattr`, `del` of a global) are writes of no value: done again by
+every call, on a trace guarded on the value being there (eager's `del` fails where it is not). Known limits: writes that
+no bytecode of the program names are not seen (C code, `setattr` under another name). """
 
 from __future__ import annotations
 
@@ -38,8 +37,8 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.pytree import find
 from fulmen.core.source import SourceLocation, frame_location
-from fulmen.jit.lookup import MODULE_SLOTS, attribute_value, instance_dict, owner_name
-from fulmen.jit.values import MISSING, describe, immutable, same_value
+from fulmen.observation.static_lookup import MODULE_SLOTS, attribute_value, instance_dict, owner_name
+from fulmen.observation.value_checks import MISSING, describe, immutable, same_value
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +144,7 @@ class WriteLog:
 
     def undo(self) -> None:
         """Puts back what the stores that happened for real replaced (those to a shadow never reached the user's
-        objects): the acquisition is abandoned and the program runs again (rerun.py)."""
+        objects): the acquisition is abandoned and the program runs again (undo.py)."""
         for store in reversed(self._stores.values()):
             if store.shadow is not None:
                 continue

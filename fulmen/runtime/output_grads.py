@@ -119,13 +119,14 @@ def check_watched(feeding: tuple[FeedingOutput, ...], refs: list[weakref.ref], p
 def rewatch(feeding: tuple[FeedingOutput, ...], node_outputs: Sequence[torch.Tensor],
             returned: Sequence[torch.Tensor]) -> None:
     """The call returns `returned[i]` in place of the node's output i (a view of an input, taken again from the
-    input; a copy, distinct.py): the backward watches the tensor the caller holds, whose hooks would otherwise see a
+    input; a copy, distinct_outputs.py): the backward watches the tensor the caller holds, whose hooks would otherwise
+    see a
     partial grad (one past them, assigned to a module or a base the call took a view of, is the node's own)."""
     for k, f in enumerate(feeding):
         if f.output >= len(returned):
             continue
         node = node_outputs[f.output].grad_fn  # a custom Function's node is its ctx
-        if node is not None and not hasattr(node, "watched"):  # the node's output was copied (distinct.py)
+        if node is not None and not hasattr(node, "watched"):  # the node's output was copied (distinct_outputs.py)
             node = node.next_functions[0][0]
         if returned[f.output] is not node_outputs[f.output] and node is not None:
             node.watched[k] = weakref.ref(returned[f.output])

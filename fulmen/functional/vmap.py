@@ -1,7 +1,7 @@
 """`fulmen.vmap`: a function mapped over a batch dimension of its arguments, with torch.func.vmap's signature.
 
-The function is acquired once on one example's shapes (fulmen.jit.functional.acquire) and its trace batched by
-fulmen.transforms.vmap's rules, once per chunk of `chunk_size` examples; the results are moved to `out_dims`.
+The function is acquired once on one example's shapes (fulmen.functional.derivatives.acquire) and its trace batched by
+fulmen.functional.batching's rules, once per chunk of `chunk_size` examples; the results are moved to `out_dims`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_le
 
 import fulmen.transforms.batching_random  # noqa: F401  (registers the batching rules)
 import fulmen.transforms.batching_torch  # noqa: F401  (registers the batching rules)
+from fulmen.acquisition.acquire import Interpreter, current_interpreter
+from fulmen.acquisition.torch_func_calls import made_as
 from fulmen.core.proxies import TensorProxy
-from fulmen.jit.acquire import Interpreter, current_interpreter
-from fulmen.jit.func_transforms import made_as
-from fulmen.jit.functional import (
+from fulmen.functional.batching import BatchTransform, Randomness, draws_random
+from fulmen.functional.derivatives import (
     Acquired,
     FunctionalTransform,
     acquire,
@@ -28,7 +29,6 @@ from fulmen.jit.functional import (
     transforming,
 )
 from fulmen.ops import prims
-from fulmen.transforms.vmap import BatchTransform, Randomness, draws_random
 
 
 def _batch_dims(interpreter: Interpreter, flat: list, dims: list, name: str, in_dims: Any) -> int:
@@ -155,6 +155,6 @@ def vmap(fn: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, randomness
     return FunctionalTransform(lambda *args, **kwargs: inline(args, kwargs), f"vmap({name_of(fn)})")
 
 
-# torch.vmap made inside a program fulmen acquires is this vmap (func_transforms.py)
+# torch.vmap made inside a program fulmen acquires is this vmap (torch_func_calls.py)
 made_as(torch._functorch.apis.vmap, "wrapped", lambda local: vmap(
     local["func"], local["in_dims"], local["out_dims"], local["randomness"], chunk_size=local["chunk_size"]))

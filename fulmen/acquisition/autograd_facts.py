@@ -21,12 +21,12 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
+from fulmen.acquisition.functionalize import Functionalizer
 from fulmen.core import pytree
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, user_location
 from fulmen.core.trace import Trace
-from fulmen.jit.functionalize import Functionalizer
 from fulmen.ops import shape
 
 

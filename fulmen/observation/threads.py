@@ -22,7 +22,7 @@ JOIN_CODE = threading.Thread.join.__code__
 
 class Threads:
     """The threads started during one acquisition (by id, with the program's line that started each) and the
-    refusal of a join of one of them. Its regions (frames.Region) are on `Thread.start` and `Thread.join`."""
+    refusal of a join of one of them. Its regions (frame_tap.Region) are on `Thread.start` and `Thread.join`."""
 
     def __init__(self) -> None:
         self._started: dict[int, tuple[threading.Thread, SourceLocation | None]] = {}

@@ -1,6 +1,6 @@
 """The frame tap of the observer: `sys.settrace` over the frames of the program's code while it is acquired.
 
-Before each read site (reads.py) of an observed frame runs, the tap hands the site and the frame to the observer.
+Before each read site (read_sites.py) of an observed frame runs, the tap hands the site and the frame to the observer.
 Frames of fulmen, torch (but for `torch.nn.modules`, whose module classes read module state and the hook registries)
 and the standard library are not followed, nor imports the program triggers. While a symbol records its meta and
 decomposition (the bulk of an acquisition's Python calls, none of them the program's), tracing is off (`Quiet`).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import dataclasses
+import inspect
 import logging
 import os
 import sys
@@ -31,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fulmen.jit import reads
+from fulmen.observation import read_sites
 
 
 class Region(Protocol):
@@ -49,7 +50,7 @@ class Region(Protocol):
 class Reader(Protocol):
     expecting: dict  # what `returning` waits for: while empty, no frame needs asking
 
-    def read(self, site: reads.Read, frame: types.FrameType) -> None: ...
+    def read(self, site: read_sites.Read, frame: types.FrameType) -> None: ...
 
     def returning(self, frame: types.FrameType) -> Any: ...  # the key to give `returned` for what `frame` returns
 
@@ -70,6 +71,21 @@ _TORCH_MODULES = os.path.join(_TORCH, "nn", "modules") + os.sep
 _PATHS = sysconfig.get_paths()
 _STDLIB = tuple({os.path.abspath(_PATHS[k]) + os.sep for k in ("stdlib", "platstdlib")})
 _PACKAGES = tuple({os.path.abspath(_PATHS[k]) + os.sep for k in ("purelib", "platlib")})
+
+
+def frame_arguments(frame: types.FrameType) -> tuple[tuple, dict[str, Any]]:
+    """The arguments a frame was called with, read off its parameters as it starts (positional ones by position)."""
+    code, local = frame.f_code, frame.f_locals
+    names, count, kwonly = code.co_varnames, code.co_argcount, code.co_kwonlyargcount
+    args = [local[name] for name in names[:count]]
+    kwargs = {name: local[name] for name in names[count:count + kwonly]}
+    rest = count + kwonly
+    if code.co_flags & inspect.CO_VARARGS:
+        args.extend(local[names[rest]])
+        rest += 1
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        kwargs.update(local[names[rest]])
+    return tuple(args), kwargs
 
 
 def _observed_file(filename: str) -> bool:
@@ -109,14 +125,15 @@ _STATE_READERS = {function.__code__: name for function, name in (
 # again makes it instrument the code now; later frames of the code get them from the start.
 _LATE_OPCODE_EVENTS = sys.version_info[:2] == (3, 12)
 _LOGGER_HANDLE = logging.Logger.handle.__code__
-_SITES: dict[int, tuple[types.CodeType, dict[int, reads.Read] | None]] = {}  # keeps each code alive: ids stay unique
+# keeps each code alive: ids stay unique
+_SITES: dict[int, tuple[types.CodeType, dict[int, read_sites.Read] | None]] = {}
 
 
-def _sites_of(frame: types.FrameType) -> dict[int, reads.Read] | None:
+def _sites_of(frame: types.FrameType) -> dict[int, read_sites.Read] | None:
     code = frame.f_code
     known = _SITES.get(id(code))
     if known is None:
-        known = (code, reads.read_sites(code) if observed(code, frame.f_globals) else None)
+        known = (code, read_sites.read_sites(code) if observed(code, frame.f_globals) else None)
         _SITES[id(code)] = known
     return known[1]
 
@@ -340,7 +357,7 @@ class _CreationTap:
 class _LocalTap:
     __slots__ = ("observer", "sites", "previous")
 
-    def __init__(self, observer: Reader, sites: dict[int, reads.Read], previous: Callable[..., Any] | None):
+    def __init__(self, observer: Reader, sites: dict[int, read_sites.Read], previous: Callable[..., Any] | None):
         self.observer = observer
         self.sites = sites
         self.previous = previous

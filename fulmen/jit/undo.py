@@ -1,17 +1,17 @@
 """Undoing what an abandoned acquisition did to Python state, before fulmen acquires the program again.
 
 fulmen sometimes runs the user's program twice on a first call: again as a tracer is seen when eager's path reads a
-tensor value (compiling.py), again with shared storage as one input (aliasing.py). Eager runs it once, so what the
+tensor value (is_compiling.py), again with shared storage as one input (aliasing.py). Eager runs it once, so what the
 first run changed must not stay behind for the second to do again:
 
 - hooks it registered on modules (Hugging Face installs its `output_hidden_states` / `output_attentions` capturing
   hooks lazily, inside the forward: left in place, each layer's output was collected twice);
-- attributes and globals it stored (writes.py records the value each held before the program's first store);
-- lists, dicts and sets it changed in place (`LOG.append(...)`: containers.py keeps what each held).
+- attributes and globals it stored (state_writes.py records the value each held before the program's first store);
+- lists, dicts and sets it changed in place (`LOG.append(...)`: container_writes.py keeps what each held).
 
 Hooks are restored on the modules the program can reach by name: the jitted module's tree, modules among the
 arguments, and modules the function's closure, defaults and globals hold. Known limit: a hook registered on a module
-found some other way, and a change of a container containers.py does not watch, happen once per run.
+found some other way, and a change of a container container_writes.py does not watch, happen once per run.
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ ops before the call) fulmen computed otherwise. Two taps:
 
 - the setters written in Python (`torch.manual_seed`, `torch.set_default_dtype`, `torch.use_deterministic_algorithms`,
   `torch.set_float32_matmul_precision`, ...; and the backend flags, `torch.backends.cudnn.deterministic = True`,
-  whose module properties are Python) are call regions of the frame tap (frames.py): as the call starts, it is
+  whose module properties are Python) are call regions of the frame tap (frame_tap.py): as the call starts, it is
   recorded as a call of the setter's symbol (fulmen.ops.setters) with the arguments it got; then it runs for real, so
   the ops after it are acquired under the state it sets. Once the program is acquired, that state is set back
   (GlobalState.restore_replayed): the trace's first run, as every later one, sets it where the program did. The
   setters a setter calls (torch.manual_seed seeds CUDA's generators through torch.cuda.manual_seed_all) are its own.
-- the others are refused by the observer when the program reads them (`refusal`, observe.Observer._special), as it
+- the others are refused by the observer when the program reads them (`refusal`, observer.Observer._special), as it
   refuses clocks: C functions whose calls the frame tap cannot see (`torch.set_num_threads`), the default
   generators' methods, the generator's state read or set whole (a trace would hold the state of the call that
   traced it), a new seed on every call (`torch.seed`), the default device (a torch-function mode of its own).
@@ -35,7 +35,7 @@ import torch.backends.mkldnn
 from fulmen.core.errors import TraceError
 from fulmen.core.source import SourceLocation, frame_location
 from fulmen.core.symbol import Symbol
-from fulmen.jit.replacements import frame_arguments
+from fulmen.observation.frame_tap import frame_arguments
 from fulmen.ops import setters as ops
 
 # the Python setters replayed, each by its symbol (by the function itself: torch.manual_seed is wrapped once Dynamo is

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
+from fulmen.acquisition.aliasing import may_overlap
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
-from fulmen.jit.aliasing import may_overlap
 from fulmen.ops import prims, shape
 from fulmen.ops.registry import SYMBOLS
 

@@ -7,17 +7,18 @@ Nothing of the program is rebound: no module global, class attribute or function
   (`Interpreter.replaced`), since its torch-function mode sees every torch call;
 - a Python function or method an executor replaces (`replaces=apply_rope`, `replaces=NewGELU.forward`),
   `torch.utils.checkpoint.checkpoint` and the wrapper of a function torch.compile made: a *call region*, keyed by code
-  object. The frame tap (frames.py) sees every frame the acquired program starts, however the function was reached (a
+  object. The frame tap (frame_tap.py) sees every frame the acquired program starts, however the function was reached (a
   module global, an import by name, a closure, a saved bound method); for a region it calls `enter` as the frame starts
   and `exit` as it returns, and the function's own code runs in between. A replaced function's ops become the parts of
-  one call of its operator; a checkpoint call is set to its reentrant form, which function_apply.py records as a
+  one call of its operator; a checkpoint call is set to its reentrant form, which autograd_functions.py records as a
   checkpointed region; a `torch.autograd.Function.apply` call hands its `super().apply` to the recording of
-  function_apply.py; a compiled function runs the function it wraps, traced (compiled.py); a torch.func transform
-  made gives fulmen's (func_transforms.py);
+  autograd_functions.py; a compiled function runs the function it wraps, traced (compiled_calls.py); a torch.func
+  transform
+  made gives fulmen's (torch_func_calls.py);
 - a method lookaside (`register_lookaside(LLaMAMLP.forward, ...)`): a method that runs *instead of* the original,
   so it must be found before the call: a module's forward where `nn.Module.__call__` looked it up (a region on
   `_call_impl`, `ForwardLookasideRegion`), and any method the program looks up on the jitted module and its
-  submodules where their shadow modules (overrides.py) resolve it. lookasides.py's built-in lookasides live in
+  submodules where their shadow modules (module_inputs.py) resolve it. lookasides.py's built-in lookasides live in
   the shadow classes.
 
 Where several active executors replace one function, the first in priority order does; if its checker declines,
@@ -36,13 +37,13 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from fulmen.acquisition.autograd_functions import APPLY_CODE, FunctionApplyRegion
+from fulmen.acquisition.compiled_calls import COMPILE_WRAPPER_CODE, CompiledCallRegion
+from fulmen.acquisition.lookasides import method_lookasides
+from fulmen.acquisition.torch_func_calls import REGIONS as FUNC_TRANSFORM_REGIONS
 from fulmen.core.source import frame_location
 from fulmen.core.symbol import Symbol
-from fulmen.jit.compiled import COMPILE_WRAPPER_CODE, CompiledCallRegion
-from fulmen.jit.frames import Region
-from fulmen.jit.func_transforms import REGIONS as FUNC_TRANSFORM_REGIONS
-from fulmen.jit.function_apply import APPLY_CODE, FunctionApplyRegion
-from fulmen.jit.lookasides import method_lookasides
+from fulmen.observation.frame_tap import Region, frame_arguments
 from fulmen.ops import lookup
 
 
@@ -56,21 +57,6 @@ def replacement_table(executors: tuple[Any, ...]) -> dict[Callable[..., Any], Sy
         for original, function in getattr(executor, "lookasides", {}).items():
             table.setdefault(original, function)
     return table
-
-
-def frame_arguments(frame: types.FrameType) -> tuple[tuple, dict[str, Any]]:
-    """The arguments a frame was called with, read off its parameters as it starts (positional ones by position)."""
-    code, local = frame.f_code, frame.f_locals
-    names, count, kwonly = code.co_varnames, code.co_argcount, code.co_kwonlyargcount
-    args = [local[name] for name in names[:count]]
-    kwargs = {name: local[name] for name in names[count:count + kwonly]}
-    rest = count + kwonly
-    if code.co_flags & inspect.CO_VARARGS:
-        args.extend(local[names[rest]])
-        rest += 1
-    if code.co_flags & inspect.CO_VARKEYWORDS:
-        kwargs.update(local[names[rest]])
-    return tuple(args), kwargs
 
 
 class OperatorRegion:
@@ -109,7 +95,7 @@ class CheckpointRegion:
     run torch's saved-tensor machinery (and the program's own saved-tensor hooks) on the proxies; instead, as the
     call starts, its arguments are set to the reentrant form (as a debugger sets locals: the keyword arguments of
     the checkpointed function bound into it), whose `CheckpointFunction` the acquisition records as a checkpointed
-    region (function_apply.py). Either form computes the same; in a trace the region is recomputed in the backward.
+    region (autograd_functions.py). Either form computes the same; in a trace the region is recomputed in the backward.
     `context_fn` and `determinism_check` concern torch's own recomputation, which the trace does not use."""
 
     def enter(self, frame: types.FrameType) -> Any:
@@ -135,7 +121,7 @@ class ForwardLookasideRegion:
     between the two (at the next line) the local is rebound to the lookaside bound to the same module, as a
     debugger sets a local: the module's class is untouched. This serves modules the program reaches any way (an
     argument of a jitted function included); the shadow modules of a jitted module answer its other methods too
-    (overrides.py)."""
+    (module_inputs.py)."""
 
     def __init__(self, lookasides: dict[Callable[..., Any], Callable[..., Any]]) -> None:
         self.lookasides = lookasides

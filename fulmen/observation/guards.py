@@ -3,7 +3,7 @@
 Two levels. The cache key is built from cheap reads only: the input structure (with its Python values), each
 tensor's metadata including its layout (`tensor_key`), the grad mode, the default dtype, the autocast state
 and the attention backend switches. After the key matched, an entry checks its guards: the Python state the traced
-program read (globals, closure cells, attributes of objects and modules, recorded by observe.py), compiled into one
+program read (globals, closure cells, attributes of objects and modules, recorded by observer.py), compiled into one
 function, and, for a trace that updates inputs in place, which inputs share memory (aliasing.py).
 """
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from fulmen.core import pytree
 from fulmen.core.proxies import CLASS_MARKERS
-from fulmen.jit.values import compile_statements, immutable
+from fulmen.observation.value_checks import compile_statements, immutable
 
 
 def tensor_key(tensors: Sequence[torch.Tensor]) -> tuple:
@@ -120,7 +120,7 @@ def _short(value: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Guard:
-    """One fact about Python state a trace depends on: a boolean expression over `bindings` (see values.py)."""
+    """One fact about Python state a trace depends on: a boolean expression over `bindings` (see value_checks.py)."""
 
     what: str  # e.g. "global SCALE of module train", shown when the guard fails
     source: str

@@ -1,5 +1,5 @@
 """torch.func transforms a program makes while fulmen acquires it (`torch.vmap(f, ...)`, `torch.func.grad(f)`):
-fulmen's own, which have torch.func's signatures (functional.py, batching.py register theirs here).
+fulmen's own, which have torch.func's signatures (derivatives.py, vmap.py register theirs here).
 
 torch's transform would wrap fulmen's proxies in functorch's batched or grad tensors, which no trace can hold
 (refused: "a batched tensor reached it"). Hugging Face transformers builds attention masks so: `sdpa_mask` maps its
@@ -18,12 +18,12 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-# torch's transform's code -> the region making fulmen's in its place (filled in by batching.py, functional.py)
+# torch's transform's code -> the region making fulmen's in its place (filled in by vmap.py, derivatives.py)
 REGIONS: dict[types.CodeType, FuncTransformRegion] = {}
 
 
 class FuncTransformRegion:
-    """A call of a torch.func transform that returns a function (frames.Region): at each line, once the function is
+    """A call of a torch.func transform that returns a function (frame_tap.Region): at each line, once the function is
     made in the local `result`, it is replaced by fulmen's transform, which `transform` makes from the frame's
     locals (the function and the options the call was given)."""
 

@@ -5,7 +5,7 @@ before it.)
 A read site is an instruction offset plus how to name what it reads from the frame when it runs: a global (or
 builtin), a closure cell, or an attribute of an object the frame can name (a local, a global, a cell, an attribute
 or an item of one of those at a key so named, `getattr(obj, name)` with such arguments, or what a call or a Python
-getter returned: a `Result`). The observer (observe.py) evaluates these names in the running frame just before the
+getter returned: a `Result`). The observer (observer.py) evaluates these names in the running frame just before the
 instruction executes, so it sees exactly the object the instruction reads.
 
 Naming comes from a small abstract stack per basic block: loads of locals, globals, cells and constants push a
@@ -16,7 +16,7 @@ answer) is caught from that code's return (`Capture`): where the callable is a c
 the value stays unnamed and reads off it unguarded (known limit).
 
 What C code reads is seen for the builtins and `object` slots named here, the standard library's whole-object
-readers (frames._STATE_READERS), and the calls of `CallRead` (a named `operator.attrgetter`, `isinstance`, `type`, a
+readers (frame_tap._STATE_READERS), and the calls of `CallRead` (a named `operator.attrgetter`, `isinstance`, `type`, a
 string constant's `format`) with arguments passed by position. Known limit: other C code reading objects the program
 did not build (a getter made and called in one expression, an attrgetter used as a `sort` key, `format` with keyword
 arguments).
@@ -145,7 +145,7 @@ class GlobalWrite(_Named):
 @dataclass(frozen=True, slots=True)
 class ItemWrite:
     """`container[key] = value`, `del container[key]` or `container += other`: changes `container` in place when it
-    is a list, dict or set (containers.py names the line by these)."""
+    is a list, dict or set (container_writes.py names the line by these)."""
 
     container: Source
 

@@ -1,6 +1,6 @@
 """Static attribute lookup: the value Python would find for `obj.name`, found without running the program's code.
 
-The observer names what a read site reads (reads.py) by evaluating its source in the running frame; it must not run
+The observer names what a read site reads (read_sites.py) by evaluating its source in the running frame; it must not run
 descriptors, `__getattr__` or `__repr__` of the program (they would run twice, or import modules mid-trace), so
 properties and dynamic attributes are left to the observer of the code that computes them.
 """
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fulmen.jit import reads
-from fulmen.jit.values import MISSING
+from fulmen.observation import read_sites
+from fulmen.observation.value_checks import MISSING
 
 IMMUTABLE = (int, float, bool, str, bytes, complex, tuple, frozenset, range, slice, torch.device, torch.dtype,
               torch.Size, type(None))
@@ -104,26 +104,26 @@ EMPTY: Mapping[Any, Any] = types.MappingProxyType({})
 _PLAIN_KEYS = frozenset({str, int, bool, bytes, float, type(None)})
 
 
-def evaluate(source: reads.Source, frame: types.FrameType, results: Mapping[tuple[int, int], Any] = EMPTY) -> Any:
+def evaluate(source: read_sites.Source, frame: types.FrameType, results: Mapping[tuple[int, int], Any] = EMPTY) -> Any:
     """The value `source` names in `frame`, found without running any of the program's code (else MISSING).
-    `results`: what Python code the observer expected gave at an instruction of a frame (reads.Capture), by
+    `results`: what Python code the observer expected gave at an instruction of a frame (read_sites.Capture), by
     (id(frame), offset)."""
     kind = type(source)
-    if kind is reads.Local or kind is reads.Cell:
+    if kind is read_sites.Local or kind is read_sites.Cell:
         return frame.f_locals.get(source.name, MISSING)
-    if kind is reads.Global:
+    if kind is read_sites.Global:
         value = frame.f_globals.get(source.name, MISSING)
         return frame.f_builtins.get(source.name, MISSING) if value is MISSING else value
-    if kind is reads.Const:
+    if kind is read_sites.Const:
         return source.value
-    if kind is reads.Result:
+    if kind is read_sites.Result:
         return results.get((id(frame), source.offset), MISSING)
     base = evaluate(source.base, frame, results)
     if base is MISSING:
         return MISSING
-    if kind is reads.Attr or kind is reads.Method:
+    if kind is read_sites.Attr or kind is read_sites.Method:
         value = attribute_value(base, source.name)
-        if value is MISSING and kind is reads.Attr and source.offset >= 0:
+        if value is MISSING and kind is read_sites.Attr and source.offset >= 0:
             return results.get((id(frame), source.offset), MISSING)  # a getter's (a property's) answer
         return value
     key = evaluate(source.key, frame, results)
@@ -156,7 +156,7 @@ def _slots(cls: type) -> tuple[Any, ...]:
 
 
 def is_shadow(obj: Any) -> bool:
-    """A shadow module of overrides.py (its reads are reported by the module tap)."""
+    """A shadow module of module_inputs.py (its reads are reported by the module tap)."""
     state = instance_dict(obj)
     return state is not None and "_fulmen_original" in state
 

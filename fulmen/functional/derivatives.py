@@ -2,7 +2,8 @@
 
 Each acquires the function it transforms into a trace of its own (on fresh proxies: per-example shapes under vmap,
 tensors requiring grad under grad and vjp), transforms that trace with its rule table (the grad rules with the
-forward/backward split of `fulmen.jit`, `fulmen.transforms.jvp`, `fulmen.transforms.vmap`) and writes the result
+forward/backward split of `fulmen.jit`, `fulmen.functional.forward_mode`, `fulmen.functional.batching`) and writes the
+result
 into the trace being acquired around it. So transforms compose (`vmap(grad(f))`, `jvp(grad(f))`, `vmap(vmap(f))`)
 and compose with `fulmen.jit`. Called on tensors outside any fulmen trace, a transformed function runs through
 `fulmen.jit` itself: it is cached behind guards, and `fulmen.last_traces(fulmen.vmap(f))` prints what ran.
@@ -22,19 +23,19 @@ from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporar
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 import fulmen.transforms.jvp_rules  # noqa: F401  (registers the JVP rules)
+from fulmen.acquisition.acquire import Interpreter, current_interpreter
+from fulmen.acquisition.torch_func_calls import made_as
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.trace import Trace
 from fulmen.executors.registry import resolve
-from fulmen.jit.acquire import Interpreter, current_interpreter
-from fulmen.jit.func_transforms import made_as
+from fulmen.functional.forward_mode import JvpTransform
 from fulmen.jit.jitted import JittedFunction
 from fulmen.ops import prims
 from fulmen.options import JitOptions
 from fulmen.transforms.forward_backward import GradPlan, plan_grad
 from fulmen.transforms.inline import Emitter
-from fulmen.transforms.jvp import JvpTransform
 
 
 class FunctionalTransform(JittedFunction):
@@ -341,7 +342,7 @@ def vjp(fn: Callable[..., Any], *primals: Any, has_aux: bool = False) -> tuple:
     return (out, vjp_fn, aux) if has_aux else (out, vjp_fn)
 
 
-# torch.func.grad made inside a program fulmen acquires is this grad (func_transforms.py)
+# torch.func.grad made inside a program fulmen acquires is this grad (torch_func_calls.py)
 made_as(torch._functorch.apis.grad, "wrapper", lambda local: grad(local["func"], local["argnums"], local["has_aux"]))
 
 

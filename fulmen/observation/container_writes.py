@@ -12,10 +12,10 @@ A changed container is replayed (its final content stored into it by every call,
 exactly what eager does: it was read through a guarded place whose check compares its whole content (so a call that
 uses the trace finds the content the program found), the check is extended to the container's identity (the call
 changes that very object), and its final content is immutable values (the same whichever call made them; see
-writes.py). Any other change is refused, naming the container and the line that changed it: a tensor stored in it
+state_writes.py). Any other change is refused, naming the container and the line that changed it: a tensor stored in it
 (the trace's stand-in, not the call's value), an object, a change of a container given as an argument.
 
-Mutation sites found in the bytecode (reads.ItemWrite, reads.InplaceWrite, a mutating method read off a named
+Mutation sites found in the bytecode (read_sites.ItemWrite, read_sites.InplaceWrite, a mutating method read off a named
 container) give the line; a change no such site names (C code, an unnamed receiver) is still found by the comparison
 and refused without one. Known limits: containers reached only through a call's result or an iterator, and those
 past `_BUDGET` nested in one value, are not watched; their changes happen once, on the acquisition.
@@ -31,8 +31,8 @@ from typing import Any
 
 from fulmen.core.errors import TraceError
 from fulmen.core.source import SourceLocation, frame_location
-from fulmen.jit.guards import Guard
-from fulmen.jit.values import Emitter, describe, immutable
+from fulmen.observation.guards import Guard
+from fulmen.observation.value_checks import Emitter, describe, immutable
 
 # Containers whose content a guard compares item by item (values.value_check): their changes may be replayed.
 _COMPARED = (list, dict, collections.OrderedDict, set)
@@ -164,7 +164,7 @@ class ContainerLog:
         return tuple(writes), guards
 
     def undo(self) -> None:
-        """Puts back the content of every watched container (the acquisition is abandoned, see rerun.py)."""
+        """Puts back the content of every watched container (the acquisition is abandoned, see undo.py)."""
         for watched in self._watched.values():
             if not _same(watched.before, _content(watched.container)):
                 _store(watched.container, watched.before)

@@ -4,31 +4,34 @@ A trace is specialised on every Python value the program read: globals, closure 
 (arguments, configs, classes) and of modules. The observer watches the acquisition through two taps that feed one
 set of guards:
 
-- the frame tap (`Observer.watching`, frames.py): while acquiring, `sys.settrace` follows every frame of the user's
-  code. Before each read site of a frame (reads.py) runs, the observer names the object read in that frame
-  (lookup.py, without running any of the program's code) and records a guard on it.
-- the module tap (`module_read`, `module_fallback`, `module_absent`): the shadow modules of overrides.py report every
+- the frame tap (`Observer.watching`, frame_tap.py): while acquiring, `sys.settrace` follows every frame of the user's
+  code. Before each read site of a frame (read_sites.py) runs, the observer names the object read in that frame
+  (static_lookup.py, without running any of the program's code) and records a guard on it.
+- the module tap (`module_read`, `module_fallback`, `module_absent`): the shadow modules of module_inputs.py report
+every
   attribute read on them, and the guard is put on the user's module behind the shadow (its attributes, submodules,
   parameters and buffers slots, hooks, and the class attributes it resolves, methods included; an attribute found
   nowhere stays absent from all of them).
 
-Both taps also report what the program stores (attributes, globals) to be stored again by every call (writes.py).
+Both taps also report what the program stores (attributes, globals) to be stored again by every call (state_writes.py).
 Parameters and buffers of a module outside the jitted module's tree (an argument, a closure's, a global) are the
 program's real tensors, captured as constants, and guarded by identity and metadata.
 
 Objects created during the call need no guard (they are derived from what was read); a guard on one is harmless,
 since nothing changes it afterwards, unless a cache keeps it beyond the call (`functools.lru_cache`,
-`functools.cached_property`: caches.py refuses a stand-in or an unguardable object there). Reads off what a Python
-function or getter returned are named from that return (reads.Capture); what C code reads is seen only where
-reads.py names it. Some state is read
+`functools.cached_property`: program_caches.py refuses a stand-in or an unguardable object there). Reads off what a
+Python
+function or getter returned are named from that return (read_sites.Capture); what C code reads is seen only where
+read_sites.py names it. Some state is read
 through a value rather than an attribute (`_special`): torch's global switches, the environment, Python's random
-draws and clocks (refused), torch's global setters that no trace could set again (setters.py, refused),
+draws and clocks (refused), torch's global setters that no trace could set again (global_setters.py, refused),
 and a function the program runs is guarded on its code and defaults.
 
 Python attributes set on a tensor argument (`x.scale = 2.0`) are copied onto its proxy and held by the cache key
 (guards.argument_key). Known limits, with no cheap guard: the content of a mutable value such an attribute holds,
-and of a NumPy array over 64 KiB (values.py); a change made between an autograd.Function's forward and its backward
-(function_apply.py); writes no bytecode of the program makes (writes.py).
+and of a NumPy array over 64 KiB (value_checks.py); a change made between an autograd.Function's forward and its
+backward
+(autograd_functions.py); writes no bytecode of the program makes (state_writes.py).
 """
 
 from __future__ import annotations
@@ -52,11 +55,12 @@ from torch import nn
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy, type_refusal
 from fulmen.core.source import frame_location
-from fulmen.jit import caches, reads, setters
-from fulmen.jit.containers import MUTATORS, ContainerLog, ContainerWrite, is_container
-from fulmen.jit.frames import FrameTap, Quiet, Region, observed
-from fulmen.jit.guards import Guard
-from fulmen.jit.lookup import (
+from fulmen.observation import global_setters, program_caches, read_sites
+from fulmen.observation.container_writes import MUTATORS, ContainerLog, ContainerWrite, is_container
+from fulmen.observation.frame_tap import FrameTap, Quiet, Region, observed
+from fulmen.observation.guards import Guard
+from fulmen.observation.state_writes import Write, WriteLog
+from fulmen.observation.static_lookup import (
     IMMUTABLE,
     MODULE_SLOTS,
     attribute_value,
@@ -73,16 +77,16 @@ from fulmen.jit.lookup import (
     slot_value,
     template_fields,
 )
-from fulmen.jit.threads import Threads, building_thread
-from fulmen.jit.values import MISSING, Emitter, describe, immutable, value_check
-from fulmen.jit.writes import Write, WriteLog
+from fulmen.observation.threads import Threads, building_thread
+from fulmen.observation.value_checks import MISSING, Emitter, describe, immutable, value_check
 
 # nn.Module's own state (hook registries, `_non_persistent_buffers_set`, ...): torch's to change, not the program's
 _MODULE_STATE = frozenset(nn.Module().__dict__)
 # nn.Module's hook registries (`_forward_hooks`, ...): almost always empty, then checked together per module
 HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
                              if "hook" in name and type(value) in (dict, OrderedDict))
-# The functions of reads.AttrCall sites by id (a user's own `getattr` is none of them): what each does to the attribute
+# The functions of read_sites.AttrCall sites by id (a user's own `getattr` is none of them): what each does to the
+# attribute
 _ATTRIBUTE_CALLS = {id(getattr): "reads", id(hasattr): "reads", id(vars): "reads", id(object.__getattribute__): "reads",
                     id(setattr): "stores", id(object.__setattr__): "stores", id(delattr): "deletes",
                     id(object.__delattr__): "deletes"}
@@ -105,29 +109,30 @@ class Observer:
         self._functions: dict[types.CodeType, list[types.FunctionType]] = {}
         self._created: set[int] = set()  # ids of the objects the program created while acquired (kept in _pinned)
         # id(frame) -> (offset, the code whose return gives the value of the instruction there); then by
-        # (id(frame), offset), that value (reads.Capture, reads.Result): what a call or a getter gave, read by a site
+        # (id(frame), offset), that value (read_sites.Capture, read_sites.Result): what a call or a getter gave, read
+        # by a site
         self.expecting: dict[int, tuple[int, types.CodeType]] = {}
         self._results: dict[tuple[int, int], Any] = {}
-        # what the observer does around calls of some functions (frames.Region): caches keeping what they return
+        # what the observer does around calls of some functions (frame_tap.Region): caches keeping what they return
         self._threads = Threads()  # the threads the program starts: one it waits for is refused
-        self._regions: dict[types.CodeType, Region] = {caches.CACHED_PROPERTY_GET: caches.CachedProperty(self),
-                                                       **self._threads.regions}
+        self._regions: dict[types.CodeType, Region] = {
+            program_caches.CACHED_PROPERTY_GET: program_caches.CachedProperty(self), **self._threads.regions}
         self._tap: FrameTap | None = None
         self._dropped: list[Callable[[], None]] = []  # run once the program ran: what a refused cache kept
         # (id(object or globals dict), name) the program assigned while acquired: its later reads read that value
         self._written: set[tuple[int, str]] = set()
         self._stores = WriteLog()
-        self._containers = ContainerLog()  # the lists, dicts and sets the program can reach (containers.py)
+        self._containers = ContainerLog()  # the lists, dicts and sets the program can reach (container_writes.py)
         self._callees: dict[int, _Callee] = {}  # id(function read) -> what guards it, if it runs
         self._entered: set[types.CodeType] = set()  # the code of the program's frames that ran
         self._refused: TraceError | None = None  # why the program cannot be traced, found while it ran
-        # what the program stored, to store again on every call (writes.py, containers.py)
+        # what the program stored, to store again on every call (state_writes.py, container_writes.py)
         self.writes: tuple[Write | ContainerWrite, ...] = ()
         for fn in functions:
             self._note_entry(fn)
 
     def arguments(self, names: list[str], values: list[Any]) -> None:
-        """The program's arguments, as it receives them: their containers are watched (containers.py)."""
+        """The program's arguments, as it receives them: their containers are watched (container_writes.py)."""
         self._containers.arguments(names, values)
 
     def guards(self) -> tuple[Guard, ...]:
@@ -337,39 +342,39 @@ class Observer:
                   lambda e: f"{e.bind(getattr)}({e.bind(switches)}, {name!r}, None)", value)
         return True
 
-    def read(self, site: reads.Read, frame: types.FrameType) -> None:
+    def read(self, site: read_sites.Read, frame: types.FrameType) -> None:
         kind = type(site)
-        if kind is reads.Capture:
+        if kind is read_sites.Capture:
             self._expect(site, frame)
             if site.then is not None:
                 self.read(site.then, frame)
-        elif kind is reads.GlobalRead:
+        elif kind is read_sites.GlobalRead:
             self.read_global(frame, site.name)
-            self._special(evaluate(reads.Global(site.name), frame), frame)
-        elif kind is reads.CellRead:
+            self._special(evaluate(read_sites.Global(site.name), frame), frame)
+        elif kind is read_sites.CellRead:
             self.read_cell(frame, site.name)
             self._special(frame.f_locals.get(site.name), frame)
-        elif kind is reads.AttrRead:
+        elif kind is read_sites.AttrRead:
             receiver = evaluate(site.receiver, frame, self._results)
             if receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
                 self._special(attribute_value(receiver, site.name), frame)
                 if self._refused is None and isinstance(receiver, _SETTER_OWNERS):
-                    self._refused = setters.attribute_refusal(receiver, site.name, frame)
+                    self._refused = global_setters.attribute_refusal(receiver, site.name, frame)
                 if site.name in MUTATORS:
                     self._containers.changing(receiver, frame)
-        elif kind is reads.AttrWrite:
+        elif kind is read_sites.AttrWrite:
             receiver = evaluate(site.receiver, frame, self._results)
             if receiver is not MISSING:
                 self._write_attribute(receiver, site.name, site.deletes, frame)
-        elif kind is reads.GlobalWrite:
+        elif kind is read_sites.GlobalWrite:
             if site.deletes:  # eager's `del` fails where it is gone: the trace holds where it is there, as it was
                 self.read_global(frame, site.name)
             self._written.add((id(frame.f_globals), site.name))
             self._stores.global_(frame.f_globals, site.name, frame)
-        elif kind is reads.CallRead:
+        elif kind is read_sites.CallRead:
             self._call_read(site, frame)
-        elif kind is reads.ItemWrite:
+        elif kind is read_sites.ItemWrite:
             container = evaluate(site.container, frame, self._results)
             if container is not MISSING:
                 self._containers.changing(container, frame)
@@ -384,7 +389,7 @@ class Observer:
             elif does is not None:
                 self._write_attribute(receiver, name, does == "deletes", frame)
 
-    def _expect(self, site: reads.Capture, frame: types.FrameType) -> None:
+    def _expect(self, site: read_sites.Capture, frame: types.FrameType) -> None:
         """The instruction about to run in `frame` gives a value a later site reads from: find the Python code that
         will give it (the function called, a property's getter, a descriptor's `__get__`, a class's `__getattr__`),
         whose return the frame tap then catches (`returning`). Other callables (classes, C functions, caches) give
@@ -413,20 +418,20 @@ class Observer:
 
     def kept(self, value: Any, keeper: str, caller: types.FrameType, drop: Callable[[], None],
              objects: bool) -> None:
-        """`keeper` (a cache) keeps `value` beyond the call (caches.py): what it must not keep is refused, and
+        """`keeper` (a cache) keeps `value` beyond the call (program_caches.py): what it must not keep is refused, and
         `drop` removes it from the keeper once the program ran."""
-        refused = caches.refusal(value, keeper, caller, self._created if objects else frozenset())
+        refused = program_caches.refusal(value, keeper, caller, self._created if objects else frozenset())
         if refused is not None:
             self._dropped.append(drop)
             self._refused = self._refused or refused
 
-    def _call_read(self, site: reads.CallRead, frame: types.FrameType) -> None:
+    def _call_read(self, site: read_sites.CallRead, frame: types.FrameType) -> None:
         """What C code reads of the arguments of a call it makes: the attributes an `operator.attrgetter` names, the
         class `isinstance` and `type` look at, the attributes and items a template's fields name."""
         arguments = [MISSING if argument is None else evaluate(argument, frame, self._results)
                      for argument in site.arguments]
         function = site.function
-        if type(function) is reads.Attr and type(function.base) is reads.Const:  # `"{0.lr}".format(...)`
+        if type(function) is read_sites.Attr and type(function.base) is read_sites.Const:  # `"{0.lr}".format(...)`
             for index, path in template_fields(function.base.value):
                 if index < len(arguments):
                     self._read_path(arguments[index], path)
@@ -522,7 +527,7 @@ class Observer:
         kind = type(value)
         if kind is functools._lru_cache_wrapper and type(getattr(value, "__wrapped__", None)) is types.FunctionType \
                 and value.cache_info().maxsize != 0:
-            self._regions.setdefault(value.__wrapped__.__code__, caches.Memoized(self, value))
+            self._regions.setdefault(value.__wrapped__.__code__, program_caches.Memoized(self, value))
             return
         if (kind is types.FunctionType or kind is types.BuiltinFunctionType) and value in _SWITCHES:
             self._add(("switch", id(value)), f"torch.{value.__name__}()", lambda e: f"{e.bind(value)}()", value())
@@ -533,7 +538,7 @@ class Observer:
                           lambda e: f"{e.bind(environ)} == {e.bind(dict(environ))}")
             return
         if self._refused is None:  # a setter of torch's that no call of the trace could set again
-            self._refused = setters.refusal(value, frame)
+            self._refused = global_setters.refusal(value, frame)
         name = unrepeatable(value)
         if name is not None and self._refused is None and not (kind is types.BuiltinFunctionType
                                                                 and building_thread(frame) and self._tap is not None
@@ -560,7 +565,7 @@ class Observer:
     def module_write(self, shadow: nn.Module, original: nn.Module, name: str, writer: types.FrameType,
                      deleted: bool = False) -> None:
         """The code of `writer` stored (or deleted) `name` on the shadow of `original`. Only the program's own code
-        counts (frames.observed): what torch's internals store there (a lazily compiled GraphModule's code) is theirs
+        counts (frame_tap.observed): what torch's internals store there (a lazily compiled GraphModule's code) is theirs
         to redo, and lands on the shadow only."""
         if self.active and observed(writer.f_code, writer.f_globals):
             self._stores.module(shadow, original, name, frame_location(writer), deleted)
@@ -652,7 +657,7 @@ class Observer:
 
 
 class Place(Protocol):
-    """Where a module tensor lives: `getattr(module, container)[name]` (overrides.ModuleInput)."""
+    """Where a module tensor lives: `getattr(module, container)[name]` (module_inputs.ModuleInput)."""
 
     module: nn.Module
     container: str  # "_parameters", "_buffers" or "__dict__"

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from fulmen.acquisition.functionalize import Functionalizer
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace
-from fulmen.jit.functionalize import Functionalizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ A module may create a buffer lazily, on its first call (LitGPT's LoRA `lora_ind`
 is first needed); eager's module holds it from then on, in `named_buffers()` and, when persistent, in `state_dict()`,
 and later calls read it (or update it in place). `register_buffer` writes the module's `_buffers` dict and its
 `_non_persistent_buffers_set` directly, not through `__setattr__`, so neither the shadow's store report
-(overrides.py) nor writes.py sees it:
+(module_inputs.py) nor state_writes.py sees it:
 
 - on a shadow (the jitted module's tree), the buffer landed in the shadow's own copy of `_buffers` and was lost, so
   the module never held it: every call made it afresh, and a buffer the program then updated in place started
@@ -14,7 +14,7 @@ and later calls read it (or update it in place). `register_buffer` writes the mo
 
 Each such registration is now the trace's to make: the value the program registered is one of the trace's outputs
 (`rebinds`, stored into `_buffers` after each call as a reassigned tensor is) and `Registration.apply` sets its
-persistence. The module's `_buffers` names are guarded (observe.py), so the call after the one that registered it
+persistence. The module's `_buffers` names are guarded (observer.py), so the call after the one that registered it
 misses the cache and traces anew, reading the buffer as eager's second call does.
 """
 
@@ -105,7 +105,8 @@ class RealModules:
             buffers = module._buffers
             if tuple(buffers) == names:
                 continue
-            # Only new names holding a stand-in: a buffer the program replaced is a rebind's or refused (writes.py)
+            # Only new names holding a stand-in: a buffer the program replaced is a rebind's or refused
+            # (state_writes.py)
             new = [r for r in registered(module, buffers, names, module._non_persistent_buffers_set, non_persistent)
                    if r.name not in names and type(r.value) is TensorProxy]
             self.found += new

@@ -5,7 +5,7 @@ Python numbers the trace is specialised on (and guarded by): fulmen computes the
 of their values (`if (mask[:, -1] == 0).all()`, `.item()`, `.tolist()`) is answered as eager answers it. Transformers
 builds `position_ids` so when none is given, and reads them to find packed sequences (`find_packed_sequence_indices`,
 with `use_cache=False`, as training and gradient checkpointing run): that read made fulmen trace the program again
-as a compiler (compiling.py), where transformers takes another attention path than eager's (an explicit mask and
+as a compiler (is_compiling.py), where transformers takes another attention path than eager's (an explicit mask and
 repeated keys instead of `is_causal` and grouped heads), whose grads round otherwise in bfloat16.
 
 Floating-point values are never known (a device's kernels may round otherwise), nor random draws, uninitialised

@@ -27,11 +27,11 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.function import Function, _is_setup_context_defined, _SingleLevelFunction
 
+from fulmen.acquisition.lookasides import checkpoint_region
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.symbol import BoundSymbol, iter_proxies
-from fulmen.jit.lookasides import checkpoint_region
 from fulmen.transforms.function_grad import AUTOGRAD_FUNCTION, FunctionCall, FunctionContext
 
 APPLY_CODE = Function.apply.__func__.__code__

@@ -10,16 +10,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from fulmen.acquisition.aliasing import AliasPlan, storage_groups, storage_offsets
 from fulmen.core.trace import Trace
-from fulmen.jit.aliasing import AliasPlan, storage_groups, storage_offsets
-from fulmen.jit.bridge import GradProgram, give_history
-from fulmen.jit.containers import ContainerWrite
-from fulmen.jit.global_state import StateLeftChanged
-from fulmen.jit.guards import Guard, compile_first_failure, key_difference
-from fulmen.jit.output_grads import Retained
-from fulmen.jit.registrations import Registration
-from fulmen.jit.view_outputs import ViewOutput
-from fulmen.jit.writes import Write
+from fulmen.jit.buffer_registrations import Registration
+from fulmen.observation.container_writes import ContainerWrite
+from fulmen.observation.global_state import StateLeftChanged
+from fulmen.observation.guards import Guard, compile_first_failure, key_difference
+from fulmen.observation.state_writes import Write
+from fulmen.runtime.output_grads import Retained
+from fulmen.runtime.trace_function import GradProgram, give_history
+from fulmen.runtime.view_outputs import ViewOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,7 @@ class ReturnedInput:
     views: tuple[tuple[Callable[..., Any], tuple, dict[str, Any], int | None], ...] = ()  # (impl, args, kwargs, index)
     grad: bool = True  # the views were taken with grad enabled (else under no_grad, as in the program)
     # a `.detach()` alias (or a view of one) the program updated in place with a value that has an autograd history:
-    # it gets the history of the trace's value for it, as eager's update gives the alias (bridge.give_history)
+    # it gets the history of the trace's value for it, as eager's update gives the alias (trace_function.give_history)
     history: bool = False
 
     def take(self, inputs: Sequence[torch.Tensor], value: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,18 +60,18 @@ class CacheEntry:
     backward_traces: tuple[Trace, ...] = ()
     program: GradProgram | None = None
     key: Any = None
-    guards: tuple[Guard, ...] = ()  # the Python state the program read (observe.py)
+    guards: tuple[Guard, ...] = ()  # the Python state the program read (observer.py)
     check: Callable[[], bool] | None = None  # all guards, compiled
     storage: tuple[int, ...] | None = None  # the inputs' storage groups, for a trace that updates an input
     offsets: tuple[int, ...] | None = None  # the inputs' storage offsets, for a trace that depends on them
     # (input, "is_leaf" or "is_inference", its value) the program read (autograd_facts.py)
     facts: tuple[tuple[int, str, bool], ...] | None = None
     aliases: AliasPlan | None = None
-    module_inputs: tuple = ()  # where its module tensors come from (overrides.ModuleInput)
+    module_inputs: tuple = ()  # where its module tensors come from (module_inputs.ModuleInput)
     # the Python state the program stores (and the buffers it registers), stored again by every call
     writes: tuple[Write | ContainerWrite | Registration | StateLeftChanged, ...] = ()
     retained: Retained | None = None  # the tensors whose grad each call keeps (the program's retain_grad calls)
-    # which outputs (returned, then rebinds) the program gave as one object (distinct.py); None: at most one
+    # which outputs (returned, then rebinds) the program gave as one object (distinct_outputs.py); None: at most one
     distinct: tuple[int, ...] | None = None
     views: tuple[ViewOutput, ...] | None = None  # returned views of computed tensors, taken again by the call
 

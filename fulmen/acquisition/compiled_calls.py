@@ -29,7 +29,7 @@ COMPILE_WRAPPER_CODE = _wrapper_code()  # None on a torch whose wrapper is made 
 
 
 class CompiledCallRegion:
-    """A call of a compiled function (frames.Region on `compile_wrapper`)."""
+    """A call of a compiled function (frame_tap.Region on `compile_wrapper`)."""
 
     def enter(self, frame: types.FrameType) -> Any:
         return self

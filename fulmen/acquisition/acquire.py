@@ -19,18 +19,18 @@ import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, resolve_name
 
+from fulmen.acquisition import distribution_checks, known_values, numpy_inputs, torch_python
+from fulmen.acquisition.aliasing import reads_elements_written_elsewhere
+from fulmen.acquisition.autograd_facts import AutogradFacts
+from fulmen.acquisition.functionalize import Functionalizer
+from fulmen.acquisition.lookasides import is_fabric_backward_check
+from fulmen.acquisition.random_bounds import Bounds
 from fulmen.core import pytree
 from fulmen.core.errors import DataDependentError, TraceError, UnsupportedOpError
 from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
-from fulmen.jit import arrays, known, torch_python, validation
-from fulmen.jit.aliasing import reads_elements_written_elsewhere
-from fulmen.jit.autograd_facts import AutogradFacts
-from fulmen.jit.bounds import Bounds
-from fulmen.jit.functionalize import Functionalizer
-from fulmen.jit.lookasides import is_fabric_backward_check
 from fulmen.ops import lookup, shape
 from fulmen.ops.checks import check_all_true
 from fulmen.ops.nn import batch_norm_update
@@ -135,15 +135,15 @@ class Interpreter(TorchFunctionMode):
         self.functional = Functionalizer(lambda: self.builder.source, lambda: self.builder.bound_symbols)
         self.autograd = AutogradFacts(self.functional)
         self.bounds = Bounds()
-        self.known = known.KnownValues()
+        self.known = known_values.KnownValues()
         self.constants: list[tuple[torch.Tensor, TensorProxy]] = []  # real tensors the program captured
         self._constant_ids: dict[int, TensorProxy] = {}
-        self.arrays = arrays.Arrays()  # the NumPy arrays it converted, the memory torch does not own it read
+        self.arrays = numpy_inputs.Arrays()  # the NumPy arrays it converted, the memory torch does not own it read
         self.ops_seen: list[str] = []
         self._inlining: set[Callable[..., Any]] = set()  # torch's Python functions running inline (torch_python.py)
         self._pinned: list[Any] = []  # while a grad rule runs, its ops carry the differentiated op's source line
         self.replaced: dict[Callable[..., Any], Symbol] = {}  # torch callables an active executor replaces
-        self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()  # see observe.Observer.quiet
+        self.quiet: contextlib.AbstractContextManager = contextlib.nullcontext()  # see observer.Observer.quiet
         self.reads_storage_offset = False  # then the trace holds only for inputs at the same storage offsets
         # id -> the proxies the program called retain_grad() on: each call retains the grad of those it returns
         self.retained: dict[int, TensorProxy] = {}
@@ -210,13 +210,14 @@ class Interpreter(TorchFunctionMode):
                 return func(*args, **kwargs)
         self.builder.source = location = self._pinned[-1] if self._pinned else user_location()
         self.ops_seen.append(_describe(func))
-        if func in known.READS and type(args[0]) is TensorProxy:
+        if func in known_values.READS and type(args[0]) is TensorProxy:
             value = self.functional.resolve(args[0])
             answer = self.bounds.answer(value) if func is T.__bool__ else None
-            if answer is not None:  # a comparison of a random draw that has one answer whatever is drawn (bounds.py)
+            # a comparison of a random draw that has one answer whatever is drawn (random_bounds.py)
+            if answer is not None:
                 return answer
             found, answer = self.known.read(func, value)
-            if found:  # contents computed from Python numbers alone (known.py)
+            if found:  # contents computed from Python numbers alone (known_values.py)
                 return answer
         if func in DATA_DEPENDENT:
             reader = library_location()
@@ -350,27 +351,29 @@ class Interpreter(TorchFunctionMode):
     def _value(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return self.functional.resolve(obj if type(obj) is TensorProxy else self._constant(obj))
-        if arrays.is_array(obj) and obj.ndim:  # eager takes one as data (_from_data) or an index (_arrays_in) only
+        # eager takes one as data (_from_data) or an index (_arrays_in) only
+        if numpy_inputs.is_array(obj) and obj.ndim:
             raise UnsupportedOpError(f"fulmen cannot pass a NumPy array to {self.ops_seen[-1]}: convert it first "
                                      "(torch.from_numpy(array), torch.tensor(array))", self.builder.source)
         return obj.item()
 
     def _from_data(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`torch.tensor`, `torch.as_tensor` or `Tensor.new_tensor` of NumPy data (arrays.py); of other data, the
+        """`torch.tensor`, `torch.as_tensor` or `Tensor.new_tensor` of NumPy data (numpy_inputs.py); of other data, the
         call itself."""
-        asked = arrays.conversion(func, args, kwargs)
+        asked = numpy_inputs.conversion(func, args, kwargs)
         if asked is None:
             return self._call(func, args, kwargs)
-        if arrays.is_numpy_scalar(asked.data):  # a number of its dtype
+        if numpy_inputs.is_numpy_scalar(asked.data):  # a number of its dtype
             placed = {} if asked.device is None else {"device": asked.device}
             return self._call(torch.tensor, (asked.data.item(),),
-                              {"dtype": asked.dtype or arrays.scalar_dtype(asked.data), **placed})
+                              {"dtype": asked.dtype or numpy_inputs.scalar_dtype(asked.data), **placed})
         return self._convert(self._arrays_in(asked.data), device=asked.device, dtype=asked.dtype, copy=asked.copy,
                              memory_format=torch.contiguous_format if asked.copy else None)
 
     def _arrays_in(self, obj: Any) -> Any:
-        """`obj` (an index, a value) with its NumPy arrays as the trace's inputs sharing their memory (arrays.py)."""
-        if arrays.is_array(obj):
+        """`obj` (an index, a value) with its NumPy arrays as the trace's inputs sharing their memory
+        (numpy_inputs.py)."""
+        if numpy_inputs.is_array(obj):
             return self._constant(self.arrays.tensor(obj))
         return tuple(self._arrays_in(item) for item in obj) if type(obj) is tuple else obj
 
@@ -503,9 +506,9 @@ class Interpreter(TorchFunctionMode):
         self.functional.write(x, new, through_view=_is_basic_index(index))
 
     def _is_all_true(self, valid: Any) -> bool:
-        """torch.distributions' validation: true now, checked when the trace runs (validation.py)."""
+        """torch.distributions' validation: true now, checked when the trace runs (distribution_checks.py)."""
         location = self.builder.source
-        text = validation.message(validation.caller())
+        text = distribution_checks.message(distribution_checks.caller())
         if text is None:
             raise DataDependentError("fulmen cannot trace torch._is_all_true: it reads tensor values, which are "
                                      "unknown while tracing", location)

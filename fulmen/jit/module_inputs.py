@@ -2,11 +2,11 @@
 
 The user's module is never changed. Acquisition runs the forward of a *shadow* tree: a shallow copy of every
 submodule whose `_parameters`, `_buffers` and tensor attributes hold proxies (the override map), and whose class
-reports every attribute the program reads to the observer (observe.py), so guards check exactly those on the user's
+reports every attribute the program reads to the observer (observer.py), so guards check exactly those on the user's
 module: plain and container attributes, submodules, parameter and buffer slots, hooks, methods. Assignments the
 program makes during the forward land on the shadow and are reported to the observer: tensor rebinds are returned
-by the trace, other values stored again on the user's module by every call (writes.py); buffers it registers are
-registered again by every call (registrations.py). Tied weights (one tensor in two places) are one trace input,
+by the trace, other values stored again on the user's module by every call (state_writes.py); buffers it registers are
+registered again by every call (buffer_registrations.py). Tied weights (one tensor in two places) are one trace input,
 fetched from the first place, and guarded to stay tied.
 """
 
@@ -24,11 +24,11 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.nn.modules import module as torch_module
 from torch.nn.utils import parametrize
 
+from fulmen.acquisition.lookasides import method_lookasides
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy, unproxyable
-from fulmen.jit.lookasides import method_lookasides
-from fulmen.jit.observe import Observer
-from fulmen.jit.registrations import Registered, Registration, registered
+from fulmen.jit.buffer_registrations import Registered, Registration, registered
+from fulmen.observation.observer import Observer
 
 CONTAINERS = ("_parameters", "_buffers", "__dict__")
 
