@@ -394,6 +394,7 @@ class JittedFunction:
                   real.watching(), function_apply_recorded(interpreter),
                   seen_as_compiling() if compiling else contextlib.nullcontext()):
                 interpreter.quiet = observer.quiet
+                interpreter.arrays.held_by_caller = observer.held_by_global
                 result = target(*proxy_args, **proxy_kwargs)
         except DataDependentError:
             observer.undo()  # acquired again as a tracer is seen (_compile), or refused: stored once, as eager

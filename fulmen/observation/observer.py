@@ -128,6 +128,10 @@ class Observer:
         self._refused: TraceError | None = None  # why the program cannot be traced, found while it ran
         # what the program stored, to store again on every call (state_writes.py, container_writes.py)
         self.writes: tuple[Write | ContainerWrite, ...] = ()
+        # id -> the real tensors the globals of the entry's module held when the call began, and of those, the ones
+        # the program read from a global (held_by_global)
+        self._tensors_at_start: dict[int, torch.Tensor] = {}
+        self._global_tensors: dict[int, torch.Tensor] = {}
         for fn in functions:
             self._note_entry(fn)
 
@@ -180,6 +184,10 @@ class Observer:
                       (fn.func, fn.args, fn.keywords))
             fn = fn.func
         self._note_function(fn)
+        entry = fn.__func__ if type(fn) is types.MethodType else fn
+        if type(entry) is types.FunctionType:  # (the type, not isinstance: a global's __class__ may be user code)
+            self._tensors_at_start.update((id(value), value) for value in entry.__globals__.values()
+                                          if issubclass(type(value), torch.Tensor) and type(value) is not TensorProxy)
 
     def _note_function(self, value: Any) -> None:
         """Closures, to find their cells (read_cell); the code and defaults of functions the program may call."""
@@ -238,6 +246,18 @@ class Observer:
         self.dict_entry(namespace, name, f"global {name} of module {module}")
         if name not in namespace:
             self.dict_entry(frame.f_builtins, name, f"builtin {name}")
+            return
+        value = namespace[name]
+        if self._tensors_at_start.get(id(value)) is value:
+            self._global_tensors[id(value)] = value
+
+    def held_by_global(self, tensor: torch.Tensor) -> bool:
+        """The program read `tensor` from a global, and a global of the entry's module held it when the call began:
+        a tensor of the caller's, not one the call made (also through a write no site names: `globals()[name] = `,
+        `setattr(module, ...)`), which the guard on the global it was read from finds there again on every call, so
+        its memory is the same on every call (numpy_inputs.py). A tensor only another module's globals held is not
+        known to be held (not snapshotted: each namespace costs a scan on every miss)."""
+        return self._global_tensors.get(id(tensor)) is tensor
 
     def read_cell(self, frame: types.FrameType, name: str) -> None:
         code = frame.f_code

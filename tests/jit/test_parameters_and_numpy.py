@@ -8,6 +8,7 @@ proxy's type is fulmen's): it is refused for a proxy of another class, naming th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -220,3 +221,93 @@ def test_numpy_arrays_inside_other_data_are_refused_naming_the_op():
     assert "torch.tensor([np.ones(2), np.ones(2)])" in str(error.value)
     with pytest.raises(TypeError, match="must be Tensor, not numpy.ndarray"):  # where eager's own parser refuses
         fulmen.jit(lambda x: torch.add(x, np.ones(2)))(torch.ones(2))
+
+
+# --- memory torch does not own, held by a global ---------------------------------------------------------------------
+# A tensor of a file torch.load(mmap=True) or torch.from_file maps, or of a buffer (torch.frombuffer), that a global
+# of the program's module held before the call: every call reads, updates and returns the caller's tensor itself, as
+# eager's program does (its memory is no first call's). The caller changes it in place between calls. Set by the
+# fixture below.
+MAPPED = FROM_FILE = BUFFERED = torch.empty(0)
+
+
+@pytest.fixture
+def foreign_globals(tmp_path, monkeypatch):
+    path = tmp_path / "weights.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+    torch.arange(4.0).numpy().tofile(tmp_path / "raw.bin")
+    monkeypatch.setattr(sys.modules[__name__], "MAPPED", torch.load(path, mmap=True)["w"])
+    monkeypatch.setattr(sys.modules[__name__], "FROM_FILE",
+                        torch.from_file(str(tmp_path / "raw.bin"), size=4, dtype=torch.float32))
+    monkeypatch.setattr(sys.modules[__name__], "BUFFERED", torch.frombuffer(bytearray(16), dtype=torch.float32))
+    held = (MAPPED, FROM_FILE, BUFFERED)
+    assert all(not t.untyped_storage().resizable() for t in held)  # what made them refused before
+    return held
+
+
+def _reads_foreign(x):
+    return x * MAPPED + FROM_FILE - BUFFERED
+
+
+def _updates_foreign(x):
+    MAPPED.add_(1.0)
+    FROM_FILE[1:3] *= 2.0
+    BUFFERED.copy_(x + MAPPED)
+    return x + MAPPED + FROM_FILE
+
+
+def _returns_foreign(x):
+    return x + 1, MAPPED[:2], FROM_FILE.view(2, 2), BUFFERED
+
+
+@pytest.mark.parametrize("fn", [_reads_foreign, _updates_foreign, _returns_foreign])
+def test_foreign_memory_a_global_holds_is_read_updated_and_returned_as_eager(fn: Callable, foreign_globals):
+    jitted = fulmen.jit(fn)
+    for step in range(3):
+        x = torch.arange(4.0) + step
+        before = [t.clone() for t in foreign_globals]
+        expected = fn(x)
+        after = [t.clone() for t in foreign_globals]
+        for t, value in zip(foreign_globals, before):
+            t.copy_(value)
+        got = jitted(x)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        for t, value in zip(foreign_globals, after):  # the globals' memory updated as eager's
+            torch.testing.assert_close(t, value, rtol=0, atol=0)
+        if fn is _returns_foreign:  # the returned views share the globals' memory, as eager's
+            assert [o.data_ptr() for o in got[1:]] == [o.data_ptr() for o in expected[1:]]
+            assert got[3] is BUFFERED
+        for t in foreign_globals:  # the caller changes them in place between calls
+            t.mul_(3.0).add_(step + 1)
+
+
+def _update_through_frombuffer(x):
+    shared = torch.frombuffer(bytearray(8), dtype=torch.float32)  # new memory on every eager call
+    shared.add_(1.0)
+    return x + shared
+
+
+def _update_a_global_it_assigns(x):
+    global BUFFERED
+    BUFFERED = torch.frombuffer(bytearray(8), dtype=torch.float32)
+    BUFFERED.add_(1.0)
+    return x + BUFFERED
+
+
+def _update_a_global_it_sets_unseen(x):  # writes no global-store instruction names
+    globals()["BUFFERED"] = torch.frombuffer(bytearray(8), dtype=torch.float32)
+    BUFFERED.add_(1.0)
+    sys.modules[__name__].BUFFERED = torch.frombuffer(bytearray(8), dtype=torch.float32)
+    BUFFERED.add_(1.0)
+    return x + BUFFERED
+
+
+@pytest.mark.parametrize("fn", [_update_through_frombuffer, _update_a_global_it_assigns,
+                                _update_a_global_it_sets_unseen])
+def test_foreign_memory_the_program_makes_is_still_refused_where_it_is_updated(fn: Callable, foreign_globals,
+                                                                              monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "BUFFERED", BUFFERED)  # undone after the program assigns it
+    with pytest.raises(TraceError, match="in-place update of a torch.float32 tensor of shape \\(2,\\) sharing "
+                                         "memory torch does not own") as error:
+        fulmen.jit(fn)(torch.ones(2))
+    assert "add_(1.0)" in str(error.value)
