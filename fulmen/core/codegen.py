@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import linecache
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from torch.overrides import resolve_name
 from fulmen.core import pytree
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import IMPORTS, BoundSymbol, Symbol, iter_proxies
-from fulmen.core.trace import Trace
+from fulmen.core.trace import CODEGEN, Trace, TracePrinter
 from fulmen.core.verify import check_first_runs
 
 # Custom printers: symbol -> (bsym, rendered outputs) -> the statement (without the type comment).
@@ -201,4 +202,15 @@ def compile_trace(trace: Trace) -> Callable[..., Any]:
     }
     check_first_runs(trace, printed.line_map, namespace)
     exec(compile(source, filename, "exec"), namespace)
-    return namespace[trace.name]
+    function = namespace[trace.name]
+    # One entry per compiled trace: dropped with the function's code, which a traceback through it keeps alive as
+    # long as the traceback needs its lines.
+    weakref.finalize(function.__code__, linecache.cache.pop, filename, None)
+    return function
+
+
+def _source(trace: Trace, print_depth: int, include_sources: bool) -> str:
+    return trace_source(trace, print_depth=print_depth, include_sources=include_sources).source
+
+
+CODEGEN.register(TracePrinter(_source, compile_trace))

@@ -64,6 +64,34 @@ class Namespace:
         return name
 
 
+@dataclass(frozen=True, slots=True)
+class TracePrinter:
+    """Prints a trace as Python (`source(trace, print_depth, include_sources)`) and compiles it (`compile`)."""
+
+    source: Callable[[Trace, int, bool], str]
+    compile: Callable[[Trace], Callable[..., Any]]
+
+
+class Codegen:
+    """Where `Trace.python()`, `python_callable()` and `str(trace)` find fulmen.core.codegen. Codegen reads traces, so
+    this module cannot import it: codegen registers its printer here when it is imported (fulmen/__init__ imports it
+    with the compiler, before any trace exists)."""
+
+    def __init__(self) -> None:
+        self._printer: TracePrinter | None = None
+
+    def register(self, printer: TracePrinter) -> None:
+        self._printer = printer
+
+    def printer(self) -> TracePrinter:
+        if self._printer is None:
+            raise RuntimeError("traces print through fulmen.core.codegen, which is not imported: import fulmen")
+        return self._printer
+
+
+CODEGEN = Codegen()
+
+
 @dataclass
 class Trace:
     name: str
@@ -80,14 +108,10 @@ class Trace:
         return replace(self, provenance=provenance, **changes)
 
     def python(self, print_depth: int = 0, include_sources: bool = True) -> str:
-        from fulmen.core.codegen import trace_source  # codegen imports this module
+        return CODEGEN.printer().source(self, print_depth, include_sources)
 
-        return trace_source(self, print_depth=print_depth, include_sources=include_sources).source
-
-    def python_callable(self):
-        from fulmen.core.codegen import compile_trace
-
-        return compile_trace(self)
+    def python_callable(self) -> Callable[..., Any]:
+        return CODEGEN.printer().compile(self)
 
     def __str__(self) -> str:
         return self.python()

@@ -25,6 +25,7 @@ from fulmen.distributed.specs import (
     local_shard,
     spec_of,
 )
+from fulmen.distributed.transform import DistributedProgram
 from fulmen.transforms.distribution import ModuleWrapper
 
 
@@ -54,7 +55,7 @@ def _state(kind: str, process_group: dist.ProcessGroup | None, **options) -> Dis
                            "(torch.distributed.init_process_group) or a process_group argument")
     group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    state = DistributedState(kind, group, group_name(group), world, rank, **options)
+    state = DistributedState(kind, group, group_name(group), world, rank, DistributedProgram, **options)
     state.checker = make_checker(state, group)
     return state
 
@@ -105,7 +106,7 @@ def ddp(model: nn.Module, *, broadcast_from: int | None = 0, bucket_size_in_mb: 
     backward starts each bucket's all_reduce as soon as its last gradient is computed and waits for all of them
     at its end, so communication overlaps the rest of the backward. `bucket_size_in_mb=0` gives one all_reduce
     per parameter. Only the jitted programs' gradients are reduced, so a gradient term computed outside them (a
-    regulariser on a parameter) is refused with the parameter's name (fulmen.distributed.arrivals); so under fsdp.
+    regulariser on a parameter) is refused with the parameter's name (fulmen.distributed.specs.watch); so under fsdp.
     """
     module = _unwrap(model, "ddp")
     if (isinstance(bucket_size_in_mb, bool) or not isinstance(bucket_size_in_mb, int | float)

@@ -25,7 +25,6 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,12 +32,9 @@ import fulmen.torch as ft
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Namespace, Trace, TraceBuilder
-from fulmen.distributed import arrivals
 from fulmen.distributed import prims as collectives
+from fulmen.distributed.specs import ParamSpec, deliver_grad
 from fulmen.transforms.distribution import GradSync
-
-if TYPE_CHECKING:  # specs.py builds programs of this class
-    from fulmen.distributed.specs import ParamSpec
 
 __all__ = ["DistributedProgram", "GradSync"]
 
@@ -148,7 +144,7 @@ class DistributedProgram:
             if not spec.sharded:
                 if grad is not None:  # (not a parameter this program leaves out, whose .grad may be older)
                     spec.state.accumulated.add(spec)
-                grads[i] = arrivals.deliver(spec, grad, synced=False)
+                grads[i] = deliver_grad(spec, grad, synced=False)
                 continue
             if grad is not None:
                 held = spec.state.pending.get(spec)
@@ -158,10 +154,10 @@ class DistributedProgram:
 
     def deliver(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """A synced backward's grads as autograd is to take them: the parameters' hooks refuse any other gradient
-        (fulmen.distributed.arrivals)."""
+        (fulmen.distributed.specs.watch)."""
         grads = list(grads)
         for i in self.grad_owners:
-            grads[i] = arrivals.deliver(self.specs[i], grads[i], synced=True)
+            grads[i] = deliver_grad(self.specs[i], grads[i], synced=True)
         return tuple(grads)
 
     def take_pending(self) -> list[torch.Tensor] | None:

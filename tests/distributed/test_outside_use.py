@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fulmen
 import fulmen.distributed as fd
-from fulmen.distributed import arrivals, checkpoint
+from fulmen.distributed import checkpoint, transform
 from tests.distributed.launch import run_ranks, values
 
 
@@ -137,18 +137,18 @@ def _grad_of_some(rank: int, world: int) -> dict[str, bool]:
     net = fd.ddp(_Net())
     jitted = fulmen.jit(net)
     delivered: list[weakref.ref] = []
-    deliver = arrivals.deliver
+    deliver = transform.deliver_grad
 
     def recording(spec, grad, synced):
         if grad is not None:
             delivered.append(weakref.ref(grad))
         return deliver(spec, grad, synced)
 
-    arrivals.deliver = recording
+    transform.deliver_grad = recording
     try:
         (grad,) = torch.autograd.grad(jitted(_batch(rank)).sum(), [net.a.weight])
     finally:
-        arrivals.deliver = deliver
+        transform.deliver_grad = deliver
     gc.collect()
     return {"delivered": len(delivered) > 1, "released": all(ref() is None or ref() is grad for ref in delivered)}
 
