@@ -38,8 +38,8 @@ from fulmen.functional.vmap import vmap
 from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule
 from fulmen.jit.jitted import core as _jitted_core  # not `core`, which would hide the subpackage fulmen.core
 from fulmen.jit.rewrite import rewrite
+from fulmen.ops.rules.grad import get_grad, put_grad, put_grads, register_grad
 from fulmen.options import CacheLimitAction, JitOptions, OffloadOptions
-from fulmen.transforms.autodiff import get_grad, put_grad, put_grads, register_grad
 from fulmen.transforms.transform import GradTraces, Stage, TraceKind, Transform, TransformError
 
 __all__ = [

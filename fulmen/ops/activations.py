@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fulmen.ops import elementwise, factories, impls, nn  # noqa: F401  (F.relu, F.dropout, F.silu: registered there)
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, takes_inplace_flag, torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager
 
 # aten's SELU constants (ATen/native/Activation.cpp), which eager's selu passes to elu
 SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
@@ -23,6 +24,7 @@ SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.050700987355480493
 for _fn in (F.elu, F.celu, F.selu, F.leaky_relu, F.hardtanh, F.relu6, F.hardswish, F.hardsigmoid, F.mish,
             F.threshold):
     torch_symbol(_fn)
+differentiated_by_eager(F.mish, F.threshold)  # the others have grad rules (transforms/vjp_activations.py)
 
 # the updates whose grads read their result (derivatives.yaml: elu_, celu_, leaky_relu_; selu_ is elu_ in aten)
 elu_update = impl_symbol(impls.elu_update)
@@ -60,3 +62,6 @@ hardsigmoid_backward = impl_symbol(impls.hardsigmoid_backward)
 hardtanh_backward = impl_symbol(impls.hardtanh_backward)
 leaky_relu_backward = impl_symbol(impls.leaky_relu_backward)
 elu_backward = impl_symbol(impls.elu_backward)
+# differentiated again (a grad of a grad) by eager's backward of the kernel
+differentiated_by_eager(hardswish_backward, hardsigmoid_backward, hardtanh_backward, leaky_relu_backward,
+                        elu_backward)

@@ -12,6 +12,7 @@ import torch
 
 from fulmen.ops.eager_grads import eager_op
 from fulmen.ops.registry import methods, torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 
 _VF = torch._C._VariableFunctions
 
@@ -22,6 +23,9 @@ torch_symbol(torch.triu_indices)
 torch_symbol(torch.tril_indices)
 torch_symbol(_VF.block_diag, printed="torch._C._VariableFunctions.block_diag")
 torch_symbol(_VF.cartesian_prod, printed="torch._C._VariableFunctions.cartesian_prod")
+differentiated_by_eager(torch.diag, torch.diag_embed, torch.diagflat, torch.rot90, torch.vander, torch.linalg.vander,
+                        _VF.block_diag, _VF.cartesian_prod)
+not_differentiable(torch.triu_indices, torch.tril_indices)  # factories of indices
 
 
 def _combinations_like(x: torch.Tensor, r: int = 2, with_replacement: bool = False) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """Registration helpers for torch ops whose grad is eager's own backward.
 
-fulmen has no grad rule of its own for these ops (pooling, upsampling, recurrent layers, less common losses):
-autodiff's fallback differentiates them with torch autograd on the op itself in the backward (recomputing its
-forward there), which gives eager's grads wherever the op is deterministic. An op whose call changes state or
-draws random numbers would change or draw again when recomputed, so such calls are refused while tracing, naming
-the user's line (`refuse`). Under torch.autocast they are refused too: autocast converts values inside some of them
-(`F.bilinear`'s `_trilinear`, the cuDNN RNN), which the trace, run with autocast off, would not do.
+fulmen has no grad rule of its own for these ops (pooling, upsampling, recurrent layers, less common losses): each
+is declared differentiated by eager's backward (rules.grad.differentiated_by_eager), which autodiff runs with torch
+autograd on the op itself in the backward (recomputing its forward there): eager's grads wherever the op is
+deterministic. An op whose call changes state or draws random numbers would change or draw again when recomputed,
+so such calls are refused while tracing, naming the user's line (`refuse`). Under torch.autocast they are refused
+too: autocast converts values inside some of them (`F.bilinear`'s `_trilinear`, the cuDNN RNN), which the trace,
+run with autocast off, would not do.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from fulmen.core.errors import UnsupportedOpError
 from fulmen.core.symbol import Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops.registry import torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager
 
 # Why a call cannot be traced exactly, or None when it can.
 Refusal = Callable[..., str | None]
-EAGER_OPS: set[Symbol] = set()  # the symbols registered here
+EAGER_OPS: set[Symbol] = set()  # the symbols registered here (their meta checks `refuse` and autocast)
 
 
 def _checked_meta(fn: Callable[..., Any], refuse: Refusal | None, like: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,6 +50,7 @@ def eager_op(fn: Callable[..., Any], printed: str | None = None, refuse: Refusal
     its outputs on meta tensors, where `fn` has no meta kernel)."""
     sym = torch_symbol(fn, printed=printed, meta=_checked_meta(fn, refuse, like or fn))
     EAGER_OPS.add(sym)
+    differentiated_by_eager(sym)
     return sym
 
 

@@ -13,6 +13,7 @@ from fulmen.core.symbol import Symbol, Tag
 from fulmen.core.trace import infer_device
 from fulmen.ops import prims
 from fulmen.ops.registry import method, methods, torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 from fulmen.ops.utils import broadcast_shape, convert, expand_to, is_real_number, is_tensor, result_dtype, to_float
 
 # --- unary ---------------------------------------------------------------------------------------------------------
@@ -274,6 +275,7 @@ torch_symbol(
 )
 torch_symbol(torch.Tensor.__rfloordiv__)
 torch_symbol(torch.Tensor.__rmod__)
+differentiated_by_eager(torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__)
 
 
 def _is_bool(x: Any) -> bool:
@@ -334,6 +336,9 @@ torch_symbol(torch.addcmul, aliases=methods("addcmul"), inplace=methods("addcmul
 torch_symbol(torch.addcdiv, aliases=methods("addcdiv"), inplace=methods("addcdiv_"))
 torch_symbol(torch.nan_to_num, aliases=methods("nan_to_num"), inplace=methods("nan_to_num_"))
 torch_symbol(torch.isclose, aliases=methods("isclose"))
+differentiated_by_eager(torch.float_power, torch.fmax, torch.fmin, torch.xlogy, torch.lerp, torch.addcmul,
+                        torch.addcdiv, torch.nan_to_num)
+not_differentiable(torch.isclose)  # bool
 torch_symbol(torch.square, decomposition=lambda x: prims.mul(x, x) if x.dtype != torch.bool else NotImplemented,
              aliases=methods("square"), inplace=methods("square_"))
 torch_symbol(torch.positive, decomposition=lambda x: x, aliases=methods("positive", "__pos__"))
@@ -377,3 +382,4 @@ torch_symbol(torch.clamp, decomposition=clamp_decomposition, aliases=methods("cl
              inplace=methods("clamp_", "clip_"))
 torch_symbol(torch.clamp_min, aliases=methods("clamp_min"), inplace=methods("clamp_min_"))
 torch_symbol(torch.clamp_max, aliases=methods("clamp_max"), inplace=methods("clamp_max_"))
+differentiated_by_eager(torch.clamp_min, torch.clamp_max)

@@ -14,6 +14,7 @@ from fulmen.core.symbol import Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 from fulmen.ops.utils import shape_arg
 
 
@@ -36,6 +37,9 @@ torch_symbol(torch.eye)
 torch_symbol(torch.tensor)
 torch_symbol(torch.scalar_tensor)
 torch_symbol(torch.as_tensor)
+# their values are Python numbers or data: no grad reaches them (torch.tensor copies a tensor's values, detached)
+not_differentiable(torch.full, torch.empty, torch.arange, torch.linspace, torch.eye, torch.tensor, torch.scalar_tensor)
+differentiated_by_eager(torch.as_tensor)  # a tensor in another dtype or device is `.to` of it, with its grad
 
 
 def _like_decomposition(value: Any):
@@ -52,6 +56,8 @@ torch_symbol(torch.full_like)
 torch_symbol(torch.empty_like)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     torch_symbol(method(_name))
+    not_differentiable(method(_name))
+not_differentiable(torch.full_like, torch.empty_like)
 
 
 def _legacy_new_sizes(x: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:

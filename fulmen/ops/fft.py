@@ -12,12 +12,16 @@ import torch
 
 from fulmen.ops.eager_grads import eager_op
 from fulmen.ops.registry import torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 
 _TRANSFORMS = ("fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft ihfft hfft2 ihfft2 hfftn "
                "ihfftn fftshift ifftshift fftfreq rfftfreq").split()
 for _name in _TRANSFORMS:
     torch_symbol(getattr(torch.fft, _name))
 torch_symbol(torch._C._VariableFunctions.stft, printed="torch._C._VariableFunctions.stft")
+differentiated_by_eager(*(getattr(torch.fft, name) for name in _TRANSFORMS if not name.endswith("freq")),
+                        torch._C._VariableFunctions.stft)
+not_differentiable(torch.fft.fftfreq, torch.fft.rfftfreq)  # factories
 
 
 def _istft_like(x: torch.Tensor, n_fft: int, hop_length: int | None = None, win_length: int | None = None,

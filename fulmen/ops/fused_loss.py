@@ -35,6 +35,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops.registry import SYMBOLS
+from fulmen.ops.rules.grad import differentiated_by_eager
 from fulmen.ops.utils import compute_dtype, softmax_logsumexp
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -316,5 +317,7 @@ LINEAR_CROSS_ENTROPY = _symbol(linear_cross_entropy, _loss_meta)
 LINEAR_CROSS_ENTROPY_FORWARD = _symbol(linear_cross_entropy_forward, _forward_meta)
 LINEAR_CROSS_ENTROPY_BACKWARD = _symbol(linear_cross_entropy_backward, _backward_meta, chunked=False)
 LINEAR_CROSS_ENTROPY_ROWS_BACKWARD = _symbol(linear_cross_entropy_rows_backward, _rows_backward_meta)
+# the kernels LINEAR_CROSS_ENTROPY's grad rule records (transforms/fused_loss.py), differentiated again by eager's
+differentiated_by_eager(LINEAR_CROSS_ENTROPY_FORWARD, LINEAR_CROSS_ENTROPY_BACKWARD, LINEAR_CROSS_ENTROPY_ROWS_BACKWARD)
 #: The symbols that loop over chunks (they accept `compiled=`).
 CHUNKED = (LINEAR_CROSS_ENTROPY, LINEAR_CROSS_ENTROPY_FORWARD, LINEAR_CROSS_ENTROPY_ROWS_BACKWARD)

@@ -21,6 +21,7 @@ from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import prims
 from fulmen.ops.eager_grads import eager_op
 from fulmen.ops.registry import bind, lookup, method, methods, torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 
 _VF = torch._C._VariableFunctions
 
@@ -69,6 +70,9 @@ torch_symbol(torch.linalg.diagonal)
 # torch.chain_matmul and torch.tensordot are torch's Python (run inline); these are the builtins they call
 torch_symbol(_VF.chain_matmul, printed="torch._C._VariableFunctions.chain_matmul")
 torch_symbol(_VF.tensordot, printed="torch._C._VariableFunctions.tensordot")
+differentiated_by_eager(torch.vdot, torch.inner, torch.addmv, torch.addr, torch.kron, torch.trace,
+                        torch.linalg.multi_dot, torch.linalg.vecdot, torch.linalg.cross, torch.cross,
+                        torch.linalg.diagonal, _VF.chain_matmul, _VF.tensordot)
 
 # Matrix functions, factorizations, solvers; the legacy `torch.*` spellings are separate ATen ops, with their own
 # backward, so they keep symbols of their own.
@@ -78,19 +82,24 @@ for _fn in (torch.linalg.matrix_exp, torch.linalg.matrix_power, torch.linalg.det
             torch.linalg.cholesky, torch.linalg.cholesky_ex, torch.linalg.eigh, torch.linalg.eigvalsh,
             torch.linalg.eig, torch.linalg.eigvals, torch.linalg.lu_factor,
             torch.linalg.lu_factor_ex, torch.linalg.lu_solve, torch.linalg.householder_product,
-            torch.linalg.tensorinv, torch.linalg.tensorsolve, torch.linalg.cond, torch.linalg.matrix_rank,
+            torch.linalg.tensorinv, torch.linalg.tensorsolve, torch.linalg.cond,
             torch.linalg.ldl_factor, torch.linalg.ldl_factor_ex, torch.linalg.ldl_solve, torch.linalg.norm,
             torch.linalg.matrix_norm):
     torch_symbol(_fn)
+    differentiated_by_eager(_fn)
+torch_symbol(torch.linalg.matrix_rank)
+not_differentiable(torch.linalg.matrix_rank)  # an integer
 # Under CPU autocast eager's pinv multiplies in lower precision inside the op, while on the fake tensors autocast's
 # probe runs on it does not (the probe would state no conversion): an eager op, refused under autocast.
 eager_op(torch.linalg.pinv)
 # (P, L, U): eager's autograd leaves the permutation matrix out
 for _fn in (torch.linalg.lu, torch.lu_unpack):
     torch_symbol(_fn, differentiable_outputs=(False, True, True))
+    differentiated_by_eager(_fn)
 for _name in ("matrix_exp", "matrix_power", "det", "logdet", "slogdet", "inverse", "svd", "qr", "cholesky",
               "cholesky_solve", "cholesky_inverse", "pinverse", "triangular_solve", "ormqr"):
     torch_symbol(getattr(torch, _name), aliases=methods(_name))
+    differentiated_by_eager(getattr(torch, _name))
 
 
 def _lstsq_meta(builder: TraceBuilder, a: Any, b: Any, rcond: float | None = None, *,
@@ -133,3 +142,4 @@ torch_symbol(torch.linalg.lstsq, meta=_lstsq_meta)
 torch_symbol(torch._weight_norm, printed="torch._weight_norm")
 torch_symbol(torch.norm_except_dim)
 torch_symbol(torch.renorm, aliases=(method("renorm"),), inplace=(method("renorm_"),))
+differentiated_by_eager(torch.linalg.lstsq, torch._weight_norm, torch.norm_except_dim, torch.renorm)

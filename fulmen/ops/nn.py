@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fulmen.ops import impls, prims
 from fulmen.ops.eager_grads import eager_op, nn_op
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, method, torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 from fulmen.ops.utils import canonical_dim, compute_dtype, convert, expand_to, keepdim_shape, to_float
 
 
@@ -30,6 +31,7 @@ torch_symbol(torch.einsum)
 torch_symbol(torch.outer, aliases=(method("outer"), torch.ger))
 torch_symbol(torch.baddbmm, aliases=(method("baddbmm"),))
 torch_symbol(torch.addmm, aliases=(method("addmm"),))
+differentiated_by_eager(method("__rmatmul__"), torch.einsum, torch.outer, torch.baddbmm, torch.addmm)
 
 
 def _grouped_mm_meta(builder, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
@@ -45,6 +47,7 @@ if hasattr(torch, "_grouped_mm"):  # one matmul per group of rows (mixture-of-ex
     torch_symbol(torch._grouped_mm, printed="torch._grouped_mm",
                  meta=_grouped_mm_meta if hasattr(torch._meta_registrations, "_create_grouped_mm_output_tensor")
                  else None)
+    differentiated_by_eager(torch._grouped_mm)
 
 
 def linear_decomposition(x, weight, bias=None) -> Any:
@@ -158,6 +161,7 @@ torch_symbol(F.group_norm)
 torch_symbol(F.batch_norm)
 batch_norm_update = impl_symbol(impls.batch_norm_update)  # training mode with running statistics (acquire.py)
 torch_symbol(F.normalize)
+differentiated_by_eager(F.group_norm, F.batch_norm, F.normalize)
 
 
 def gelu_decomposition(x, approximate: str = "none") -> Any:
@@ -176,6 +180,7 @@ torch_symbol(F.silu, decomposition=silu_decomposition)
 # (the activations that may update their input in place: activations.py)
 for _fn in (F.softplus, F.logsigmoid, F.glu, F.softsign, F.tanhshrink):
     torch_symbol(_fn)
+    differentiated_by_eager(_fn)
 
 
 def sdpa_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> Any:
@@ -239,6 +244,7 @@ def embedding_backward_decomposition(g, index, num_weights: int, padding_idx: in
 
 embedding_backward = impl_symbol(impls.embedding_backward, decomposition=embedding_backward_decomposition)
 torch_symbol(F.one_hot)
+not_differentiable(F.one_hot)  # integer
 torch_symbol(F.pad, decomposition=lambda x, pad, mode="constant", value=None: prims.pad(x, tuple(pad), value or 0.0)
              if mode == "constant" else NotImplemented, aliases=(torch._C._nn.pad,))  # what F.pad calls (Dynamo graphs)
 
@@ -279,12 +285,16 @@ torch_symbol(F.smooth_l1_loss)
 torch_symbol(F.binary_cross_entropy)
 torch_symbol(F.binary_cross_entropy_with_logits)
 torch_symbol(F.kl_div)
+differentiated_by_eager(F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.binary_cross_entropy,
+                        F.binary_cross_entropy_with_logits, F.kl_div)
 # Every convolution is a torch symbol, so autocast's conversions of its inputs are planned (transforms/autocast.py)
 # as for any op; its grads are eager's backward (autodiff's fallback).
 for _fn in (F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d):
     torch_symbol(_fn)
+    differentiated_by_eager(_fn)
 torch_symbol(F.unfold)
 torch_symbol(F.fold)
+differentiated_by_eager(F.unfold, F.fold)
 
 
 # --- with eager's grads (eager_grads.py): less common activations, distances and losses, and the dropouts and

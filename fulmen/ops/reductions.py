@@ -9,6 +9,7 @@ import torch
 from fulmen.core.symbol import Symbol, Tag
 from fulmen.ops import prims
 from fulmen.ops.registry import method, torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 from fulmen.ops.utils import canonical_dims, convert, keepdim_shape
 
 
@@ -122,3 +123,7 @@ torch_symbol(torch.histc, aliases=(method("histc"),), tags=Tag.NO_GRAD)  # count
 torch_symbol(torch.cumprod, aliases=(method("cumprod"),))
 torch_symbol(torch.cummax, aliases=(method("cummax"),))
 torch_symbol(torch.logcumsumexp, aliases=(method("logcumsumexp"),))
+differentiated_by_eager(torch.var_mean, torch.std_mean, torch.prod, torch.logsumexp, torch.norm,
+                        torch.linalg.vector_norm, torch.topk, torch.sort, torch.cumsum, torch.diff,
+                        method("sum_to_size"), torch.cumprod, torch.cummax, torch.logcumsumexp)
+not_differentiable(torch.argmax, torch.argmin, torch.all, torch.any, torch.count_nonzero, torch.argsort)  # integers

@@ -9,6 +9,7 @@ import torch
 from fulmen.core.symbol import Tag
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, method, torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager
 from fulmen.ops.utils import canonical_dim, convert, expand_to, meta_of
 
 
@@ -81,6 +82,7 @@ torch_symbol(torch.broadcast_tensors)
 torch_symbol(torch.atleast_1d)
 torch_symbol(torch.atleast_2d)
 torch_symbol(torch.atleast_3d)
+differentiated_by_eager(torch.broadcast_tensors, torch.atleast_1d, torch.atleast_2d, torch.atleast_3d)
 
 # --- slicing -------------------------------------------------------------------------------------------------------
 
@@ -136,6 +138,7 @@ getitem = torch_symbol(torch.Tensor.__getitem__, decomposition=getitem_decomposi
 # transformers' mask functions index under vmap): `x[i, j]` itself would read them as Python ints.
 aten_index = torch_symbol(torch.ops.aten.index.Tensor, aliases=(torch.ops.aten.index,),
                           printed="torch.ops.aten.index.Tensor")
+differentiated_by_eager(aten_index)
 
 
 def _select_at_decomposition(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -175,6 +178,7 @@ torch_symbol(torch.select, decomposition=lambda x, dim, index: prims.select(x, c
 torch_symbol(torch.diagonal, aliases=(method("diagonal"),))
 torch_symbol(torch.as_strided, aliases=(method("as_strided"),))
 torch_symbol(method("unfold"))
+differentiated_by_eager(torch.tensor_split, torch.unbind, torch.narrow, torch.diagonal, method("unfold"))
 torch_symbol(torch.detach, decomposition=lambda x: prims.alias(x), aliases=(method("detach"),), tags=Tag.NO_GRAD)
 def _clone_decomposition(x, memory_format=torch.preserve_format):
     return prims.clone(x) if memory_format is torch.preserve_format else prims.clone(x, memory_format)
@@ -209,6 +213,7 @@ def stack_decomposition(tensors, dim: int = 0) -> Any:
 torch_symbol(torch.stack, decomposition=stack_decomposition)
 torch_symbol(torch.hstack)
 torch_symbol(torch.vstack)
+differentiated_by_eager(torch.hstack, torch.vstack)
 def _varargs_dims(x, *dims, **kwargs) -> tuple[tuple, dict[str, Any]]:
     """`x.flip(0, 1)` or `x.flip(0)` as `torch.flip(x, (0, 1))`: the methods take their dims as varargs too, the
     functions as one sequence only."""
@@ -224,6 +229,7 @@ torch_symbol(method("repeat"))
 _tile = torch_symbol(torch.tile)
 for _method, _sym in ((method("flip"), _flip), (method("tile"), _tile)):
     bind(_method, TorchBinding(_sym, normalize=_varargs_dims))
+differentiated_by_eager(torch.roll, method("repeat"), _tile)
 
 
 def repeat_interleave_decomposition(x, repeats, dim=None, *, output_size=None):
@@ -261,6 +267,9 @@ torch_symbol(torch.masked_scatter, aliases=(method("masked_scatter"),))
 torch_symbol(torch.slice_scatter)
 torch_symbol(torch.select_scatter)
 torch_symbol(torch.diagonal_scatter)
+differentiated_by_eager(torch.take_along_dim, torch.scatter, torch.scatter_add, torch.scatter_reduce, torch.index_add,
+                        torch.index_fill, torch.index_put, torch.masked_scatter, torch.slice_scatter,
+                        torch.select_scatter, torch.diagonal_scatter)
 torch_symbol(torch.as_strided_scatter)
 
 

@@ -9,9 +9,12 @@ import torch
 
 from fulmen.ops.eager_grads import eager_op
 from fulmen.ops.registry import TorchBinding, bind, method, torch_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 
 for _fn in (torch.bucketize, torch.searchsorted, torch.trapezoid, torch.trapz, torch.cumulative_trapezoid):
     torch_symbol(_fn)
+differentiated_by_eager(torch.trapezoid, torch.trapz, torch.cumulative_trapezoid)
+not_differentiable(torch.bucketize, torch.searchsorted)  # indices
 
 
 def _moment_like(fn: Any) -> Any:

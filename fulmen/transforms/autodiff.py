@@ -1,145 +1,32 @@
-"""Reverse-mode autodiff on a trace: grad rules, `get_grad` / `put_grad`, and the joint forward-backward program.
+"""Reverse-mode autodiff on a trace: running the grad rules, and the joint forward-backward program.
 
-A grad rule is written like the symbol it differentiates: it takes the same arguments, computes the forward
-result with symbols (or plain torch code on the proxies), asks for the cotangent of its outputs with
-`get_grad(out)` and hands the cotangents of its inputs back with `put_grad(x, grad)`:
-
-    @register_grad(torch.nn.functional.silu)
-    def silu_grad(x, inplace=False):
-        y = torch.nn.functional.silu(x)
-        s = torch.sigmoid(x)
-        put_grad(x, get_grad(y) * s * (1 + x * (1 - s)))
-        return y
-
-Running each rule over the forward trace gives a joint program. Everything that does not depend on a
-`get_grad` is forward work; the rest forms one backward `Chunk` per differentiated symbol. The backward trace
-is the chunks in reverse order, with the cotangents that several uses of a value put summed on the way.
+Grad rules are written with fulmen.ops.rules.grad (`get_grad`, `put_grad`) and registered in the GRAD table of
+fulmen.ops.rules.tables. Running each rule over the forward trace gives a joint program. Everything that does not
+depend on a `get_grad` is forward work; the rest forms one backward `Chunk` per differentiated symbol. The backward
+trace is the chunks in reverse order, with the cotangents that several uses of a value put summed on the way.
 
 A symbol without a rule is differentiated through its decomposition: the forward keeps the symbol itself (the
 one torch call eager makes) and its backward recomputes whatever parts of the decomposition it needs. A leaf
-without a rule falls back to torch autograd on its own callable (`impls.torch_vjp`).
+without a rule falls back to torch autograd on its own callable (`impls.torch_vjp`), as its family declares
+(`rules.grad.differentiated_by_eager`).
 """
 
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from fulmen.core import pytree
 from fulmen.core.errors import ExecutorContractError, TraceError
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
+from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.ops import impls
-from fulmen.ops.registry import SYMBOLS, impl_symbol, rule_registrar
+from fulmen.ops.registry import SYMBOLS
+from fulmen.ops.rules import tables
+from fulmen.ops.rules.grad import ACTIVE_RULES, GET_GRAD, PUT_GRAD, GradRule, RuleScope, eager_grad_rule
+from fulmen.ops.rules.tables import RuleKind
 from fulmen.transforms.recording import record_call
-
-GradRule = Callable[..., Any]
-
-# symbol -> rule. Executors put their own grad_transform ahead of these (fulmen.extend).
-GRAD_RULES: dict[Symbol, GradRule] = {}
-
-
-# @register_grad(target): the decorated function is the grad rule of `target` (a symbol or a torch callable).
-register_grad = rule_registrar(GRAD_RULES, "a grad rule")
-
-
-# --- get_grad / put_grad -------------------------------------------------------------------------------------------
-def _get_grad_meta(builder: TraceBuilder, x: TensorProxy, absent: str | None = None) -> TensorProxy:
-    return builder.make_proxy(torch.empty_like(x.meta), x.device, False)  # a placeholder: never printed
-
-
-def _marker_impl(*args: Any) -> Any:  # pragma: no cover - markers never reach a final trace
-    raise AssertionError("get_grad/put_grad markers are resolved by the grad transform")
-
-
-GET_GRAD = Symbol("get_grad", "get_grad", _marker_impl, meta=_get_grad_meta)
-PUT_GRAD = Symbol("put_grad", "put_grad", _marker_impl, meta=lambda builder, x, grad: None, tags=Tag.IMPURE)
-
-
-@dataclass
-class _RuleScope:
-    bsym: BoundSymbol
-    inputs: set[str]
-    interpreter: Any  # what the rule's torch calls run under (fulmen.acquisition.acquire.Interpreter)
-
-
-# The grad rules running now, innermost last (a rule may differentiate a call that has a rule of its own).
-_ACTIVE: ContextVar[tuple[_RuleScope, ...]] = ContextVar("fulmen_grad_rules", default=())
-
-
-def _active(what: str) -> _RuleScope:
-    active = _ACTIVE.get()
-    if not active:
-        raise RuntimeError(f"{what} can only be called inside a grad rule (a grad_transform run by fulmen)")
-    return active[-1]
-
-
-def differentiated_call() -> BoundSymbol:
-    """The call whose grad rule is running (for rules that replay the parts a call recorded)."""
-    return _active("differentiated_call").bsym
-
-
-def get_grad(x: TensorProxy, *, absent: str | None = None) -> TensorProxy:
-    """The cotangent of `x`, an output of the forward computation of the rule being run: zeros where no grad reaches
-    `x`, unless `absent` says why zeros cannot stand for it (a backward that sees None instead): then the backward is
-    refused with that message."""
-    x = _active("get_grad").interpreter.current_values(x)  # an output the rule updated in place: its new value
-    if type(x) is not TensorProxy:
-        raise TypeError(f"get_grad expects a tensor of the trace, got {type(x).__name__}")
-    return GET_GRAD(x) if absent is None else GET_GRAD(x, absent=absent)
-
-
-def put_grad(x: Any, grad: Any) -> None:
-    """Adds `grad` to the cotangent of `x`, an input of the symbol being differentiated."""
-    scope = _active("put_grad")
-    if type(x) is not TensorProxy:
-        return  # Python numbers and constants have no cotangent
-    grad = scope.interpreter.current_values(grad)  # a grad the rule updated in place (`g.scatter_add_(...)`)
-    if x.pname not in scope.inputs:
-        raise TraceError(
-            f"put_grad on {x.pname}, which is not an input of {scope.bsym.sym.printed}; a grad rule may only put "
-            "grads for the inputs of the symbol it differentiates",
-            scope.bsym.source,
-        )
-    if type(grad) is not TensorProxy or tuple(grad.shape) != tuple(x.shape) or grad.dtype != x.dtype:
-        got = grad.type_string() if type(grad) is TensorProxy else type(grad).__name__
-        raise TraceError(
-            f"the grad rule of {scope.bsym.sym.printed} put a grad of {got} for {x.pname}: {x.type_string()}",
-            scope.bsym.source,
-        )
-    PUT_GRAD(x, grad)
-
-
-def wants_grad(x: Any) -> bool:
-    """Whether a grad rule should put a grad for `x`: a tensor argument that requires grad."""
-    return isinstance(x, torch.Tensor) and x.requires_grad
-
-
-def put_grads(xs: Any, grads: Any) -> None:
-    """`put_grad` over matching structures of inputs and grads."""
-    for x, grad in zip(_flat(xs), _flat(grads)):
-        put_grad(x, grad)
-
-
-def _flat(obj: Any) -> list[Any]:
-    return list(pytree.leaves(obj, pytree.is_leaf))
-
-
-# --- the fallback: torch autograd on the symbol's own callable ------------------------------------------------------
-def _torch_vjp_meta(builder: TraceBuilder, fn, args, kwargs, wrt, cotangents) -> tuple[TensorProxy, ...]:
-    flat = list(iter_proxies((args, kwargs)))
-    return tuple(builder.make_proxy(torch.empty_like(flat[i].meta), flat[i].device) for i in wrt)
-
-
-torch_vjp = impl_symbol(impls.torch_vjp, meta=_torch_vjp_meta)
-
 
 # Ops whose result depends on storage layout, which traces do not model: their grads would differ from eager's
 # for inputs that are views, so they are refused rather than differentiated.
@@ -155,74 +42,9 @@ def _fallback_rule(bsym: BoundSymbol) -> GradRule:
     if bsym.sym.printed in STORAGE_OPS:
         raise TraceError(f"fulmen cannot differentiate {bsym.sym.printed}: it addresses storage, which traces do not "
                          "model", bsym.source)
-
+    # Eager's backward, as the symbol's family declares (rules.grad.differentiated_by_eager); a symbol that declares
+    # nothing takes it too, as every leaf did before the declarations: tests/ops/test_rule_coverage.py lists those.
     return eager_grad_rule(bsym.sym)
-
-
-def reached_inputs(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], wrt: tuple[int, ...]
-                   ) -> tuple[int, ...]:
-    """The inputs among `wrt` (positions among the proxies) that eager's autograd reaches from `fn`'s outputs: the
-    others get no grad in eager (None, not zeros, which an optimizer would step on). Read off the graph `fn` builds
-    on meta tensors; all of `wrt` where `fn` cannot run on them."""
-    position = itertools.count()
-    leaves: dict[int, int] = {}  # id(meta leaf) -> its position
-
-    def leaf(proxy: TensorProxy) -> torch.Tensor:
-        meta = proxy.meta.detach()
-        i = next(position)
-        if i in wrt:
-            meta.requires_grad_(True)
-            leaves[id(meta)] = i
-        return meta
-
-    with torch._C.DisableTorchFunction(), torch.enable_grad():  # fulmen's own computation, not the program's
-        meta_args, meta_kwargs = pytree.tree_map(leaf, (args, kwargs), lambda obj: type(obj) is TensorProxy)
-        try:
-            out = fn(*meta_args, **meta_kwargs)
-        except Exception:  # noqa: BLE001  (no meta kernel: assume every input is reached)
-            return wrt
-        return tuple(i for i in wrt if i in _leaves_reached(out, leaves))
-
-
-def _leaves_reached(out: Any, leaves: dict[int, int]) -> set[int]:
-    """The positions of the `leaves` (id -> position) that the autograd graph of `out` reaches."""
-    found: set[int] = set()
-    nodes = []
-    for o in pytree.leaves(out, lambda obj: isinstance(obj, torch.Tensor)):
-        if id(o) in leaves:  # an input returned as it is
-            found.add(leaves[id(o)])
-        nodes.append(o.grad_fn)
-    # Held, not just their ids: the Python object of a node can be freed once it is let go, and a node met later
-    # can get its id (torch 2.11 does): taken as seen, its part of the graph was skipped and its leaves got no grad.
-    seen: dict[int, Any] = {}
-    while nodes:
-        node = nodes.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf the graph reaches
-        if variable is not None and id(variable) in leaves:
-            found.add(leaves[id(variable)])
-        nodes.extend(child for child, _ in node.next_functions)
-    return found
-
-
-def eager_grad_rule(sym: Symbol) -> GradRule:
-    """The grad rule that runs eager's own backward of `sym` (torch autograd on its callable, in the backward)."""
-
-    def rule(*args: Any, **kwargs: Any) -> Any:
-        out = sym(*args, **kwargs)
-        flat = list(iter_proxies((args, kwargs)))
-        wrt = reached_inputs(sym.impl, args, kwargs, tuple(i for i, p in enumerate(flat) if p.requires_grad))
-        if not wrt:
-            return out
-        outs = [o for o in iter_proxies(out) if o.dtype.is_floating_point or o.dtype.is_complex]
-        grads = torch_vjp(sym, args, kwargs, wrt, tuple(get_grad(o) for o in outs))
-        for i, grad in zip(wrt, grads):
-            put_grad(flat[i], grad)
-        return out
-
-    return rule
 
 
 # --- the joint program ---------------------------------------------------------------------------------------------
@@ -252,12 +74,12 @@ def _differentiable(p: Any) -> bool:
 
 def _run_rule(rule: GradRule, bsym: BoundSymbol, builder: TraceBuilder, interpreter) -> list[BoundSymbol] | None:
     """Runs `rule` on the arguments of `bsym`; returns what it recorded, with its results named as bsym's outputs."""
-    token = _ACTIVE.set((*_ACTIVE.get(), _RuleScope(bsym, {p.pname for p in bsym.proxy_args()}, interpreter)))
+    token = ACTIVE_RULES.set((*ACTIVE_RULES.get(), RuleScope(bsym, {p.pname for p in bsym.proxy_args()}, interpreter)))
     try:
         return record_call(rule, bsym, builder, interpreter, f"the grad rule of {bsym.sym.printed}",
                            may_return_inputs=False)
     finally:
-        _ACTIVE.reset(token)
+        ACTIVE_RULES.reset(token)
 
 
 def _split(recorded: list[BoundSymbol], targets_from: BoundSymbol) -> tuple[list[BoundSymbol], Chunk]:
@@ -297,10 +119,10 @@ class GradTransform:
             rule = executor.grad_rule(bsym)
             if rule is not None:
                 yield rule, executor
-        rule = GRAD_RULES.get(bsym.sym)
-        if rule is not None:
+        registered = tables.rule(RuleKind.GRAD, bsym.sym)
+        if registered is not None:
             # register_grad on an operator of an executor (fulmen.extend): the user's rule too
-            yield rule, bsym.sym.executor
+            yield registered, bsym.sym.executor
 
     def joint(self) -> Joint:
         forward: list[BoundSymbol] = []

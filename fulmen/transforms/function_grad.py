@@ -22,7 +22,8 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import traceback_location
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, current_builder, iter_proxies, map_proxies
-from fulmen.transforms.autodiff import differentiated_call, get_grad, put_grad, register_grad
+from fulmen.ops.rules.grad import differentiated_call, get_grad, put_grad
+from fulmen.ops.rules.tables import RuleKind, register
 
 
 class FunctionContext(FunctionCtx):
@@ -132,7 +133,7 @@ def _input_grad(call: FunctionCall, index: int, x: TensorProxy, grad: Any, sourc
     return grad.to(x.dtype) if grad.dtype != x.dtype else grad
 
 
-@register_grad(AUTOGRAD_FUNCTION)
+@register(RuleKind.GRAD, AUTOGRAD_FUNCTION)
 def autograd_function_grad(call: FunctionCall, captured: tuple, *args: Any, **kwargs: Any) -> tuple:
     bsym = differentiated_call()
     current_builder().scopes[-1].extend(bsym.subsymbols)  # the forward, exactly as acquired

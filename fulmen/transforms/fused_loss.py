@@ -28,7 +28,8 @@ from fulmen.core.symbol import BoundSymbol, iter_proxies
 from fulmen.core.trace import Trace
 from fulmen.ops import fused_loss
 from fulmen.ops.registry import SYMBOLS
-from fulmen.transforms.autodiff import get_grad, put_grads, register_grad, wants_grad
+from fulmen.ops.rules.grad import get_grad, put_grads, wants_grad
+from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.transforms.common import dce
 
 PROVENANCE = "Fused linear + cross-entropy"
@@ -51,7 +52,7 @@ _CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 
 # --- the grad rule --------------------------------------------------------------------------------------------------
 
-@register_grad(fused_loss.LINEAR_CROSS_ENTROPY)
+@register(RuleKind.GRAD, fused_loss.LINEAR_CROSS_ENTROPY)
 def linear_cross_entropy_grad(h, weight, bias, target, **spec):
     wants = (wants_grad(h), wants_grad(weight), wants_grad(bias))
     if spec["reduction"] == "none":  # a cotangent per row: the backward recomputes the logits

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from fulmen.core.errors import TraceError
 from fulmen.ops import activations as act
-from fulmen.transforms.autodiff import differentiated_call, get_grad, put_grad, register_grad
+from fulmen.ops.rules.grad import differentiated_call, get_grad, put_grad
+from fulmen.ops.rules.tables import RuleKind, register
 
 
 def _celu_input_scale(alpha: float) -> float:
@@ -22,42 +23,42 @@ def _celu_input_scale(alpha: float) -> float:
     return 1.0 / struct.unpack("f", struct.pack("f", alpha))[0]
 
 
-@register_grad(F.hardswish)
+@register(RuleKind.GRAD, F.hardswish)
 def hardswish_grad(x, inplace=False):
     y = F.hardswish(x)
     put_grad(x, act.hardswish_backward(get_grad(y), x))
     return y
 
 
-@register_grad(F.hardsigmoid)
+@register(RuleKind.GRAD, F.hardsigmoid)
 def hardsigmoid_grad(x, inplace=False):
     y = F.hardsigmoid(x)
     put_grad(x, act.hardsigmoid_backward(get_grad(y), x))
     return y
 
 
-@register_grad(F.hardtanh)
+@register(RuleKind.GRAD, F.hardtanh)
 def hardtanh_grad(x, min_val=-1.0, max_val=1.0, inplace=False):
     y = F.hardtanh(x, min_val, max_val)
     put_grad(x, act.hardtanh_backward(get_grad(y), x, min_val, max_val))
     return y
 
 
-@register_grad(F.relu6)
+@register(RuleKind.GRAD, F.relu6)
 def relu6_grad(x, inplace=False):
     y = F.relu6(x)  # aten's relu6 is hardtanh(x, 0, 6)
     put_grad(x, act.hardtanh_backward(get_grad(y), x, 0.0, 6.0))
     return y
 
 
-@register_grad(F.leaky_relu)
+@register(RuleKind.GRAD, F.leaky_relu)
 def leaky_relu_grad(x, negative_slope=0.01, inplace=False):
     y = F.leaky_relu(x, negative_slope)
     put_grad(x, act.leaky_relu_backward(get_grad(y), x, negative_slope, False))
     return y
 
 
-@register_grad(act.leaky_relu_update)
+@register(RuleKind.GRAD, act.leaky_relu_update)
 def leaky_relu_update_grad(x, negative_slope=0.01):
     if negative_slope < 0:  # eager's leaky_relu_backward raises this when it runs
         raise TraceError(
@@ -70,42 +71,42 @@ def leaky_relu_update_grad(x, negative_slope=0.01):
     return y
 
 
-@register_grad(F.elu)
+@register(RuleKind.GRAD, F.elu)
 def elu_grad(x, alpha=1.0, inplace=False):
     y = F.elu(x, alpha)
     put_grad(x, act.elu_backward(get_grad(y), alpha, 1.0, 1.0, False, x))
     return y
 
 
-@register_grad(act.elu_update)
+@register(RuleKind.GRAD, act.elu_update)
 def elu_update_grad(x, alpha=1.0):
     y = act.elu_update(x, alpha)
     put_grad(x, act.elu_backward(get_grad(y), alpha, 1.0, 1.0, True, y))
     return y
 
 
-@register_grad(F.celu)
+@register(RuleKind.GRAD, F.celu)
 def celu_grad(x, alpha=1.0, inplace=False):
     y = F.celu(x, alpha)
     put_grad(x, act.elu_backward(get_grad(y), alpha, 1.0, _celu_input_scale(alpha), False, x))
     return y
 
 
-@register_grad(act.celu_update)
+@register(RuleKind.GRAD, act.celu_update)
 def celu_update_grad(x, alpha=1.0):
     y = act.celu_update(x, alpha)
     put_grad(x, act.elu_backward(get_grad(y), alpha, 1.0, _celu_input_scale(alpha), True, y))
     return y
 
 
-@register_grad(F.selu)
+@register(RuleKind.GRAD, F.selu)
 def selu_grad(x, inplace=False):
     y = F.selu(x)  # aten's selu is elu(x, SELU_ALPHA, SELU_SCALE)
     put_grad(x, act.elu_backward(get_grad(y), act.SELU_ALPHA, act.SELU_SCALE, 1.0, False, x))
     return y
 
 
-@register_grad(act.selu_update)
+@register(RuleKind.GRAD, act.selu_update)
 def selu_update_grad(x):
     y = act.selu_update(x)
     put_grad(x, act.elu_backward(get_grad(y), act.SELU_ALPHA, act.SELU_SCALE, 1.0, True, y))

@@ -14,8 +14,9 @@ import torch
 
 from fulmen.ops.reductions import var_arguments
 from fulmen.ops.registry import symbol_of
-from fulmen.transforms.autodiff import eager_grad_rule, get_grad, put_grad, register_grad, wants_grad
-from fulmen.transforms.vjp_prims import keep_reduced, sum_to, var_backward, zeros_shaped
+from fulmen.ops.rules.grad import eager_grad_rule, get_grad, put_grad, wants_grad
+from fulmen.ops.rules.grad_formulas import keep_reduced, sum_to, var_backward, zeros_shaped
+from fulmen.ops.rules.tables import RuleKind, register
 
 
 def _put(x: torch.Tensor, grad: torch.Tensor) -> None:
@@ -23,7 +24,7 @@ def _put(x: torch.Tensor, grad: torch.Tensor) -> None:
     put_grad(x, sum_to(grad, tuple(x.shape)).to(x.dtype))
 
 
-@register_grad(torch.clamp)
+@register(RuleKind.GRAD, torch.clamp)
 def clamp_grad(x, min=None, max=None):
     """aten's clamp backward: `x` gets the cotangent where it lies within the bounds (NaN does not); a tensor bound
     gets it where it binds, the lower one only while it is below the upper one."""
@@ -42,7 +43,7 @@ def clamp_grad(x, min=None, max=None):
     return y
 
 
-@register_grad(torch.div)
+@register(RuleKind.GRAD, torch.div)
 def div_grad(a, b, *, rounding_mode=None):
     """A rounded quotient is piecewise constant: eager gives zeros, where floor(a / b)'s chain rule would give
     NaN at a zero divisor."""
@@ -57,12 +58,12 @@ def div_grad(a, b, *, rounding_mode=None):
 
 
 # Eager has no derivative for floor_divide: its backward raises, and so does ours, when a grad reaches it.
-register_grad(torch.floor_divide)(eager_grad_rule(symbol_of(torch.floor_divide, "a grad rule")))
+register(RuleKind.GRAD, torch.floor_divide, eager_grad_rule(symbol_of(torch.floor_divide, "a grad rule")))
 
 _eager_std = eager_grad_rule(symbol_of(torch.std, "a grad rule"))
 
 
-@register_grad(torch.std)
+@register(RuleKind.GRAD, torch.std)
 def std_grad(x, *args, **kwargs):
     """aten's std backward: no grad where the deviation is zero."""
     dims, correction, _ = var_arguments(x, *args, **kwargs)
@@ -88,5 +89,5 @@ def _extremum_grad(fn):
     return rule
 
 
-register_grad(torch.max)(_extremum_grad(torch.max))
-register_grad(torch.min)(_extremum_grad(torch.min))
+register(RuleKind.GRAD, torch.max, _extremum_grad(torch.max))
+register(RuleKind.GRAD, torch.min, _extremum_grad(torch.min))

@@ -1,7 +1,8 @@
 """Grad rules of the prims: what every symbol without a rule of its own is differentiated through.
 
-Rules run as torch code on proxies (the acquisition mode records it), so each reads like its formula. Prims
-without an entry here and with floating outputs fall back to torch autograd on the prim (`impls.torch_vjp`).
+Rules run as torch code on proxies (the acquisition mode records it), so each reads like its formula. The prims
+without a rule are declared at the end: differentiated by eager's backward (torch autograd on the prim,
+`impls.torch_vjp`), or not differentiable.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ from typing import Any
 import torch
 
 from fulmen.ops import backward_kernels, prims, shape
-from fulmen.transforms.autodiff import get_grad, put_grad, register_grad
-
-
-def zeros_shaped(x: torch.Tensor) -> torch.Tensor:
-    """Zeros of `x`'s shape, dtype and device that do not read `x`, so the backward need not keep `x` alive (nor
-    ZeRO-3 gather a parameter again) just for its metadata."""
-    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, not_differentiable, put_grad
+from fulmen.ops.rules.grad_formulas import BINARY_VJPS, keep_reduced, matmul_rule, sum_to, var_backward, zeros_shaped
+from fulmen.ops.rules.tables import RuleKind, register
+from fulmen.ops.utils import is_tensor
 
 T = torch.Tensor
 
@@ -72,61 +70,7 @@ def _unary_rule(prim, vjp: Callable[[T, T, T], T]):
 
 
 for _name, _vjp in UNARY_VJPS.items():
-    register_grad(getattr(prims, _name))(_unary_rule(getattr(prims, _name), _vjp))
-
-
-def _is_proxy(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-# prim name -> (d(a), d(b)) from (a, b, y, g), grouped as eager's; a or b may be a Python number (its grad is not
-# asked for).
-BINARY_VJPS: dict[str, Callable[[Any, Any, T, T], tuple[Any, Any]]] = {
-    "add": lambda a, b, y, g: (g, g),
-    "sub": lambda a, b, y, g: (g, -g),
-    "mul": lambda a, b, y, g: (g * b, g * a),
-    "div": lambda a, b, y, g: (g / b, -(g * (y / b))),
-    # eager's rounded quotients: floor(a / b) differs from them where a / b overflows or b is infinite
-    "remainder": lambda a, b, y, g: (g, -g * torch.div(a, b, rounding_mode="floor")),
-    "fmod": lambda a, b, y, g: (g, -g * torch.div(a, b, rounding_mode="trunc")),
-    "atan2": lambda a, b, y, g: _atan2_grads(a, b, g),
-    "hypot": lambda a, b, y, g: (g * a / y, g * b / y),
-    "maximum": lambda a, b, y, g: _select_grads(a, b, g, torch.lt),
-    "minimum": lambda a, b, y, g: _select_grads(a, b, g, torch.gt),
-    "pow": lambda a, b, y, g: _pow_grads(a, b, y, g),
-}
-
-
-def _select_grads(a, b, g, loses):
-    """max/min as eager: ties split the cotangent evenly, and an operand gets it unless it `loses`, so both get all
-    of it where either is NaN."""
-    shared = torch.where(a == b, g / 2, g)
-    return torch.where(loses(a, b), 0.0, shared), torch.where(loses(b, a), 0.0, shared)
-
-
-def _atan2_grads(a, b, g):
-    """As eager: no grad at the origin, where the formula reads 0/0."""
-    norm = a * a + b * b
-    recip = torch.where(norm == 0, 0.0, torch.reciprocal(norm))
-    return g * b * recip, g * -a * recip
-
-
-def _pow_grads(a, b, y, g):
-    """eager's pow backward, its products grouped as eager groups them (g * (b * a^(b-1)), not (g * b) * ...): they
-    differ where one product overflows and the other underflows."""
-    grad_a = grad_b = None
-    if _is_proxy(a):
-        grad_a = torch.where(b == 0, 0.0, g * (b * torch.pow(a, b - 1))) if _is_proxy(b) else (
-            zeros_shaped(a) if b == 0 else g * (b * torch.pow(a, b - 1)))
-    if _is_proxy(b):
-        # d(a^b)/db = a^b log(a), which eager defines as 0 where a == 0 and b >= 0.
-        if _is_proxy(a):
-            grad_b = g * torch.where((a == 0) & (b >= 0), 0.0, y * torch.log(a))
-        elif a == 0:
-            grad_b = g * torch.where(b >= 0, 0.0, y * -math.inf)
-        else:
-            grad_b = g * (y * (math.log(a) if a > 0 else math.nan))
-    return grad_a, grad_b
+    register(RuleKind.GRAD, getattr(prims, _name), _unary_rule(getattr(prims, _name), _vjp))
 
 
 def _binary_rule(prim, vjp):
@@ -134,9 +78,9 @@ def _binary_rule(prim, vjp):
         y = prim(a, b)
         grad_a, grad_b = vjp(a, b, y, get_grad(y))
         for x, grad in ((a, grad_a), (b, grad_b)):
-            if _is_proxy(x) and x.requires_grad:
+            if is_tensor(x) and x.requires_grad:
                 # A 0-dim CPU tensor may meet a dimensioned operand (it acts as a scalar): sum its grad down.
-                put_grad(x, _to(sum_to(grad, tuple(x.shape)) if _is_proxy(grad) else grad, x))
+                put_grad(x, _to(sum_to(grad, tuple(x.shape)) if is_tensor(grad) else grad, x))
         return y
 
     return rule
@@ -149,56 +93,50 @@ def _to(grad: Any, like: T) -> T:
 
 
 for _name, _vjp in BINARY_VJPS.items():
-    register_grad(getattr(prims, _name))(_binary_rule(getattr(prims, _name), _vjp))
+    register(RuleKind.GRAD, getattr(prims, _name), _binary_rule(getattr(prims, _name), _vjp))
 
 
 # --- the rest, one rule each ---------------------------------------------------------------------------------------
-@register_grad(prims.where)
+@register(RuleKind.GRAD, prims.where)
 def _where(cond, a, b):
     y = prims.where(cond, a, b)
     g = get_grad(y)
-    if _is_proxy(a) and a.requires_grad:
+    if is_tensor(a) and a.requires_grad:
         put_grad(a, torch.where(cond, g, 0.0))
-    if _is_proxy(b) and b.requires_grad:
+    if is_tensor(b) and b.requires_grad:
         put_grad(b, torch.where(cond, 0.0, g))
     return y
 
 
-@register_grad(prims.convert_element_type)
+@register(RuleKind.GRAD, prims.convert_element_type)
 def _convert(x, dtype):
     y = prims.convert_element_type(x, dtype)
     put_grad(x, get_grad(y).to(x.dtype))
     return y
 
 
-@register_grad(prims.device_put)
+@register(RuleKind.GRAD, prims.device_put)
 def _device_put(x, device):
     y = prims.device_put(x, device)
     put_grad(x, get_grad(y).to(x.device))
     return y
 
 
-@register_grad(prims.alias)
+@register(RuleKind.GRAD, prims.alias)
 def _alias(x):
     y = prims.alias(x)
     put_grad(x, get_grad(y))
     return y
 
 
-@register_grad(prims.clone)
+@register(RuleKind.GRAD, prims.clone)
 def _clone(x, memory_format=torch.preserve_format):
     y = prims.clone(x, memory_format)
     put_grad(x, get_grad(y))
     return y
 
 
-def keep_reduced(g: T, x: T, dims) -> T:
-    """`g`, reduced over `dims` of `x`, broadcast back to `x`'s shape."""
-    shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
-    return g.reshape(shape).expand(x.shape)
-
-
-@register_grad(prims.sum)
+@register(RuleKind.GRAD, prims.sum)
 def _sum(x, dims):
     y = prims.sum(x, dims)
     put_grad(x, keep_reduced(get_grad(y), x, dims))
@@ -216,17 +154,11 @@ def _extremum(prim):
     return rule
 
 
-register_grad(prims.amax)(_extremum(prims.amax))
-register_grad(prims.amin)(_extremum(prims.amin))
+register(RuleKind.GRAD, prims.amax, _extremum(prims.amax))
+register(RuleKind.GRAD, prims.amin, _extremum(prims.amin))
 
 
-def var_backward(x: T, dims, correction, g: T) -> T:
-    """aten's var backward for `g`, the cotangent with the reduced `dims` kept (the products in eager's order)."""
-    n = math.prod(x.shape[d] for d in dims)
-    return (2.0 / (n - correction)) * g * (x - x.mean(dims, keepdim=True))
-
-
-@register_grad(prims.var)
+@register(RuleKind.GRAD, prims.var)
 def _var(x, dims, correction):
     if math.prod(x.shape[d] for d in dims) <= correction:
         return NotImplemented  # no degrees of freedom: eager's own backward gives its infinities and NaNs
@@ -235,7 +167,7 @@ def _var(x, dims, correction):
     return y
 
 
-@register_grad(prims.cumsum)
+@register(RuleKind.GRAD, prims.cumsum)
 def _cumsum(x, dim):
     y = prims.cumsum(x, dim)
     put_grad(x, torch.flip(torch.cumsum(torch.flip(get_grad(y), (dim,)), dim), (dim,)))
@@ -253,8 +185,8 @@ def _sorted_values(prim):
     return rule
 
 
-register_grad(prims.topk)(_sorted_values(prims.topk))
-register_grad(prims.sort)(_sorted_values(prims.sort))
+register(RuleKind.GRAD, prims.topk, _sorted_values(prims.topk))
+register(RuleKind.GRAD, prims.sort, _sorted_values(prims.sort))
 
 
 # --- shapes --------------------------------------------------------------------------------------------------------
@@ -270,10 +202,10 @@ def _reshape_like(prim):
 
 
 for _prim in (prims.reshape, prims.squeeze, prims.unsqueeze):
-    register_grad(_prim)(_reshape_like(_prim))
+    register(RuleKind.GRAD, _prim, _reshape_like(_prim))
 
 
-@register_grad(prims.permute)
+@register(RuleKind.GRAD, prims.permute)
 def _permute(x, perm):
     y = prims.permute(x, perm)
     inverse = [0] * len(perm)
@@ -283,7 +215,7 @@ def _permute(x, perm):
     return y
 
 
-@register_grad(prims.expand)
+@register(RuleKind.GRAD, prims.expand)
 def _expand(x, shape):
     y = prims.expand(x, shape)
     g = get_grad(y)
@@ -293,7 +225,7 @@ def _expand(x, shape):
     return y
 
 
-@register_grad(prims.slice)
+@register(RuleKind.GRAD, prims.slice)
 def _slice(x, starts, ends, steps):
     y = prims.slice(x, starts, ends, steps)
     index = tuple(slice(s, e, st) for s, e, st in zip(starts, ends, steps))
@@ -301,14 +233,14 @@ def _slice(x, starts, ends, steps):
     return y
 
 
-@register_grad(prims.select)
+@register(RuleKind.GRAD, prims.select)
 def _select(x, dim, index):
     y = prims.select(x, dim, index)
     put_grad(x, torch.select_scatter(zeros_shaped(x), get_grad(y), dim, index))
     return y
 
 
-@register_grad(prims.cat)
+@register(RuleKind.GRAD, prims.cat)
 def _cat(tensors, dim):
     y = prims.cat(tensors, dim)
     pieces = torch.split(get_grad(y), [t.shape[dim] for t in tensors], dim)
@@ -317,14 +249,14 @@ def _cat(tensors, dim):
     return y
 
 
-@register_grad(prims.flip)
+@register(RuleKind.GRAD, prims.flip)
 def _flip(x, dims):
     y = prims.flip(x, dims)
     put_grad(x, torch.flip(get_grad(y), dims))
     return y
 
 
-@register_grad(prims.pad)
+@register(RuleKind.GRAD, prims.pad)
 def _pad(x, pad, value):
     y = prims.pad(x, pad, value)
     put_grad(x, torch.nn.functional.pad(get_grad(y), [-p for p in pad]))
@@ -338,7 +270,7 @@ def _along(index: T, dim: int, like: T) -> T:
     return index.reshape(shape).expand(like.shape)
 
 
-@register_grad(prims.take)
+@register(RuleKind.GRAD, prims.take)
 def _take(x, index, dim):
     y = prims.take(x, index, dim)
     g = get_grad(y)
@@ -346,24 +278,24 @@ def _take(x, index, dim):
     return y
 
 
-@register_grad(prims.take_along_axis)
+@register(RuleKind.GRAD, prims.take_along_axis)
 def _take_along_axis(x, index, dim):
     y = prims.take_along_axis(x, index, dim)
     put_grad(x, zeros_shaped(x).scatter_add(dim, index, get_grad(y)))
     return y
 
 
-@register_grad(prims.scatter_add)
+@register(RuleKind.GRAD, prims.scatter_add)
 def _scatter_add(x, dim, index, src):
     y = prims.scatter_add(x, dim, index, src)
     g = get_grad(y)
     put_grad(x, g)
-    if _is_proxy(src) and src.requires_grad:
+    if is_tensor(src) and src.requires_grad:
         put_grad(src, torch.gather(g, dim, index))
     return y
 
 
-@register_grad(prims.slice_scatter)
+@register(RuleKind.GRAD, prims.slice_scatter)
 def _slice_scatter(x, src, dim, start, end, step):
     y = prims.slice_scatter(x, src, dim, start, end, step)
     g = get_grad(y)
@@ -372,7 +304,7 @@ def _slice_scatter(x, src, dim, start, end, step):
     return y
 
 
-@register_grad(prims.select_scatter)
+@register(RuleKind.GRAD, prims.select_scatter)
 def _select_scatter(x, src, dim, index):
     y = prims.select_scatter(x, src, dim, index)
     g = get_grad(y)
@@ -381,96 +313,15 @@ def _select_scatter(x, src, dim, index):
     return y
 
 
-def sum_to(grad: T, shape: tuple[int, ...]) -> T:
-    """Sums the broadcast (leading and size-1) dims of `grad` away so it has `shape`."""
-    if tuple(grad.shape) == tuple(shape):
-        return grad
-    lead = grad.dim() - len(shape)
-    dims = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and grad.shape[lead + i] != 1)
-    return (grad.sum(dims, keepdim=True) if dims else grad).reshape(shape)
+register(RuleKind.GRAD, prims.matmul, matmul_rule(prims.matmul))
 
 
-def _column_major(m: T) -> bool:
-    return m.stride(0) == 1 and m.stride(1) == m.shape[0]
-
-
-def _mm_grads(a: T, b: T, g: T, want_a: bool, want_b: bool) -> tuple[T | None, T | None]:
-    """Grads of the 2-D product `a @ b` as eager's mm backward computes them: a column-major operand gets its
-    grad computed transposed (aten's mm_mat1_backward / mm_mat2_backward), which can round differently."""
-    grad_a = grad_b = None
-    if want_a:
-        grad_a = torch.matmul(b, g.mT).mT if _column_major(a) else torch.matmul(g, b.mT)
-    if want_b:
-        grad_b = torch.matmul(g.mT, a).mT if _column_major(b) else torch.matmul(a.mT, g)
-    return grad_a, grad_b
-
-
-def _folds(a: T, b: T, want_a: bool, want_b: bool) -> bool:
-    """Whether eager's matmul folds the batch dims of its larger operand into matrix rows (aten's should_fold):
-    one mm instead of a batched one, so the smaller operand's grad is one product accumulated over every row
-    (in float32 for low-precision inputs) rather than per-batch products rounded and then summed."""
-    big, small, small_wanted = (a, b, want_b) if a.dim() >= b.dim() else (b, a, want_a)
-    if big.dim() < 3 or small.dim() > 2:
-        return False
-    if small_wanted:
-        return True
-    if a.dim() == 2:
-        return False
-    if big.numel() == 0:
-        return True
-    # the larger operand (b transposed when it is b) must fold to rows without a copy
-    shape, strides = list(big.shape), list(big.stride())
-    if big is b:
-        shape[-2:], strides[-2:] = shape[:-3:-1], strides[:-3:-1]
-    return all(strides[i] == strides[i + 1] * shape[i + 1] for i in range(len(shape) - 2))
-
-
-def _rows(t: T) -> T:
-    """`t` as a matrix of its last dim's rows (the number of rows explicit: -1 is ambiguous for no elements)."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
-
-
-def matmul_grads(a: T, b: T, g: T, want_a: bool, want_b: bool) -> tuple[T | None, T | None]:
-    """Grads of `a @ b` for operands of two or more dims (batch dims broadcast), computed as eager's backward
-    computes them: through the folded mm where eager folds, else batched products summed over broadcast dims."""
-    if a.dim() == 2 and b.dim() == 2:
-        return _mm_grads(a, b, g, want_a, want_b)
-    if a.dim() == 3 and b.dim() == 3 and a.shape[0] != b.shape[0]:
-        # eager drops a batch dim of 1 that is broadcast, from an operand requiring grad, and folds instead
-        if a.shape[0] == 1 and want_a:
-            grad_a, grad_b = matmul_grads(a.squeeze(0), b, g, want_a, want_b)
-            return grad_a.unsqueeze(0), grad_b
-        if b.shape[0] == 1 and want_b:
-            grad_a, grad_b = matmul_grads(a, b.squeeze(0), g, want_a, want_b)
-            return grad_a, grad_b.unsqueeze(0)
-    if _folds(a, b, want_a, want_b):
-        if a.dim() >= 3:  # (..., m, k) @ (k, n): rows (N*m, k) @ (k, n)
-            grad_a, grad_b = _mm_grads(_rows(a), b, _rows(g), want_a, want_b)
-            return (None if grad_a is None else grad_a.reshape(a.shape)), grad_b
-        # (m, k) @ (..., k, n) is computed transposed: rows (N*n, k) @ (k, m)
-        bt = b.mT
-        grad_bt, grad_at = _mm_grads(_rows(bt), a.mT, _rows(g.mT), want_b, want_a)
-        return (None if grad_at is None else grad_at.mT), (None if grad_bt is None else grad_bt.reshape(bt.shape).mT)
-    grad_a = sum_to(torch.matmul(g, b.mT), tuple(a.shape)) if want_a else None
-    grad_b = sum_to(torch.matmul(a.mT, g), tuple(b.shape)) if want_b else None
-    return grad_a, grad_b
-
-
-def matmul_rule(matmul):
-    """The rule of a matmul (the prim or torch.matmul) for operands of two or more dims."""
-
-    def rule(a, b):
-        if a.dim() < 2 or b.dim() < 2:
-            return NotImplemented  # vector operands: differentiated through the torch autograd fallback
-        y = matmul(a, b)
-        grad_a, grad_b = matmul_grads(a, b, get_grad(y), a.requires_grad, b.requires_grad)
-        if grad_a is not None:
-            put_grad(a, grad_a)
-        if grad_b is not None:
-            put_grad(b, grad_b)
-        return y
-
-    return rule
-
-
-register_grad(prims.matmul)(matmul_rule(prims.matmul))
+# --- the prims without a rule --------------------------------------------------------------------------------------
+differentiated_by_eager(prims.copysign, prims.digamma, prims.nextafter, prims.prod, prims.index_copy,
+                        prims.index_put)
+# integer and bool results, and factories (prims.full's value is a Python number)
+not_differentiable(
+    prims.argmax, prims.argmin, prims.eq, prims.ne, prims.lt, prims.le, prims.gt, prims.ge, prims.isfinite,
+    prims.isinf, prims.isnan, prims.signbit, prims.logical_and, prims.logical_or, prims.logical_xor,
+    prims.logical_not, prims.bitwise_and, prims.bitwise_or, prims.bitwise_xor, prims.bitwise_not,
+    prims.bitwise_left_shift, prims.bitwise_right_shift, prims.full, prims.iota)

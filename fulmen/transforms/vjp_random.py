@@ -16,7 +16,8 @@ from fulmen.core.trace import TraceBuilder
 from fulmen.ops import impls
 from fulmen.ops.factories import RANDOM_FILL
 from fulmen.ops.registry import impl_symbol
-from fulmen.transforms.autodiff import differentiated_call, get_grad, put_grad, register_grad, wants_grad
+from fulmen.ops.rules.grad import differentiated_by_eager, differentiated_call, get_grad, put_grad, wants_grad
+from fulmen.ops.rules.tables import RuleKind, register
 
 
 def _zero_grads(out: torch.Tensor, args: tuple, kwargs: dict) -> None:
@@ -27,7 +28,7 @@ def _zero_grads(out: torch.Tensor, args: tuple, kwargs: dict) -> None:
             put_grad(t, grad.new_zeros(t.shape, dtype=t.dtype))
 
 
-@register_grad(torch.normal)
+@register(RuleKind.GRAD, torch.normal)
 def normal_grad(*args, **kwargs):
     out = torch.normal(*args, **kwargs)
     _zero_grads(out, args, kwargs)
@@ -39,9 +40,10 @@ def _no_derivative_meta(builder: TraceBuilder, grad, shape, dtype, message) -> T
 
 
 no_derivative = impl_symbol(impls.no_derivative, meta=_no_derivative_meta)
+differentiated_by_eager(no_derivative)  # it raises when it runs: its eager backward, run again, raises the same
 
 
-@register_grad(torch.bernoulli)
+@register(RuleKind.GRAD, torch.bernoulli)
 def bernoulli_grad(x, *args, **kwargs):
     out = torch.bernoulli(x, *args, **kwargs)
     if args or "p" in kwargs:
@@ -57,7 +59,7 @@ def bernoulli_grad(x, *args, **kwargs):
     return out
 
 
-@register_grad(RANDOM_FILL)
+@register(RuleKind.GRAD, RANDOM_FILL)
 def random_fill_grad(x, method_name, *args, **kwargs):
     out = RANDOM_FILL(x, method_name, *args, **kwargs)
     _zero_grads(out, (x, *args), kwargs)

@@ -17,25 +17,27 @@ from fulmen.core.symbol import Tag, iter_proxies
 from fulmen.ops import backward_kernels, impls, shape
 from fulmen.ops.nn import batch_norm_update, embedding_backward, native_layer_norm
 from fulmen.ops.registry import SYMBOLS, impl_symbol, torch_symbol
-from fulmen.ops.sdpa_kernels import eager_choice
-from fulmen.ops.utils import canonical_dim, compute_dtype, is_real_number, is_tensor
-from fulmen.transforms.autodiff import (
+from fulmen.ops.rules.grad import (
+    differentiated_by_eager,
     differentiated_call,
     get_grad,
     put_grad,
-    register_grad,
     torch_vjp,
     wants_grad,
 )
-from fulmen.transforms.vjp_prims import matmul_rule, zeros_shaped
+from fulmen.ops.rules.grad_formulas import matmul_rule, zeros_shaped
+from fulmen.ops.rules.tables import RuleKind, register
+from fulmen.ops.sdpa_kernels import eager_choice
+from fulmen.ops.utils import canonical_dim, compute_dtype, is_real_number, is_tensor
 
 native_dropout = torch_symbol(torch.native_dropout, tags=Tag.RANDOM)
 attention_dropout = impl_symbol(impls.attention_dropout, tags=Tag.RANDOM)
 attention_dropped = impl_symbol(impls.attention_dropped)
+differentiated_by_eager(attention_dropped)  # by eager's backward of the attention it runs (sdpa's rule)
 
 
 
-@register_grad(F.linear)
+@register(RuleKind.GRAD, F.linear)
 def linear_grad(x, weight, bias=None):
     if weight.dim() != 2:
         return NotImplemented
@@ -52,10 +54,10 @@ def linear_grad(x, weight, bias=None):
     return y
 
 
-register_grad(torch.matmul)(matmul_rule(torch.matmul))
+register(RuleKind.GRAD, torch.matmul, matmul_rule(torch.matmul))
 
 
-@register_grad(torch.pow)
+@register(RuleKind.GRAD, torch.pow)
 def pow_grad(a, b):
     """A float tensor to a number's power, differentiated as eager does with the exponent as given (the forward's
     decomposition converts it to the tensor's dtype, as eager's kernel does, which the prim's rule would then see)."""
@@ -76,11 +78,11 @@ def _softmax_rule(fn, backward):
     return rule
 
 
-register_grad(torch.softmax)(_softmax_rule(torch.softmax, backward_kernels.softmax_backward))
-register_grad(torch.log_softmax)(_softmax_rule(torch.log_softmax, backward_kernels.log_softmax_backward))
+register(RuleKind.GRAD, torch.softmax, _softmax_rule(torch.softmax, backward_kernels.softmax_backward))
+register(RuleKind.GRAD, torch.log_softmax, _softmax_rule(torch.log_softmax, backward_kernels.log_softmax_backward))
 
 
-@register_grad(F.cross_entropy)
+@register(RuleKind.GRAD, F.cross_entropy)
 def cross_entropy_grad(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                        reduction="mean", label_smoothing=0.0):
     """Class-index cross-entropy as eager computes it, log_softmax then nll_loss, with eager's kernels (their
@@ -103,12 +105,12 @@ def cross_entropy_grad(logits, target, weight=None, size_average=None, ignore_in
     return loss
 
 
-@register_grad(F.layer_norm)
+@register(RuleKind.GRAD, F.layer_norm)
 def layer_norm_grad(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return native_layer_norm_grad(x, normalized_shape, weight, bias, eps)[0]
 
 
-@register_grad(torch.native_layer_norm)
+@register(RuleKind.GRAD, torch.native_layer_norm)
 def native_layer_norm_grad(x, normalized_shape, weight, bias, eps):
     """Grads through the normalised output only: eager gives the mean and rstd outputs no grad."""
     y, mean, rstd = native_layer_norm(x, normalized_shape, weight, bias, eps)
@@ -130,7 +132,7 @@ def _eager_fuses_rms_norm(x, normalized_shape, weight) -> bool:
         return "Fused" in F.rms_norm(row, tuple(normalized_shape), w).grad_fn.name()
 
 
-@register_grad(F.rms_norm)
+@register(RuleKind.GRAD, F.rms_norm)
 def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
     dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
     compute = compute_dtype(x.dtype)
@@ -162,7 +164,7 @@ def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
     return y
 
 
-@register_grad(F.embedding)
+@register(RuleKind.GRAD, F.embedding)
 def embedding_grad(index, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                    sparse=False):
     if max_norm is not None or sparse or weight.dim() != 2:
@@ -173,21 +175,21 @@ def embedding_grad(index, weight, padding_idx=None, max_norm=None, norm_type=2.0
     return y
 
 
-@register_grad(F.gelu)
+@register(RuleKind.GRAD, F.gelu)
 def gelu_grad(x, approximate="none"):
     y = F.gelu(x, approximate=approximate)
     put_grad(x, backward_kernels.gelu_backward(get_grad(y), x, approximate))
     return y
 
 
-@register_grad(F.silu)
+@register(RuleKind.GRAD, F.silu)
 def silu_grad(x, inplace=False):
     y = F.silu(x)
     put_grad(x, backward_kernels.silu_backward(get_grad(y), x))
     return y
 
 
-@register_grad(F.scaled_dot_product_attention)
+@register(RuleKind.GRAD, F.scaled_dot_product_attention)
 def sdpa_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if dropout_p != 0.0:
         return _sdpa_dropout_grad(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -229,7 +231,7 @@ def _sdpa_dropout_grad(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_g
     return y
 
 
-@register_grad(torch.cat)
+@register(RuleKind.GRAD, torch.cat)
 def cat_grad(tensors, dim=0):
     y = torch.cat(tensors, dim)
     dim = dim % y.dim()
@@ -243,7 +245,7 @@ def cat_grad(tensors, dim=0):
     return y
 
 
-@register_grad(batch_norm_update)
+@register(RuleKind.GRAD, batch_norm_update)
 def batch_norm_update_grad(x, running_mean, running_var, weight, bias, momentum, eps):
     out, mean, var = batch_norm_update(x, running_mean, running_var, weight, bias, momentum, eps)
     # Training mode normalizes by the batch's statistics: eager's backward of batch_norm without running statistics,
@@ -280,22 +282,22 @@ def _overwrite_grad(sym, value: int):
 
 
 for _update, _value in ((shape.setitem, 2), (shape.view_scatter, 1), (shape.copy, 1), (shape.fill, 1)):
-    register_grad(_update)(_overwrite_grad(_update, _value))
+    register(RuleKind.GRAD, _update, _overwrite_grad(_update, _value))
 
 
-@register_grad(shape.keep_history)
+@register(RuleKind.GRAD, shape.keep_history)
 def keep_history_grad(old, new):
     y = shape.keep_history(old, new)
     put_grad(old, get_grad(y))  # the update is invisible to autograd: nothing flows to `new`
     return y
 
 
-@register_grad(shape.autograd_leaf)
+@register(RuleKind.GRAD, shape.autograd_leaf)
 def autograd_leaf_grad(x):
     return shape.autograd_leaf(x)  # a leaf: the grad that reaches it goes no further (x requires none)
 
 
-@register_grad(torch.Tensor.__getitem__)
+@register(RuleKind.GRAD, torch.Tensor.__getitem__)
 def getitem_grad(x, index):
     if not _basic(index):
         return NotImplemented
@@ -321,14 +323,14 @@ def _pieces_grad(fn):
 
 
 for _fn in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
-    register_grad(_fn)(_pieces_grad(_fn))
+    register(RuleKind.GRAD, _fn, _pieces_grad(_fn))
 
 
 # where eager's dropout runs the fused kernel, native_dropout (ATen's is_fused_kernel_acceptable)
 FUSED_DROPOUT_DEVICES = frozenset({"cuda", "xpu", "lazy", "privateuseone"})
 
 
-@register_grad(F.dropout)
+@register(RuleKind.GRAD, F.dropout)
 def dropout_grad(x, p=0.5, training=True, inplace=False):
     if not training or p == 0.0:
         y = F.dropout(x, p, training)  # the identity

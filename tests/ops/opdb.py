@@ -17,10 +17,9 @@ from torch.testing._internal.common_methods_invocations import op_db
 import fulmen
 from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.executors.base import Executor, Implementation
-from fulmen.functional.forward_mode import JVP_RULES
 from fulmen.ops import lookup
 from fulmen.ops.eager_grads import EAGER_OPS
-from fulmen.transforms.autodiff import GRAD_RULES
+from fulmen.ops.rules.tables import RuleKind, table
 
 # Samples per OpInfo, of up to several hundred: 381 OpInfos, within the CPU CI budget (each sweep's own cap below).
 SAMPLES_PER_OP = 16
@@ -402,7 +401,7 @@ def differentiated_by(opinfo) -> str:
     decomposition, or (autodiff's fallback) by eager's backward ("eager")."""
     binding = lookup(opinfo.op) or lookup(_named_callable(opinfo.name)) or lookup(INLINED.get(opinfo.name))
     sym = binding.symbol
-    if sym in GRAD_RULES or sym in JVP_RULES:
+    if sym in table(RuleKind.GRAD) or sym in table(RuleKind.JVP):
         return "rules"
     return "decomposition" if sym.decomposition is not None else "eager"
 

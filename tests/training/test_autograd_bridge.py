@@ -13,7 +13,8 @@ from fulmen.core import pytree
 from fulmen.core.symbol import map_proxies
 from fulmen.distributed.transform import GradSync
 from fulmen.ops.registry import SYMBOLS
-from fulmen.transforms.autodiff import GRAD_RULES, get_grad, put_grad
+from fulmen.ops.rules.grad import get_grad, put_grad
+from fulmen.ops.rules.tables import RuleKind, register, rule
 from fulmen.transforms.common import DEL
 
 
@@ -240,13 +241,13 @@ def test_custom_grad_rule_with_get_grad_and_put_grad():
         return y
 
     silu = SYMBOLS["torch.nn.functional.silu"]
-    previous = GRAD_RULES[silu]
-    GRAD_RULES[silu] = silu_rule
+    previous = rule(RuleKind.GRAD, silu)
+    register(RuleKind.GRAD, silu, silu_rule, replace=True)
     try:
         args = _params()
         got = _grads(fulmen.jit(_mlp), args)
     finally:
-        GRAD_RULES[silu] = previous
+        register(RuleKind.GRAD, silu, previous, replace=True)
     assert calls, "the custom rule ran"
     for g, w in zip(got, _grads(_mlp, args)):
         torch.testing.assert_close(g, w)
