@@ -31,10 +31,6 @@ from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import lookup
 
-# Counts every registration of any executor: a jitted callable compares this one number on each call, and recounts
-# its own executors' `registrations` only when it changed (fulmen.jit.jitted).
-REGISTRATIONS = 0
-
 
 class Executor:
     """An executor: a name, unique among registered executors."""
@@ -60,9 +56,8 @@ class Executor:
         return f"<{type(self).__name__} {self.name!r}>"
 
     def _registered(self) -> None:
-        global REGISTRATIONS
         self.registrations += 1
-        REGISTRATIONS += 1
+        REGISTRATIONS.count += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +93,48 @@ class Implementation:
 
 DIRECT = Implementation()
 
-# Operator names print as globals of the generated code: unique over all executors.
-_OPERATOR_NAMES: dict[str, Symbol] = {}
 # The executors fulmen ships (fulmen.executors.registry.PROVIDERS, and "torch"): neither they nor their operators
 # are replaced by a registration under their names.
 OWN_EXECUTORS = frozenset({"torch", "sdpa", "torchcompile", "unsloth", "liger"})
+
+
+class Registrations:
+    """What every executor registered: its operators by name, one namespace per executor name (two executors may
+    each have an operator `attention`), and how often any registration changed."""
+
+    def __init__(self) -> None:
+        # Every registration of any executor: a jitted callable compares this one number on each call, and recounts
+        # its own executors' `registrations` only when it changed (fulmen.jit.jitted).
+        self.count = 0
+        self._operators: dict[str, dict[str, Symbol]] = {}  # executor name -> operator name -> its symbol
+        # Operators print as globals of the generated code, so their printed names are unique over all executors.
+        self._printed: dict[str, Symbol] = {}
+
+    def operator(self, executor: str, name: str) -> Symbol | None:
+        """The operator `name` registered under the executor name `executor`, if any."""
+        return self._operators.get(executor, {}).get(name)
+
+    def printed_name(self, executor: str, name: str) -> str:
+        """How the trace prints a new operator `name` of `executor`: its name, or, when another executor's operator
+        prints so already, the name after the executor's (`myexec_attention`)."""
+        if name not in self._printed:
+            return name
+        base = f"{''.join(c if c.isalnum() else '_' for c in executor)}_{name}"
+        printed, suffix = base, 2
+        while printed in self._printed:
+            printed, suffix = f"{base}_{suffix}", suffix + 1
+        return printed
+
+    def add(self, sym: Symbol) -> None:
+        self._operators.setdefault(sym.executor.name, {})[sym.name] = sym
+        self._printed[sym.printed] = sym
+
+    def remove(self, sym: Symbol) -> None:
+        del self._operators[sym.executor.name][sym.name]
+        del self._printed[sym.printed]
+
+
+REGISTRATIONS = Registrations()
 
 
 def _is_template(obj: Any) -> bool:
@@ -183,13 +215,18 @@ class OperatorExecutor(Executor):
         With `replaces=`, calls to that function (a torch function, a function of the user's program or a method
         such as `NewGELU.forward`) are acquired as this symbol while this executor is in the executor list; the
         call keeps the torch ops of the original as its parts, so it descends to them when nothing claims it.
+
+        `name` is this executor's own: another executor may have an operator of the same name (traces then print the
+        one registered later after its executor's name, `myexec_attention`). Registering `name` again under this
+        executor's name (a notebook cell run again) replaces the old operator, with a warning; the operators of
+        fulmen's own executors are never replaced.
         """
         if like is not None and meta is not None:
             raise ValueError(f"register_operator({name!r}): give like= or meta=, not both")
         if not name.isidentifier() or keyword.iskeyword(name):
             raise ValueError(f"register_operator: {name!r} is not a valid Python identifier (traces print it)")
-        previous = _OPERATOR_NAMES.get(name)
-        if previous is not None and (previous.executor.name != self.name or self.name in OWN_EXECUTORS):
+        previous = REGISTRATIONS.operator(self.name, name)
+        if previous is not None and self.name in OWN_EXECUTORS:
             raise ValueError(f"an operator named {name!r} is already registered by executor "
                              f"{previous.executor.name!r}")
         if not callable(fn):
@@ -210,12 +247,13 @@ class OperatorExecutor(Executor):
                           "registration replaces the old one (callables jitted before trace again on their next "
                           "call)", stacklevel=2)
             previous.executor._forget_operator(previous)
+        printed = REGISTRATIONS.printed_name(self.name, name)
         shapes = like or meta
         # Without like=/meta=, `fn` itself runs on meta tensors (fine for functions of torch ops).
         tags = Tag.KERNEL | (Tag.RECOMPUTABLE if recomputable else Tag.NONE) | (Tag.RANDOM if random else Tag.NONE)
-        sym = Symbol(name=name, printed=name, impl=fn, meta=_template_meta(name, shapes) if shapes else None,
+        sym = Symbol(name=name, printed=printed, impl=fn, meta=_template_meta(name, shapes) if shapes else None,
                      tags=tags, executor=self, scratch=scratch, flops=flops)
-        _OPERATOR_NAMES[name] = sym
+        REGISTRATIONS.add(sym)
         self.operators[name] = sym
         if replaces is not None:
             self.replacements[replaces] = sym
@@ -246,7 +284,7 @@ class OperatorExecutor(Executor):
         self._registered()
 
     def _forget_operator(self, sym: Symbol) -> None:
-        del _OPERATOR_NAMES[sym.name]
+        REGISTRATIONS.remove(sym)
         if self.operators.get(sym.name) is sym:
             del self.operators[sym.name]
         self.replacements = {original: op for original, op in self.replacements.items() if op is not sym}

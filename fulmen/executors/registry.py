@@ -12,9 +12,18 @@ from fulmen.executors.base import OWN_EXECUTORS, Executor
 from fulmen.executors.torch_eager import torch_executor
 
 EXECUTORS: dict[str, Executor] = {}
-_defaults: tuple[Executor, ...] | None = None  # None: the built-in choice (see get_default_executors)
-# whether a fulmen.jit took the default list: a later change of it does not reach that callable
-_defaults_taken = False
+
+
+class DefaultExecutors:
+    """The executor list `fulmen.jit` uses when given none, as `set_default_executors` last chose it."""
+
+    def __init__(self) -> None:
+        self.chosen: tuple[Executor, ...] | None = None  # None: the built-in choice (see get_default_executors)
+        # whether a fulmen.jit took the default list: a later change of it does not reach that callable
+        self.taken = False
+
+
+DEFAULTS = DefaultExecutors()
 
 
 def register_executor(executor: Executor) -> Executor:
@@ -65,8 +74,8 @@ def get_default_executors() -> tuple[Executor, ...]:
     """The executors `fulmen.jit` uses when given none: SDPA attention, torch.compile fusion regions where CUDA is
     available (on CPU, compiling C++ regions costs more than it saves for most programs; name "torchcompile" to
     have it), then torch."""
-    if _defaults is not None:
-        return _defaults
+    if DEFAULTS.chosen is not None:
+        return DEFAULTS.chosen
     names = ["sdpa", "torchcompile"] if torch.cuda.is_available() else ["sdpa"]
     return (*(get_executor(name) for name in names), torch_executor)
 
@@ -74,10 +83,9 @@ def get_default_executors() -> tuple[Executor, ...]:
 def set_default_executors(executors: Sequence[Executor | str] | None) -> None:
     """Replaces the default list (None restores the built-in one) for the `fulmen.jit` calls made after: a jitted
     callable keeps the executors it was jitted with (a warning says so when one took the list this replaces)."""
-    global _defaults
-    before = get_default_executors() if _defaults_taken else None
+    before = get_default_executors() if DEFAULTS.taken else None
     # the objects, not their names: an executor need not be registered to be one of the defaults
-    _defaults = None if executors is None else resolve(executors)
+    DEFAULTS.chosen = None if executors is None else resolve(executors)
     if before is not None and before != get_default_executors():
         warnings.warn("set_default_executors: callables fulmen.jit made earlier with the default executors keep "
                       "the ones they were jitted with; jit them again to use the new list", stacklevel=2)
@@ -85,9 +93,8 @@ def set_default_executors(executors: Sequence[Executor | str] | None) -> None:
 
 def resolve(executors: Sequence[Executor | str] | None) -> tuple[Executor, ...]:
     """Executor objects in priority order, without repeats, torch last."""
-    global _defaults_taken
     if executors is None:
-        _defaults_taken = True
+        DEFAULTS.taken = True
         return get_default_executors()
     if isinstance(executors, (str, Executor)):
         raise TypeError("executors must be a list of executors or names, e.g. ['sdpa', 'torchcompile']")

@@ -222,7 +222,7 @@ class JittedFunction:
         self.pipeline = Pipeline(options, executors, Interpreter)
         self.last_miss_reasons: list[str] = []  # why the last call that missed could not use each cached trace
         self._warned = False
-        self._registrations_seen = -1  # executor_base.REGISTRATIONS when _registrations_key was counted
+        self._registrations_seen = -1  # executor_base.REGISTRATIONS.count when _registrations_key was counted
         self._registrations_key: tuple[int, ...] = ()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> JittedFunction:
@@ -240,7 +240,7 @@ class JittedFunction:
             tensors = []
             spec = pytree.flatten((args, kwargs), tensors)
         module_tensors = [source.fetch() for source in self._module_inputs]
-        registrations = (self._registrations_key if executor_base.REGISTRATIONS == self._registrations_seen
+        registrations = (self._registrations_key if executor_base.REGISTRATIONS.count == self._registrations_seen
                          else self._recount_registrations())
         state = global_state_key()
         try:
@@ -276,7 +276,7 @@ class JittedFunction:
     def _recount_registrations(self) -> tuple[int, ...]:
         """Its executors' registration counts, a part of the cache key: after a registration (an implementation, a
         replacement) a fresh fulmen.jit would trace otherwise, so a trace built before is not reused."""
-        self._registrations_seen = executor_base.REGISTRATIONS
+        self._registrations_seen = executor_base.REGISTRATIONS.count
         self._registrations_key = tuple(executor.registrations for executor in self.executors)
         return self._registrations_key
 

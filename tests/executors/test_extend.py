@@ -6,6 +6,7 @@ import importlib
 import itertools
 import math
 import threading
+import warnings
 from collections import Counter
 
 import pytest
@@ -256,9 +257,6 @@ def test_errors_are_clear():
     ex = OperatorExecutor(f"errors{next(_names)}")
     name = f"op{next(_names)}"
     ex.register_operator(name, like=lambda x: TensorProxy(like=x), fn=torch.neg)
-    with pytest.raises(ValueError, match=f"an operator named '{name}' is already registered by executor '{ex.name}'"):
-        OperatorExecutor(f"other{next(_names)}").register_operator(name, like=lambda x: TensorProxy(like=x),
-                                                                   fn=torch.neg)
     with pytest.raises(ValueError, match="identifier"):
         ex.register_operator("not valid", fn=torch.neg)
     with pytest.raises(ValueError, match="unknown executor 'nope'"):
@@ -274,6 +272,31 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match=f"an operator named '{own}' is already registered by executor 'sdpa'"):
         OperatorExecutor("sdpa").register_operator(own, fn=torch.neg)  # one of fulmen's own, under its name
     assert own in sdpa.operators
+
+
+def test_two_executors_may_each_have_an_operator_of_the_same_name():
+    """Operator names are per executor: two kernel libraries may each call theirs `attention`. Each keeps its own, a
+    program may use both (the trace prints the later one after its executor's name), and neither replaces the other;
+    fulmen's own executors stay protected (test_errors_are_clear)."""
+    n = next(_names)
+    first, second = OperatorExecutor(f"first{n}"), OperatorExecutor(f"second{n}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no 'registered again': the other executor's operator is not replaced
+        doubled = first.register_operator(f"attention{n}", like=lambda x: TensorProxy(like=x), fn=lambda x: x * 2)
+        shifted = second.register_operator(f"attention{n}", like=lambda x: TensorProxy(like=x), fn=lambda x: x + 3)
+    assert first.operators[f"attention{n}"] is doubled and second.operators[f"attention{n}"] is shifted
+    assert doubled.name == shifted.name == f"attention{n}"
+    assert doubled.printed == f"attention{n}" and shifted.printed == f"second{n}_attention{n}"
+    x = torch.randn(3)
+    jitted = fulmen.jit(lambda x: doubled(x) - shifted(x), executors=[first, second])
+    torch.testing.assert_close(jitted(x), x * 2 - (x + 3))
+    source = fulmen.last_traces(jitted)[-1].python()
+    assert f"attention{n}(x)" in source and f"second{n}_attention{n}(x)" in source
+    # each executor registering its own again replaces only its own
+    with pytest.warns(UserWarning, match=f"registered again by executor 'second{n}'"):
+        tripled = second.register_operator(f"attention{n}", like=lambda x: TensorProxy(like=x), fn=lambda x: x * 3)
+    assert first.operators[f"attention{n}"] is doubled and second.operators[f"attention{n}"] is tripled
+    torch.testing.assert_close(fulmen.jit(lambda x: doubled(x) + tripled(x), executors=[first, second])(x), x * 5)
 
 
 def _notebook_cell(scale: float) -> tuple[OperatorExecutor, object]:
