@@ -11,8 +11,10 @@ ops before the call) fulmen computed otherwise. Two taps:
   whose module properties are Python) are call regions of the frame tap (frame_tap.py): as the call starts, it is
   recorded as a call of the setter's symbol (fulmen.ops.setters) with the arguments it got; then it runs for real, so
   the ops after it are acquired under the state it sets. Once the program is acquired, that state is set back
-  (GlobalState.restore_replayed): the trace's first run, as every later one, sets it where the program did. The
-  setters a setter calls (torch.manual_seed seeds CUDA's generators through torch.cuda.manual_seed_all) are its own.
+  (GlobalState.restore_replayed; the generators by `Setters.put_back`, to their state before the program's first
+  seed, only where it seeded: acquisition draws nothing from them, and draws another thread makes meanwhile must
+  stay made): the trace's first run, as every later one, sets it where the program did. The setters a setter calls
+  (torch.manual_seed seeds CUDA's generators through torch.cuda.manual_seed_all) are its own.
 - the others are refused by the observer when the program reads them (`refusal`, observer.Observer._special), as it
   refuses clocks: C functions whose calls the frame tap cannot see (`torch.set_num_threads`), the default
   generators' methods, the generator's state read or set whole (a trace would hold the state of the call that
@@ -36,6 +38,7 @@ from fulmen.core.errors import TraceError
 from fulmen.core.source import SourceLocation, frame_location
 from fulmen.core.symbol import Symbol
 from fulmen.observation.frame_tap import frame_arguments
+from fulmen.observation.global_state import Generators
 from fulmen.ops import setters as ops
 
 # the Python setters replayed, each by its symbol (by the function itself: torch.manual_seed is wrapped once Dynamo is
@@ -58,6 +61,7 @@ _CUBLAS_SETATTR = type(torch.backends.cuda.matmul).__setattr__.__code__
 _FP32_SETATTR = torch.backends._FP32Precision.__setattr__.__code__
 
 _CONSTANT = (bool, int, float, str, type(None), torch.dtype)
+_SEEDS = frozenset({ops.manual_seed, ops.cuda_manual_seed, ops.cuda_manual_seed_all})  # set the generators' state
 
 
 class Setters:
@@ -67,6 +71,7 @@ class Setters:
         self.interpreter = interpreter
         self.depth = 0  # setters running now: the setters they call are theirs
         self.refused: TraceError | None = None  # raised once the program ran (a region cannot raise into it)
+        self.generators: Generators | None = None  # their states before the program first changed them for real
         self.regions: dict[types.CodeType, _Region] = {
             inspect.unwrap(fn).__code__: _Region(self, sym, _function_call) for fn, sym in _REPLAYED.items()}
         self.regions[_CONTEXT_PROP_SET] = _Region(self, ops.set_switch, _context_prop_call)
@@ -76,6 +81,21 @@ class Setters:
     def check(self) -> None:
         if self.refused is not None:
             raise self.refused
+
+    def keep_generators(self) -> None:
+        """The program is about to change the generators for real (a seed it sets, or one of the refused functions
+        that change them, read by the observer: `changes_generators`): their states now, put back once it ran."""
+        if self.generators is None:
+            self.generators = Generators.current()
+
+    def put_back(self) -> None:
+        """Once the program ran (acquired or refused): the generators as they were before it first changed them
+        (the trace seeds them again where the program did). Draws another thread made before that stay made; those it
+        made after it, while the program was acquired, are drawn again (the program's seed would have moved them in
+        eager too). A program that changes none leaves them alone: acquisition draws nothing."""
+        if self.generators is not None:
+            self.generators.restore()
+            self.generators = None
 
     def record(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], location: SourceLocation | None) -> None:
         builder = self.interpreter.builder
@@ -116,6 +136,8 @@ class _Region:
         if call is None:
             return None
         self.setters.depth += 1
+        if self.sym in _SEEDS:  # it runs for real once this returns
+            self.setters.keep_generators()
         location = frame_location(frame.f_back)
         if isinstance(call, str):
             where = f" ({location.short()})" if location is not None else ""
@@ -225,6 +247,26 @@ _REFUSED: dict[Any, tuple[str, tuple[str, str]]] = {inspect.unwrap(fn): refused 
 _GENERATOR_SETTERS = frozenset({"manual_seed", "seed", "set_state", "get_state", "set_offset", "graphsafe_set_state",
                                 "graphsafe_get_state", "clone_state"})
 _READABLE = frozenset({types.FunctionType, types.BuiltinFunctionType, type})
+# What changes the default generators' states (the refused ones run for real before the refusal is raised)
+_CHANGING = frozenset(inspect.unwrap(fn) for fn in (
+    torch.manual_seed, torch.seed, torch.set_rng_state, torch.cuda.manual_seed, torch.cuda.manual_seed_all,
+    torch.cuda.seed, torch.cuda.seed_all, torch.cuda.set_rng_state, torch.cuda.set_rng_state_all))
+_CHANGING_METHODS = frozenset({"manual_seed", "seed", "set_state", "set_offset", "graphsafe_set_state"})
+
+
+def changes_generators(value: Any) -> bool:
+    """Whether `value`, which the program read, is a function that changes the default generators' states."""
+    kind = type(value)
+    if kind is types.BuiltinMethodType:  # a default generator's method, got once (seed = torch.default_generator.seed)
+        return method_changes_generators(getattr(value, "__self__", None), value.__name__)
+    if kind is not types.FunctionType:
+        return False
+    return value in _CHANGING or (hasattr(value, "__wrapped__") and inspect.unwrap(value) in _CHANGING)
+
+
+def method_changes_generators(receiver: Any, name: str) -> bool:
+    """Whether `receiver.name`, which the program read, is a method changing a default generator's state."""
+    return type(receiver) is torch.Generator and name in _CHANGING_METHODS and _is_default(receiver)
 
 
 def refusal(value: Any, frame: types.FrameType) -> TraceError | None:

@@ -10,13 +10,15 @@ for the graph, the second acquisition of a program that reads a tensor value or 
 without grad or under autocast. A compilation that fails, and each acquisition made again, starts from the state the
 call began with. What the trace sets again itself (the replayed setters, at their place among its ops) is also set
 back once the program is acquired, so that the first run of the trace, like every later one, starts from the
-caller's state.
+caller's state. The random generators are not here: acquisition draws nothing from them (draws are recorded), so
+only a seed the program sets changes them, and that setter's region puts them back itself (setters.py,
+`Setters.put_back`); set back on every miss, they gave the numbers another thread drew meanwhile again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,7 +85,8 @@ def _read(get: Callable[[], Any]) -> Any:
 @dataclass(frozen=True, slots=True)
 class Generators:
     """The states of the default random generators (CPU; CUDA's where CUDA started): a seed the program sets is
-    replayed by the trace, before the draws that follow it, so acquiring it must leave them as they were."""
+    replayed by the trace, before the draws that follow it, so acquiring it must leave them as they were before that
+    seed (taken by the seed's region, setters.py)."""
 
     cpu: torch.Tensor
     cuda: tuple[torch.Tensor, ...] | None
@@ -106,25 +109,23 @@ class GlobalState:
     cache: bool
     nesting: int
     switches: tuple[Any, ...]  # the values of _SWITCHES
-    generators: Generators = field(compare=False)
 
     @staticmethod
     def current() -> GlobalState:
         autocast = tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                          for device in _DEVICES)
         return GlobalState(torch.is_grad_enabled(), autocast, torch.is_autocast_cache_enabled(), _autocast_nesting(),
-                           tuple(_read(get) for _, get, _ in _SWITCHES), Generators.current())
+                           tuple(_read(get) for _, get, _ in _SWITCHES))
 
     def restore(self) -> None:
         self.restore_modes()
         self.restore_replayed()
 
     def restore_replayed(self) -> None:
-        """The switches and generators as they were: what the trace sets again itself, where the program set it."""
+        """The switches as they were: what the trace sets again itself, where the program set it."""
         for (_, get, set_), value in zip(_SWITCHES, self.switches):
             if value is not _UNREADABLE and _read(get) != value:
                 set_(value)
-        self.generators.restore()
 
     def restore_modes(self) -> None:
         """The grad mode and autocast as they were."""

@@ -132,6 +132,9 @@ class Observer:
         # the program read from a global (held_by_global)
         self._tensors_at_start: dict[int, torch.Tensor] = {}
         self._global_tensors: dict[int, torch.Tensor] = {}
+        # called before the program can call a function it read that changes the random generators' states
+        # (global_setters.changes_generators), to put them back once it ran (the driver sets it: Setters)
+        self.changing_generators: Callable[[], None] = _nothing
         for fn in functions:
             self._note_entry(fn)
 
@@ -379,6 +382,8 @@ class Observer:
             if receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
                 self._special(attribute_value(receiver, site.name), frame)
+                if global_setters.method_changes_generators(receiver, site.name):  # C code: its call is unseen
+                    self.changing_generators()
                 if self._refused is None and isinstance(receiver, _SETTER_OWNERS):
                     self._refused = global_setters.attribute_refusal(receiver, site.name, frame)
                 if site.name in MUTATORS:
@@ -545,6 +550,8 @@ class Observer:
         program's thread calls it (`called`), from then on. (Handed on to other code, a function could be called by
         C code no frame shows: `functools.partial(time.time)()`.)"""
         kind = type(value)
+        if (kind is types.FunctionType or kind is types.BuiltinMethodType) and global_setters.changes_generators(value):
+            self.changing_generators()
         if kind is functools._lru_cache_wrapper and type(getattr(value, "__wrapped__", None)) is types.FunctionType \
                 and value.cache_info().maxsize != 0:
             self._regions.setdefault(value.__wrapped__.__code__, program_caches.Memoized(self, value))
@@ -674,6 +681,10 @@ class Observer:
         summary = _children if slot == "_modules" else _tensor_slots
         self._add_raw(("slot", id(state), slot, None), what,
                       lambda e: f"{e.bind(summary)}({e.bind(state)}[{slot!r}]) == {e.bind(summary(state[slot]))}")
+
+
+def _nothing() -> None:
+    pass
 
 
 class Place(Protocol):

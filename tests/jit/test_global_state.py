@@ -3,6 +3,9 @@ that fails, and each acquisition made again, starts from the caller's state. Ora
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -317,3 +320,63 @@ def test_a_setter_no_call_could_set_again_is_refused_naming_the_line_and_leaves_
     assert "test_global_state.py" in str(error.value)
     assert torch.equal(torch.rand(4), want)  # no seed the acquisition ran is left behind
     assert torch.get_num_threads() == threads and not torch.is_anomaly_enabled()
+
+
+# --- draws another thread makes while a program is compiled ----------------------------------------------------------
+# A program that sets no generator: compiling it draws nothing from torch's generators, so nothing is set back, and
+# draws another thread makes meanwhile stay made (set back, the generator gave their numbers again).
+class _OtherThread:
+    """A thread of the caller's that draws `n` numbers from torch's generator when the program lets it (and the
+    program waits until it has): a draw made while the program runs, as eager's, or while fulmen compiles it."""
+
+    def __init__(self, n: int) -> None:
+        self.go, self.drawn = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._draw, args=(n,))
+        self.thread.start()
+        self.numbers: torch.Tensor | None = None
+
+    def _draw(self, n: int) -> None:
+        self.go.wait()
+        self.numbers = torch.rand(n)
+        self.drawn.set()
+
+    def let_it_draw(self) -> None:
+        self.go.set()
+        self.drawn.wait()
+
+
+OTHER: _OtherThread | None = None  # the thread of the call running now
+
+
+def lets_another_thread_draw(x):
+    OTHER.let_it_draw()
+    return x + torch.rand(3)
+
+
+def lets_another_thread_draw_then_refused(x):
+    OTHER.let_it_draw()
+    return torch.polar(x, x)  # fulmen has no symbol for torch.polar: refused here
+
+
+@pytest.mark.parametrize("program", [lets_another_thread_draw, lets_another_thread_draw_then_refused])
+def test_draws_another_thread_makes_while_a_program_without_setters_is_compiled_stay_made(program, monkeypatch):
+    # before: the generator was set back to where the call began, once the program was acquired (or refused), so
+    # the next draws gave the other thread's numbers again
+    results = []
+    for fn in (program, fulmen.jit(program)):
+        torch.manual_seed(7)
+        calls = []
+        for _ in range(3):  # a miss, then hits
+            monkeypatch.setattr(sys.modules[__name__], "OTHER", _OtherThread(5))
+            try:
+                out = fn(torch.ones(3))
+            except (TraceError, UnsupportedOpError):
+                if fn is program:
+                    raise
+                OTHER.let_it_draw()  # eager's fallback after the refusal: the program runs again
+                out = program(torch.ones(3))
+            OTHER.thread.join()
+            calls.append((out, OTHER.numbers, torch.rand(4)))  # the generator's state after the call: the next draws
+        results.append(calls)
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
