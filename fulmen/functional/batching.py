@@ -1,17 +1,11 @@
-"""Batching a trace: batching rules, one table, and the transform that runs them (fulmen.vmap).
+"""Batching a trace: the transform that runs the batching rules (fulmen.vmap).
 
-Every batched value carries its batch dimension first. A batching rule gets a `Batch` (the batch size, which
-values are batched, helpers to batch an unbatched operand), then the call's arguments and keyword arguments, and
-returns the call's outputs for the whole batch, each with the batch dimension first:
-
-    @register_batching(prims.permute)
-    def _permute(batch, args, kwargs):
-        x, perm = args
-        return prims.permute(x, (0, *(p + 1 for p in perm)))
-
-A rule runs only when some tensor argument is batched (other calls are copied as they are) and may return
-NotImplemented to decline. A symbol without a rule is batched through its decomposition; a leaf without either
-runs once per example (`impls.batch_loop`), as torch.func does for ops it has no rule for.
+Every batched value carries its batch dimension first. The rules are the batching tables of
+fulmen.ops.rules.tables, written with fulmen.ops.rules.batch (which says what a rule gets and returns). A rule runs
+only when some tensor argument is batched (other calls are copied as they are) and may return NotImplemented to
+decline. A symbol without a rule is batched through its decomposition; a leaf without either runs once per example
+(`impls.batch_loop`), as torch.func does for ops it has no rule for. A random op's draw follows `Randomness`: the
+DRAWS table says whether a call draws at all, BATCH_SAME_RANDOMNESS holds the rules that share one draw.
 """
 
 from __future__ import annotations
@@ -24,10 +18,12 @@ import torch
 
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
+from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops import impls, prims
-from fulmen.ops.registry import impl_symbol, rule_registrar
+from fulmen.ops.registry import impl_symbol
+from fulmen.ops.rules.batch import Batch
+from fulmen.ops.rules.tables import RuleKind, rule
 from fulmen.transforms.autodiff import STORAGE_OPS
 from fulmen.transforms.inline import Emitter
 from fulmen.transforms.recording import run_recorded
@@ -41,48 +37,7 @@ class Randomness(enum.Enum):
     DIFFERENT = "different"  # an independent draw per example
 
 
-class Batch:
-    """What a batching rule knows: the batch size and which values carry the batch dimension (always dim 0)."""
-
-    def __init__(self, size: int, batched: set[str]) -> None:
-        self.size = size
-        self.names = batched
-
-    def batched(self, x: Any) -> bool:
-        return type(x) is TensorProxy and x.pname in self.names
-
-    def materialize(self, x: Any) -> Any:
-        """`x` with a batch dimension: an unbatched tensor is broadcast over the batch (a view)."""
-        if type(x) is not TensorProxy or self.batched(x):
-            return x
-        return prims.expand(prims.unsqueeze(x, 0), (self.size, *x.shape))
-
-    def pad_to(self, x: TensorProxy, ndim: int) -> TensorProxy:
-        """A batched `x` with size-1 dims after the batch dim, so that one example has `ndim` dims (for
-        broadcasting against operands with more dims, which would otherwise align with the batch dim)."""
-        example = x.dim() - 1
-        if example >= ndim:
-            return x
-        return prims.reshape(x, (self.size, *(1,) * (ndim - example), *x.shape[1:]))
-
-
-BatchRule = Callable[[Batch, tuple, dict], Any]
-
-# symbol -> rule (fulmen.transforms.batching_prims and batching_torch fill it).
-BATCH_RULES: dict[Symbol, BatchRule] = {}
-
 BATCH_LOOP = impl_symbol(impls.batch_loop)
-
-# Random symbols that draw only for some arguments -> whether a call with these draws (dropout draws only in
-# training with 0 < p < 1; torch.func.vmap runs the others under randomness='error').
-DRAWS: dict[Symbol, Callable[..., bool]] = {}
-# symbol -> its batching rule under randomness='same' for batched arguments: one draw shared by every example
-# (fulmen.transforms.batching_random fills both).
-SAME_RANDOMNESS_RULES: dict[Symbol, BatchRule] = {}
-
-
-# @register_batching(target): the decorated function is the batching rule of `target` (a symbol or a torch callable).
-register_batching = rule_registrar(BATCH_RULES, "a batching rule")
 
 
 def draws_random(bsyms: list[BoundSymbol]) -> bool:
@@ -112,14 +67,14 @@ class BatchTransform:
     def call(self, bsym: BoundSymbol) -> None:
         args, kwargs = self.emitter.read(bsym.args), self.emitter.read(bsym.kwargs)
         batched = [self.batch.batched(p) for p in iter_proxies((args, kwargs))]
-        draws = DRAWS.get(bsym.sym)
+        draws = rule(RuleKind.DRAWS, bsym.sym)
         random = bool(bsym.sym.tags & Tag.RANDOM) and (draws is None or draws(*args, **kwargs))
         if random and self.randomness is Randomness.ERROR:
             raise TraceError(f"fulmen.vmap: {bsym.sym.printed} draws random numbers; pass randomness='same' or "
                              "'different' to say what each example gets (as torch.func.vmap)", bsym.source)
         if random and self.randomness is Randomness.SAME and any(batched):
-            rule = SAME_RANDOMNESS_RULES.get(bsym.sym)
-            if rule is None or not self._apply(bsym, lambda: rule(self.batch, args, kwargs)):
+            same = rule(RuleKind.BATCH_SAME_RANDOMNESS, bsym.sym)
+            if same is None or not self._apply(bsym, lambda: same(self.batch, args, kwargs)):
                 raise TraceError(f"fulmen.vmap(randomness='same') cannot batch {bsym.sym.printed} over batched "
                                  "arguments: each example would need its own values with shared randomness "
                                  "(torch.func.vmap refuses it too); use randomness='different'", bsym.source)
@@ -130,8 +85,8 @@ class BatchTransform:
         if bsym.sym.tags & Tag.IMPURE or bsym.sym.printed in STORAGE_OPS:
             raise TraceError(f"fulmen.vmap cannot batch {bsym.sym.printed}: it writes into a tensor or addresses "
                              "storage, which traces do not model", bsym.source)
-        rule = None if random else BATCH_RULES.get(bsym.sym)
-        if rule is not None and self._apply(bsym, lambda: rule(self.batch, args, kwargs)):
+        batching = None if random else rule(RuleKind.BATCH, bsym.sym)
+        if batching is not None and self._apply(bsym, lambda: batching(self.batch, args, kwargs)):
             return
         if bsym.subsymbols and not random:
             self.run(bsym.subsymbols)

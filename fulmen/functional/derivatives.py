@@ -22,7 +22,6 @@ import torch._functorch.apis
 from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-import fulmen.transforms.jvp_rules  # noqa: F401  (registers the JVP rules)
 from fulmen.acquisition.acquire import Interpreter, current_interpreter
 from fulmen.acquisition.torch_func_calls import made_as
 from fulmen.core.errors import TraceError

@@ -1,19 +1,9 @@
-"""Forward-mode autodiff on a trace: JVP rules, one table, and the transform that runs them (fulmen.jvp).
+"""Forward-mode autodiff on a trace: the transform that runs the JVP rules (fulmen.jvp).
 
-A JVP rule gets `dot` (a tensor's tangent, None when it is zero), then the call's arguments and keyword arguments,
-and returns the call's outputs and their tangents (same structure, None for zero):
-
-    @register_jvp(prims.mul)
-    def _mul(dot, args, kwargs):
-        a, b = args
-        y = prims.mul(a, b)
-        return y, add_tangents(dot(a) * b if dot(a) is not None else None, ...)
-
-Rules record with symbols and torch calls on the proxies, as grad rules do. A call none of whose inputs has a
-tangent is copied as it is; a symbol without a rule is differentiated through its decomposition; a leaf without
-either runs torch's own forward-mode AD on its callable (`impls.torch_jvp`), which also gives its outputs, so a
-random draw happens once. Most rules come from the grad rules' formulas: an elementwise op's Jacobian is diagonal,
-so its JVP applies the VJP formula to the tangent; a linear op's JVP is the op applied to the tangents.
+The rules are the JVP table of fulmen.ops.rules.tables, written with fulmen.ops.rules.jvp (which says what a rule
+gets and returns). A call none of whose inputs has a tangent is copied as it is; a symbol without a rule is
+differentiated through its decomposition; a leaf without either runs torch's own forward-mode AD on its callable
+(`impls.torch_jvp`), which also gives its outputs, so a random draw happens once.
 """
 
 from __future__ import annotations
@@ -24,43 +14,16 @@ from typing import Any
 from fulmen.core import pytree
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
+from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
-from fulmen.ops import impls, prims
-from fulmen.ops.registry import impl_symbol, rule_registrar
+from fulmen.ops import impls
+from fulmen.ops.registry import impl_symbol
+from fulmen.ops.rules.jvp import differentiable
+from fulmen.ops.rules.tables import RuleKind, rule
 from fulmen.transforms.inline import Emitter
 from fulmen.transforms.recording import run_recorded
 
-Dot = Callable[[Any], TensorProxy | None]
-JvpRule = Callable[[Dot, tuple, dict], tuple[Any, Any]]
-
-# symbol -> rule (fulmen.transforms.jvp_rules fills it).
-JVP_RULES: dict[Symbol, JvpRule] = {}
-
 TORCH_JVP = impl_symbol(impls.torch_jvp)
-
-
-# @register_jvp(target): the decorated function is the JVP rule of `target` (a symbol or a torch callable).
-register_jvp = rule_registrar(JVP_RULES, "a JVP rule")
-
-
-def differentiable(x: Any) -> bool:
-    return type(x) is TensorProxy and (x.dtype.is_floating_point or x.dtype.is_complex)
-
-
-def zeros_like(x: TensorProxy) -> TensorProxy:
-    return prims.full(tuple(x.shape), 0, dtype=x.dtype, device=x.device)
-
-
-def add_tangents(*tangents: TensorProxy | None) -> TensorProxy | None:
-    """The sum of the nonzero tangents (None when all are zero)."""
-    present = [t for t in tangents if t is not None]
-    if not present:
-        return None
-    total = present[0]
-    for t in present[1:]:
-        total = total + t
-    return total
 
 
 class JvpTransform:
@@ -94,8 +57,8 @@ class JvpTransform:
         if bsym.sym.tags & Tag.IMPURE:
             raise TraceError(f"fulmen.jvp cannot differentiate {bsym.sym.printed}: it writes into a tensor",
                              bsym.source)
-        rule = JVP_RULES.get(bsym.sym)
-        if rule is not None and self._apply(bsym, lambda: rule(self.dot, args, kwargs)):
+        jvp = rule(RuleKind.JVP, bsym.sym)
+        if jvp is not None and self._apply(bsym, lambda: jvp(self.dot, args, kwargs)):
             return
         if bsym.subsymbols and not bsym.draws_random():
             self.run(bsym.subsymbols)

@@ -14,8 +14,6 @@ import torch
 import torch._functorch.apis
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_leaves, tree_unflatten
 
-import fulmen.transforms.batching_random  # noqa: F401  (registers the batching rules)
-import fulmen.transforms.batching_torch  # noqa: F401  (registers the batching rules)
 from fulmen.acquisition.acquire import Interpreter, current_interpreter
 from fulmen.acquisition.torch_func_calls import made_as
 from fulmen.core.proxies import TensorProxy

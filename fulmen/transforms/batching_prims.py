@@ -1,60 +1,23 @@
-"""The batching rules of the prims, and the helpers rules share. Symbols without a rule are batched through their
-decomposition, or run once per example. A batched value carries its batch dim first.
+"""The batching rules of the prims (written with fulmen.ops.rules.batch). Symbols without a rule are batched through
+their decomposition, or run once per example. A batched value carries its batch dim first.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from fulmen.functional.batching import BATCH_RULES, Batch, register_batching
 from fulmen.ops import prims
+from fulmen.ops.rules.batch import Batch, batch_matmul, elementwise, example_shape, shift
+from fulmen.ops.rules.tables import RuleKind, register
 
-
-def shift(dim: int) -> int:
-    """A dim of one example as a dim of the batch: non-negative dims move by one, negative ones stay."""
-    return dim + 1 if dim >= 0 else dim
-
-
-def is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-def example_shape(batch: Batch, x: torch.Tensor) -> tuple[int, ...]:
-    return tuple(x.shape[1:]) if batch.batched(x) else tuple(x.shape)
-
-
-def broadcast(batch: Batch, *operands: Any) -> list[Any]:
-    """The tensor operands as batches of one common shape (one example's operands broadcast together)."""
-    shapes = [example_shape(batch, x) for x in operands if is_tensor(x)]
-    target = tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
-    result = []
-    for x in operands:
-        if is_tensor(x):
-            x = batch.pad_to(x, len(target)) if batch.batched(x) else batch.materialize(x)
-            if tuple(x.shape[1:]) != target:
-                x = prims.expand(batch.pad_to(x, len(target)), (batch.size, *target))
-        result.append(x)
-    return result
+BATCH = RuleKind.BATCH
 
 
 # --- elementwise ---------------------------------------------------------------------------------------------------
-def elementwise(fn: Callable[..., Any]):
-    """The rule of an op that broadcasts its tensor arguments elementwise."""
-
-    def rule(batch: Batch, args: tuple, kwargs: dict):
-        keys = list(kwargs)
-        operands = broadcast(batch, *args, *(kwargs[k] for k in keys))
-        return fn(*operands[: len(args)], **dict(zip(keys, operands[len(args):])))
-
-    return rule
-
-
 for _name in (*prims.UNARY, *prims.BINARY, "where"):
-    BATCH_RULES[prims.PRIMS[_name]] = elementwise(prims.PRIMS[_name])
+    register(BATCH, prims.PRIMS[_name], elementwise(prims.PRIMS[_name]))
 
 
 def _same_call(prim):
@@ -65,9 +28,13 @@ def _same_call(prim):
 
 
 for _name in ("convert_element_type", "device_put", "alias", "pad"):
-    BATCH_RULES[prims.PRIMS[_name]] = _same_call(prims.PRIMS[_name])
-# a memory format names the layout of one example's dims: a batch has one more (the values are the same)
-BATCH_RULES[prims.clone] = lambda batch, args, kwargs: prims.clone(args[0])
+    register(BATCH, prims.PRIMS[_name], _same_call(prims.PRIMS[_name]))
+
+
+@register(BATCH, prims.clone)
+def _clone(batch: Batch, args: tuple, kwargs: dict):
+    # a memory format names the layout of one example's dims: a batch has one more (the values are the same)
+    return prims.clone(args[0])
 
 
 # --- reductions and scans over explicit dims -----------------------------------------------------------------------
@@ -83,10 +50,10 @@ def _over_dims(prim):
 
 
 for _name in ("sum", "amax", "amin", "var", "flip"):
-    BATCH_RULES[prims.PRIMS[_name]] = _over_dims(prims.PRIMS[_name])
+    register(BATCH, prims.PRIMS[_name], _over_dims(prims.PRIMS[_name]))
 
 
-@register_batching(prims.prod)
+@register(BATCH, prims.prod)
 def _prod(batch: Batch, args: tuple, kwargs: dict):
     x, dims = args
     if len(dims) == 1:
@@ -110,41 +77,41 @@ def _at_dim(prim, position: int):
 
 for _name, _position in (("cumsum", 1), ("topk", 2), ("sort", 1), ("argmax", 1), ("argmin", 1), ("select", 1),
                          ("unsqueeze", 1)):
-    BATCH_RULES[prims.PRIMS[_name]] = _at_dim(prims.PRIMS[_name], _position)
+    register(BATCH, prims.PRIMS[_name], _at_dim(prims.PRIMS[_name], _position))
 
 
 # --- shapes --------------------------------------------------------------------------------------------------------
-@register_batching(prims.reshape)
+@register(BATCH, prims.reshape)
 def _reshape(batch: Batch, args: tuple, kwargs: dict):
     x, shape = args
     return prims.reshape(x, (batch.size, *shape))
 
 
-@register_batching(prims.permute)
+@register(BATCH, prims.permute)
 def _permute(batch: Batch, args: tuple, kwargs: dict):
     x, perm = args
     return prims.permute(x, (0, *(p % (x.dim() - 1) + 1 for p in perm)))
 
 
-@register_batching(prims.expand)
+@register(BATCH, prims.expand)
 def _expand(batch: Batch, args: tuple, kwargs: dict):
     x, shape = args
     return prims.expand(batch.pad_to(x, len(shape)), (batch.size, *shape))
 
 
-@register_batching(prims.squeeze)
+@register(BATCH, prims.squeeze)
 def _squeeze(batch: Batch, args: tuple, kwargs: dict):
     x, dims = args
     return prims.squeeze(x, tuple(shift(d) for d in dims))
 
 
-@register_batching(prims.slice)
+@register(BATCH, prims.slice)
 def _slice(batch: Batch, args: tuple, kwargs: dict):
     x, starts, ends, steps = args
     return prims.slice(x, (0, *starts), (batch.size, *ends), (1, *steps))
 
 
-@register_batching(prims.cat)
+@register(BATCH, prims.cat)
 def _cat(batch: Batch, args: tuple, kwargs: dict):
     tensors, dim = args
     return prims.cat([batch.materialize(t) for t in tensors], shift(dim))
@@ -160,7 +127,7 @@ def _along(index: torch.Tensor, dim: int, like: torch.Tensor) -> torch.Tensor:
     return prims.expand(prims.reshape(index, tuple(shape)), tuple(target))
 
 
-@register_batching(prims.take)
+@register(BATCH, prims.take)
 def _take(batch: Batch, args: tuple, kwargs: dict):
     x, index, dim = args
     if len(example_shape(batch, x)) == 0:
@@ -171,19 +138,19 @@ def _take(batch: Batch, args: tuple, kwargs: dict):
     return prims.take_along_axis(x, _along(index, shift(dim), x), shift(dim))
 
 
-@register_batching(prims.take_along_axis)
+@register(BATCH, prims.take_along_axis)
 def _take_along_axis(batch: Batch, args: tuple, kwargs: dict):
     x, index, dim = args
     return prims.take_along_axis(batch.materialize(x), batch.materialize(index), shift(dim))
 
 
-@register_batching(prims.scatter_add)
+@register(BATCH, prims.scatter_add)
 def _scatter_add(batch: Batch, args: tuple, kwargs: dict):
     x, dim, index, src = args
     return prims.scatter_add(batch.materialize(x), shift(dim), batch.materialize(index), batch.materialize(src))
 
 
-@register_batching(prims.index_copy)
+@register(BATCH, prims.index_copy)
 def _index_copy(batch: Batch, args: tuple, kwargs: dict):
     x, dim, index, source = args
     if batch.batched(index):
@@ -191,34 +158,16 @@ def _index_copy(batch: Batch, args: tuple, kwargs: dict):
     return prims.index_copy(batch.materialize(x), shift(dim), index, batch.materialize(source))
 
 
-@register_batching(prims.slice_scatter)
+@register(BATCH, prims.slice_scatter)
 def _slice_scatter(batch: Batch, args: tuple, kwargs: dict):
     x, src, dim, *rest = args
     return prims.slice_scatter(batch.materialize(x), batch.materialize(src), shift(dim), *rest)
 
 
-@register_batching(prims.select_scatter)
+@register(BATCH, prims.select_scatter)
 def _select_scatter(batch: Batch, args: tuple, kwargs: dict):
     x, src, dim, index = args
     return prims.select_scatter(batch.materialize(x), batch.materialize(src), shift(dim), index)
 
 
-@register_batching(prims.matmul)
-def batch_matmul(batch: Batch, args: tuple, kwargs: dict):
-    a, b = args
-    batched_a, batched_b = batch.batched(a), batch.batched(b)
-    ndim_a, ndim_b = len(example_shape(batch, a)), len(example_shape(batch, b))
-    if ndim_a == 1:  # one example's vector times a matrix: a row vector, squeezed off the result
-        a = prims.unsqueeze(a, a.dim() - 1)
-    if ndim_b == 1:
-        b = prims.unsqueeze(b, b.dim())
-    # One example's batch dims broadcast right-aligned: pad the batched operands so the batch dims align.
-    ndim = max(ndim_a, ndim_b, 2)
-    a = batch.pad_to(a, ndim) if batched_a else a
-    b = batch.pad_to(b, ndim) if batched_b else b
-    out = prims.matmul(a, b)
-    if ndim_a == 1:
-        out = prims.squeeze(out, (out.dim() - 2,))
-    if ndim_b == 1:
-        out = prims.squeeze(out, (out.dim() - 1,))
-    return out
+register(BATCH, prims.matmul, batch_matmul)

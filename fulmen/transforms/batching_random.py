@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from fulmen.core.symbol import iter_proxies
-from fulmen.functional.batching import DRAWS, SAME_RANDOMNESS_RULES, Batch
 from fulmen.ops import lookup, prims
+from fulmen.ops.rules.batch import Batch
+from fulmen.ops.rules.tables import RuleKind, register
 
 
 def _like_same(sym):
@@ -26,7 +27,7 @@ def _like_same(sym):
 
 
 for _fn in (torch.rand_like, torch.randn_like, torch.randint_like):
-    SAME_RANDOMNESS_RULES[lookup(_fn).symbol] = _like_same(lookup(_fn).symbol)
+    register(RuleKind.BATCH_SAME_RANDOMNESS, _fn, _like_same(lookup(_fn).symbol))
 
 
 # dropout spelling -> its (input, p, training) from the call's arguments
@@ -58,5 +59,5 @@ def _dropout_same(sym, arguments):
 
 
 for _fn, _arguments in _DROPOUTS.items():
-    DRAWS[lookup(_fn).symbol] = _dropout_draws(_arguments)
-    SAME_RANDOMNESS_RULES[lookup(_fn).symbol] = _dropout_same(lookup(_fn).symbol, _arguments)
+    register(RuleKind.DRAWS, _fn, _dropout_draws(_arguments))
+    register(RuleKind.BATCH_SAME_RANDOMNESS, _fn, _dropout_same(lookup(_fn).symbol, _arguments))

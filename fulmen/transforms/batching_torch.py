@@ -1,5 +1,6 @@
 """The batching rules of torch-level leaves (symbols without a prim decomposition, or whose decomposition declines
-some arguments): elementwise ops, ops along a dim, scatters, losses, convolutions, matmul variants.
+some arguments): elementwise ops, ops along a dim, scatters, losses, convolutions, matmul variants. They are written
+with fulmen.ops.rules.batch.
 """
 
 from __future__ import annotations
@@ -11,21 +12,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fulmen.functional.batching import BATCH_RULES, Batch, register_batching
 from fulmen.ops import lookup, prims
 from fulmen.ops.registry import SYMBOLS
-from fulmen.transforms.batching_prims import batch_matmul, broadcast, elementwise, is_tensor, shift
+from fulmen.ops.rules.batch import Batch, batch_matmul, broadcast, elementwise, is_tensor, shift, with_dim
+from fulmen.ops.rules.tables import RuleKind, register
+
+BATCH = RuleKind.BATCH
 
 for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
             F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink, F.threshold, torch.nan_to_num, torch.clamp_min,
             torch.clamp_max, torch.fmax, torch.fmin, torch.xlogy, torch.lerp, torch.addcmul, torch.addcdiv,
             torch.float_power, torch.isclose, torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__, torch.round,
             torch.empty_like, torch.full_like):
-    BATCH_RULES[lookup(_fn).symbol] = elementwise(lookup(_fn).symbol)
-BATCH_RULES[SYMBOLS["impls.keep_history"]] = elementwise(SYMBOLS["impls.keep_history"])  # its value is the new one
+    register(BATCH, _fn, elementwise(lookup(_fn).symbol))
+register(BATCH, SYMBOLS["impls.keep_history"], elementwise(SYMBOLS["impls.keep_history"]))  # its value is the new one
 
 
-@register_batching(SYMBOLS["impls.setitem"])
+@register(BATCH, SYMBOLS["impls.setitem"])
 def _setitem(batch: Batch, args: tuple, kwargs: dict):
     x, index, value = args
     items = index if isinstance(index, tuple) else (index,)
@@ -39,7 +42,7 @@ def _setitem(batch: Batch, args: tuple, kwargs: dict):
     return SYMBOLS["impls.setitem"](x, (slice(None), *items), value)
 
 
-@register_batching(torch.ops.aten.index.Tensor)
+@register(BATCH, torch.ops.aten.index.Tensor)
 def _aten_index(batch: Batch, args: tuple, kwargs: dict):
     """`x[i, j, ...]` with index tensors for its first dims: the batch becomes one more index (the first, an
     arange over x's batch dim) or stays the first dim of the broadcast indices."""
@@ -55,38 +58,7 @@ def _aten_index(batch: Batch, args: tuple, kwargs: dict):
 
 
 # --- torch-level leaves with a dim argument ------------------------------------------------------------------------
-def with_dim(fn: Callable[..., Any], position: int, keyword: str, default: int | None, flatten: bool = False):
-    """The rule of an op of one tensor and a `dim` argument (at `position` or `keyword`). dim=None (every dim) is
-    declined, or with `flatten` (ops that then reduce the flattened tensor) taken over each flattened example."""
-
-    def rule(batch: Batch, args: tuple, kwargs: dict):
-        if any(is_tensor(a) for a in (*args[1:], *kwargs.values())) or args[0].dim() == 1:
-            return NotImplemented  # tensor arguments, or a 0-dim example (dims 0 and -1 name its one element)
-        args, kwargs = list(args), dict(kwargs)
-        if position < len(args):
-            dim = args[position]
-        else:
-            dim = kwargs.get(keyword, default)
-        if isinstance(dim, (tuple, list)) and dim and all(type(d) is int for d in dim):
-            moved: Any = type(dim)(shift(d) for d in dim)
-        elif type(dim) is int:
-            moved = shift(dim)
-        elif dim is None and flatten and len(args) <= position:
-            x = args[0]
-            keepdim = kwargs.pop("keepdim", False)
-            out = fn(prims.reshape(x, (batch.size, math.prod(x.shape[1:]))), **{**kwargs, keyword: 1})
-            return prims.reshape(out, (batch.size, *(1,) * (x.dim() - 1))) if keepdim else out
-        else:
-            return NotImplemented  # None (every dim) or another overload (var_mean(x, unbiased))
-        if position < len(args):
-            args[position] = moved
-        else:
-            kwargs[keyword] = moved
-        return fn(*args, **kwargs)
-
-    return rule
-
-
+# op -> where its dim argument is: (position, keyword, default)
 DIM_OPS: dict[Callable[..., Any], tuple[int, str, int | None]] = {
     torch.logsumexp: (1, "dim", None), torch.cumsum: (1, "dim", None), torch.cumprod: (1, "dim", None),
     torch.logcumsumexp: (1, "dim", None), torch.cummax: (1, "dim", None), torch.topk: (2, "dim", -1),
@@ -98,13 +70,21 @@ DIM_OPS: dict[Callable[..., Any], tuple[int, str, int | None]] = {
     torch.any: (1, "dim", None), torch.count_nonzero: (1, "dim", None),
 }
 FLATTENING = (torch.argmax, torch.argmin, torch.all, torch.any, torch.count_nonzero)
-for _fn, (_position, _keyword, _default) in DIM_OPS.items():
-    BATCH_RULES[lookup(_fn).symbol] = with_dim(lookup(_fn).symbol, _position, _keyword, _default, _fn in FLATTENING)
+ELEMENTWISE_OF_TWO = (torch.max, torch.min)  # also ops of two tensors (maximum / minimum): their rule is below
 
 
-def _max_min(fn):
-    """torch.max / min: of two tensors elementwise, else along a dim."""
-    along, pointwise = BATCH_RULES[fn], elementwise(fn)
+def _dim_rule(fn: Callable[..., Any]):
+    return with_dim(lookup(fn).symbol, *DIM_OPS[fn], fn in FLATTENING)
+
+
+for _fn in DIM_OPS:
+    if _fn not in ELEMENTWISE_OF_TWO:
+        register(BATCH, _fn, _dim_rule(_fn))
+
+
+def _max_min(fn, along):
+    """torch.max / min: of two tensors elementwise, else along a dim (`along`)."""
+    pointwise = elementwise(fn)
 
     def rule(batch: Batch, args: tuple, kwargs: dict):
         return pointwise(batch, args, kwargs) if len(args) > 1 and is_tensor(args[1]) else along(batch, args, kwargs)
@@ -112,11 +92,11 @@ def _max_min(fn):
     return rule
 
 
-for _fn in (torch.max, torch.min):
-    BATCH_RULES[lookup(_fn).symbol] = _max_min(lookup(_fn).symbol)
+for _fn in ELEMENTWISE_OF_TWO:
+    register(BATCH, _fn, _max_min(lookup(_fn).symbol, _dim_rule(_fn)))
 
 
-@register_batching(torch.index_add)
+@register(BATCH, torch.index_add)
 def _index_add(batch: Batch, args: tuple, kwargs: dict):
     x, dim, index, source = args
     if batch.batched(index):
@@ -125,7 +105,7 @@ def _index_add(batch: Batch, args: tuple, kwargs: dict):
                                           **kwargs)
 
 
-@register_batching(torch.index_fill)
+@register(BATCH, torch.index_fill)
 def _index_fill(batch: Batch, args: tuple, kwargs: dict):
     x, dim, index, value = args
     if batch.batched(index) or batch.batched(value):
@@ -146,11 +126,11 @@ def _scatter_like(fn: Callable[..., Any]):
 
 
 for _fn in (torch.scatter, torch.scatter_add):
-    BATCH_RULES[lookup(_fn).symbol] = _scatter_like(lookup(_fn).symbol)
+    register(BATCH, _fn, _scatter_like(lookup(_fn).symbol))
 
 
 
-@register_batching(torch.diagonal)
+@register(BATCH, torch.diagonal)
 def _diagonal(batch: Batch, args: tuple, kwargs: dict):
     x, offset, dim1, dim2 = _diagonal_args(args, kwargs)
     return lookup(torch.diagonal).symbol(x, offset, shift(dim1), shift(dim2))
@@ -163,7 +143,7 @@ def _diagonal_args(args: tuple, kwargs: dict) -> tuple:
     return (args[0], *(values.get(n, kwargs.get(n, defaults[n])) for n in names))
 
 
-@register_batching(torch.tile)
+@register(BATCH, torch.tile)
 def _tile(batch: Batch, args: tuple, kwargs: dict):
     x, dims = args[0], tuple(args[1] if len(args) > 1 else kwargs["dims"])
     x = batch.pad_to(x, len(dims))
@@ -185,8 +165,8 @@ def _scatter_into(fn, dim_position: int, dim_default: int):
     return rule
 
 
-BATCH_RULES[lookup(torch.select_scatter).symbol] = _scatter_into(lookup(torch.select_scatter).symbol, 2, 0)
-BATCH_RULES[lookup(torch.slice_scatter).symbol] = _scatter_into(lookup(torch.slice_scatter).symbol, 2, 0)
+register(BATCH, torch.select_scatter, _scatter_into(lookup(torch.select_scatter).symbol, 2, 0))
+register(BATCH, torch.slice_scatter, _scatter_into(lookup(torch.slice_scatter).symbol, 2, 0))
 
 
 def _batched_matmul(batch: Batch, a: Any, b: Any) -> torch.Tensor:
@@ -195,13 +175,13 @@ def _batched_matmul(batch: Batch, a: Any, b: Any) -> torch.Tensor:
     return out
 
 
-@register_batching(torch.Tensor.__rmatmul__)
+@register(BATCH, torch.Tensor.__rmatmul__)
 def _rmatmul(batch: Batch, args: tuple, kwargs: dict):
     x, other = args
     return batch_matmul(batch, (other, x), {})
 
 
-@register_batching(torch.outer)
+@register(BATCH, torch.outer)
 def _outer(batch: Batch, args: tuple, kwargs: dict):
     a, b = (batch.materialize(x) for x in args)
     return prims.mul(prims.expand(prims.unsqueeze(a, 2), (batch.size, a.shape[1], b.shape[1])),
@@ -228,7 +208,7 @@ def _matmul_plus(fn):
 
 
 for _fn in (torch.addmm, torch.baddbmm):
-    BATCH_RULES[lookup(_fn).symbol] = _matmul_plus(lookup(_fn).symbol)
+    register(BATCH, _fn, _matmul_plus(lookup(_fn).symbol))
 
 
 def _loss(fn):
@@ -260,7 +240,7 @@ def _loss(fn):
 
 for _fn in (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.binary_cross_entropy, F.binary_cross_entropy_with_logits,
             F.kl_div):
-    BATCH_RULES[lookup(_fn).symbol] = _loss(lookup(_fn).symbol)
+    register(BATCH, _fn, _loss(lookup(_fn).symbol))
 
 
 def _conv(fn, spatial: int):
@@ -279,10 +259,10 @@ def _conv(fn, spatial: int):
 
 
 for _fn, _spatial in ((F.conv1d, 1), (F.conv2d, 2)):
-    BATCH_RULES[lookup(_fn).symbol] = _conv(lookup(_fn).symbol, _spatial)
+    register(BATCH, _fn, _conv(lookup(_fn).symbol, _spatial))
 
 
-@register_batching(F.pad)
+@register(BATCH, F.pad)
 def _pad(batch: Batch, args: tuple, kwargs: dict):
     """pad (reflect, replicate, circular): the batch joins the input's leading (batch, channel) dims."""
     x, pad = args[0], tuple(args[1] if len(args) > 1 else kwargs["pad"])
@@ -319,10 +299,10 @@ def _by_example_shape(fn):
 
 
 for _fn in (torch.atleast_1d, torch.atleast_2d, torch.atleast_3d):
-    BATCH_RULES[lookup(_fn).symbol] = _by_example_shape(lookup(_fn).symbol)
+    register(BATCH, _fn, _by_example_shape(lookup(_fn).symbol))
 
 
-@register_batching(torch.roll)
+@register(BATCH, torch.roll)
 def _roll(batch: Batch, args: tuple, kwargs: dict):
     x, shifts = args[0], args[1] if len(args) > 1 else kwargs["shifts"]
     dims = args[2] if len(args) > 2 else kwargs.get("dims")

@@ -11,57 +11,37 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fulmen.core import pytree
-from fulmen.functional.forward_mode import JVP_RULES, Dot, add_tangents, register_jvp, zeros_like
 from fulmen.ops import backward_kernels, lookup, prims
 from fulmen.ops.registry import SYMBOLS
+from fulmen.ops.rules.grad_formulas import BINARY_VJPS, keep_reduced
+from fulmen.ops.rules.jvp import (
+    Dot,
+    add_tangents,
+    as_tangent,
+    bilinear,
+    binary,
+    binary_tangent,
+    by_derivative,
+    constant,
+    is_tensor,
+    linear,
+    tangent_or_zero,
+    unary,
+)
+from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.utils import compute_dtype
-from fulmen.transforms.vjp_prims import BINARY_VJPS, UNARY_VJPS, keep_reduced
+from fulmen.transforms.vjp_prims import UNARY_VJPS
 
+JVP = RuleKind.JVP
 
-def _tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-def _as_tangent(t: Any, y: torch.Tensor) -> torch.Tensor:
-    """A contribution to `y`'s tangent with `y`'s dtype and shape (a VJP formula may give a number, or a
-    broadcastable tensor when a 0-dim operand met a dimensioned one)."""
-    if not _tensor(t):
-        return torch.full_like(y, t)
-    t = t.to(y.dtype) if t.dtype != y.dtype else t
-    return t.expand(y.shape) if tuple(t.shape) != tuple(y.shape) else t
-
-
-# --- elementwise: the VJP formula applied to the tangent (a diagonal Jacobian is its own transpose) --------------
-def _unary(prim, vjp):
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        (x,) = args
-        y = prim(x)
-        return y, _as_tangent(vjp(x, y, dot(x)), y)
-
-    return rule
-
-
+# --- elementwise: the VJP formula applied to the tangent -----------------------------------------------------------
 for _name, _vjp in UNARY_VJPS.items():
-    JVP_RULES[getattr(prims, _name)] = _unary(getattr(prims, _name), _vjp)
-
-
-def _binary(prim, vjp):
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        a, b = args
-        y = prim(a, b)
-        ta, tb = dot(a), dot(b)
-        return y, add_tangents(None if ta is None else _as_tangent(vjp(a, b, y, ta)[0], y),
-                               None if tb is None else _as_tangent(vjp(a, b, y, tb)[1], y))
-
-    return rule
-
-
+    register(JVP, prims.PRIMS[_name], unary(prims.PRIMS[_name], _vjp))
 for _name, _vjp in BINARY_VJPS.items():
-    JVP_RULES[getattr(prims, _name)] = _binary(getattr(prims, _name), _vjp)
+    register(JVP, prims.PRIMS[_name], binary(prims.PRIMS[_name], _vjp))
 
 
-@register_jvp(prims.where)
+@register(JVP, prims.where)
 def _where(dot: Dot, args: tuple, kwargs: dict):
     cond, a, b = args
     y = prims.where(cond, a, b)
@@ -70,36 +50,7 @@ def _where(dot: Dot, args: tuple, kwargs: dict):
 
 
 # --- linear ops: the op applied to the tangents (zeros for the operands without one) -----------------------------
-def _operand_tangent(dot: Dot, x: Any) -> Any:
-    """`x` with its tensors replaced by their tangents and its numbers by zeros."""
-    return pytree.tree_map(lambda leaf: _leaf_tangent(dot, leaf), x, pytree.is_leaf)
-
-
-def _leaf_tangent(dot: Dot, x: Any) -> Any:
-    if _tensor(x):
-        t = dot(x)
-        return t if t is not None else zeros_like(x)
-    if isinstance(x, (int, float, complex)) and not isinstance(x, bool):
-        return type(x)(0)
-    return x
-
-
-def linear(fn: Callable[..., Any], operands: tuple[int | str, ...]):
-    """The rule of `fn`, linear in the arguments at `operands` (positions or keywords) taken together."""
-
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        y = fn(*args, **kwargs)
-        targs, tkwargs = list(args), dict(kwargs)
-        for operand in operands:
-            if isinstance(operand, int) and operand < len(targs):
-                targs[operand] = _operand_tangent(dot, targs[operand])
-            elif isinstance(operand, str) and operand in tkwargs:
-                tkwargs[operand] = _operand_tangent(dot, tkwargs[operand])
-        return y, fn(*targs, **tkwargs)
-
-    return rule
-
-
+# prim name -> the arguments it is linear in
 PRIM_OPERANDS: dict[str, tuple[int, ...]] = {
     **dict.fromkeys(("convert_element_type", "device_put", "alias", "clone", "sum", "cumsum", "reshape", "permute",
                      "expand", "squeeze", "unsqueeze", "slice", "select", "cat", "flip", "take",
@@ -108,7 +59,7 @@ PRIM_OPERANDS: dict[str, tuple[int, ...]] = {
     "select_scatter": (0, 1),
 }
 for _name, _operands in PRIM_OPERANDS.items():
-    JVP_RULES[prims.PRIMS[_name]] = linear(prims.PRIMS[_name], _operands)
+    register(JVP, prims.PRIMS[_name], linear(prims.PRIMS[_name], _operands))
 
 _EVERY_POSITIONAL = tuple(range(64))  # ops of any number of tensors (torch.broadcast_tensors(*tensors))
 T = torch.Tensor
@@ -123,22 +74,19 @@ TORCH_OPERANDS: dict[Callable[..., Any], tuple[int | str, ...]] = {
     torch.select_scatter: (0, 1, "src"), torch.diagonal_scatter: (0, 1, "src"),
 }
 for _fn, _operands in TORCH_OPERANDS.items():
-    _sym = lookup(_fn).symbol
-    JVP_RULES[_sym] = linear(_sym, _operands)
+    register(JVP, _fn, linear(lookup(_fn).symbol, _operands))
 # fulmen's functional forms of in-place updates
 for _name, _operands in (("setitem", (0, 2)), ("copy", (1,)), ("fill", (1,)), ("view_scatter", (0, 1))):
-    JVP_RULES[SYMBOLS[f"impls.{_name}"]] = linear(SYMBOLS[f"impls.{_name}"], _operands)
+    register(JVP, SYMBOLS[f"impls.{_name}"], linear(SYMBOLS[f"impls.{_name}"], _operands))
 
 
+@register(JVP, SYMBOLS["impls.keep_history"])
 def _keep_history(dot: Dot, args: tuple, kwargs: dict):
     old, new = args
     return SYMBOLS["impls.keep_history"](old, new), dot(old)  # an update autograd does not see keeps old's tangent
 
 
-JVP_RULES[SYMBOLS["impls.keep_history"]] = _keep_history
-
-
-@register_jvp(torch.scatter)
+@register(JVP, torch.scatter)
 def _scatter(dot: Dot, args: tuple, kwargs: dict):
     if "reduce" in kwargs:
         return NotImplemented
@@ -146,19 +94,8 @@ def _scatter(dot: Dot, args: tuple, kwargs: dict):
 
 
 # --- bilinear ------------------------------------------------------------------------------------------------------
-def _bilinear(fn: Callable[..., Any]):
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        a, b = args[:2]
-        y = fn(a, b, *args[2:], **kwargs)
-        ta, tb = dot(a), dot(b)
-        return y, add_tangents(None if ta is None else fn(ta, b, *args[2:], **kwargs),
-                               None if tb is None else fn(a, tb, *args[2:], **kwargs))
-
-    return rule
-
-
 for _sym in (prims.matmul, *(lookup(fn).symbol for fn in (torch.matmul, torch.outer, T.__rmatmul__))):
-    JVP_RULES[_sym] = _bilinear(_sym)
+    register(JVP, _sym, bilinear(_sym))
 
 
 # --- reductions and selections -------------------------------------------------------------------------------------
@@ -172,11 +109,11 @@ def _extremum(prim):
     return rule
 
 
-JVP_RULES[prims.amax] = _extremum(prims.amax)
-JVP_RULES[prims.amin] = _extremum(prims.amin)
+register(JVP, prims.amax, _extremum(prims.amax))
+register(JVP, prims.amin, _extremum(prims.amin))
 
 
-@register_jvp(prims.var)
+@register(JVP, prims.var)
 def _var(dot: Dot, args: tuple, kwargs: dict):
     x, dims, correction = args
     y = prims.var(x, dims, correction)
@@ -198,11 +135,11 @@ def _sorted_values(prim, dim_position: int):
     return rule
 
 
-JVP_RULES[prims.topk] = _sorted_values(prims.topk, 2)
-JVP_RULES[prims.sort] = _sorted_values(prims.sort, 1)
+register(JVP, prims.topk, _sorted_values(prims.topk, 2))
+register(JVP, prims.sort, _sorted_values(prims.sort, 1))
 
 
-@register_jvp(torch.logsumexp)
+@register(JVP, torch.logsumexp)
 def _logsumexp(dot: Dot, args: tuple, kwargs: dict):
     x, dim = args[0], args[1] if len(args) > 1 else kwargs["dim"]
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
@@ -211,7 +148,7 @@ def _logsumexp(dot: Dot, args: tuple, kwargs: dict):
     return y, (dot(x) * torch.exp(x - kept)).sum(dim, keepdim=keepdim)
 
 
-@register_jvp(torch.native_layer_norm)
+@register(JVP, torch.native_layer_norm)
 def _native_layer_norm(dot: Dot, args: tuple, kwargs: dict):
     """The normalised output's tangent; the mean and rstd outputs get none, as eager's forward-mode AD gives them
     (they are not differentiable outputs there)."""
@@ -232,10 +169,10 @@ def _native_layer_norm(dot: Dot, args: tuple, kwargs: dict):
     if bias is not None and dot(bias) is not None:
         tangents.append(dot(bias).to(compute))
     tangent = add_tangents(*tangents)
-    return (y, mean, rstd), (None if tangent is None else _as_tangent(tangent, y), None, None)
+    return (y, mean, rstd), (None if tangent is None else as_tangent(tangent, y), None, None)
 
 
-@register_jvp(backward_kernels.layer_norm_backward)
+@register(JVP, backward_kernels.layer_norm_backward)
 def _layer_norm_backward(dot: Dot, args: tuple, kwargs: dict):
     """The tangents of layer norm's grads (forward-over-reverse). The kernel takes the mean and rstd as given, but
     they are x's statistics (the grad rule passes native_layer_norm's), which get no tangent of their own (see
@@ -279,7 +216,7 @@ def _layer_norm_backward(dot: Dot, args: tuple, kwargs: dict):
                                    None if txhat is None else batch_sum(g * txhat))
     if grads[2] is not None and tg is not None:
         tangents[2] = batch_sum(tg)
-    return grads, tuple(None if t is None else _as_tangent(t, grad) for t, grad in zip(tangents, grads))
+    return grads, tuple(None if t is None else as_tangent(t, grad) for t, grad in zip(tangents, grads))
 
 
 # --- torch-level leaves: activations and losses by their derivative, composites by their parts --------------------
@@ -310,31 +247,12 @@ def _mish_derivative(x: torch.Tensor) -> torch.Tensor:
     return t + x * torch.sigmoid(x) * (1 - t * t)
 
 
-def _by_derivative(sym, derivative):
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        y = sym(*args, **kwargs)
-        return y, _as_tangent(dot(args[0]) * derivative(*args, **kwargs), y)
-
-    return rule
-
-
 for _fn, _derivative in DERIVATIVES.items():
-    JVP_RULES[lookup(_fn).symbol] = _by_derivative(lookup(_fn).symbol, _derivative)
-
-
-def _constant(sym):
-    """Outputs that do not depend on the values of the inputs (their shapes only): zero tangents."""
-
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        return sym(*args, **kwargs), None
-
-    return rule
-
-
+    register(JVP, _fn, by_derivative(lookup(_fn).symbol, _derivative))
 for _fn in (torch.empty_like, torch.full_like, torch.round):
-    JVP_RULES[lookup(_fn).symbol] = _constant(lookup(_fn).symbol)
+    register(JVP, _fn, constant(lookup(_fn).symbol))
 for _fn, _operands in ((F.pad, (0, 3, "value")), (T.__getitem__, (0,)), (torch.repeat_interleave, (0,))):
-    JVP_RULES[lookup(_fn).symbol] = linear(lookup(_fn).symbol, _operands)
+    register(JVP, _fn, linear(lookup(_fn).symbol, _operands))
 
 
 def _clamp_bound(fn, keep):
@@ -351,39 +269,35 @@ def _clamp_bound(fn, keep):
     return rule
 
 
-JVP_RULES[lookup(torch.clamp_min).symbol] = _clamp_bound(lookup(torch.clamp_min).symbol, lambda x, b: x >= b)
-JVP_RULES[lookup(torch.clamp_max).symbol] = _clamp_bound(lookup(torch.clamp_max).symbol, lambda x, b: x <= b)
+register(JVP, torch.clamp_min, _clamp_bound(lookup(torch.clamp_min).symbol, lambda x, b: x >= b))
+register(JVP, torch.clamp_max, _clamp_bound(lookup(torch.clamp_max).symbol, lambda x, b: x <= b))
 
 
-def _tangent_or_zero(dot: Dot, x: Any) -> Any:
-    return dot(x) if _tensor(x) and dot(x) is not None else 0.0
-
-
-@register_jvp(torch.addcmul)
+@register(JVP, torch.addcmul)
 def _addcmul(dot: Dot, args: tuple, kwargs: dict):
     x, a, b = args
     value = kwargs.get("value", 1)
     y = torch.addcmul(x, a, b, value=value)
-    t = _tangent_or_zero(dot, x) + value * (_tangent_or_zero(dot, a) * b + a * _tangent_or_zero(dot, b))
-    return y, _as_tangent(t, y)
+    t = tangent_or_zero(dot, x) + value * (tangent_or_zero(dot, a) * b + a * tangent_or_zero(dot, b))
+    return y, as_tangent(t, y)
 
 
-@register_jvp(torch.addcdiv)
+@register(JVP, torch.addcdiv)
 def _addcdiv(dot: Dot, args: tuple, kwargs: dict):
     x, a, b = args
     value = kwargs.get("value", 1)
     y = torch.addcdiv(x, a, b, value=value)
-    t = _tangent_or_zero(dot, x) + value * (_tangent_or_zero(dot, a) / b - a * _tangent_or_zero(dot, b) / (b * b))
-    return y, _as_tangent(t, y)
+    t = tangent_or_zero(dot, x) + value * (tangent_or_zero(dot, a) / b - a * tangent_or_zero(dot, b) / (b * b))
+    return y, as_tangent(t, y)
 
 
-@register_jvp(torch.lerp)
+@register(JVP, torch.lerp)
 def _lerp(dot: Dot, args: tuple, kwargs: dict):
     start, end, weight = args
     y = torch.lerp(start, end, weight)
-    ts, te = _tangent_or_zero(dot, start), _tangent_or_zero(dot, end)
-    t = ts + weight * (te - ts) + _tangent_or_zero(dot, weight) * (end - start)
-    return y, _as_tangent(t, y)
+    ts, te = tangent_or_zero(dot, start), tangent_or_zero(dot, end)
+    t = ts + weight * (te - ts) + tangent_or_zero(dot, weight) * (end - start)
+    return y, as_tangent(t, y)
 
 
 def _matmul_plus(fn, product):
@@ -395,15 +309,15 @@ def _matmul_plus(fn, product):
         y = fn(x, m1, m2, beta=beta, alpha=alpha)
         t1, t2 = dot(m1), dot(m2)
         parts = [None if t1 is None else product(t1, m2), None if t2 is None else product(m1, t2)]
-        t = add_tangents(None if dot(x) is None else _as_tangent(beta * dot(x), y),
+        t = add_tangents(None if dot(x) is None else as_tangent(beta * dot(x), y),
                          None if not any(p is not None for p in parts) else alpha * add_tangents(*parts))
-        return y, None if t is None else _as_tangent(t, y)
+        return y, None if t is None else as_tangent(t, y)
 
     return rule
 
 
-JVP_RULES[lookup(torch.addmm).symbol] = _matmul_plus(lookup(torch.addmm).symbol, torch.matmul)
-JVP_RULES[lookup(torch.baddbmm).symbol] = _matmul_plus(lookup(torch.baddbmm).symbol, torch.matmul)
+register(JVP, torch.addmm, _matmul_plus(lookup(torch.addmm).symbol, torch.matmul))
+register(JVP, torch.baddbmm, _matmul_plus(lookup(torch.baddbmm).symbol, torch.matmul))
 
 
 def _values_along(fn, dim_position: int, default_dim: int | None, keepdim_position: int | None = None):
@@ -424,26 +338,25 @@ def _values_along(fn, dim_position: int, default_dim: int | None, keepdim_positi
 
 
 for _fn, _spec in ((torch.topk, (2, -1)), (torch.sort, (1, -1)), (torch.cummax, (1, None))):
-    JVP_RULES[lookup(_fn).symbol] = _values_along(lookup(_fn).symbol, *_spec)
-def _max_min(fn, binary: str):
+    register(JVP, _fn, _values_along(lookup(_fn).symbol, *_spec))
+
+
+def _max_min(fn, elementwise: str):
     """torch.max / min: of two tensors elementwise (maximum / minimum), else the values along a dim."""
     along = _values_along(fn, 1, None, keepdim_position=2)
 
     def rule(dot: Dot, args: tuple, kwargs: dict):
-        if len(args) < 2 or not _tensor(args[1]):
+        if len(args) < 2 or not is_tensor(args[1]):
             return along(dot, args, kwargs)
         a, b = args
         y = fn(a, b)
-        ta, tb = dot(a), dot(b)
-        vjp = BINARY_VJPS[binary]
-        return y, add_tangents(None if ta is None else _as_tangent(vjp(a, b, y, ta)[0], y),
-                               None if tb is None else _as_tangent(vjp(a, b, y, tb)[1], y))
+        return y, binary_tangent(BINARY_VJPS[elementwise], dot, a, b, y)
 
     return rule
 
 
-JVP_RULES[lookup(torch.max).symbol] = _max_min(lookup(torch.max).symbol, "maximum")
-JVP_RULES[lookup(torch.min).symbol] = _max_min(lookup(torch.min).symbol, "minimum")
+register(JVP, torch.max, _max_min(lookup(torch.max).symbol, "maximum"))
+register(JVP, torch.min, _max_min(lookup(torch.min).symbol, "minimum"))
 
 
 def _fmax_fmin(fn, keeps_first):
@@ -453,23 +366,23 @@ def _fmax_fmin(fn, keeps_first):
         a, b = args
         y = fn(a, b)
         chosen = keeps_first(a, b) | torch.isnan(b)
-        ta, tb = _tangent_or_zero(dot, a), _tangent_or_zero(dot, b)
-        return y, _as_tangent(torch.where(chosen, ta, tb), y)
+        ta, tb = tangent_or_zero(dot, a), tangent_or_zero(dot, b)
+        return y, as_tangent(torch.where(chosen, ta, tb), y)
 
     return rule
 
 
-JVP_RULES[lookup(torch.fmax).symbol] = _fmax_fmin(lookup(torch.fmax).symbol, lambda a, b: a >= b)
-JVP_RULES[lookup(torch.fmin).symbol] = _fmax_fmin(lookup(torch.fmin).symbol, lambda a, b: a <= b)
+register(JVP, torch.fmax, _fmax_fmin(lookup(torch.fmax).symbol, lambda a, b: a >= b))
+register(JVP, torch.fmin, _fmax_fmin(lookup(torch.fmin).symbol, lambda a, b: a <= b))
 
 
-@register_jvp(torch.xlogy)
+@register(JVP, torch.xlogy)
 def _xlogy(dot: Dot, args: tuple, kwargs: dict):
     x, y_ = args
     out = torch.xlogy(x, y_)
     tx, ty = dot(x), dot(y_)
-    return out, add_tangents(None if tx is None else _as_tangent(tx * torch.xlogy((x != 0).to(out.dtype), y_), out),
-                             None if ty is None else _as_tangent(ty * x / y_, out))
+    return out, add_tangents(None if tx is None else as_tangent(tx * torch.xlogy((x != 0).to(out.dtype), y_), out),
+                             None if ty is None else as_tangent(ty * x / y_, out))
 
 
 def _loss(fn, pointwise):
@@ -482,15 +395,15 @@ def _loss(fn, pointwise):
             return NotImplemented  # the deprecated size_average / reduce arguments, a weight
         y = fn(x, target, reduction=reduction)
         difference = x - target
-        t = pointwise(difference) * (_tangent_or_zero(dot, x) - _tangent_or_zero(dot, target))
+        t = pointwise(difference) * (tangent_or_zero(dot, x) - tangent_or_zero(dot, target))
         t = t.sum() if reduction == "sum" else t.mean() if reduction == "mean" else t
-        return y, _as_tangent(t, y)
+        return y, as_tangent(t, y)
 
     return rule
 
 
-JVP_RULES[lookup(F.mse_loss).symbol] = _loss(lookup(F.mse_loss).symbol, lambda d: 2 * d)
-JVP_RULES[lookup(F.l1_loss).symbol] = _loss(lookup(F.l1_loss).symbol, torch.sign)
+register(JVP, F.mse_loss, _loss(lookup(F.mse_loss).symbol, lambda d: 2 * d))
+register(JVP, F.l1_loss, _loss(lookup(F.l1_loss).symbol, torch.sign))
 
 
 def _conv(fn, spatial: int):
@@ -503,10 +416,10 @@ def _conv(fn, spatial: int):
         t = add_tangents(None if tx is None else fn(tx, weight, None, *rest, **options),
                          None if tw is None else fn(x, tw, None, *rest, **options),
                          None if tb is None else tb.reshape(-1, *(1,) * spatial).expand(y.shape))
-        return y, None if t is None else _as_tangent(t, y)
+        return y, None if t is None else as_tangent(t, y)
 
     return rule
 
 
 for _fn, _spatial in ((F.conv1d, 1), (F.conv2d, 2)):
-    JVP_RULES[lookup(_fn).symbol] = _conv(lookup(_fn).symbol, _spatial)
+    register(JVP, _fn, _conv(lookup(_fn).symbol, _spatial))
