@@ -14,7 +14,6 @@ from typing import Any
 from torch import nn
 
 import fulmen.ops  # noqa: F401  (registers the torch-level symbols)
-import fulmen.transforms.rule_files  # noqa: F401  (registers the JVP and batching rules; see there)
 import fulmen.transforms.vjp_activations  # noqa: F401  (registers grad rules)
 import fulmen.transforms.vjp_edges  # noqa: F401  (registers grad rules)
 import fulmen.transforms.vjp_random  # noqa: F401  (registers grad rules)
@@ -36,7 +35,7 @@ from fulmen.executors.registry import get_default_executors, get_executor
 from fulmen.executors.registry import resolve as resolve_executors
 from fulmen.functional.derivatives import FunctionalTransform, grad, jvp, vjp
 from fulmen.functional.vmap import vmap
-from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule
+from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule, pipeline
 from fulmen.jit.jitted import core as _jitted_core  # not `core`, which would hide the subpackage fulmen.core
 from fulmen.jit.rewrite import rewrite
 from fulmen.ops.rules.grad import get_grad, put_grad, put_grads, register_grad
@@ -49,7 +48,7 @@ __all__ = [
     "OffloadOptions", "Stage", "TensorProxy", "Trace", "TraceError", "TraceKind", "Transform", "TransformError",
     "UnsupportedOpError", "cache_hits", "cache_misses", "examine", "extend", "get_default_executors", "get_executor",
     "get_grad", "grad", "jit", "jvp", "last_backward_traces", "last_cache_miss_reasons", "last_traces", "put_grad",
-    "put_grads", "register_grad", "rewrite", "torch", "vjp", "vmap",
+    "pipeline", "put_grads", "register_grad", "rewrite", "torch", "vjp", "vmap",
 ]
 
 

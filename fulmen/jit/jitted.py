@@ -44,7 +44,6 @@ from fulmen.runtime.output_grads import Retained, rewatch
 from fulmen.runtime.trace_function import UpdatedInput, apply
 from fulmen.runtime.view_outputs import ViewOutput, retaken, take_views, view_outputs
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
-from fulmen.transforms.cudagraphs import GraphedProgram, graph_pool_for
 from fulmen.transforms.distribution import distributed_input, distributed_program, logical_meta
 
 
@@ -395,13 +394,10 @@ class JittedFunction:
                   seen_as_compiling() if compiling else contextlib.nullcontext()):
                 interpreter.quiet = observer.quiet
                 interpreter.arrays.held_by_caller = observer.held_by_global
-                observer.changing_generators = setters.keep_generators
                 result = target(*proxy_args, **proxy_kwargs)
         except DataDependentError:
             observer.undo()  # acquired again as a tracer is seen (_compile), or refused: stored once, as eager
             raise
-        finally:
-            setters.put_back()  # a seed the program set for real while acquired (the trace sets it again)
         setters.check()
         _refuse_stored_proxies(args, kwargs)
         refuse_returned_nodes(result)
@@ -502,10 +498,9 @@ class JittedFunction:
         distributed = distributed_program(acquired, [*real_inputs, *bases])
         if distributed is not None:  # a call passes a sharded module tensor: its view is the trace's to take
             returns_input = tuple(r if r is None or r.position < len(tensors) else None for r in returns_input)
-        graphs = None
-        if self._options.cuda_graphs:
-            graphs = graph_pool_for(traces[-1], distributed is not None,
-                                    getattr(self._fn, "__qualname__", "the program"))
+        # this program's passes: CUDA graphs capture into a pool of its own, where it can have them
+        pipeline = self.pipeline.for_program(traces[-1], distributed is not None,
+                                             getattr(self._fn, "__qualname__", "the program"))
         program = None
         if _needs_grad(traces[-1]):
             first_dirty = len(values) - len(acquisition.dirty)
@@ -516,12 +511,9 @@ class JittedFunction:
             # grad rules record as the program's own calls did; inference mode (a call under torch.inference_mode()
             # that enables grad) would have them record no history, leaving the backward without grads
             with torch.inference_mode(False), torch.enable_grad():
-                program, forward_traces = self.pipeline.differentiate(traces[-1], distributed, graphs, dirty,
-                                                                      acquisition.places, retaken(acquisition.views))
+                program, forward_traces = pipeline.differentiate(traces[-1], distributed, dirty, acquisition.places,
+                                                                 retaken(acquisition.views))
             traces.extend(forward_traces)
-            if graphs is not None:
-                # the forward and backward without graphs, for a forward whose previous backward has not run yet
-                program.use_graphs(GraphedProgram(graphs), traces[-3], program.backward_traces[-3])
             fn = functools.partial(apply, program)
             if not torch.is_grad_enabled():  # the program enables grad inside (torch.enable_grad())
                 fn = _with_grad_mode(fn, True)
@@ -529,7 +521,7 @@ class JittedFunction:
             if torch.is_grad_enabled() and any(type(out) is TensorProxy and out.requires_grad
                                                for out in traces[-1].output):
                 refuse_leaf_without_grads(traces[-1])
-            traces.extend(self.pipeline.computation(traces[-1], distributed, graphs))
+            traces.extend(pipeline.computation(traces[-1], distributed))
             fn = traces[-1].python_callable()
             if torch.is_grad_enabled() and any(p.requires_grad for p in traces[-1].inputs):
                 fn = _with_grad_mode(fn, False)  # no output has a history: torch must not record one
@@ -704,6 +696,12 @@ class JittedModule(nn.Module):
             setattr(model, name, value)  # e.g. `jitted.max_seq_length = 64` configures the wrapped model
         else:
             super().__setattr__(name, value)
+
+
+def pipeline(fn: JittedFunction | JittedModule) -> Pipeline:
+    """The passes the result of `fulmen.jit` runs, in order (`print(fulmen.pipeline(jitted))`; fulmen.jit.pipeline):
+    fulmen's own and the transforms it was given, each at its stage."""
+    return core(fn).pipeline
 
 
 def core(fn: JittedFunction | JittedModule) -> JittedFunction:

@@ -1,4 +1,5 @@
-"""Dead-code elimination, common-subexpression elimination and `del` after last use."""
+"""Dead-code elimination, common-subexpression elimination and `del` after last use, and the Transforms that run
+them in fulmen.jit's pipeline (fulmen.jit.pipeline)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fulmen.core.codegen import register_printer, render
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import Trace
+from fulmen.transforms.transform import GradTraces, TraceKind, Transform
 
 
 def _keeps(bsym: BoundSymbol) -> bool:
@@ -117,3 +119,43 @@ def delete_last_used(trace: Trace) -> Trace:
     if unused_inputs:
         result.insert(0, BoundSymbol(DEL, tuple(unused_inputs), {}, None))
     return trace.from_trace("Delete Last Used", bound_symbols=result)
+
+
+# --- as pipeline passes -------------------------------------------------------------------------------------------
+class DeadCodeElimination(Transform):
+    """`dce` of the acquired program (stage ACQUIRED) and of each backward autodiff builds (stage GRAD)."""
+
+    @property
+    def name(self) -> str:
+        return "Dead Code Elimination"
+
+    def transform_acquired(self, trace: Trace) -> Trace:
+        return dce(trace)
+
+    def transform_backward(self, traces: GradTraces) -> Trace:
+        return dce(traces.backward)
+
+
+class CommonSubexpressionElimination(Transform):
+    """`cse` of the acquired program (stage ACQUIRED, with JitOptions.cse) and of each backward (stage GRAD)."""
+
+    @property
+    def name(self) -> str:
+        return "Common Subexpression Elimination"
+
+    def transform_acquired(self, trace: Trace) -> Trace:
+        return cse(trace)
+
+    def transform_backward(self, traces: GradTraces) -> Trace:
+        return cse(traces.backward)
+
+
+class DeleteLastUsed(Transform):
+    """`delete_last_used` of each trace that runs (stage CODEGEN)."""
+
+    @property
+    def name(self) -> str:
+        return "Delete Last Used"
+
+    def transform_codegen(self, trace: Trace, kind: TraceKind, returned: int) -> Trace:
+        return delete_last_used(trace)

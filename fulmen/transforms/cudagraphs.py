@@ -1,11 +1,12 @@
 """CUDA graphs ("reduce-overhead"): the capturable runs of the final forward and backward traces captured once and
 replayed, so a step costs a few graph launches instead of one launch per kernel.
 
-`JitOptions(cuda_graphs=True)` turns it on. The pass groups each maximal run of capturable calls of a final trace
-into one `CUDAGraphN(...)` call (its parts print under it at depth 1). A call is capturable when every tensor it
-reads or writes is on a CUDA device and it has no side effect (in-place writes to the program's inputs and
-collectives run between the graphs, eagerly). A program with no CUDA tensor, a distributed (DDP / FSDP) program, or
-a machine without CUDA gets no graphs, with a warning that says why.
+`JitOptions(cuda_graphs=True)` turns it on: the `CUDAGraphs` transform at stage CODEGEN, between two `del` after last
+use passes (it drops the first one's `del`s, which would split the runs). It groups each maximal run of capturable
+calls of a final trace into one `CUDAGraphN(...)` call (its parts print under it at depth 1). A call is capturable
+when every tensor it reads or writes is on a CUDA device and it has no side effect (in-place writes to the program's
+inputs and collectives run between the graphs, eagerly). A program with no CUDA tensor, a distributed (DDP / FSDP)
+program, or a machine without CUDA gets no graphs, with a warning that says why.
 
 How a graph region runs (`CUDAGraphRegion`):
 - its first call runs the region's code as it is (a warm-up: Inductor compiles, libraries create their handles);
@@ -39,8 +40,9 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.core.trace import Trace
 from fulmen.ops import prims
-from fulmen.transforms.common import delete_last_used
+from fulmen.transforms.common import DEL, delete_last_used
 from fulmen.transforms.regions import form_regions
+from fulmen.transforms.transform import TraceKind, Transform
 
 # Arguments read in place that moved: the program's graphs are captured again at most this many times.
 MAX_INVALIDATIONS = 3
@@ -245,7 +247,29 @@ def graph_pool_for(trace: Trace, distributed: bool, name: str) -> GraphPool | No
     """A pool for the graphs of the program `trace` acquired, or None (with a warning) when it cannot have any."""
     reason = decline_reason(trace, distributed)
     if reason is not None:
+        # graph_pool_for < Pipeline.for_program < JittedFunction._compile < JittedFunction.__call__ < the user's call
         warnings.warn(f"fulmen.jit(options=JitOptions(cuda_graphs=True)): {name} runs without CUDA graphs: {reason}",
-                      stacklevel=4)
+                      stacklevel=5)
         return None
     return GraphPool(name)
+
+
+class CUDAGraphs(Transform):
+    """Stage CODEGEN: the capturable runs of a trace that runs as `CUDAGraphN` calls capturing into `pool` (see the
+    module docstring); `DeleteLastUsed` runs again after it. fulmen.jit's pipeline lists one without a pool and gives
+    each program one of its own (`Pipeline.for_program`), or leaves the pass out where the program cannot have graphs;
+    without a pool it leaves traces as they are."""
+
+    def __init__(self, pool: GraphPool | None = None) -> None:
+        self.pool = pool
+
+    @property
+    def name(self) -> str:
+        return "CUDA graphs"
+
+    def transform_codegen(self, trace: Trace, kind: TraceKind, returned: int) -> Trace:
+        if self.pool is None:
+            return trace
+        # the `del`s of the pass before would split the runs: the regions form between the calls, freed after again
+        calls = [bsym for bsym in trace.bound_symbols if bsym.sym is not DEL]
+        return capture_regions(trace.from_trace(trace.provenance, bound_symbols=calls), self.pool, returned)

@@ -31,6 +31,7 @@ from fulmen.ops.registry import SYMBOLS
 from fulmen.ops.rules.grad import get_grad, put_grads, wants_grad
 from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.transforms.common import dce
+from fulmen.transforms.transform import Transform
 
 PROVENANCE = "Fused linear + cross-entropy"
 
@@ -293,3 +294,18 @@ def fuse_linear_cross_entropy(trace: Trace, chunk_rows: int | None = None) -> Tr
     bsyms = [replaced.get(id(b), b) for b in trace.bound_symbols]
     result = trace.from_trace("", bound_symbols=[b for b in bsyms if b is not None])
     return dce(result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
+
+
+class FuseLinearCrossEntropy(Transform):
+    """`fuse_linear_cross_entropy` of the acquired program (stage ACQUIRED; JitOptions.fuse_linear_cross_entropy,
+    with JitOptions.cross_entropy_chunk_rows as `chunk_rows`)."""
+
+    def __init__(self, chunk_rows: int | None = None) -> None:
+        self.chunk_rows = chunk_rows
+
+    @property
+    def name(self) -> str:
+        return PROVENANCE
+
+    def transform_acquired(self, trace: Trace) -> Trace:
+        return fuse_linear_cross_entropy(trace, self.chunk_rows)

@@ -7,9 +7,10 @@
 
     jitted = fulmen.jit(fn, transforms=[CountOps()])
 
-`fulmen.jit` calls each transform's hooks in the order the transforms are listed (see fulmen.jit.pipeline for the
-whole pipeline). A hook returns a new trace, or the trace it was given to leave it unchanged. What a hook returns is
-checked before anything runs: same inputs, the same number of outputs with the same shape, dtype and device, and
+`fulmen.jit` calls each transform's hooks in the order the transforms are listed, after fulmen's own passes of the
+same stage, which are Transforms too (`fulmen.pipeline(jitted).describe()` lists them all in the order they run; see
+fulmen.jit.pipeline). A hook returns a new trace, or the trace it was given to leave it unchanged. What a hook returns
+is checked before anything runs: same inputs, the same number of outputs with the same shape, dtype and device, and
 every value defined before it is read. Its provenance line (`# Constructed by ...`) names the transform.
 """
 
@@ -33,9 +34,9 @@ class Stage(enum.Enum):
     ACQUIRED = "acquired"  # the whole program as acquired, after dead-code elimination and CSE, before autodiff
     GRAD = "grad"  # the forward and backward traces autodiff split the program into
     DISTRIBUTED = "distributed"  # DDP / FSDP collectives inserted (built in, no hook)
-    EXECUTION = "execution"  # calls claimed by executors, fusion regions formed (built in, no hook)
+    EXECUTION = "execution"  # calls claimed by executors, fusion regions formed (fulmen's own hook only)
     FINAL = "final"  # the traces that run, before codegen
-    CODEGEN = "codegen"  # `del` after last use, Python source (built in, no hook)
+    CODEGEN = "codegen"  # `del` after last use, CUDA graphs, Python source (fulmen's own hooks only)
 
 
 class TraceKind(enum.Enum):
@@ -102,5 +103,24 @@ class Transform:
         """Stage FINAL: the trace that will run, after executors claimed its calls; codegen only adds `del`s."""
         return trace
 
+    # Stages EXECUTION and CODEGEN belong to fulmen's own passes (the executors' claim; `del` after last use, CUDA
+    # graphs): a pass there must keep what the executors claimed and every `del` valid, which the checks of a hook
+    # cannot see. fulmen.jit refuses a transform it is given that overrides them; rewrite the trace in
+    # transform_final instead.
+    def transform_execution(self, trace: Trace, kind: TraceKind) -> Trace:
+        """Stage EXECUTION (fulmen's own): the trace with its calls claimed by executors."""
+        return trace
+
+    def transform_codegen(self, trace: Trace, kind: TraceKind, returned: int) -> Trace:
+        """Stage CODEGEN (fulmen's own): the trace codegen prints. `returned`: how many of its outputs the caller
+        receives (a forward's saved tensors follow them)."""
+        return trace
+
     def __repr__(self) -> str:
         return f"<Transform {self.name}>"
+
+
+def overrides(transform: Transform, hook: str) -> bool:
+    """Whether `transform` has hook `hook` (`"transform_acquired"`, ...) of its own, which the pipeline then runs."""
+    method = getattr(transform, hook)
+    return getattr(method, "__func__", method) is not getattr(Transform, hook)
