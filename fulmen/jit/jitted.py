@@ -394,10 +394,13 @@ class JittedFunction:
                   seen_as_compiling() if compiling else contextlib.nullcontext()):
                 interpreter.quiet = observer.quiet
                 interpreter.arrays.held_by_caller = observer.held_by_global
+                observer.changing_generators = setters.keep_generators
                 result = target(*proxy_args, **proxy_kwargs)
         except DataDependentError:
             observer.undo()  # acquired again as a tracer is seen (_compile), or refused: stored once, as eager
             raise
+        finally:
+            setters.put_back()  # a seed the program set for real while acquired (the trace sets it again)
         setters.check()
         _refuse_stored_proxies(args, kwargs)
         refuse_returned_nodes(result)
