@@ -116,6 +116,15 @@ def _full_name(opinfo) -> str:
 
 
 def _samples(opinfos, dtype: torch.dtype, requires_grad: bool, limit: int) -> Iterator[Case]:
+    """The first `limit` samples of each OpInfo, made on a thread of its own: OpInfo.sample_inputs walks the caller's
+    stack (common_utils.extract_test_fn, inspect.stack), and on pytest's stack inspect.getmodule scans every loaded
+    module for each frame (~20x slower: 65 s instead of 3 s to collect test_op_db.py, most of the suite's collection
+    time). The samples are the same: with no unittest.TestCase on the stack, sample_inputs seeds with its default."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return iter(pool.submit(lambda: list(_made_samples(opinfos, dtype, requires_grad, limit))).result())
+
+
+def _made_samples(opinfos, dtype: torch.dtype, requires_grad: bool, limit: int) -> Iterator[Case]:
     for opinfo in opinfos:
         name = _full_name(opinfo)
         samples = opinfo.sample_inputs("cpu", dtype, requires_grad=requires_grad)
@@ -407,16 +416,13 @@ def differentiated_by(opinfo) -> str:
 
 
 def jvp_of_grad_cases() -> list[Case]:
-    """The first sample of each OpInfo chosen, made on a thread of its own: OpInfo.sample_inputs walks the caller's
-    stack (common_utils.extract_test_fn, inspect.stack), and on pytest's stack, while the test module is imported,
-    inspect.getmodule scans every loaded module for each frame (~20x slower)."""
+    """The first sample of each OpInfo chosen."""
     every = os.environ.get("FULMEN_JVP_OF_GRAD_ALL") == "1"
     by_kind: dict[str, list] = {kind: [] for kind in JVP_OF_GRAD_STRIDES}
     for opinfo in sorted(_differentiable_opinfos(), key=_full_name):
         by_kind[differentiated_by(opinfo)].append(opinfo)
     chosen = [o for kind, opinfos in by_kind.items() for o in opinfos[::1 if every else JVP_OF_GRAD_STRIDES[kind]]]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: list(_samples(chosen, torch.float64, True, JVP_OF_GRAD_SAMPLES_PER_OP))).result()
+    return list(_samples(chosen, torch.float64, True, JVP_OF_GRAD_SAMPLES_PER_OP))
 
 
 def _scalarised(case: Case):
