@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 from torch.autograd.function import Function, _is_setup_context_defined, _SingleLevelFunction
 
 from fulmen.acquisition.lookasides import checkpoint_region
+from fulmen.core.bounded import LRU
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
@@ -62,7 +63,9 @@ class _Recorded(_SingleLevelFunction):
         return record_function(interpreter, original, args, kwargs)
 
 
-_RECORDED: dict[type, type] = {}  # the program's Function class -> its recording subclass
+# The program's Function class -> its recording subclass. Bounded, not weak: the subclass holds its base, so a weak
+# key would never die; a class made per call (a Function defined in a loop) would grow it without end
+_RECORDED: LRU[type, type] = LRU(1024)
 
 
 def _recording_class(cls: type) -> type:

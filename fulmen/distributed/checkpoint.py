@@ -70,16 +70,15 @@ def _gather(shard: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
     return out[: spec.full_shape[0]]
 
 
-_MESHES: dict[tuple[int, str], DeviceMesh] = {}
-
-
 def _as_dtensor(shard: torch.Tensor, spec: ParamSpec) -> DTensor:
     state = spec.state
-    key = (id(state.group), shard.device.type)
-    if key not in _MESHES:
-        _MESHES[key] = DeviceMesh.from_group(state.group, shard.device.type)
+    # kept by the state, for its group: a process-wide table by id(group) kept every mesh (and its group) alive, and
+    # a group made after one was destroyed could take its id
+    mesh = state.meshes.get(shard.device.type)
+    if mesh is None:
+        mesh = state.meshes[shard.device.type] = DeviceMesh.from_group(state.group, shard.device.type)
     local = shard[: valid_rows(spec.full_shape[0], state.rank, state.world)]
-    return DTensor.from_local(local, _MESHES[key], [Shard(0)], run_check=False, shape=spec.full_shape,
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=spec.full_shape,
                               stride=torch.empty(spec.full_shape, device="meta").stride())
 
 

@@ -36,7 +36,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Namespace, Trace
 from fulmen.distributed.prims import make_checker
 from fulmen.transforms.distribution import DISTRIBUTED_INPUT, DistributionTransform
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class FSDPType(enum.Enum):
@@ -101,6 +104,8 @@ class DistributedState:
     # runs: the parameters' hooks refuse a gradient computed outside every program (`watch`).
     arrivals: dict[int, dict[ParamSpec, object]] = field(default_factory=dict)
     specs: list[ParamSpec] = field(default_factory=list, repr=False)  # of the parameters this state distributes
+    # The device mesh of `group` per device type, for the DTensors of a state dict (fulmen.distributed.checkpoint)
+    meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @property
     def zero3(self) -> bool:

@@ -25,6 +25,7 @@ from torch.nn.modules import module as torch_module
 from torch.nn.utils import parametrize
 
 from fulmen.acquisition.lookasides import method_lookasides
+from fulmen.core.bounded import LRU
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.jit.buffer_registrations import Registered, Registration, registered
@@ -86,7 +87,9 @@ class ShadowTree:
                           before["_non_persistent_buffers_set"])
 
 
-_SHADOW_CLASSES: dict[type, type] = {}
+# Module class -> its shadow class. Bounded, not weak: the shadow subclasses the class, so a weak key would never
+# die; classes made at run time would grow it without end
+_SHADOW_CLASSES: LRU[type, type] = LRU(1024)
 
 
 def _shadow_class(cls: type) -> type:

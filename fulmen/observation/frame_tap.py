@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fulmen.core.bounded import ByIdentity
 from fulmen.observation import read_sites
 
 
@@ -125,17 +126,18 @@ _STATE_READERS = {function.__code__: name for function, name in (
 # again makes it instrument the code now; later frames of the code get them from the start.
 _LATE_OPCODE_EVENTS = sys.version_info[:2] == (3, 12)
 _LOGGER_HANDLE = logging.Logger.handle.__code__
-# keeps each code alive: ids stay unique
-_SITES: dict[int, tuple[types.CodeType, dict[int, read_sites.Read] | None]] = {}
+# Each code's read sites (None: code the tap does not follow), by identity: equal codes of two functions are two
+# entries, and an entry goes with its code (a function defined again in a notebook is a new code)
+_SITES: ByIdentity[types.CodeType, dict[int, read_sites.Read] | None] = ByIdentity()
+_UNSEEN = object()
 
 
 def _sites_of(frame: types.FrameType) -> dict[int, read_sites.Read] | None:
     code = frame.f_code
-    known = _SITES.get(id(code))
-    if known is None:
-        known = (code, read_sites.read_sites(code) if observed(code, frame.f_globals) else None)
-        _SITES[id(code)] = known
-    return known[1]
+    known = _SITES.get(code, _UNSEEN)
+    if known is _UNSEEN:
+        known = _SITES[code] = read_sites.read_sites(code) if observed(code, frame.f_globals) else None
+    return known
 
 
 class Quiet:
@@ -215,7 +217,7 @@ class FrameTap:
             if code.co_argcount:
                 self.observer.read_state(frame.f_locals.get(code.co_varnames[0]), reader)
             return _CountingTap(self, "reading", local).event
-        first = id(code) not in _SITES
+        first = code not in _SITES
         sites = _sites_of(frame)
         if sites is None:
             return local

@@ -149,7 +149,7 @@ def object_state(obj: Any) -> tuple[dict | None, tuple]:
     return instance_dict(obj), tuple(slot_value(slot, obj) for slot in _slots(type(obj)))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)  # bounded: classes made at run time (the descriptors hold them: not weak)
 def _slots(cls: type) -> tuple[Any, ...]:
     return tuple(value for klass in cls.__mro__ for value in vars(klass).values()
                  if type(value) is types.MemberDescriptorType)
@@ -190,7 +190,7 @@ def getter_code(receiver: Any, name: str) -> types.CodeType | None:
     return None
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)  # bounded: a program may build its templates at run time
 def template_fields(template: str) -> tuple[tuple[int, tuple[tuple[bool, Any], ...]], ...]:
     """The positional fields of a `str.format` template that read more than the argument itself: (argument index,
     (is an attribute, name or key) steps), nested fields of format specs included; keyword fields are left out (no

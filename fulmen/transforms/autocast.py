@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fulmen.core.bounded import LRU
 from fulmen.core.errors import TraceError, UnsupportedOpError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol, iter_proxies, map_proxies
@@ -29,7 +30,9 @@ from fulmen.core.trace import TraceBuilder
 from fulmen.ops.registry import SYMBOLS
 
 DEVICE_TYPES = ("cpu", "cuda")
-_PROBES: dict[Any, AutocastPlan] = {}
+# What autocast does to a call, by its symbol and arguments' dtypes and shapes: shapes that keep changing (dynamic
+# shapes, variable lengths) would grow it without end
+_PROBES: LRU[Any, AutocastPlan] = LRU(4096)
 
 
 def active_device_type(values: Any) -> str | None:
@@ -252,9 +255,10 @@ def plan(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> AutocastPlan:
         key = _signature(sym, args, kwargs, device_type)
     except _Unkeyed:
         return _probe(sym, args, kwargs)
-    if key not in _PROBES:
-        _PROBES[key] = _probe(sym, args, kwargs)
-    return _PROBES[key]
+    found = _PROBES.get(key)
+    if found is None:
+        found = _PROBES[key] = _probe(sym, args, kwargs)
+    return found
 
 
 @dataclass
