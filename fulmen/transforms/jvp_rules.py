@@ -20,10 +20,8 @@ from fulmen.ops.rules.jvp import (
     as_tangent,
     bilinear,
     binary,
-    binary_tangent,
     by_derivative,
     constant,
-    is_tensor,
     linear,
     tangent_or_zero,
     unary,
@@ -66,7 +64,7 @@ T = torch.Tensor
 # Torch-level leaves (no prim decomposition) linear in the arguments at these positions or keywords.
 TORCH_OPERANDS: dict[Callable[..., Any], tuple[int | str, ...]] = {
     **dict.fromkeys((torch.narrow, torch.diagonal, T.unfold, torch.roll, T.repeat, torch.tile, torch.hstack,
-                     torch.vstack, torch.unbind, torch.tensor_split, torch.take_along_dim, torch.cumsum), (0,)),
+                     torch.vstack, torch.unbind, torch.tensor_split, torch.take_along_dim), (0,)),
     **dict.fromkeys((torch.broadcast_tensors, torch.atleast_1d, torch.atleast_2d, torch.atleast_3d),
                     _EVERY_POSITIONAL),
     torch.index_add: (0, 3, "source"), torch.scatter_add: (0, 3, "src"), torch.index_fill: (0, 3, "value"),
@@ -137,15 +135,6 @@ def _sorted_values(prim, dim_position: int):
 
 register(JVP, prims.topk, _sorted_values(prims.topk, 2))
 register(JVP, prims.sort, _sorted_values(prims.sort, 1))
-
-
-@register(JVP, torch.logsumexp)
-def _logsumexp(dot: Dot, args: tuple, kwargs: dict):
-    x, dim = args[0], args[1] if len(args) > 1 else kwargs["dim"]
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    y = torch.logsumexp(x, dim, keepdim)
-    kept = y if keepdim else torch.logsumexp(x, dim, True)
-    return y, (dot(x) * torch.exp(x - kept)).sum(dim, keepdim=keepdim)
 
 
 @register(JVP, torch.native_layer_norm)
@@ -318,45 +307,6 @@ def _matmul_plus(fn, product):
 
 register(JVP, torch.addmm, _matmul_plus(lookup(torch.addmm).symbol, torch.matmul))
 register(JVP, torch.baddbmm, _matmul_plus(lookup(torch.baddbmm).symbol, torch.matmul))
-
-
-def _values_along(fn, dim_position: int, default_dim: int | None, keepdim_position: int | None = None):
-    """Ops returning (values, indices) picked along a dim: the values' tangent is the tangent picked alike."""
-
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        dim = args[dim_position] if len(args) > dim_position else kwargs.get("dim", default_dim)
-        if not isinstance(dim, int):
-            return NotImplemented
-        values, indices = fn(*args, **kwargs)
-        keepdim = keepdim_position is None or (args[keepdim_position] if len(args) > keepdim_position
-                                               else kwargs.get("keepdim", False))
-        index = indices if keepdim or indices.dim() == args[0].dim() else indices.unsqueeze(dim)
-        picked = torch.gather(dot(args[0]), dim, index)
-        return (values, indices), (picked if keepdim or indices.dim() == args[0].dim() else picked.squeeze(dim), None)
-
-    return rule
-
-
-for _fn, _spec in ((torch.topk, (2, -1)), (torch.sort, (1, -1)), (torch.cummax, (1, None))):
-    register(JVP, _fn, _values_along(lookup(_fn).symbol, *_spec))
-
-
-def _max_min(fn, elementwise: str):
-    """torch.max / min: of two tensors elementwise (maximum / minimum), else the values along a dim."""
-    along = _values_along(fn, 1, None, keepdim_position=2)
-
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        if len(args) < 2 or not is_tensor(args[1]):
-            return along(dot, args, kwargs)
-        a, b = args
-        y = fn(a, b)
-        return y, binary_tangent(BINARY_VJPS[elementwise], dot, a, b, y)
-
-    return rule
-
-
-register(JVP, torch.max, _max_min(lookup(torch.max).symbol, "maximum"))
-register(JVP, torch.min, _max_min(lookup(torch.min).symbol, "minimum"))
 
 
 def _fmax_fmin(fn, keeps_first):
