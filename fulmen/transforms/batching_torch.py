@@ -19,11 +19,9 @@ from fulmen.ops.rules.tables import RuleKind, register
 
 BATCH = RuleKind.BATCH
 
-for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
-            F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink, F.threshold, torch.nan_to_num, torch.clamp_min,
+for _fn in (torch.nan_to_num, torch.clamp_min,
             torch.clamp_max, torch.fmax, torch.fmin, torch.xlogy, torch.lerp, torch.addcmul, torch.addcdiv,
-            torch.float_power, torch.isclose, torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__, torch.round,
-            torch.empty_like, torch.full_like):
+            torch.float_power, torch.isclose, torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__, torch.round):
     register(BATCH, _fn, elementwise(lookup(_fn).symbol))
 register(BATCH, SYMBOLS["impls.keep_history"], elementwise(SYMBOLS["impls.keep_history"]))  # its value is the new one
 

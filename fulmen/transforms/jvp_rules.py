@@ -209,36 +209,15 @@ def _layer_norm_backward(dot: Dot, args: tuple, kwargs: dict):
 
 
 # --- torch-level leaves: activations and losses by their derivative, composites by their parts --------------------
-SELU_SCALE, SELU_ALPHA = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
-
 # fn -> d(output)/d(input) of an elementwise function of one tensor, from (x, *the call's other arguments)
 DERIVATIVES: dict[Callable[..., Any], Callable[..., Any]] = {
-    F.leaky_relu: lambda x, negative_slope=0.01, inplace=False: torch.where(x > 0, 1.0, negative_slope),
-    F.hardtanh: lambda x, min_val=-1.0, max_val=1.0, inplace=False: ((x > min_val) & (x < max_val)).to(x.dtype),
-    F.relu6: lambda x, inplace=False: ((x > 0) & (x < 6)).to(x.dtype),
-    F.threshold: lambda x, threshold, value, inplace=False: (x > threshold).to(x.dtype),
-    F.elu: lambda x, alpha=1.0, inplace=False: torch.where(x > 0, 1.0, alpha * torch.exp(x)),
-    F.celu: lambda x, alpha=1.0, inplace=False: torch.where(x > 0, 1.0, torch.exp(x / alpha)),
-    F.selu: lambda x, inplace=False: SELU_SCALE * torch.where(x > 0, 1.0, SELU_ALPHA * torch.exp(x)),
-    F.softplus: lambda x, beta=1.0, threshold=20.0: torch.where(x * beta > threshold, 1.0, torch.sigmoid(x * beta)),
-    F.hardswish: lambda x, inplace=False: torch.where(x < -3, 0.0, torch.where(x <= 3, x / 3 + 0.5, 1.0)),
-    F.hardsigmoid: lambda x, inplace=False: ((x > -3) & (x < 3)).to(x.dtype) / 6,
-    F.logsigmoid: lambda x: torch.sigmoid(-x),
-    F.softsign: lambda x: 1 / ((1 + torch.abs(x)) * (1 + torch.abs(x))),
-    F.tanhshrink: lambda x: torch.tanh(x) * torch.tanh(x),
-    F.mish: lambda x, inplace=False: _mish_derivative(x),
     torch.nan_to_num: lambda x, nan=0.0, posinf=None, neginf=None: torch.isfinite(x).to(x.dtype),
 }
 
 
-def _mish_derivative(x: torch.Tensor) -> torch.Tensor:
-    t = torch.tanh(F.softplus(x))
-    return t + x * torch.sigmoid(x) * (1 - t * t)
-
-
 for _fn, _derivative in DERIVATIVES.items():
     register(JVP, _fn, by_derivative(lookup(_fn).symbol, _derivative))
-for _fn in (torch.empty_like, torch.full_like, torch.round):
+for _fn in (torch.round,):
     register(JVP, _fn, constant(lookup(_fn).symbol))
 for _fn, _operands in ((F.pad, (0, 3, "value")), (T.__getitem__, (0,)), (torch.repeat_interleave, (0,))):
     register(JVP, _fn, linear(lookup(_fn).symbol, _operands))
