@@ -20,6 +20,14 @@ from fulmen.ops import (  # noqa: F401  (registration side effects)
     statistics,
     vision,
 )
+
+# The prims' rules, by prim kind (registration side effects). Aliased: fulmen.ops.elementwise, .factories and
+# .reductions name the torch-level families.
+from fulmen.ops.prims import elementwise as _prim_elementwise  # noqa: F401
+from fulmen.ops.prims import factories as _prim_factories  # noqa: F401
+from fulmen.ops.prims import indexing as _prim_indexing  # noqa: F401
+from fulmen.ops.prims import reductions as _prim_reductions  # noqa: F401
+from fulmen.ops.prims import shapes as _prim_shapes  # noqa: F401
 from fulmen.ops.registry import TORCH_BINDINGS, TorchBinding, lookup
 
 __all__ = ["TORCH_BINDINGS", "TorchBinding", "lookup"]

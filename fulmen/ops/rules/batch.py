@@ -10,7 +10,8 @@ the call's outputs for the whole batch, each with the batch dimension first; it 
         return prims.permute(x, (0, *(p % (x.dim() - 1) + 1 for p in perm)))
 
 The traits: an op that broadcasts its tensors elementwise (`elementwise`), an op of one tensor with a dim argument
-(`with_dim`), a matrix product (`batch_matmul`). fulmen.functional.batching runs the rules; this module imports only
+(`with_dim`; the prims' explicit `over_dims` and `at_dim`), an op whose arguments name no dim (`same_call`), a matrix
+product (`batch_matmul`). fulmen.functional.batching runs the rules; this module imports only
 fulmen.core and the leaves of fulmen.ops, so an op's family module can hold them.
 """
 
@@ -118,6 +119,43 @@ def with_dim(fn: Callable[..., Any], position: int, keyword: str, default: int |
         else:
             kwargs[keyword] = moved
         return fn(*args, **kwargs)
+
+    return rule
+
+
+def same_call(fn: Callable[..., Any]) -> BatchRule:
+    """The rule of an op whose arguments name no dim of its tensors (a conversion, a pad of the last dims): the
+    batch is one call, as it stands."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        return fn(*args, **kwargs)
+
+    return rule
+
+
+def over_dims(prim: Callable[..., Any], empty_means_all: bool = True) -> BatchRule:
+    """The rule of a prim `(x, dims, *rest)` over explicit dims (reductions, flip). With `empty_means_all`, no dims
+    means all of them, which for one example of 0 dims is none: the batch reduces a size-1 dim instead."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        x, dims, *rest = args
+        if not dims and empty_means_all:
+            return prim(prims.unsqueeze(x, 1), (1,), *rest)
+        return prim(x, tuple(shift(d) for d in dims), *rest)
+
+    return rule
+
+
+def at_dim(prim: Callable[..., Any], position: int, zero_dim_examples: bool = False) -> BatchRule:
+    """The rule of a prim with one dim argument at `position`. A 0-dim example is declined unless
+    `zero_dim_examples` (where dims 0 and -1 both name its one element; an unsqueeze's dim names an output dim)."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        if args[0].dim() == 1 and not zero_dim_examples:
+            return NotImplemented
+        args = list(args)
+        args[position] = shift(args[position])
+        return prim(*args)
 
     return rule
 

@@ -3,6 +3,11 @@
 Prims take tensors of matching shape and dtype (decompositions insert the conversions and broadcasts) or Python
 scalars. Each is executable outside a trace, so a trace printed at prim depth runs as it stands:
 `from fulmen.ops import prims`.
+
+This module holds the symbols only; their grad, JVP and batching rules sit in this package's modules by prim kind
+(elementwise, reductions, shapes, indexing, factories), which fulmen.ops loads. They cannot sit here: the rules are
+written with fulmen.ops.rules and fulmen.ops.utils, which are themselves written in prims (a batched operand is
+`prims.expand`ed, a zero tangent is a `prims.full`), so the symbols are the layer below every rule.
 """
 
 from __future__ import annotations

@@ -1,0 +1,183 @@
+"""The rules of the elementwise prims, and of the conversions and copies (one tensor in, its values out).
+
+An elementwise prim's derivative is declared once, as the formula of its input's cotangent (UNARY_VJPS here;
+BINARY_VJPS in fulmen.ops.rules.grad_formulas, since torch.max / min's rules use it too); its grad rule and its JVP
+rule both follow from it (a diagonal Jacobian is its own transpose). Every elementwise prim batches by broadcasting
+its operands. Rules run as torch code on proxies (the acquisition mode records it), so each reads like its formula.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fulmen.ops import backward_kernels, prims
+from fulmen.ops.rules.batch import Batch, elementwise, same_call
+from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, not_differentiable, put_grad
+from fulmen.ops.rules.grad_formulas import BINARY_VJPS, sum_to, zeros_shaped
+from fulmen.ops.rules.jvp import Dot, binary, linear, unary
+from fulmen.ops.rules.tables import RuleKind, register
+from fulmen.ops.utils import is_tensor
+
+T = torch.Tensor
+GRAD, JVP, BATCH = RuleKind.GRAD, RuleKind.JVP, RuleKind.BATCH
+
+# prim name -> d(input) from (x, y, g): the input, the output and the output's cotangent. Each formula groups its
+# steps as eager's (derivatives.yaml) does, and ops eager differentiates with one kernel call it, so half-precision
+# grads round where eager's do.
+UNARY_VJPS: dict[str, Callable[[T, T, T], T]] = {
+    "abs": lambda x, y, g: g * torch.sign(x),
+    "neg": lambda x, y, g: -g,
+    "exp": lambda x, y, g: g * y,
+    "exp2": lambda x, y, g: g * y * math.log(2.0),
+    "expm1": lambda x, y, g: g * (y + 1),
+    "log": lambda x, y, g: g / x,
+    "log1p": lambda x, y, g: g / (x + 1),
+    "log2": lambda x, y, g: g / (x * math.log(2.0)),
+    "log10": lambda x, y, g: g / (x * math.log(10.0)),
+    "sqrt": lambda x, y, g: g / (2 * y),
+    "rsqrt": lambda x, y, g: -0.5 * g * torch.pow(y, 3),
+    "sin": lambda x, y, g: g * torch.cos(x),
+    "cos": lambda x, y, g: -g * torch.sin(x),
+    "tan": lambda x, y, g: g * (1 + y * y),
+    "asin": lambda x, y, g: g * torch.rsqrt(1 - x * x),
+    "acos": lambda x, y, g: -g * torch.rsqrt(1 - x * x),
+    "atan": lambda x, y, g: g / (1 + x * x),
+    "sinh": lambda x, y, g: g * torch.cosh(x),
+    "cosh": lambda x, y, g: g * torch.sinh(x),
+    "tanh": lambda x, y, g: backward_kernels.tanh_backward(g, y),
+    "asinh": lambda x, y, g: g * torch.rsqrt(x * x + 1),
+    "acosh": lambda x, y, g: g * torch.rsqrt(x * x - 1),  # eager's form: +inf, not -inf, at x = -1
+    "atanh": lambda x, y, g: g / (1 - x * x),
+    "erf": lambda x, y, g: 2 / math.sqrt(math.pi) * torch.exp(-(x * x)) * g,
+    "erfc": lambda x, y, g: -2 / math.sqrt(math.pi) * torch.exp(-(x * x)) * g,
+    "erfinv": lambda x, y, g: math.sqrt(math.pi) / 2 * torch.exp(y * y) * g,
+    "sigmoid": lambda x, y, g: backward_kernels.sigmoid_backward(g, y),
+    "reciprocal": lambda x, y, g: -g * (y * y),  # eager squares first: 0 * inf is NaN where 1/x overflows
+    "lgamma": lambda x, y, g: g * torch.digamma(x),
+    "frac": lambda x, y, g: g,
+    # Piecewise constant: eager's backward gives zeros, and so does ours (not "no grad").
+    **dict.fromkeys("sign floor ceil round trunc".split(), lambda x, y, g: zeros_shaped(x)),
+}
+
+
+def _unary_grad(prim, vjp: Callable[[T, T, T], T]):
+    def rule(x):
+        y = prim(x)
+        put_grad(x, vjp(x, y, get_grad(y)))
+        return y
+
+    return rule
+
+
+def _binary_grad(prim, vjp):
+    def rule(a, b):
+        y = prim(a, b)
+        grad_a, grad_b = vjp(a, b, y, get_grad(y))
+        for x, grad in ((a, grad_a), (b, grad_b)):
+            if is_tensor(x) and x.requires_grad:
+                # A 0-dim CPU tensor may meet a dimensioned operand (it acts as a scalar): sum its grad down.
+                put_grad(x, _to(sum_to(grad, tuple(x.shape)) if is_tensor(grad) else grad, x))
+        return y
+
+    return rule
+
+
+def _to(grad: Any, like: T) -> T:
+    if not isinstance(grad, torch.Tensor):
+        return torch.full_like(like, grad)
+    return grad if grad.dtype == like.dtype else grad.to(like.dtype)
+
+
+for _name, _vjp in UNARY_VJPS.items():
+    register(GRAD, prims.PRIMS[_name], _unary_grad(prims.PRIMS[_name], _vjp))
+    register(JVP, prims.PRIMS[_name], unary(prims.PRIMS[_name], _vjp))
+for _name, _vjp in BINARY_VJPS.items():
+    register(GRAD, prims.PRIMS[_name], _binary_grad(prims.PRIMS[_name], _vjp))
+    register(JVP, prims.PRIMS[_name], binary(prims.PRIMS[_name], _vjp))
+for _name in (*prims.UNARY, *prims.BINARY):
+    register(BATCH, prims.PRIMS[_name], elementwise(prims.PRIMS[_name]))
+
+# The elementwise prims without a derivative formula: differentiated by eager's backward, or (integer and bool
+# results) not at all.
+differentiated_by_eager(prims.copysign, prims.digamma, prims.nextafter)
+not_differentiable(
+    prims.eq, prims.ne, prims.lt, prims.le, prims.gt, prims.ge, prims.isfinite, prims.isinf, prims.isnan,
+    prims.signbit, prims.logical_and, prims.logical_or, prims.logical_xor, prims.logical_not, prims.bitwise_and,
+    prims.bitwise_or, prims.bitwise_xor, prims.bitwise_not, prims.bitwise_left_shift, prims.bitwise_right_shift)
+
+
+# --- where ---------------------------------------------------------------------------------------------------------
+@register(GRAD, prims.where)
+def _where_grad(cond, a, b):
+    y = prims.where(cond, a, b)
+    g = get_grad(y)
+    if is_tensor(a) and a.requires_grad:
+        put_grad(a, torch.where(cond, g, 0.0))
+    if is_tensor(b) and b.requires_grad:
+        put_grad(b, torch.where(cond, 0.0, g))
+    return y
+
+
+@register(JVP, prims.where)
+def _where_jvp(dot: Dot, args: tuple, kwargs: dict):
+    cond, a, b = args
+    y = prims.where(cond, a, b)
+    ta, tb = dot(a), dot(b)
+    return y, torch.where(cond, ta if ta is not None else 0.0, tb if tb is not None else 0.0).to(y.dtype)
+
+
+register(BATCH, prims.where, elementwise(prims.where))
+
+
+# --- conversions and copies: linear in their one tensor ------------------------------------------------------------
+@register(GRAD, prims.convert_element_type)
+def _convert_element_type_grad(x, dtype):
+    y = prims.convert_element_type(x, dtype)
+    put_grad(x, get_grad(y).to(x.dtype))
+    return y
+
+
+register(JVP, prims.convert_element_type, linear(prims.convert_element_type, (0,)))
+register(BATCH, prims.convert_element_type, same_call(prims.convert_element_type))
+
+
+@register(GRAD, prims.device_put)
+def _device_put_grad(x, device):
+    y = prims.device_put(x, device)
+    put_grad(x, get_grad(y).to(x.device))
+    return y
+
+
+register(JVP, prims.device_put, linear(prims.device_put, (0,)))
+register(BATCH, prims.device_put, same_call(prims.device_put))
+
+
+@register(GRAD, prims.alias)
+def _alias_grad(x):
+    y = prims.alias(x)
+    put_grad(x, get_grad(y))
+    return y
+
+
+register(JVP, prims.alias, linear(prims.alias, (0,)))
+register(BATCH, prims.alias, same_call(prims.alias))
+
+
+@register(GRAD, prims.clone)
+def _clone_grad(x, memory_format=torch.preserve_format):
+    y = prims.clone(x, memory_format)
+    put_grad(x, get_grad(y))
+    return y
+
+
+register(JVP, prims.clone, linear(prims.clone, (0,)))
+
+
+@register(BATCH, prims.clone)
+def _clone_batch(batch: Batch, args: tuple, kwargs: dict):
+    # a memory format names the layout of one example's dims: a batch has one more (the values are the same)
+    return prims.clone(args[0])
