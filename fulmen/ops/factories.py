@@ -14,7 +14,10 @@ from fulmen.core.symbol import Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
+from fulmen.ops.rules.batch import elementwise
 from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
+from fulmen.ops.rules.jvp import constant
+from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.utils import shape_arg
 
 
@@ -58,6 +61,9 @@ for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     torch_symbol(method(_name))
     not_differentiable(method(_name))
 not_differentiable(torch.full_like, torch.empty_like)
+for _fn in (torch.full_like, torch.empty_like):  # their values do not depend on the input's, only its shape
+    register(RuleKind.JVP, _fn, constant(lookup(_fn).symbol))
+    register(RuleKind.BATCH, _fn, elementwise(lookup(_fn).symbol))
 
 
 def _legacy_new_sizes(x: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:

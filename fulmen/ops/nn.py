@@ -7,6 +7,7 @@ decomposes into prims so anything that is not claimed can descend to its parts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,9 +16,14 @@ import torch.nn.functional as F
 
 from fulmen.ops import impls, prims
 from fulmen.ops.eager_grads import eager_op, nn_op
-from fulmen.ops.registry import TorchBinding, bind, impl_symbol, method, torch_symbol
+from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
+from fulmen.ops.rules.batch import elementwise
 from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
+from fulmen.ops.rules.jvp import by_derivative
+from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.utils import canonical_dim, compute_dtype, convert, expand_to, keepdim_shape, to_float
+
+GRAD, JVP, BATCH = RuleKind.GRAD, RuleKind.JVP, RuleKind.BATCH
 
 
 def _matmul_decomposition(a, b) -> Any:
@@ -181,6 +187,16 @@ torch_symbol(F.silu, decomposition=silu_decomposition)
 for _fn in (F.softplus, F.logsigmoid, F.glu, F.softsign, F.tanhshrink):
     torch_symbol(_fn)
     differentiated_by_eager(_fn)
+# elementwise: fn -> d(output)/d(input), from (x, *the call's other arguments)
+_DERIVATIVES: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.softplus: lambda x, beta=1.0, threshold=20.0: torch.where(x * beta > threshold, 1.0, torch.sigmoid(x * beta)),
+    F.logsigmoid: lambda x: torch.sigmoid(-x),
+    F.softsign: lambda x: 1 / ((1 + torch.abs(x)) * (1 + torch.abs(x))),
+    F.tanhshrink: lambda x: torch.tanh(x) * torch.tanh(x),
+}
+for _fn, _derivative in _DERIVATIVES.items():
+    register(JVP, _fn, by_derivative(lookup(_fn).symbol, _derivative))
+    register(BATCH, _fn, elementwise(lookup(_fn).symbol))
 
 
 def sdpa_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> Any:

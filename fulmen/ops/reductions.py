@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fulmen.core.symbol import Symbol, Tag
 from fulmen.ops import prims
-from fulmen.ops.registry import method, torch_symbol
-from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
-from fulmen.ops.utils import canonical_dims, convert, keepdim_shape
+from fulmen.ops.registry import lookup, method, torch_symbol
+from fulmen.ops.rules.batch import Batch, elementwise, with_dim
+from fulmen.ops.rules.grad import differentiated_by_eager, eager_grad_rule, get_grad, not_differentiable, put_grad
+from fulmen.ops.rules.grad_formulas import BINARY_VJPS, keep_reduced, var_backward
+from fulmen.ops.rules.jvp import Dot, binary_tangent, linear
+from fulmen.ops.rules.tables import RuleKind, register
+from fulmen.ops.utils import canonical_dims, convert, is_tensor, keepdim_shape
 
 
 def _finish(out: Any, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> Any:
@@ -79,8 +85,10 @@ def _max_min_decomposition(reduce: Symbol, binary: Symbol):
     return decomposition
 
 
-torch_symbol(torch.max, decomposition=_max_min_decomposition(prims.amax, prims.maximum), aliases=(method("max"),))
-torch_symbol(torch.min, decomposition=_max_min_decomposition(prims.amin, prims.minimum), aliases=(method("min"),))
+torch_max = torch_symbol(torch.max, decomposition=_max_min_decomposition(prims.amax, prims.maximum),
+                         aliases=(method("max"),))
+torch_min = torch_symbol(torch.min, decomposition=_max_min_decomposition(prims.amin, prims.minimum),
+                         aliases=(method("min"),))
 
 
 @_numpy_names
@@ -100,8 +108,25 @@ def var_decomposition(x, *args, **kwargs) -> Any:
 
 
 torch_symbol(torch.var, decomposition=var_decomposition, aliases=(method("var"),))
-torch_symbol(torch.std, decomposition=lambda *a, **k: prims.sqrt(var_decomposition(*a, **k)),
-             aliases=(method("std"),))
+std = torch_symbol(torch.std, decomposition=lambda *a, **k: prims.sqrt(var_decomposition(*a, **k)),
+                   aliases=(method("std"),))
+_eager_std = eager_grad_rule(std)
+
+
+@register(RuleKind.GRAD, std)
+def std_grad(x, *args, **kwargs):
+    """aten's std backward: no grad where the deviation is zero (the decomposition's chain rule multiplies sqrt's
+    infinite slope there by a zero)."""
+    dims, correction, _ = var_arguments(x, *args, **kwargs)
+    if math.prod(x.shape[d] for d in dims) <= correction:
+        return _eager_std(x, *args, **kwargs)  # no degrees of freedom: eager's own infinities and NaNs
+    y = torch.std(x, *args, **kwargs)
+    deviation = keep_reduced(y, x, dims)
+    scale = torch.where(deviation == 0, 0.0, keep_reduced(get_grad(y), x, dims) / (2 * deviation))
+    put_grad(x, var_backward(x, dims, correction, scale))
+    return y
+
+
 torch_symbol(torch.var_mean)
 torch_symbol(torch.std_mean)
 torch_symbol(torch.prod, aliases=(method("prod"),))
@@ -127,3 +152,103 @@ differentiated_by_eager(torch.var_mean, torch.std_mean, torch.prod, torch.logsum
                         torch.linalg.vector_norm, torch.topk, torch.sort, torch.cumsum, torch.diff,
                         method("sum_to_size"), torch.cumprod, torch.cummax, torch.logcumsumexp)
 not_differentiable(torch.argmax, torch.argmin, torch.all, torch.any, torch.count_nonzero, torch.argsort)  # integers
+
+
+@register(RuleKind.JVP, torch.logsumexp)
+def logsumexp_jvp(dot: Dot, args: tuple, kwargs: dict):
+    x, dim = args[0], args[1] if len(args) > 1 else kwargs["dim"]
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    y = torch.logsumexp(x, dim, keepdim)
+    kept = y if keepdim else torch.logsumexp(x, dim, True)
+    return y, (dot(x) * torch.exp(x - kept)).sum(dim, keepdim=keepdim)
+
+
+register(RuleKind.JVP, torch.cumsum, linear(lookup(torch.cumsum).symbol, (0,)))  # a leaf linear in its input
+
+
+def _values_along(fn, dim_position: int, default_dim: int | None, keepdim_position: int | None = None):
+    """Ops returning (values, indices) picked along a dim: the values' tangent is the tangent picked alike."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        dim = args[dim_position] if len(args) > dim_position else kwargs.get("dim", default_dim)
+        if not isinstance(dim, int):
+            return NotImplemented
+        values, indices = fn(*args, **kwargs)
+        keepdim = keepdim_position is None or (args[keepdim_position] if len(args) > keepdim_position
+                                               else kwargs.get("keepdim", False))
+        index = indices if keepdim or indices.dim() == args[0].dim() else indices.unsqueeze(dim)
+        picked = torch.gather(dot(args[0]), dim, index)
+        return (values, indices), (picked if keepdim or indices.dim() == args[0].dim() else picked.squeeze(dim), None)
+
+    return rule
+
+
+for _fn, _spec in ((torch.topk, (2, -1)), (torch.sort, (1, -1)), (torch.cummax, (1, None))):
+    register(RuleKind.JVP, _fn, _values_along(lookup(_fn).symbol, *_spec))
+
+# --- a dim argument: vmap moves it past the batch dim --------------------------------------------------------------
+# op -> where its dim argument is: (position, keyword, default)
+DIM_ARGUMENTS: dict[Callable[..., Any], tuple[int, str, int | None]] = {
+    torch.logsumexp: (1, "dim", None), torch.cumsum: (1, "dim", None), torch.cumprod: (1, "dim", None),
+    torch.logcumsumexp: (1, "dim", None), torch.cummax: (1, "dim", None), torch.topk: (2, "dim", -1),
+    torch.sort: (1, "dim", -1), torch.argsort: (1, "dim", -1), torch.argmax: (1, "dim", None),
+    torch.argmin: (1, "dim", None), torch.max: (1, "dim", None), torch.min: (1, "dim", None),
+    torch.var_mean: (1, "dim", None), torch.std_mean: (1, "dim", None), torch.prod: (1, "dim", None),
+    torch.all: (1, "dim", None), torch.any: (1, "dim", None), torch.count_nonzero: (1, "dim", None),
+}
+# dim=None reduces the flattened tensor: batched, each flattened example
+FLATTENING = (torch.argmax, torch.argmin, torch.all, torch.any, torch.count_nonzero)
+ELEMENTWISE_OF_TWO = (torch.max, torch.min)  # also ops of two tensors (maximum / minimum): their rules are below
+
+
+def _dim_rule(fn: Callable[..., Any]):
+    return with_dim(lookup(fn).symbol, *DIM_ARGUMENTS[fn], fn in FLATTENING)
+
+
+for _fn in DIM_ARGUMENTS:
+    if _fn not in ELEMENTWISE_OF_TWO:
+        register(RuleKind.BATCH, _fn, _dim_rule(_fn))
+
+
+# --- torch.max / torch.min: the full reduction, along a dim, or of two tensors elementwise -------------------------
+def _extremum_grad(fn):
+    def rule(x, *args, **kwargs):
+        """The full reduction, as eager: ties share the cotangent evenly, and a NaN result gives it to the NaNs."""
+        if args or kwargs:
+            return NotImplemented
+        y = fn(x)
+        hit = (x == y) | (torch.isnan(x) & torch.isnan(y))
+        put_grad(x, torch.where(hit, get_grad(y) / hit.sum(), 0.0).to(x.dtype))
+        return y
+
+    return rule
+
+
+def _max_min_jvp(fn, elementwise: str):
+    """Of two tensors elementwise (maximum / minimum), else the values along a dim."""
+    along = _values_along(fn, 1, None, keepdim_position=2)
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        if len(args) < 2 or not is_tensor(args[1]):
+            return along(dot, args, kwargs)
+        a, b = args
+        y = fn(a, b)
+        return y, binary_tangent(BINARY_VJPS[elementwise], dot, a, b, y)
+
+    return rule
+
+
+def _max_min_batch(fn, along):
+    """Of two tensors elementwise, else along a dim (`along`)."""
+    pointwise = elementwise(fn)
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        return pointwise(batch, args, kwargs) if len(args) > 1 and is_tensor(args[1]) else along(batch, args, kwargs)
+
+    return rule
+
+
+for _fn, _sym, _elementwise in ((torch.max, torch_max, "maximum"), (torch.min, torch_min, "minimum")):
+    register(RuleKind.GRAD, _sym, _extremum_grad(_fn))
+    register(RuleKind.JVP, _sym, _max_min_jvp(_sym, _elementwise))
+    register(RuleKind.BATCH, _sym, _max_min_batch(_sym, _dim_rule(_fn)))

@@ -19,11 +19,9 @@ from fulmen.ops.rules.tables import RuleKind, register
 
 BATCH = RuleKind.BATCH
 
-for _fn in (F.elu, F.leaky_relu, F.softplus, F.mish, F.hardtanh, F.relu6, F.selu, F.celu, F.hardswish,
-            F.hardsigmoid, F.logsigmoid, F.softsign, F.tanhshrink, F.threshold, torch.nan_to_num, torch.clamp_min,
+for _fn in (torch.nan_to_num, torch.clamp_min,
             torch.clamp_max, torch.fmax, torch.fmin, torch.xlogy, torch.lerp, torch.addcmul, torch.addcdiv,
-            torch.float_power, torch.isclose, torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__, torch.round,
-            torch.empty_like, torch.full_like):
+            torch.float_power, torch.isclose, torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__, torch.round):
     register(BATCH, _fn, elementwise(lookup(_fn).symbol))
 register(BATCH, SYMBOLS["impls.keep_history"], elementwise(SYMBOLS["impls.keep_history"]))  # its value is the new one
 
@@ -60,40 +58,18 @@ def _aten_index(batch: Batch, args: tuple, kwargs: dict):
 # --- torch-level leaves with a dim argument ------------------------------------------------------------------------
 # op -> where its dim argument is: (position, keyword, default)
 DIM_OPS: dict[Callable[..., Any], tuple[int, str, int | None]] = {
-    torch.logsumexp: (1, "dim", None), torch.cumsum: (1, "dim", None), torch.cumprod: (1, "dim", None),
-    torch.logcumsumexp: (1, "dim", None), torch.cummax: (1, "dim", None), torch.topk: (2, "dim", -1),
-    torch.sort: (1, "dim", -1), torch.argsort: (1, "dim", -1), F.glu: (1, "dim", -1), F.normalize: (2, "dim", 1),
+    F.glu: (1, "dim", -1), F.normalize: (2, "dim", 1),
     torch.narrow: (1, "dim", None), torch.Tensor.unfold: (1, "dimension", None), torch.unbind: (1, "dim", 0),
-    torch.tensor_split: (2, "dim", 0), torch.argmax: (1, "dim", None), torch.argmin: (1, "dim", None),
-    torch.max: (1, "dim", None), torch.min: (1, "dim", None), torch.var_mean: (1, "dim", None),
-    torch.std_mean: (1, "dim", None), torch.prod: (1, "dim", None), torch.all: (1, "dim", None),
-    torch.any: (1, "dim", None), torch.count_nonzero: (1, "dim", None),
+    torch.tensor_split: (2, "dim", 0),
 }
-FLATTENING = (torch.argmax, torch.argmin, torch.all, torch.any, torch.count_nonzero)
-ELEMENTWISE_OF_TWO = (torch.max, torch.min)  # also ops of two tensors (maximum / minimum): their rule is below
 
 
 def _dim_rule(fn: Callable[..., Any]):
-    return with_dim(lookup(fn).symbol, *DIM_OPS[fn], fn in FLATTENING)
+    return with_dim(lookup(fn).symbol, *DIM_OPS[fn])
 
 
 for _fn in DIM_OPS:
-    if _fn not in ELEMENTWISE_OF_TWO:
-        register(BATCH, _fn, _dim_rule(_fn))
-
-
-def _max_min(fn, along):
-    """torch.max / min: of two tensors elementwise, else along a dim (`along`)."""
-    pointwise = elementwise(fn)
-
-    def rule(batch: Batch, args: tuple, kwargs: dict):
-        return pointwise(batch, args, kwargs) if len(args) > 1 and is_tensor(args[1]) else along(batch, args, kwargs)
-
-    return rule
-
-
-for _fn in ELEMENTWISE_OF_TWO:
-    register(BATCH, _fn, _max_min(lookup(_fn).symbol, _dim_rule(_fn)))
+    register(BATCH, _fn, _dim_rule(_fn))
 
 
 @register(BATCH, torch.index_add)

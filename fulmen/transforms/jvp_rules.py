@@ -12,16 +12,13 @@ import torch.nn.functional as F
 
 from fulmen.ops import backward_kernels, lookup
 from fulmen.ops.registry import SYMBOLS
-from fulmen.ops.rules.grad_formulas import BINARY_VJPS
 from fulmen.ops.rules.jvp import (
     Dot,
     add_tangents,
     as_tangent,
     bilinear,
-    binary_tangent,
     by_derivative,
     constant,
-    is_tensor,
     linear,
     tangent_or_zero,
 )
@@ -36,7 +33,7 @@ T = torch.Tensor
 # Torch-level leaves (no prim decomposition) linear in the arguments at these positions or keywords.
 TORCH_OPERANDS: dict[Callable[..., Any], tuple[int | str, ...]] = {
     **dict.fromkeys((torch.narrow, torch.diagonal, T.unfold, torch.roll, T.repeat, torch.tile, torch.hstack,
-                     torch.vstack, torch.unbind, torch.tensor_split, torch.take_along_dim, torch.cumsum), (0,)),
+                     torch.vstack, torch.unbind, torch.tensor_split, torch.take_along_dim), (0,)),
     **dict.fromkeys((torch.broadcast_tensors, torch.atleast_1d, torch.atleast_2d, torch.atleast_3d),
                     _EVERY_POSITIONAL),
     torch.index_add: (0, 3, "source"), torch.scatter_add: (0, 3, "src"), torch.index_fill: (0, 3, "value"),
@@ -69,15 +66,6 @@ for _sym in (lookup(fn).symbol for fn in (torch.matmul, torch.outer, T.__rmatmul
 
 
 # --- reductions and selections -------------------------------------------------------------------------------------
-@register(JVP, torch.logsumexp)
-def _logsumexp(dot: Dot, args: tuple, kwargs: dict):
-    x, dim = args[0], args[1] if len(args) > 1 else kwargs["dim"]
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    y = torch.logsumexp(x, dim, keepdim)
-    kept = y if keepdim else torch.logsumexp(x, dim, True)
-    return y, (dot(x) * torch.exp(x - kept)).sum(dim, keepdim=keepdim)
-
-
 @register(JVP, torch.native_layer_norm)
 def _native_layer_norm(dot: Dot, args: tuple, kwargs: dict):
     """The normalised output's tangent; the mean and rstd outputs get none, as eager's forward-mode AD gives them
@@ -150,36 +138,15 @@ def _layer_norm_backward(dot: Dot, args: tuple, kwargs: dict):
 
 
 # --- torch-level leaves: activations and losses by their derivative, composites by their parts --------------------
-SELU_SCALE, SELU_ALPHA = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
-
 # fn -> d(output)/d(input) of an elementwise function of one tensor, from (x, *the call's other arguments)
 DERIVATIVES: dict[Callable[..., Any], Callable[..., Any]] = {
-    F.leaky_relu: lambda x, negative_slope=0.01, inplace=False: torch.where(x > 0, 1.0, negative_slope),
-    F.hardtanh: lambda x, min_val=-1.0, max_val=1.0, inplace=False: ((x > min_val) & (x < max_val)).to(x.dtype),
-    F.relu6: lambda x, inplace=False: ((x > 0) & (x < 6)).to(x.dtype),
-    F.threshold: lambda x, threshold, value, inplace=False: (x > threshold).to(x.dtype),
-    F.elu: lambda x, alpha=1.0, inplace=False: torch.where(x > 0, 1.0, alpha * torch.exp(x)),
-    F.celu: lambda x, alpha=1.0, inplace=False: torch.where(x > 0, 1.0, torch.exp(x / alpha)),
-    F.selu: lambda x, inplace=False: SELU_SCALE * torch.where(x > 0, 1.0, SELU_ALPHA * torch.exp(x)),
-    F.softplus: lambda x, beta=1.0, threshold=20.0: torch.where(x * beta > threshold, 1.0, torch.sigmoid(x * beta)),
-    F.hardswish: lambda x, inplace=False: torch.where(x < -3, 0.0, torch.where(x <= 3, x / 3 + 0.5, 1.0)),
-    F.hardsigmoid: lambda x, inplace=False: ((x > -3) & (x < 3)).to(x.dtype) / 6,
-    F.logsigmoid: lambda x: torch.sigmoid(-x),
-    F.softsign: lambda x: 1 / ((1 + torch.abs(x)) * (1 + torch.abs(x))),
-    F.tanhshrink: lambda x: torch.tanh(x) * torch.tanh(x),
-    F.mish: lambda x, inplace=False: _mish_derivative(x),
     torch.nan_to_num: lambda x, nan=0.0, posinf=None, neginf=None: torch.isfinite(x).to(x.dtype),
 }
 
 
-def _mish_derivative(x: torch.Tensor) -> torch.Tensor:
-    t = torch.tanh(F.softplus(x))
-    return t + x * torch.sigmoid(x) * (1 - t * t)
-
-
 for _fn, _derivative in DERIVATIVES.items():
     register(JVP, _fn, by_derivative(lookup(_fn).symbol, _derivative))
-for _fn in (torch.empty_like, torch.full_like, torch.round):
+for _fn in (torch.round,):
     register(JVP, _fn, constant(lookup(_fn).symbol))
 for _fn, _operands in ((F.pad, (0, 3, "value")), (T.__getitem__, (0,)), (torch.repeat_interleave, (0,))):
     register(JVP, _fn, linear(lookup(_fn).symbol, _operands))
@@ -248,45 +215,6 @@ def _matmul_plus(fn, product):
 
 register(JVP, torch.addmm, _matmul_plus(lookup(torch.addmm).symbol, torch.matmul))
 register(JVP, torch.baddbmm, _matmul_plus(lookup(torch.baddbmm).symbol, torch.matmul))
-
-
-def _values_along(fn, dim_position: int, default_dim: int | None, keepdim_position: int | None = None):
-    """Ops returning (values, indices) picked along a dim: the values' tangent is the tangent picked alike."""
-
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        dim = args[dim_position] if len(args) > dim_position else kwargs.get("dim", default_dim)
-        if not isinstance(dim, int):
-            return NotImplemented
-        values, indices = fn(*args, **kwargs)
-        keepdim = keepdim_position is None or (args[keepdim_position] if len(args) > keepdim_position
-                                               else kwargs.get("keepdim", False))
-        index = indices if keepdim or indices.dim() == args[0].dim() else indices.unsqueeze(dim)
-        picked = torch.gather(dot(args[0]), dim, index)
-        return (values, indices), (picked if keepdim or indices.dim() == args[0].dim() else picked.squeeze(dim), None)
-
-    return rule
-
-
-for _fn, _spec in ((torch.topk, (2, -1)), (torch.sort, (1, -1)), (torch.cummax, (1, None))):
-    register(JVP, _fn, _values_along(lookup(_fn).symbol, *_spec))
-
-
-def _max_min(fn, elementwise: str):
-    """torch.max / min: of two tensors elementwise (maximum / minimum), else the values along a dim."""
-    along = _values_along(fn, 1, None, keepdim_position=2)
-
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        if len(args) < 2 or not is_tensor(args[1]):
-            return along(dot, args, kwargs)
-        a, b = args
-        y = fn(a, b)
-        return y, binary_tangent(BINARY_VJPS[elementwise], dot, a, b, y)
-
-    return rule
-
-
-register(JVP, torch.max, _max_min(lookup(torch.max).symbol, "maximum"))
-register(JVP, torch.min, _max_min(lookup(torch.min).symbol, "minimum"))
 
 
 def _fmax_fmin(fn, keeps_first):

@@ -8,14 +8,11 @@ where eager has none worth restating (it raises, or its degenerate cases are its
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from fulmen.ops.reductions import var_arguments
 from fulmen.ops.registry import symbol_of
 from fulmen.ops.rules.grad import eager_grad_rule, get_grad, put_grad, wants_grad
-from fulmen.ops.rules.grad_formulas import keep_reduced, sum_to, var_backward, zeros_shaped
+from fulmen.ops.rules.grad_formulas import sum_to, zeros_shaped
 from fulmen.ops.rules.tables import RuleKind, register
 
 
@@ -60,34 +57,3 @@ def div_grad(a, b, *, rounding_mode=None):
 # Eager has no derivative for floor_divide: its backward raises, and so does ours, when a grad reaches it.
 register(RuleKind.GRAD, torch.floor_divide, eager_grad_rule(symbol_of(torch.floor_divide, "a grad rule")))
 
-_eager_std = eager_grad_rule(symbol_of(torch.std, "a grad rule"))
-
-
-@register(RuleKind.GRAD, torch.std)
-def std_grad(x, *args, **kwargs):
-    """aten's std backward: no grad where the deviation is zero."""
-    dims, correction, _ = var_arguments(x, *args, **kwargs)
-    if math.prod(x.shape[d] for d in dims) <= correction:
-        return _eager_std(x, *args, **kwargs)  # no degrees of freedom: eager's own infinities and NaNs
-    y = torch.std(x, *args, **kwargs)
-    std = keep_reduced(y, x, dims)
-    scale = torch.where(std == 0, 0.0, keep_reduced(get_grad(y), x, dims) / (2 * std))
-    put_grad(x, var_backward(x, dims, correction, scale))
-    return y
-
-
-def _extremum_grad(fn):
-    def rule(x, *args, **kwargs):
-        """The full reduction, as eager: ties share the cotangent evenly, and a NaN result gives it to the NaNs."""
-        if args or kwargs:
-            return NotImplemented
-        y = fn(x)
-        hit = (x == y) | (torch.isnan(x) & torch.isnan(y))
-        put_grad(x, torch.where(hit, get_grad(y) / hit.sum(), 0.0).to(x.dtype))
-        return y
-
-    return rule
-
-
-register(RuleKind.GRAD, torch.max, _extremum_grad(torch.max))
-register(RuleKind.GRAD, torch.min, _extremum_grad(torch.min))

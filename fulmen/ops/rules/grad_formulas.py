@@ -176,3 +176,17 @@ def matmul_rule(matmul):
         return y
 
     return rule
+
+
+def kernel_grad(forward: Callable[..., Any], backward: Callable[..., Any], *, of_result: bool = False
+                ) -> Callable[..., Any]:
+    """The grad rule of an op of one tensor that eager differentiates with one backward kernel (its bits, not a
+    formula's): records `forward(x, *options)` and gives x `backward(grad, x, *options)`, the options being the call's
+    other arguments; `of_result`: the kernel reads the op's result instead of x (an in-place update's)."""
+
+    def rule(x, *args, **kwargs):
+        y = forward(x, *args, **kwargs)
+        put_grad(x, backward(get_grad(y), y if of_result else x, *args, **kwargs))
+        return y
+
+    return rule
