@@ -12,8 +12,19 @@ import torch.nn.functional as F
 from fulmen.core.symbol import Symbol, Tag
 from fulmen.core.trace import infer_device
 from fulmen.ops import prims
-from fulmen.ops.registry import method, methods, torch_symbol
-from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
+from fulmen.ops.registry import lookup, method, methods, torch_symbol
+from fulmen.ops.rules.batch import elementwise
+from fulmen.ops.rules.grad import (
+    differentiated_by_eager,
+    eager_grad_rule,
+    get_grad,
+    not_differentiable,
+    put_grad,
+    wants_grad,
+)
+from fulmen.ops.rules.grad_formulas import sum_to, zeros_shaped
+from fulmen.ops.rules.jvp import Dot, add_tangents, as_tangent, by_derivative, constant, tangent_or_zero
+from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.utils import broadcast_shape, convert, expand_to, is_real_number, is_tensor, result_dtype, to_float
 
 # --- unary ---------------------------------------------------------------------------------------------------------
@@ -79,6 +90,8 @@ def _unary(name: str, kind: str) -> Symbol:
 
 for _name, _kind in UNARY_KINDS.items():
     _unary(_name, _kind)
+# round(x, decimals=...) has no prim decomposition; its value is piecewise constant
+register(RuleKind.JVP, torch.round, constant(lookup(torch.round).symbol))
 
 
 def relu_decomposition(x: torch.Tensor, inplace: bool = False) -> Any:
@@ -262,12 +275,30 @@ torch_symbol(
     aliases=methods("div", "divide", "true_divide", "__truediv__", "__div__") + (torch.divide, torch.true_divide),
     inplace=methods("div_", "__itruediv__", "divide_", "true_divide_", "__idiv__"),
 )
-torch_symbol(
+
+
+@register(RuleKind.GRAD, torch.div)
+def div_grad(a, b, *, rounding_mode=None):
+    """A rounded quotient is piecewise constant: eager gives zeros, where floor(a / b)'s chain rule would give
+    NaN at a zero divisor."""
+    if rounding_mode is None:
+        return NotImplemented
+    y = torch.div(a, b, rounding_mode=rounding_mode)
+    get_grad(y)  # read, so the backward reaches this rule and gives zeros (not None) as eager does
+    for x in (a, b):
+        if wants_grad(x):
+            put_grad(x, zeros_shaped(x))
+    return y
+
+
+floor_divide = torch_symbol(
     torch.floor_divide,
     decomposition=lambda input, other: div_decomposition(input, other, rounding_mode="floor"),
     aliases=methods("floor_divide", "__floordiv__"),
     inplace=methods("floor_divide_", "__ifloordiv__"),
 )
+# Eager has no derivative for floor_divide: its backward raises, and so does ours, when a grad reaches it.
+register(RuleKind.GRAD, floor_divide, eager_grad_rule(floor_divide))
 torch_symbol(
     torch.Tensor.__rtruediv__,
     decomposition=lambda a, b: prims.mul(prims.reciprocal(convert(a, to_float(a.dtype))), b),
@@ -325,6 +356,20 @@ def _pow_by_number(a: Any, b: float) -> Any:
 
 torch_symbol(torch.pow, decomposition=pow_decomposition, meta=pow_meta, aliases=methods("pow", "__pow__"),
              inplace=methods("pow_", "__ipow__"), tags=Tag.EAGER_ROUNDING)
+
+
+@register(RuleKind.GRAD, torch.pow)
+def pow_grad(a, b):
+    """A float tensor to a number's power, differentiated as eager does with the exponent as given (the forward's
+    decomposition converts it to the tensor's dtype, as eager's kernel does, which the prim's rule would then see)."""
+    if not (is_tensor(a) and a.dtype.is_floating_point and is_real_number(b)) or b == 0:
+        return NotImplemented
+    y = torch.pow(a, b)
+    if wants_grad(a):
+        put_grad(a, get_grad(y) * (b * torch.pow(a, b - 1)))
+    return y
+
+
 torch_symbol(torch.Tensor.__rpow__, decomposition=lambda a, b: pow_decomposition(b, a),
              meta=lambda builder, a, b: pow_meta(builder, b, a))
 torch_symbol(torch.float_power, aliases=methods("float_power"))
@@ -339,6 +384,64 @@ torch_symbol(torch.isclose, aliases=methods("isclose"))
 differentiated_by_eager(torch.float_power, torch.fmax, torch.fmin, torch.xlogy, torch.lerp, torch.addcmul,
                         torch.addcdiv, torch.nan_to_num)
 not_differentiable(torch.isclose)  # bool
+
+
+def _fmax_fmin_jvp(fn, keeps_first):
+    """fmax / fmin: the first operand's tangent where it is chosen (NaNs lose), the second's elsewhere."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        a, b = args
+        y = fn(a, b)
+        chosen = keeps_first(a, b) | torch.isnan(b)
+        ta, tb = tangent_or_zero(dot, a), tangent_or_zero(dot, b)
+        return y, as_tangent(torch.where(chosen, ta, tb), y)
+
+    return rule
+
+
+register(RuleKind.JVP, torch.fmax, _fmax_fmin_jvp(lookup(torch.fmax).symbol, lambda a, b: a >= b))
+register(RuleKind.JVP, torch.fmin, _fmax_fmin_jvp(lookup(torch.fmin).symbol, lambda a, b: a <= b))
+
+
+@register(RuleKind.JVP, torch.xlogy)
+def xlogy_jvp(dot: Dot, args: tuple, kwargs: dict):
+    x, y_ = args
+    out = torch.xlogy(x, y_)
+    tx, ty = dot(x), dot(y_)
+    return out, add_tangents(None if tx is None else as_tangent(tx * torch.xlogy((x != 0).to(out.dtype), y_), out),
+                             None if ty is None else as_tangent(ty * x / y_, out))
+
+
+@register(RuleKind.JVP, torch.lerp)
+def lerp_jvp(dot: Dot, args: tuple, kwargs: dict):
+    start, end, weight = args
+    y = torch.lerp(start, end, weight)
+    ts, te = tangent_or_zero(dot, start), tangent_or_zero(dot, end)
+    t = ts + weight * (te - ts) + tangent_or_zero(dot, weight) * (end - start)
+    return y, as_tangent(t, y)
+
+
+@register(RuleKind.JVP, torch.addcmul)
+def addcmul_jvp(dot: Dot, args: tuple, kwargs: dict):
+    x, a, b = args
+    value = kwargs.get("value", 1)
+    y = torch.addcmul(x, a, b, value=value)
+    t = tangent_or_zero(dot, x) + value * (tangent_or_zero(dot, a) * b + a * tangent_or_zero(dot, b))
+    return y, as_tangent(t, y)
+
+
+@register(RuleKind.JVP, torch.addcdiv)
+def addcdiv_jvp(dot: Dot, args: tuple, kwargs: dict):
+    x, a, b = args
+    value = kwargs.get("value", 1)
+    y = torch.addcdiv(x, a, b, value=value)
+    t = tangent_or_zero(dot, x) + value * (tangent_or_zero(dot, a) / b - a * tangent_or_zero(dot, b) / (b * b))
+    return y, as_tangent(t, y)
+
+
+# elementwise in its input, with this derivative
+register(RuleKind.JVP, torch.nan_to_num, by_derivative(
+    lookup(torch.nan_to_num).symbol, lambda x, nan=0.0, posinf=None, neginf=None: torch.isfinite(x).to(x.dtype)))
 torch_symbol(torch.square, decomposition=lambda x: prims.mul(x, x) if x.dtype != torch.bool else NotImplemented,
              aliases=methods("square"), inplace=methods("square_"))
 torch_symbol(torch.positive, decomposition=lambda x: x, aliases=methods("positive", "__pos__"))
@@ -380,6 +483,58 @@ def clamp_decomposition(x: Any, min: Any = None, max: Any = None) -> Any:
 
 torch_symbol(torch.clamp, decomposition=clamp_decomposition, aliases=methods("clamp", "clip") + (torch.clip,),
              inplace=methods("clamp_", "clip_"))
-torch_symbol(torch.clamp_min, aliases=methods("clamp_min"), inplace=methods("clamp_min_"))
-torch_symbol(torch.clamp_max, aliases=methods("clamp_max"), inplace=methods("clamp_max_"))
+
+
+def _put(x: torch.Tensor, grad: torch.Tensor) -> None:
+    """`grad`, of the broadcast result, summed to `x`'s shape and cast to its dtype, as `x`'s grad."""
+    put_grad(x, sum_to(grad, tuple(x.shape)).to(x.dtype))
+
+
+@register(RuleKind.GRAD, torch.clamp)
+def clamp_grad(x, min=None, max=None):
+    """aten's clamp backward: `x` gets the cotangent where it lies within the bounds (NaN does not); a tensor bound
+    gets it where it binds, the lower one only while it is below the upper one. (Differentiated through the
+    decomposition, a NaN element of `x` would get the cotangent.)"""
+    y = torch.clamp(x, min, max)
+    g = get_grad(y)
+    if wants_grad(x):
+        within = (x >= min) & (x <= max) if min is not None and max is not None else (
+            x >= min if min is not None else x <= max)
+        _put(x, torch.where(within, g, 0.0))
+    if wants_grad(min):
+        binds = (x < min) & (min < max) if max is not None else x < min
+        _put(min, torch.where(binds, g, 0.0))
+    if wants_grad(max):
+        binds = (x > max) | (max < min) if min is not None else x > max
+        _put(max, torch.where(binds, g, 0.0))
+    return y
+
+
+clamp_min = torch_symbol(torch.clamp_min, aliases=methods("clamp_min"), inplace=methods("clamp_min_"))
+clamp_max = torch_symbol(torch.clamp_max, aliases=methods("clamp_max"), inplace=methods("clamp_max_"))
 differentiated_by_eager(torch.clamp_min, torch.clamp_max)
+
+
+def _clamp_bound_jvp(fn, keep):
+    """clamp_min / clamp_max: the input's tangent where it is kept, the bound's where the bound is."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, bound = args[0], args[1] if len(args) > 1 else next(iter(kwargs.values()))
+        y = fn(x, bound)
+        kept = keep(x, bound)
+        tx, tb = dot(x), dot(bound)
+        return y, add_tangents(None if tx is None else torch.where(kept, tx, 0.0).to(y.dtype),
+                               None if tb is None else torch.where(kept, 0.0, tb).to(y.dtype))
+
+    return rule
+
+
+register(RuleKind.JVP, clamp_min, _clamp_bound_jvp(clamp_min, lambda x, b: x >= b))
+register(RuleKind.JVP, clamp_max, _clamp_bound_jvp(clamp_max, lambda x, b: x <= b))
+
+# --- the leaves that broadcast their tensors elementwise: vmap broadcasts each example's operands together ----------
+ELEMENTWISE_LEAVES = (torch.nan_to_num, torch.clamp_min, torch.clamp_max, torch.fmax, torch.fmin, torch.xlogy,
+                      torch.lerp, torch.addcmul, torch.addcdiv, torch.float_power, torch.isclose,
+                      torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__, torch.round)
+for _fn in ELEMENTWISE_LEAVES:
+    register(RuleKind.BATCH, _fn, elementwise(lookup(_fn).symbol))

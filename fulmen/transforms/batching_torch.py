@@ -19,10 +19,6 @@ from fulmen.ops.rules.tables import RuleKind, register
 
 BATCH = RuleKind.BATCH
 
-for _fn in (torch.nan_to_num, torch.clamp_min,
-            torch.clamp_max, torch.fmax, torch.fmin, torch.xlogy, torch.lerp, torch.addcmul, torch.addcdiv,
-            torch.float_power, torch.isclose, torch.Tensor.__rfloordiv__, torch.Tensor.__rmod__, torch.round):
-    register(BATCH, _fn, elementwise(lookup(_fn).symbol))
 register(BATCH, SYMBOLS["impls.keep_history"], elementwise(SYMBOLS["impls.keep_history"]))  # its value is the new one
 
 

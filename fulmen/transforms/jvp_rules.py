@@ -17,8 +17,6 @@ from fulmen.ops.rules.jvp import (
     add_tangents,
     as_tangent,
     bilinear,
-    by_derivative,
-    constant,
     linear,
     tangent_or_zero,
 )
@@ -138,63 +136,8 @@ def _layer_norm_backward(dot: Dot, args: tuple, kwargs: dict):
 
 
 # --- torch-level leaves: activations and losses by their derivative, composites by their parts --------------------
-# fn -> d(output)/d(input) of an elementwise function of one tensor, from (x, *the call's other arguments)
-DERIVATIVES: dict[Callable[..., Any], Callable[..., Any]] = {
-    torch.nan_to_num: lambda x, nan=0.0, posinf=None, neginf=None: torch.isfinite(x).to(x.dtype),
-}
-
-
-for _fn, _derivative in DERIVATIVES.items():
-    register(JVP, _fn, by_derivative(lookup(_fn).symbol, _derivative))
-for _fn in (torch.round,):
-    register(JVP, _fn, constant(lookup(_fn).symbol))
 for _fn, _operands in ((F.pad, (0, 3, "value")), (T.__getitem__, (0,)), (torch.repeat_interleave, (0,))):
     register(JVP, _fn, linear(lookup(_fn).symbol, _operands))
-
-
-def _clamp_bound(fn, keep):
-    """clamp_min / clamp_max: the input's tangent where it is kept, the bound's where the bound is."""
-
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        x, bound = args[0], args[1] if len(args) > 1 else next(iter(kwargs.values()))
-        y = fn(x, bound)
-        kept = keep(x, bound)
-        tx, tb = dot(x), dot(bound)
-        return y, add_tangents(None if tx is None else torch.where(kept, tx, 0.0).to(y.dtype),
-                               None if tb is None else torch.where(kept, 0.0, tb).to(y.dtype))
-
-    return rule
-
-
-register(JVP, torch.clamp_min, _clamp_bound(lookup(torch.clamp_min).symbol, lambda x, b: x >= b))
-register(JVP, torch.clamp_max, _clamp_bound(lookup(torch.clamp_max).symbol, lambda x, b: x <= b))
-
-
-@register(JVP, torch.addcmul)
-def _addcmul(dot: Dot, args: tuple, kwargs: dict):
-    x, a, b = args
-    value = kwargs.get("value", 1)
-    y = torch.addcmul(x, a, b, value=value)
-    t = tangent_or_zero(dot, x) + value * (tangent_or_zero(dot, a) * b + a * tangent_or_zero(dot, b))
-    return y, as_tangent(t, y)
-
-
-@register(JVP, torch.addcdiv)
-def _addcdiv(dot: Dot, args: tuple, kwargs: dict):
-    x, a, b = args
-    value = kwargs.get("value", 1)
-    y = torch.addcdiv(x, a, b, value=value)
-    t = tangent_or_zero(dot, x) + value * (tangent_or_zero(dot, a) / b - a * tangent_or_zero(dot, b) / (b * b))
-    return y, as_tangent(t, y)
-
-
-@register(JVP, torch.lerp)
-def _lerp(dot: Dot, args: tuple, kwargs: dict):
-    start, end, weight = args
-    y = torch.lerp(start, end, weight)
-    ts, te = tangent_or_zero(dot, start), tangent_or_zero(dot, end)
-    t = ts + weight * (te - ts) + tangent_or_zero(dot, weight) * (end - start)
-    return y, as_tangent(t, y)
 
 
 def _matmul_plus(fn, product):
@@ -215,32 +158,6 @@ def _matmul_plus(fn, product):
 
 register(JVP, torch.addmm, _matmul_plus(lookup(torch.addmm).symbol, torch.matmul))
 register(JVP, torch.baddbmm, _matmul_plus(lookup(torch.baddbmm).symbol, torch.matmul))
-
-
-def _fmax_fmin(fn, keeps_first):
-    """fmax / fmin: the first operand's tangent where it is chosen (NaNs lose), the second's elsewhere."""
-
-    def rule(dot: Dot, args: tuple, kwargs: dict):
-        a, b = args
-        y = fn(a, b)
-        chosen = keeps_first(a, b) | torch.isnan(b)
-        ta, tb = tangent_or_zero(dot, a), tangent_or_zero(dot, b)
-        return y, as_tangent(torch.where(chosen, ta, tb), y)
-
-    return rule
-
-
-register(JVP, torch.fmax, _fmax_fmin(lookup(torch.fmax).symbol, lambda a, b: a >= b))
-register(JVP, torch.fmin, _fmax_fmin(lookup(torch.fmin).symbol, lambda a, b: a <= b))
-
-
-@register(JVP, torch.xlogy)
-def _xlogy(dot: Dot, args: tuple, kwargs: dict):
-    x, y_ = args
-    out = torch.xlogy(x, y_)
-    tx, ty = dot(x), dot(y_)
-    return out, add_tangents(None if tx is None else as_tangent(tx * torch.xlogy((x != 0).to(out.dtype), y_), out),
-                             None if ty is None else as_tangent(ty * x / y_, out))
 
 
 def _loss(fn, pointwise):

@@ -28,7 +28,7 @@ from fulmen.ops.rules.grad import (
 from fulmen.ops.rules.grad_formulas import matmul_rule, zeros_shaped
 from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.sdpa_kernels import eager_choice
-from fulmen.ops.utils import canonical_dim, compute_dtype, is_real_number, is_tensor
+from fulmen.ops.utils import canonical_dim, compute_dtype, is_tensor
 
 native_dropout = torch_symbol(torch.native_dropout, tags=Tag.RANDOM)
 attention_dropout = impl_symbol(impls.attention_dropout, tags=Tag.RANDOM)
@@ -55,18 +55,6 @@ def linear_grad(x, weight, bias=None):
 
 
 register(RuleKind.GRAD, torch.matmul, matmul_rule(torch.matmul))
-
-
-@register(RuleKind.GRAD, torch.pow)
-def pow_grad(a, b):
-    """A float tensor to a number's power, differentiated as eager does with the exponent as given (the forward's
-    decomposition converts it to the tensor's dtype, as eager's kernel does, which the prim's rule would then see)."""
-    if not (is_tensor(a) and a.dtype.is_floating_point and is_real_number(b)) or b == 0:
-        return NotImplemented
-    y = torch.pow(a, b)
-    if wants_grad(a):
-        put_grad(a, get_grad(y) * (b * torch.pow(a, b - 1)))
-    return y
 
 
 def _softmax_rule(fn, backward):
