@@ -1,16 +1,38 @@
-"""Shape, view, indexing and joining symbols."""
+"""Shape, view, indexing and joining symbols, each with its rules."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from fulmen.core.symbol import Tag
+from fulmen.core.symbol import Tag, iter_proxies
 from fulmen.ops import impls, prims
-from fulmen.ops.registry import TorchBinding, bind, impl_symbol, method, torch_symbol
-from fulmen.ops.rules.grad import differentiated_by_eager
-from fulmen.ops.utils import canonical_dim, convert, expand_to, meta_of
+from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
+from fulmen.ops.rules.batch import Batch, elementwise, shift, with_dim
+from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, put_grad, torch_vjp, wants_grad
+from fulmen.ops.rules.grad_formulas import zeros_shaped
+from fulmen.ops.rules.jvp import Dot, linear
+from fulmen.ops.rules.tables import RuleKind, register
+from fulmen.ops.utils import canonical_dim, convert, expand_to, is_tensor, meta_of
+
+JVP, BATCH = RuleKind.JVP, RuleKind.BATCH
+
+
+def _linear_in(operands: dict[Callable[..., Any], tuple[int | str, ...]]) -> None:
+    """The JVP rules of torch-level leaves linear in the arguments at these positions or keywords (taken together):
+    the op applied to the tangents."""
+    for fn, positions in operands.items():
+        register(JVP, fn, linear(lookup(fn).symbol, positions))
+
+
+def _dim_arguments(dims: dict[Callable[..., Any], tuple[int, str, int | None]]) -> None:
+    """The batching rules of ops of one tensor with a dim argument at (position, keyword, default): the dim moved
+    past the batch dim."""
+    for fn, (position, keyword, default) in dims.items():
+        register(BATCH, fn, with_dim(lookup(fn).symbol, position, keyword, default))
 
 
 def _meta_shape(fn, x, *args, **kwargs) -> tuple[int, ...]:
@@ -83,6 +105,30 @@ torch_symbol(torch.atleast_1d)
 torch_symbol(torch.atleast_2d)
 torch_symbol(torch.atleast_3d)
 differentiated_by_eager(torch.broadcast_tensors, torch.atleast_1d, torch.atleast_2d, torch.atleast_3d)
+_EVERY_POSITIONAL = tuple(range(64))  # ops of any number of tensors (torch.broadcast_tensors(*tensors))
+_linear_in(dict.fromkeys((torch.broadcast_tensors, torch.atleast_1d, torch.atleast_2d, torch.atleast_3d),
+                         _EVERY_POSITIONAL))
+
+
+def _by_example_shape(fn):
+    """atleast_1d/2d/3d: each tensor reshaped as the op reshapes one example."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        if kwargs or any(not is_tensor(a) for a in args):
+            return NotImplemented
+        outs = []
+        for x in args:
+            x = batch.materialize(x)
+            with torch._C.DisableTorchFunction():  # the op on a meta example, not a call of the program
+                example = tuple(fn.impl(torch.empty(x.shape[1:], device="meta")).shape)
+            outs.append(prims.reshape(x, (batch.size, *example)))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return rule
+
+
+for _fn in (torch.atleast_1d, torch.atleast_2d, torch.atleast_3d):
+    register(BATCH, _fn, _by_example_shape(lookup(_fn).symbol))
 
 # --- slicing -------------------------------------------------------------------------------------------------------
 
@@ -134,11 +180,43 @@ def getitem_decomposition(x: torch.Tensor, index: Any) -> Any:
 getitem = torch_symbol(torch.Tensor.__getitem__, decomposition=getitem_decomposition)
 
 
+@register(RuleKind.GRAD, getitem)
+def getitem_grad(x, index):
+    if not _basic_index(index):
+        return NotImplemented
+    y = x[index]
+    put_grad(x, setitem(zeros_shaped(x), index, get_grad(y)))
+    return y
+
+
+def _basic_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(item is None or item is Ellipsis or isinstance(item, (int, slice)) for item in items)
+
+
+_linear_in({torch.Tensor.__getitem__: (0,)})
+
+
 # `aten.index(x, indices)`, which torch's TransformGetItemToIndex makes of `x[i, j]` with 0-dim index tensors (as
 # transformers' mask functions index under vmap): `x[i, j]` itself would read them as Python ints.
 aten_index = torch_symbol(torch.ops.aten.index.Tensor, aliases=(torch.ops.aten.index,),
                           printed="torch.ops.aten.index.Tensor")
 differentiated_by_eager(aten_index)
+
+
+@register(BATCH, aten_index)
+def aten_index_batch(batch: Batch, args: tuple, kwargs: dict):
+    """`x[i, j, ...]` with index tensors for its first dims: the batch becomes one more index (the first, an
+    arange over x's batch dim) or stays the first dim of the broadcast indices."""
+    x, indices = args
+    if kwargs or not indices or any(i is None for i in indices):
+        return NotImplemented  # a full slice between indices moves the indexed dims: once per example
+    example = max(i.dim() - batch.batched(i) for i in indices)
+    lifted = [batch.pad_to(batch.materialize(i), example) for i in indices]
+    if batch.batched(x):
+        rows = torch.arange(batch.size, device=x.device)
+        lifted.insert(0, prims.reshape(rows, (batch.size, *(1,) * example)))
+    return torch.ops.aten.index.Tensor(x, lifted)
 
 
 def _select_at_decomposition(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -170,6 +248,21 @@ def _pieces_decomposition(fn):
 split = torch_symbol(torch.split, decomposition=_pieces_decomposition(torch.split))
 for _fn in (method("split"), method("split_with_sizes"), torch.split_with_sizes, torch.chunk, method("chunk")):
     torch_symbol(_fn, decomposition=_pieces_decomposition(_fn))
+
+
+def _pieces_grad(fn):
+    def rule(x, *args, **kwargs):
+        pieces = fn(x, *args, **kwargs)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % x.dim()
+        grads = [get_grad(p) for p in pieces]
+        put_grad(x, torch.cat(grads, dim))
+        return pieces
+
+    return rule
+
+
+for _fn in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
+    register(RuleKind.GRAD, _fn, _pieces_grad(_fn))
 torch_symbol(torch.tensor_split, aliases=(method("tensor_split"),))
 torch_symbol(torch.unbind, aliases=(method("unbind"),))
 torch_symbol(torch.narrow, aliases=(method("narrow"),))
@@ -179,6 +272,22 @@ torch_symbol(torch.diagonal, aliases=(method("diagonal"),))
 torch_symbol(torch.as_strided, aliases=(method("as_strided"),))
 torch_symbol(method("unfold"))
 differentiated_by_eager(torch.tensor_split, torch.unbind, torch.narrow, torch.diagonal, method("unfold"))
+_linear_in(dict.fromkeys((torch.narrow, torch.diagonal, method("unfold"), torch.unbind, torch.tensor_split), (0,)))
+_dim_arguments({torch.narrow: (1, "dim", None), method("unfold"): (1, "dimension", None), torch.unbind: (1, "dim", 0),
+                torch.tensor_split: (2, "dim", 0)})
+
+
+@register(BATCH, torch.diagonal)
+def diagonal_batch(batch: Batch, args: tuple, kwargs: dict):
+    x, offset, dim1, dim2 = _diagonal_args(args, kwargs)
+    return lookup(torch.diagonal).symbol(x, offset, shift(dim1), shift(dim2))
+
+
+def _diagonal_args(args: tuple, kwargs: dict) -> tuple:
+    names = ("offset", "dim1", "dim2")
+    defaults = dict(zip(names, (0, 0, 1)))
+    values = dict(zip(names, args[1:]))
+    return (args[0], *(values.get(n, kwargs.get(n, defaults[n])) for n in names))
 torch_symbol(torch.detach, decomposition=lambda x: prims.alias(x), aliases=(method("detach"),), tags=Tag.NO_GRAD)
 def _clone_decomposition(x, memory_format=torch.preserve_format):
     return prims.clone(x) if memory_format is torch.preserve_format else prims.clone(x, memory_format)
@@ -205,6 +314,20 @@ def cat_decomposition(tensors, dim: int = 0) -> Any:
 torch_symbol(torch.cat, decomposition=cat_decomposition, aliases=(torch.concat, torch.concatenate))
 
 
+@register(RuleKind.GRAD, torch.cat)
+def cat_grad(tensors, dim=0):
+    y = torch.cat(tensors, dim)
+    dim = dim % y.dim()
+    # torch.cat skips 1-D empty tensors of any other rank (a legacy rule); they get no cotangent.
+    joined = [t for t in tensors if t.dim() == y.dim()]
+    pieces = torch.split(get_grad(y), [t.shape[dim] for t in joined], dim)
+    for t, piece in zip(joined, pieces):
+        if wants_grad(t):
+            # cat promotes mixed dtypes (float32 and float64 give float64): each grad has its own tensor's dtype
+            put_grad(t, piece if piece.dtype == t.dtype else piece.to(t.dtype))
+    return y
+
+
 def stack_decomposition(tensors, dim: int = 0) -> Any:
     dim = canonical_dim(dim, tensors[0].dim() + 1)
     return cat_decomposition([prims.unsqueeze(t, dim) for t in tensors], dim)
@@ -214,6 +337,7 @@ torch_symbol(torch.stack, decomposition=stack_decomposition)
 torch_symbol(torch.hstack)
 torch_symbol(torch.vstack)
 differentiated_by_eager(torch.hstack, torch.vstack)
+_linear_in(dict.fromkeys((torch.hstack, torch.vstack), (0,)))
 def _varargs_dims(x, *dims, **kwargs) -> tuple[tuple, dict[str, Any]]:
     """`x.flip(0, 1)` or `x.flip(0)` as `torch.flip(x, (0, 1))`: the methods take their dims as varargs too, the
     functions as one sequence only."""
@@ -230,6 +354,26 @@ _tile = torch_symbol(torch.tile)
 for _method, _sym in ((method("flip"), _flip), (method("tile"), _tile)):
     bind(_method, TorchBinding(_sym, normalize=_varargs_dims))
 differentiated_by_eager(torch.roll, method("repeat"), _tile)
+_linear_in(dict.fromkeys((torch.roll, method("repeat"), torch.tile), (0,)))
+
+
+@register(BATCH, torch.tile)
+def tile_batch(batch: Batch, args: tuple, kwargs: dict):
+    x, dims = args[0], tuple(args[1] if len(args) > 1 else kwargs["dims"])
+    x = batch.pad_to(x, len(dims))
+    return _tile(x, (1, *(1,) * (x.dim() - 1 - len(dims)), *dims))
+
+
+@register(BATCH, torch.roll)
+def roll_batch(batch: Batch, args: tuple, kwargs: dict):
+    x, shifts = args[0], args[1] if len(args) > 1 else kwargs["shifts"]
+    dims = args[2] if len(args) > 2 else kwargs.get("dims")
+    roll = lookup(torch.roll).symbol
+    if dims is None:  # over each flattened example
+        flat = roll(prims.reshape(x, (batch.size, math.prod(x.shape[1:]))), shifts, 1)
+        return prims.reshape(flat, tuple(x.shape))
+    dims = tuple(shift(d) for d in dims) if isinstance(dims, (tuple, list)) else shift(dims)
+    return roll(x, shifts, dims)
 
 
 def repeat_interleave_decomposition(x, repeats, dim=None, *, output_size=None):
@@ -244,6 +388,7 @@ def repeat_interleave_decomposition(x, repeats, dim=None, *, output_size=None):
 
 torch_symbol(torch.repeat_interleave, decomposition=repeat_interleave_decomposition,
              aliases=(method("repeat_interleave"),))
+_linear_in({torch.repeat_interleave: (0,)})
 
 # --- gathers and scatters ------------------------------------------------------------------------------------------
 torch_symbol(torch.index_select, decomposition=lambda x, dim, index: prims.take(x, index, canonical_dim(dim, x.dim())),
@@ -271,6 +416,70 @@ differentiated_by_eager(torch.take_along_dim, torch.scatter, torch.scatter_add, 
                         torch.index_fill, torch.index_put, torch.masked_scatter, torch.slice_scatter,
                         torch.select_scatter, torch.diagonal_scatter)
 torch_symbol(torch.as_strided_scatter)
+_linear_in({
+    torch.take_along_dim: (0,), torch.index_add: (0, 3, "source"), torch.scatter_add: (0, 3, "src"),
+    torch.index_fill: (0, 3, "value"), torch.index_put: (0, 2, "values"), torch.masked_scatter: (0, 2),
+    torch.slice_scatter: (0, 1, "src"), torch.select_scatter: (0, 1, "src"), torch.diagonal_scatter: (0, 1, "src"),
+})
+
+
+@register(JVP, torch.scatter)
+def scatter_jvp(dot: Dot, args: tuple, kwargs: dict):
+    if "reduce" in kwargs:
+        return NotImplemented
+    return linear(lookup(torch.scatter).symbol, (0, 3, "src", "value"))(dot, args, kwargs)
+
+
+@register(BATCH, torch.index_add)
+def index_add_batch(batch: Batch, args: tuple, kwargs: dict):
+    x, dim, index, source = args
+    if batch.batched(index):
+        return NotImplemented  # each example its own indices: once per example
+    return lookup(torch.index_add).symbol(batch.materialize(x), shift(dim), index, batch.materialize(source),
+                                          **kwargs)
+
+
+@register(BATCH, torch.index_fill)
+def index_fill_batch(batch: Batch, args: tuple, kwargs: dict):
+    x, dim, index, value = args
+    if batch.batched(index) or batch.batched(value):
+        return NotImplemented
+    return lookup(torch.index_fill).symbol(batch.materialize(x), shift(dim), index, value)
+
+
+def _scatter_like_batch(fn: Callable[..., Any]):
+    """scatter / scatter_add (x, dim, index, src): every tensor batched, the dim moved."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        x, dim, *rest = args
+        rest = [batch.materialize(a) for a in rest]
+        kwargs = {key: batch.materialize(value) for key, value in kwargs.items()}
+        return fn(batch.materialize(x), shift(dim), *rest, **kwargs)
+
+    return rule
+
+
+for _fn in (torch.scatter, torch.scatter_add):
+    register(BATCH, _fn, _scatter_like_batch(lookup(_fn).symbol))
+
+
+def _scatter_into_batch(fn, dim_position: int, dim_default: int):
+    """select_scatter / slice_scatter (x, src, dim, ...): both batched, the dim moved."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        args, kwargs = list(args), dict(kwargs)
+        if len(args) > dim_position:
+            args[dim_position] = shift(args[dim_position])
+        else:
+            kwargs["dim"] = shift(kwargs.get("dim", dim_default))
+        x, src = args[0], args[1] if len(args) > 1 else kwargs.pop("src")
+        return fn(batch.materialize(x), batch.materialize(src), *args[2:], **kwargs)
+
+    return rule
+
+
+register(BATCH, torch.select_scatter, _scatter_into_batch(lookup(torch.select_scatter).symbol, 2, 0))
+register(BATCH, torch.slice_scatter, _scatter_into_batch(lookup(torch.slice_scatter).symbol, 2, 0))
 
 
 def _tri_decomposition(lower: bool):
@@ -298,6 +507,70 @@ keep_history = impl_symbol(impls.keep_history, meta=lambda builder, old, new: bu
     torch.empty_strided(new.shape, new.stride(), dtype=new.dtype, device="meta"), new.device, old.requires_grad))
 autograd_leaf = impl_symbol(impls.autograd_leaf, meta=lambda builder, x: builder.make_proxy(
     torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), x.device, True))
+
+
+def _overwrite_grad(sym, value: int):
+    """The grad rule of a functional in-place update (`setitem`, ...): its grads never depend on the values of the
+    tensor it overwrites nor of the value written (argument `value`: the grads are the cotangent's elements at the
+    written places, and the rest), so eager's backward runs on zeros of their shapes, and the backward does not read
+    a program input the forward overwrites (its write-back), nor keep the written value alive: `x[0].copy_(c)` then
+    `c.add_(1)` failed the backward's version check of c, which eager's copy_ never saves."""
+
+    def rule(x, *args, **kwargs):
+        y = sym(x, *args, **kwargs)
+        flat = list(iter_proxies(((x, *args), kwargs)))
+        wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
+        shaped = [zeros_shaped(x), *args]
+        if is_tensor(shaped[value]):
+            shaped[value] = zeros_shaped(shaped[value])
+        grads = torch_vjp(sym, tuple(shaped), kwargs, wrt, (get_grad(y),))
+        for i, grad in zip(wrt, grads):
+            put_grad(flat[i], grad)
+        return y
+
+    return rule
+
+
+# update -> (the argument holding the value written, the arguments its value is linear in)
+_UPDATES = {setitem: (2, (0, 2)), view_scatter: (1, (0, 1)), copy: (1, (1,)), fill: (1, (1,))}
+for _update, (_value, _operands) in _UPDATES.items():
+    register(RuleKind.GRAD, _update, _overwrite_grad(_update, _value))
+    register(JVP, _update, linear(_update, _operands))
+
+
+@register(BATCH, setitem)
+def setitem_batch(batch: Batch, args: tuple, kwargs: dict):
+    x, index, value = args
+    items = index if isinstance(index, tuple) else (index,)
+    if any(is_tensor(item) for item in items):
+        return NotImplemented  # advanced indexing: once per example
+    x = batch.materialize(x)
+    if batch.batched(value):
+        with torch._C.DisableTorchFunction():  # a meta tensor, not a call of the program
+            region = torch.empty(x.shape[1:], device="meta")[index].dim()
+        value = batch.pad_to(value, region)
+    return setitem(x, (slice(None), *items), value)
+
+
+@register(RuleKind.GRAD, keep_history)
+def keep_history_grad(old, new):
+    y = keep_history(old, new)
+    put_grad(old, get_grad(y))  # the update is invisible to autograd: nothing flows to `new`
+    return y
+
+
+@register(JVP, keep_history)
+def keep_history_jvp(dot: Dot, args: tuple, kwargs: dict):
+    old, new = args
+    return keep_history(old, new), dot(old)  # an update autograd does not see keeps old's tangent
+
+
+register(BATCH, keep_history, elementwise(keep_history))  # its value is the new one
+
+
+@register(RuleKind.GRAD, autograd_leaf)
+def autograd_leaf_grad(x):
+    return autograd_leaf(x)  # a leaf: the grad that reaches it goes no further (x requires none)
 
 
 def to_decomposition(x, device=None, dtype=None, non_blocking=False, copy=False,

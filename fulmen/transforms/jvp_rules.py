@@ -4,14 +4,12 @@ backward traces. Symbols not here are differentiated through their decomposition
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fulmen.ops import backward_kernels, lookup
-from fulmen.ops.registry import SYMBOLS
 from fulmen.ops.rules.jvp import (
     Dot,
     add_tangents,
@@ -26,38 +24,7 @@ from fulmen.ops.utils import compute_dtype
 JVP = RuleKind.JVP
 
 # --- linear ops: the op applied to the tangents (zeros for the operands without one) -----------------------------
-_EVERY_POSITIONAL = tuple(range(64))  # ops of any number of tensors (torch.broadcast_tensors(*tensors))
 T = torch.Tensor
-# Torch-level leaves (no prim decomposition) linear in the arguments at these positions or keywords.
-TORCH_OPERANDS: dict[Callable[..., Any], tuple[int | str, ...]] = {
-    **dict.fromkeys((torch.narrow, torch.diagonal, T.unfold, torch.roll, T.repeat, torch.tile, torch.hstack,
-                     torch.vstack, torch.unbind, torch.tensor_split, torch.take_along_dim), (0,)),
-    **dict.fromkeys((torch.broadcast_tensors, torch.atleast_1d, torch.atleast_2d, torch.atleast_3d),
-                    _EVERY_POSITIONAL),
-    torch.index_add: (0, 3, "source"), torch.scatter_add: (0, 3, "src"), torch.index_fill: (0, 3, "value"),
-    torch.index_put: (0, 2, "values"), torch.masked_scatter: (0, 2), torch.slice_scatter: (0, 1, "src"),
-    torch.select_scatter: (0, 1, "src"), torch.diagonal_scatter: (0, 1, "src"),
-}
-for _fn, _operands in TORCH_OPERANDS.items():
-    register(JVP, _fn, linear(lookup(_fn).symbol, _operands))
-# fulmen's functional forms of in-place updates
-for _name, _operands in (("setitem", (0, 2)), ("copy", (1,)), ("fill", (1,)), ("view_scatter", (0, 1))):
-    register(JVP, SYMBOLS[f"impls.{_name}"], linear(SYMBOLS[f"impls.{_name}"], _operands))
-
-
-@register(JVP, SYMBOLS["impls.keep_history"])
-def _keep_history(dot: Dot, args: tuple, kwargs: dict):
-    old, new = args
-    return SYMBOLS["impls.keep_history"](old, new), dot(old)  # an update autograd does not see keeps old's tangent
-
-
-@register(JVP, torch.scatter)
-def _scatter(dot: Dot, args: tuple, kwargs: dict):
-    if "reduce" in kwargs:
-        return NotImplemented
-    return linear(lookup(torch.scatter).symbol, (0, 3, "src", "value"))(dot, args, kwargs)
-
-
 # --- bilinear ------------------------------------------------------------------------------------------------------
 for _sym in (lookup(fn).symbol for fn in (torch.matmul, torch.outer, T.__rmatmul__)):
     register(JVP, _sym, bilinear(_sym))
@@ -136,7 +103,7 @@ def _layer_norm_backward(dot: Dot, args: tuple, kwargs: dict):
 
 
 # --- torch-level leaves: activations and losses by their derivative, composites by their parts --------------------
-for _fn, _operands in ((F.pad, (0, 3, "value")), (T.__getitem__, (0,)), (torch.repeat_interleave, (0,))):
+for _fn, _operands in ((F.pad, (0, 3, "value")),):
     register(JVP, _fn, linear(lookup(_fn).symbol, _operands))
 
 

@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend
 
 from fulmen.core.errors import TraceError
 from fulmen.core.symbol import Tag, iter_proxies
-from fulmen.ops import backward_kernels, impls, shape
+from fulmen.ops import backward_kernels, impls
 from fulmen.ops.nn import batch_norm_update, embedding_backward, native_layer_norm
 from fulmen.ops.registry import SYMBOLS, impl_symbol, torch_symbol
 from fulmen.ops.rules.grad import (
@@ -25,7 +25,7 @@ from fulmen.ops.rules.grad import (
     torch_vjp,
     wants_grad,
 )
-from fulmen.ops.rules.grad_formulas import matmul_rule, zeros_shaped
+from fulmen.ops.rules.grad_formulas import matmul_rule
 from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.sdpa_kernels import eager_choice
 from fulmen.ops.utils import canonical_dim, compute_dtype, is_tensor
@@ -219,20 +219,6 @@ def _sdpa_dropout_grad(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_g
     return y
 
 
-@register(RuleKind.GRAD, torch.cat)
-def cat_grad(tensors, dim=0):
-    y = torch.cat(tensors, dim)
-    dim = dim % y.dim()
-    # torch.cat skips 1-D empty tensors of any other rank (a legacy rule); they get no cotangent.
-    joined = [t for t in tensors if t.dim() == y.dim()]
-    pieces = torch.split(get_grad(y), [t.shape[dim] for t in joined], dim)
-    for t, piece in zip(joined, pieces):
-        if wants_grad(t):
-            # cat promotes mixed dtypes (float32 and float64 give float64): each grad has its own tensor's dtype
-            put_grad(t, piece if piece.dtype == t.dtype else piece.to(t.dtype))
-    return y
-
-
 @register(RuleKind.GRAD, batch_norm_update)
 def batch_norm_update_grad(x, running_mean, running_var, weight, bias, momentum, eps):
     out, mean, var = batch_norm_update(x, running_mean, running_var, weight, bias, momentum, eps)
@@ -245,73 +231,6 @@ def batch_norm_update_grad(x, running_mean, running_var, weight, bias, momentum,
     for i, grad in zip(wrt, torch_vjp(SYMBOLS["torch.nn.functional.batch_norm"], args, {}, wrt, (get_grad(out),))):
         put_grad(flat[i], grad)
     return out, mean, var
-
-
-def _overwrite_grad(sym, value: int):
-    """The grad rule of a functional in-place update (`shape.setitem`, ...): its grads never depend on the values of
-    the tensor it overwrites nor of the value written (argument `value`: the grads are the cotangent's elements at
-    the written places, and the rest), so eager's backward runs on zeros of their shapes, and the backward does not
-    read a program input the forward overwrites (its write-back), nor keep the written value alive: `x[0].copy_(c)`
-    then `c.add_(1)` failed the backward's version check of c, which eager's copy_ never saves."""
-
-    def rule(x, *args, **kwargs):
-        y = sym(x, *args, **kwargs)
-        flat = list(iter_proxies(((x, *args), kwargs)))
-        wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
-        shaped = [zeros_shaped(x), *args]
-        if is_tensor(shaped[value]):
-            shaped[value] = zeros_shaped(shaped[value])
-        grads = torch_vjp(sym, tuple(shaped), kwargs, wrt, (get_grad(y),))
-        for i, grad in zip(wrt, grads):
-            put_grad(flat[i], grad)
-        return y
-
-    return rule
-
-
-for _update, _value in ((shape.setitem, 2), (shape.view_scatter, 1), (shape.copy, 1), (shape.fill, 1)):
-    register(RuleKind.GRAD, _update, _overwrite_grad(_update, _value))
-
-
-@register(RuleKind.GRAD, shape.keep_history)
-def keep_history_grad(old, new):
-    y = shape.keep_history(old, new)
-    put_grad(old, get_grad(y))  # the update is invisible to autograd: nothing flows to `new`
-    return y
-
-
-@register(RuleKind.GRAD, shape.autograd_leaf)
-def autograd_leaf_grad(x):
-    return shape.autograd_leaf(x)  # a leaf: the grad that reaches it goes no further (x requires none)
-
-
-@register(RuleKind.GRAD, torch.Tensor.__getitem__)
-def getitem_grad(x, index):
-    if not _basic(index):
-        return NotImplemented
-    y = x[index]
-    put_grad(x, shape.setitem(zeros_shaped(x), index, get_grad(y)))
-    return y
-
-
-def _basic(index) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return all(item is None or item is Ellipsis or isinstance(item, (int, slice)) for item in items)
-
-
-def _pieces_grad(fn):
-    def rule(x, *args, **kwargs):
-        pieces = fn(x, *args, **kwargs)
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % x.dim()
-        grads = [get_grad(p) for p in pieces]
-        put_grad(x, torch.cat(grads, dim))
-        return pieces
-
-    return rule
-
-
-for _fn in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
-    register(RuleKind.GRAD, _fn, _pieces_grad(_fn))
 
 
 # where eager's dropout runs the fused kernel, native_dropout (ATen's is_fused_kernel_acceptable)
