@@ -1,4 +1,5 @@
-"""Eager's fused backward kernels as symbols, for the grad rules of the ops eager differentiates with one kernel.
+"""Eager's fused backward kernels as symbols, for the grad rules of the ops eager differentiates with one kernel
+(and layer norm's backward's JVP rule, for forward-over-reverse).
 
 tanh, sigmoid, silu, gelu, softmax, log_softmax and layer_norm have a backward kernel of their own in eager, which
 computes in float32 for half-precision tensors and rounds once. Written as separate torch calls, the same formula
@@ -21,6 +22,8 @@ import torch
 from fulmen.core.symbol import Tag
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import impl_symbol
+from fulmen.ops.rules.jvp import Dot, add_tangents, as_tangent
+from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.utils import compute_dtype, convert, expand_to, keepdim_shape
 
 
@@ -122,3 +125,51 @@ gelu_backward = _kernel(impls.gelu_backward, _gelu_backward)
 softmax_backward = _kernel(impls.softmax_backward, _softmax_backward)
 log_softmax_backward = _kernel(impls.log_softmax_backward, _log_softmax_backward)
 layer_norm_backward = _kernel(impls.layer_norm_backward, _layer_norm_backward)
+
+
+@register(RuleKind.JVP, layer_norm_backward)
+def layer_norm_backward_jvp(dot: Dot, args: tuple, kwargs: dict):
+    """The tangents of layer norm's grads (forward-over-reverse). The kernel takes the mean and rstd as given, but
+    they are x's statistics (the grad rule passes native_layer_norm's), which get no tangent of their own (its JVP
+    rule, ops/nn.py): their tangents follow from x's, as torch.func's decomposition of the backward recomputes them
+    from x."""
+    names = ("g", "x", "normalized_shape", "mean", "rstd", "weight", "bias_dtype", "output_mask")
+    bound = dict(zip(names, args)) | kwargs
+    g, x, normalized_shape, mean, rstd, weight, bias_dtype, output_mask = (bound[name] for name in names)
+    grads = layer_norm_backward(g, x, normalized_shape, mean, rstd, weight, bias_dtype,
+                                                 output_mask)
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    batch = tuple(range(x.dim() - len(dims)))
+    compute = compute_dtype(x.dtype)  # the kernel's: half-precision tensors in float32
+
+    def mean_over(t):
+        return t.mean(dims, keepdim=True)
+
+    def batch_sum(t):
+        return t.sum(batch) if batch else t
+
+    tg, tx, tw = dot(g), dot(x), None if weight is None else dot(weight)
+    tg, tx, tw = (None if t is None else t.to(compute) for t in (tg, tx, tw))
+    g, rstd = g.to(compute), rstd.to(compute)
+    xhat = (x.to(compute) - mean.to(compute)) * rstd
+    w = None if weight is None else weight.to(compute)
+    # d xhat and d rstd from x's tangent: rstd = (var + eps) ** -0.5 with var the biased variance over `dims`
+    txhat = None if tx is None else rstd * (tx - mean_over(tx) - xhat * mean_over(tx * xhat))
+    trstd = None if tx is None else -rstd * rstd * mean_over(xhat * tx)
+    gxhat = g if w is None else g * w
+    tgxhat = add_tangents(None if tg is None else (tg if w is None else tg * w), None if tw is None else g * tw)
+    tangents: list[Any] = [None, None, None]
+    if grads[0] is not None:
+        inner = mean_over(gxhat * xhat)
+        parts = [None if trstd is None else trstd * (gxhat - mean_over(gxhat) - xhat * inner)]
+        if tgxhat is not None:
+            parts.append(rstd * (tgxhat - mean_over(tgxhat) - xhat * mean_over(tgxhat * xhat)))
+        if txhat is not None:
+            parts.append(-rstd * (txhat * inner + xhat * mean_over(gxhat * txhat)))
+        tangents[0] = add_tangents(*parts)
+    if grads[1] is not None:
+        tangents[1] = add_tangents(None if tg is None else batch_sum(tg * xhat),
+                                   None if txhat is None else batch_sum(g * txhat))
+    if grads[2] is not None and tg is not None:
+        tangents[2] = batch_sum(tg)
+    return grads, tuple(None if t is None else as_tangent(t, grad) for t, grad in zip(tangents, grads))

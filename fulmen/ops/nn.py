@@ -13,15 +13,36 @@ from typing import Any
 import torch
 import torch._meta_registrations
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
-from fulmen.ops import impls, prims
+from fulmen.core.errors import TraceError
+from fulmen.core.symbol import Tag, iter_proxies
+from fulmen.ops import backward_kernels, impls, prims
 from fulmen.ops.eager_grads import eager_op, nn_op
-from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
-from fulmen.ops.rules.batch import elementwise
-from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
-from fulmen.ops.rules.jvp import by_derivative
+from fulmen.ops.registry import SYMBOLS, TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
+from fulmen.ops.rules.batch import Batch, batch_matmul, broadcast, elementwise, with_dim
+from fulmen.ops.rules.grad import (
+    differentiated_by_eager,
+    differentiated_call,
+    get_grad,
+    not_differentiable,
+    put_grad,
+    torch_vjp,
+    wants_grad,
+)
+from fulmen.ops.rules.grad_formulas import kernel_grad, matmul_rule
+from fulmen.ops.rules.jvp import Dot, add_tangents, as_tangent, bilinear, by_derivative, linear, tangent_or_zero
 from fulmen.ops.rules.tables import RuleKind, register
-from fulmen.ops.utils import canonical_dim, compute_dtype, convert, expand_to, keepdim_shape, to_float
+from fulmen.ops.sdpa_kernels import eager_choice
+from fulmen.ops.utils import (
+    canonical_dim,
+    compute_dtype,
+    convert,
+    expand_to,
+    is_tensor,
+    keepdim_shape,
+    to_float,
+)
 
 GRAD, JVP, BATCH = RuleKind.GRAD, RuleKind.JVP, RuleKind.BATCH
 
@@ -38,6 +59,71 @@ torch_symbol(torch.outer, aliases=(method("outer"), torch.ger))
 torch_symbol(torch.baddbmm, aliases=(method("baddbmm"),))
 torch_symbol(torch.addmm, aliases=(method("addmm"),))
 differentiated_by_eager(method("__rmatmul__"), torch.einsum, torch.outer, torch.baddbmm, torch.addmm)
+register(GRAD, torch.matmul, matmul_rule(torch.matmul))
+for _fn in (torch.matmul, torch.outer, method("__rmatmul__")):
+    register(JVP, _fn, bilinear(lookup(_fn).symbol))
+
+
+def _matmul_plus_jvp(fn, product):
+    """addmm / baddbmm: beta * input + alpha * (m1 @ m2)."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, m1, m2 = args
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        y = fn(x, m1, m2, beta=beta, alpha=alpha)
+        t1, t2 = dot(m1), dot(m2)
+        parts = [None if t1 is None else product(t1, m2), None if t2 is None else product(m1, t2)]
+        t = add_tangents(None if dot(x) is None else as_tangent(beta * dot(x), y),
+                         None if not any(p is not None for p in parts) else alpha * add_tangents(*parts))
+        return y, None if t is None else as_tangent(t, y)
+
+    return rule
+
+
+register(JVP, torch.addmm, _matmul_plus_jvp(lookup(torch.addmm).symbol, torch.matmul))
+register(JVP, torch.baddbmm, _matmul_plus_jvp(lookup(torch.baddbmm).symbol, torch.matmul))
+
+
+def _batched_matmul(batch: Batch, a: Any, b: Any) -> torch.Tensor:
+    out = batch_matmul(batch, (a, b), {})
+    batch.names.add(out.pname)
+    return out
+
+
+@register(BATCH, torch.Tensor.__rmatmul__)
+def _rmatmul(batch: Batch, args: tuple, kwargs: dict):
+    x, other = args
+    return batch_matmul(batch, (other, x), {})
+
+
+@register(BATCH, torch.outer)
+def _outer(batch: Batch, args: tuple, kwargs: dict):
+    a, b = (batch.materialize(x) for x in args)
+    return prims.mul(prims.expand(prims.unsqueeze(a, 2), (batch.size, a.shape[1], b.shape[1])),
+                     prims.expand(prims.unsqueeze(b, 1), (batch.size, a.shape[1], b.shape[1])))
+
+
+def _matmul_plus_batch(fn):
+    """addmm / baddbmm: beta * input + alpha * (m1 @ m2), from the batched matmul."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        x, m1, m2 = args
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        product = _batched_matmul(batch, m1, m2)
+        scaled = product if alpha == 1 else prims.mul(product, alpha)
+        batch.names.add(scaled.pname)
+        if beta == 0:
+            return scaled
+        x = x if beta == 1 else prims.mul(x, beta)
+        if x is not args[0] and batch.batched(args[0]):
+            batch.names.add(x.pname)
+        return elementwise(prims.add)(batch, (x, scaled), {})
+
+    return rule
+
+
+for _fn in (torch.addmm, torch.baddbmm):
+    register(BATCH, _fn, _matmul_plus_batch(lookup(_fn).symbol))
 
 
 def _grouped_mm_meta(builder, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
@@ -65,6 +151,23 @@ def linear_decomposition(x, weight, bias=None) -> Any:
 
 
 torch_symbol(F.linear, decomposition=linear_decomposition)
+
+
+@register(GRAD, F.linear)
+def linear_grad(x, weight, bias=None):
+    if weight.dim() != 2:
+        return NotImplemented
+    y = F.linear(x, weight, bias)
+    g = get_grad(y)
+    if wants_grad(x):
+        put_grad(x, torch.matmul(g, weight))
+    if wants_grad(weight) or wants_grad(bias):
+        g2 = g.reshape(-1, g.shape[-1])
+        if wants_grad(weight):
+            put_grad(weight, torch.matmul(g2.t(), x.reshape(-1, x.shape[-1])))
+        if wants_grad(bias):
+            put_grad(bias, g2.sum(0))
+    return y
 
 
 def _softmax_parts(x, dim, dtype):
@@ -115,6 +218,19 @@ _log_softmax = torch_symbol(
     aliases=(method("log_softmax"), torch.special.log_softmax))
 bind(F.softmax, TorchBinding(_softmax, normalize=_functional_softmax_args))
 bind(F.log_softmax, TorchBinding(_log_softmax, normalize=_functional_softmax_args))
+
+
+def _softmax_rule(fn, backward):
+    def rule(x, dim, dtype=None):
+        y = fn(x, dim, dtype=dtype)
+        put_grad(x, backward(get_grad(y), y, canonical_dim(dim, y.dim())).to(x.dtype))
+        return y
+
+    return rule
+
+
+register(GRAD, torch.softmax, _softmax_rule(torch.softmax, backward_kernels.softmax_backward))
+register(GRAD, torch.log_softmax, _softmax_rule(torch.log_softmax, backward_kernels.log_softmax_backward))
 
 
 def _normalize(x, normalized_shape, eps, *, center: bool):
@@ -168,6 +284,104 @@ torch_symbol(F.batch_norm)
 batch_norm_update = impl_symbol(impls.batch_norm_update)  # training mode with running statistics (acquire.py)
 torch_symbol(F.normalize)
 differentiated_by_eager(F.group_norm, F.batch_norm, F.normalize)
+register(BATCH, F.normalize, with_dim(lookup(F.normalize).symbol, 2, "dim", 1))
+
+
+@register(GRAD, F.layer_norm)
+def layer_norm_grad(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return native_layer_norm_grad(x, normalized_shape, weight, bias, eps)[0]
+
+
+@register(GRAD, torch.native_layer_norm)
+def native_layer_norm_grad(x, normalized_shape, weight, bias, eps):
+    """Grads through the normalised output only: eager gives the mean and rstd outputs no grad."""
+    y, mean, rstd = native_layer_norm(x, normalized_shape, weight, bias, eps)
+    mask = [wants_grad(x), wants_grad(weight), wants_grad(bias)]
+    grads = backward_kernels.layer_norm_backward(get_grad(y), x, list(normalized_shape), mean, rstd, weight,
+                                                 None if bias is None else bias.dtype, mask)
+    for t, grad in zip((x, weight, bias), grads):
+        if grad is not None:
+            put_grad(t, grad)
+    return y, mean, rstd
+
+
+@register(JVP, torch.native_layer_norm)
+def _native_layer_norm(dot: Dot, args: tuple, kwargs: dict):
+    """The normalised output's tangent; the mean and rstd outputs get none, as eager's forward-mode AD gives them
+    (they are not differentiable outputs there)."""
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    bound = dict(zip(names, args)) | kwargs
+    x, normalized_shape, weight, bias, eps = (bound[name] for name in names)
+    y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    compute = rstd.dtype
+    xhat = (x.to(compute) - mean) * rstd
+    tangents = []
+    if dot(x) is not None:
+        t = dot(x).to(compute)
+        tx = rstd * (t - t.mean(dims, keepdim=True) - xhat * (t * xhat).mean(dims, keepdim=True))
+        tangents.append(tx * weight.to(compute) if weight is not None else tx)
+    if weight is not None and dot(weight) is not None:
+        tangents.append(xhat * dot(weight).to(compute))
+    if bias is not None and dot(bias) is not None:
+        tangents.append(dot(bias).to(compute))
+    tangent = add_tangents(*tangents)
+    return (y, mean, rstd), (None if tangent is None else as_tangent(tangent, y), None, None)
+
+
+def _eager_fuses_rms_norm(x, normalized_shape, weight) -> bool:
+    """Whether eager runs rms_norm for tensors like these as one fused kernel with a backward of its own (on GPUs)
+    rather than as a composite of ops: asked of torch with stand-ins of the row's shape, outside the acquisition."""
+    with torch._C.DisableTorchFunction(), torch.enable_grad():
+        row = torch.empty(tuple(normalized_shape), dtype=x.dtype, device=x.device, requires_grad=True)
+        w = None if weight is None else torch.empty(tuple(normalized_shape), dtype=weight.dtype, device=weight.device)
+        return "Fused" in F.rms_norm(row, tuple(normalized_shape), w).grad_fn.name()
+
+
+@register(GRAD, F.rms_norm)
+def rms_norm_grad(x, normalized_shape, weight=None, eps=None):
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    compute = compute_dtype(x.dtype)
+    eps = torch.finfo(compute).eps if eps is None else eps
+    y = F.rms_norm(x, normalized_shape, weight, eps)
+    if _eager_fuses_rms_norm(x, normalized_shape, weight):  # its backward kernel, through torch autograd
+        tensors = [t for t in (x, weight) if is_tensor(t)]
+        wrt = tuple(i for i, t in enumerate(tensors) if wants_grad(t))
+        args = (x, tuple(normalized_shape), weight, eps)
+        for i, grad in zip(wrt, torch_vjp(SYMBOLS["torch.nn.functional.rms_norm"], args, {}, wrt, (get_grad(y),))):
+            put_grad(tensors[i], grad)
+        return y
+    # Eager's composite (x.to(opmath).pow(2).mean(keepdim) + eps, rsqrt, two muls, back to x's dtype) is
+    # differentiated op by op; its grads are restated here in that order, so they round as eager's do.
+    xc = x.to(compute) if compute != x.dtype else x
+    r = torch.rsqrt(xc.pow(2).mean(dims, keepdim=True) + eps)
+    g = get_grad(y)
+    g = g.to(compute) if compute != x.dtype else g
+    if wants_grad(weight):
+        gw = g * (xc * r)
+        batch = tuple(range(x.dim() - len(dims)))
+        put_grad(weight, (gw.sum(batch) if batch else gw).to(weight.dtype))
+    gn = g * weight if weight is not None else g
+    if wants_grad(x):
+        gr = (gn * xc).sum(dims, keepdim=True)
+        gp = ((gr * -0.5) * r.pow(3)).expand(xc.shape) / math.prod(xc.shape[d] for d in dims)
+        gx = gn * r + gp * (xc * 2)
+        put_grad(x, gx.to(x.dtype) if compute != x.dtype else gx)
+    return y
+
+
+@register(GRAD, batch_norm_update)
+def batch_norm_update_grad(x, running_mean, running_var, weight, bias, momentum, eps):
+    out, mean, var = batch_norm_update(x, running_mean, running_var, weight, bias, momentum, eps)
+    # Training mode normalizes by the batch's statistics: eager's backward of batch_norm without running statistics,
+    # which leaves the running ones (the program updates them in place) unread, nor the momentum (a tensor for
+    # momentum=None).
+    args = (x, None, None, weight, bias, True, momentum if isinstance(momentum, float | None) else 0.0, eps)
+    flat = list(iter_proxies(args))
+    wrt = tuple(i for i, p in enumerate(flat) if p.requires_grad)
+    for i, grad in zip(wrt, torch_vjp(SYMBOLS["torch.nn.functional.batch_norm"], args, {}, wrt, (get_grad(out),))):
+        put_grad(flat[i], grad)
+    return out, mean, var
 
 
 def gelu_decomposition(x, approximate: str = "none") -> Any:
@@ -183,6 +397,10 @@ def silu_decomposition(x, inplace: bool = False) -> Any:
 
 torch_symbol(F.gelu, decomposition=gelu_decomposition)
 torch_symbol(F.silu, decomposition=silu_decomposition)
+# eager's backward kernel of each: its grads' bits
+register(GRAD, F.gelu, kernel_grad(lambda x, approximate="none": F.gelu(x, approximate=approximate),
+                                   lambda g, x, approximate="none": backward_kernels.gelu_backward(g, x, approximate)))
+register(GRAD, F.silu, kernel_grad(F.silu, lambda g, x, inplace=False: backward_kernels.silu_backward(g, x)))
 # (the activations that may update their input in place: activations.py)
 for _fn in (F.softplus, F.logsigmoid, F.glu, F.softsign, F.tanhshrink):
     torch_symbol(_fn)
@@ -197,6 +415,7 @@ _DERIVATIVES: dict[Callable[..., Any], Callable[..., Any]] = {
 for _fn, _derivative in _DERIVATIVES.items():
     register(JVP, _fn, by_derivative(lookup(_fn).symbol, _derivative))
     register(BATCH, _fn, elementwise(lookup(_fn).symbol))
+register(BATCH, F.glu, with_dim(lookup(F.glu).symbol, 1, "dim", -1))
 
 
 def sdpa_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> Any:
@@ -224,6 +443,52 @@ def sdpa_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, 
 
 
 torch_symbol(F.scaled_dot_product_attention, decomposition=sdpa_decomposition)
+# attention with dropout as eager's math kernel computes it, and its grad from the mask it drew (sdpa's grad rule)
+attention_dropout = impl_symbol(impls.attention_dropout, tags=Tag.RANDOM)
+attention_dropped = impl_symbol(impls.attention_dropped)
+differentiated_by_eager(attention_dropped)  # by eager's backward of the attention it runs (sdpa's rule)
+
+
+@register(GRAD, F.scaled_dot_product_attention)
+def sdpa_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p != 0.0:
+        return _sdpa_dropout_grad(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    kwargs = {"dropout_p": 0.0, "is_causal": is_causal, "scale": scale}
+    if enable_gqa:
+        kwargs["enable_gqa"] = True
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask, **kwargs)
+    # Attention is recomputed in the backward (as flash attention does), so only q, k, v (and a mask) are saved.
+    # A float mask is added to the scores, so it has a grad too (T5 passes its learned position bias as the mask).
+    inputs = (q, k, v, attn_mask)
+    wrt = tuple(i for i, t in enumerate(inputs) if wants_grad(t))
+    grads = torch_vjp(SYMBOLS["torch.nn.functional.scaled_dot_product_attention"], inputs, kwargs, wrt,
+                      (get_grad(y),))
+    for i, grad in zip(wrt, grads):
+        put_grad(inputs[i], grad)
+    return y
+
+
+def _sdpa_dropout_grad(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The backward must see the dropout mask the forward drew (recomputing the attention would draw another).
+    Eager's math kernel (its choice on CPU) returns the probabilities after dropout, whose zeros are that mask; a
+    fused kernel draws inside itself, with its own generator offsets, which fulmen cannot replay."""
+    if eager_choice(q, k, v, is_causal, scale, enable_gqa, attn_mask, dropout_p) != SDPBackend.MATH.value:
+        raise TraceError(
+            f"fulmen cannot differentiate scaled_dot_product_attention with dropout_p={dropout_p} on {q.device} "
+            "here: eager's fused attention kernel draws the dropout mask inside itself, and only the sdpa executor "
+            "gives its backward that same draw, for calls without an attention mask. Use the sdpa executor and no "
+            "mask (is_causal=True), train with attention dropout 0 (e.g. attention_dropout=0.0 / attn_pdrop=0.0 in "
+            "a Hugging Face config), or select the math kernel (torch.nn.attention.sdpa_kernel(SDPBackend.MATH))",
+            differentiated_call().source,
+        )
+    y, probs = attention_dropout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    kept = torch.ne(probs, 0)
+    tensors = [t for t in (q, k, v, attn_mask) if is_tensor(t)]
+    wrt = tuple(i for i, t in enumerate(tensors) if wants_grad(t))
+    args = (q, k, v, attn_mask, kept, dropout_p, is_causal, scale, enable_gqa)
+    for i, grad in zip(wrt, torch_vjp(attention_dropped, args, {}, wrt, (get_grad(y),))):
+        put_grad(tensors[i], grad)
+    return y
 
 
 def embedding_decomposition(index, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
@@ -259,10 +524,42 @@ def embedding_backward_decomposition(g, index, num_weights: int, padding_idx: in
 
 
 embedding_backward = impl_symbol(impls.embedding_backward, decomposition=embedding_backward_decomposition)
+
+
+@register(GRAD, F.embedding)
+def embedding_grad(index, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                   sparse=False):
+    if max_norm is not None or sparse or weight.dim() != 2:
+        return NotImplemented
+    y = F.embedding(index, weight, padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+    padding = -1 if padding_idx is None else padding_idx % weight.shape[0]
+    put_grad(weight, embedding_backward(get_grad(y), index, weight.shape[0], padding, scale_grad_by_freq))
+    return y
+
+
 torch_symbol(F.one_hot)
 not_differentiable(F.one_hot)  # integer
 torch_symbol(F.pad, decomposition=lambda x, pad, mode="constant", value=None: prims.pad(x, tuple(pad), value or 0.0)
              if mode == "constant" else NotImplemented, aliases=(torch._C._nn.pad,))  # what F.pad calls (Dynamo graphs)
+register(JVP, F.pad, linear(lookup(F.pad).symbol, (0, 3, "value")))
+
+
+@register(BATCH, F.pad)
+def _pad(batch: Batch, args: tuple, kwargs: dict):
+    """pad (reflect, replicate, circular): the batch joins the input's leading (batch, channel) dims."""
+    x, pad = args[0], tuple(args[1] if len(args) > 1 else kwargs["pad"])
+    mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+    if mode == "constant" or any(is_tensor(a) for a in (*args[1:], *kwargs.values())):
+        return NotImplemented
+    example, padded = x.shape[1:], len(pad) // 2
+    lead = example[: len(example) - padded]
+    if len(lead) not in (1, 2):
+        return NotImplemented
+    rows = x.shape[0] * math.prod(lead[:-1])
+    flat = prims.reshape(x, (rows, lead[-1], *example[len(lead):]))
+    out = lookup(F.pad).symbol(flat, pad, mode, *args[3:], **{k: v for k, v in kwargs.items() if k not in ("pad",
+                                                                                                          "mode")})
+    return prims.reshape(out, (batch.size, *lead, *out.shape[2:]))
 
 
 def nll_loss_decomposition(logp, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -303,11 +600,129 @@ torch_symbol(F.binary_cross_entropy_with_logits)
 torch_symbol(F.kl_div)
 differentiated_by_eager(F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.binary_cross_entropy,
                         F.binary_cross_entropy_with_logits, F.kl_div)
+
+
+@register(GRAD, F.cross_entropy)
+def cross_entropy_grad(logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                       reduction="mean", label_smoothing=0.0):
+    """Class-index cross-entropy as eager computes it, log_softmax then nll_loss, with eager's kernels (their
+    roundings differ by device: the CPU kernel rounds a half-precision row's log-sum-exp, the CUDA kernel does not),
+    so the loss and grads are eager's bit for bit. The nll_loss grad is written as a comparison with an iota, which a
+    fusion executor fuses with the log_softmax backward into one kernel, never materialising eager's
+    vocabulary-sized cotangent of the log-probabilities."""
+    if (logits.dim() != 2 or target.dtype.is_floating_point or weight is not None or size_average is not None
+            or reduce is not None or label_smoothing != 0.0):
+        return NotImplemented
+    logp = torch.log_softmax(logits, 1)
+    loss = F.nll_loss(logp, target, ignore_index=ignore_index, reduction=reduction)
+    g = get_grad(loss)
+    valid = target != ignore_index
+    if reduction == "mean":  # eager divides by the count of valid targets in the logits' dtype
+        g = g / valid.sum().to(logits.dtype)
+    is_target = torch.arange(logits.shape[1], device=logits.device) == torch.where(valid, target, 0).unsqueeze(1)
+    grad_logp = torch.where(is_target, torch.where(valid, -g, 0.0).unsqueeze(1), 0.0)
+    put_grad(logits, backward_kernels.log_softmax_backward(grad_logp.to(logits.dtype), logp, 1))
+    return loss
+
+
+def _loss_jvp(fn, pointwise):
+    """mse_loss / l1_loss (input, target, reduction): the pointwise derivative times the difference of tangents."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, target = args[:2]
+        reduction = kwargs.get("reduction", "mean")
+        if len(args) > 2 or any(v is not None for k, v in kwargs.items() if k != "reduction"):
+            return NotImplemented  # the deprecated size_average / reduce arguments, a weight
+        y = fn(x, target, reduction=reduction)
+        difference = x - target
+        t = pointwise(difference) * (tangent_or_zero(dot, x) - tangent_or_zero(dot, target))
+        t = t.sum() if reduction == "sum" else t.mean() if reduction == "mean" else t
+        return y, as_tangent(t, y)
+
+    return rule
+
+
+register(JVP, F.mse_loss, _loss_jvp(lookup(F.mse_loss).symbol, lambda d: 2 * d))
+register(JVP, F.l1_loss, _loss_jvp(lookup(F.l1_loss).symbol, torch.sign))
+
+
+def _loss_batch(fn):
+    """A pointwise loss (input, target, ..., reduction=): its unreduced form, reduced over each example's dims."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        if len(args) > 2 or any(kwargs.get(k) is not None for k in ("size_average", "reduce")):
+            return NotImplemented  # the deprecated size_average / reduce arguments, or positional options
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("size_average", "reduce")}
+        reduction = kwargs.get("reduction", "mean")
+        tensors = {k: v for k, v in kwargs.items() if is_tensor(v)}
+        operands = broadcast(batch, *args, *tensors.values())
+        options = {k: v for k, v in kwargs.items() if k != "reduction" and not is_tensor(v)}
+        per_element = fn(*operands[:2], **dict(zip(tensors, operands[2:])), **options, reduction="none")
+        dims = tuple(range(1, per_element.dim()))
+        if reduction == "none":
+            return per_element
+        if reduction == "sum":
+            return prims.sum(per_element, dims) if dims else per_element
+        if reduction == "mean":
+            count = math.prod(per_element.shape[1:])
+            return prims.div(prims.sum(per_element, dims), count) if dims else per_element
+        if reduction == "batchmean":  # kl_div: the sum over the first dim of each example
+            return prims.div(prims.sum(per_element, dims), per_element.shape[1] if dims else 1)
+        return NotImplemented
+
+    return rule
+
+
+for _fn in (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.binary_cross_entropy, F.binary_cross_entropy_with_logits,
+            F.kl_div):
+    register(BATCH, _fn, _loss_batch(lookup(_fn).symbol))
+
+
 # Every convolution is a torch symbol, so autocast's conversions of its inputs are planned (transforms/autocast.py)
 # as for any op; its grads are eager's backward (autodiff's fallback).
 for _fn in (F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d):
     torch_symbol(_fn)
     differentiated_by_eager(_fn)
+
+
+def _conv_jvp(fn, spatial: int):
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, weight = args[:2]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        rest, options = args[3:], {k: v for k, v in kwargs.items() if k != "bias"}
+        y = fn(x, weight, bias, *rest, **options)
+        tx, tw, tb = dot(x), dot(weight), dot(bias) if bias is not None else None
+        t = add_tangents(None if tx is None else fn(tx, weight, None, *rest, **options),
+                         None if tw is None else fn(x, tw, None, *rest, **options),
+                         None if tb is None else tb.reshape(-1, *(1,) * spatial).expand(y.shape))
+        return y, None if t is None else as_tangent(t, y)
+
+    return rule
+
+
+for _fn, _spatial in ((F.conv1d, 1), (F.conv2d, 2)):
+    register(JVP, _fn, _conv_jvp(lookup(_fn).symbol, _spatial))
+
+
+def _conv_batch(fn, spatial: int):
+    """conv1d / conv2d over a batched input with unbatched weights: the batch joins the conv's own batch."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        x, weight, *rest = args
+        if batch.batched(weight) or any(batch.batched(a) for a in (*rest, *kwargs.values())):
+            return NotImplemented
+        example = x.shape[1:]
+        rows = x.shape[0] * (example[0] if len(example) == spatial + 2 else 1)
+        out = fn(prims.reshape(x, (rows, *example[-(spatial + 1):])), weight, *rest, **kwargs)
+        return prims.reshape(out, (batch.size, *example[:-(spatial + 1)], *out.shape[1:]))
+
+    return rule
+
+
+for _fn, _spatial in ((F.conv1d, 1), (F.conv2d, 2)):
+    register(BATCH, _fn, _conv_batch(lookup(_fn).symbol, _spatial))
+
+
 torch_symbol(F.unfold)
 torch_symbol(F.fold)
 differentiated_by_eager(F.unfold, F.fold)
