@@ -30,8 +30,8 @@ from fulmen.ops.utils import is_tensor
 
 Dot = Callable[[Any], TensorProxy | None]
 JvpRule = Callable[[Dot, tuple, dict], tuple[Any, Any]]
-# An elementwise derivative as the grad rules write it (transforms/vjp_prims.py): the cotangent of the input from
-# (x, y, g), or of both inputs from (a, b, y, g). Applied to a tangent it gives the output's tangent.
+# An elementwise derivative as the grad rules write it (fulmen/ops/prims/elementwise.py): the cotangent of the input
+# from (x, y, g), or of both inputs from (a, b, y, g). Applied to a tangent it gives the output's tangent.
 UnaryVjp = Callable[[Any, Any, Any], Any]
 BinaryVjp = Callable[[Any, Any, Any, Any], tuple[Any, Any]]
 
