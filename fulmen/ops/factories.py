@@ -1,5 +1,5 @@
-"""Tensor factories: full, zeros, ones, arange, *_like, new_*, random draws (and in-place random fills) and
-`torch.tensor` constants."""
+"""Tensor factories: full, zeros, ones, arange, *_like, new_*, random draws (and in-place random fills), dropout and
+`torch.tensor` constants, with their rules: the draws' grads, and which draws vmap shares under randomness='same'."""
 
 from __future__ import annotations
 
@@ -7,15 +7,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fulmen.core.errors import DataDependentError, UnsupportedOpError
+from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.symbol import Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import impls, prims
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
-from fulmen.ops.rules.batch import elementwise
-from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
+from fulmen.ops.rules.batch import Batch, elementwise
+from fulmen.ops.rules.grad import (
+    differentiated_by_eager,
+    differentiated_call,
+    get_grad,
+    not_differentiable,
+    put_grad,
+    wants_grad,
+)
 from fulmen.ops.rules.jvp import constant
 from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.utils import shape_arg
@@ -116,8 +125,121 @@ _DRAWS: dict[Callable[..., Any], bool] = {
 for _fn, _differentiable in _DRAWS.items():
     torch_symbol(_fn, tags=Tag.RANDOM, meta=_draw_meta(_fn, _differentiable),
                  aliases=(method("bernoulli"),) if _fn is torch.bernoulli else ())
+
+
+# Grads of the draws eager's autograd records (derivatives.yaml): each gives the tensors it reads a zero grad. There
+# is no reparameterisation: `torch.normal(mean, std)` gives `mean` and `std` zeros, as eager does. The other draws'
+# outputs never require grad, so they need no rule. `bernoulli(input, p)` with a float p is recorded without a
+# derivative: its backward raises eager's error when a grad reaches it. Each rule draws once, in the forward.
+def _zero_grads(out: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    # made from the cotangent (as eager's zeros_like(grad)): backward work, run only when a grad reaches `out`
+    grad = get_grad(out)
+    for t in iter_proxies((args, kwargs)):
+        if wants_grad(t):
+            put_grad(t, grad.new_zeros(t.shape, dtype=t.dtype))
+
+
+@register(RuleKind.GRAD, torch.normal)
+def normal_grad(*args, **kwargs):
+    out = torch.normal(*args, **kwargs)
+    _zero_grads(out, args, kwargs)
+    return out
+
+
+def _no_derivative_meta(builder: TraceBuilder, grad, shape, dtype, message) -> TensorProxy:
+    return builder.make_proxy(torch.empty(shape, dtype=dtype, device="meta"), grad.device)
+
+
+no_derivative = impl_symbol(impls.no_derivative, meta=_no_derivative_meta)
+differentiated_by_eager(no_derivative)  # it raises when it runs: its eager backward, run again, raises the same
+
+
+@register(RuleKind.GRAD, torch.bernoulli)
+def bernoulli_grad(x, *args, **kwargs):
+    out = torch.bernoulli(x, *args, **kwargs)
+    if args or "p" in kwargs:
+        # `bernoulli(input, p)` with a float p: eager records it, and its backward raises when a grad reaches it
+        grad = get_grad(out)
+        source = differentiated_call().source
+        where = f" (at {source.describe()})" if source is not None else ""
+        put_grad(x, no_derivative(grad, list(x.shape), x.dtype,
+                                  f"derivative for aten::bernoulli is not implemented: torch.bernoulli(input, p) "
+                                  f"with a float p{where} has no grad in eager either; draw from input.detach()"))
+    else:
+        _zero_grads(out, (x,), kwargs)
+    return out
+
+
+# randomness='same' under vmap: one draw of one example's shape, shared by every example (torch.func draws from the
+# first example's metadata). Draws that read their batched arguments' values (bernoulli, normal, multinomial) have
+# no such rule: torch.func refuses them too.
+def _like_same(sym):
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        x, *rest = args
+        if any(batch.batched(p) for p in iter_proxies((rest, kwargs))):
+            return NotImplemented
+        return batch.materialize(sym(prims.select(x, 0, 0), *rest, **kwargs))
+
+    return rule
+
+
+for _fn in (torch.rand_like, torch.randn_like, torch.randint_like):
+    register(RuleKind.BATCH_SAME_RANDOMNESS, _fn, _like_same(lookup(_fn).symbol))
+
+
 torch_symbol(torch.nn.functional.dropout, tags=Tag.RANDOM)
 torch_symbol(torch.dropout, tags=Tag.RANDOM)
+native_dropout = torch_symbol(torch.native_dropout, tags=Tag.RANDOM)  # what dropout's grad rule records
+# where eager's dropout runs the fused kernel, native_dropout (ATen's is_fused_kernel_acceptable)
+FUSED_DROPOUT_DEVICES = frozenset({"cuda", "xpu", "lazy", "privateuseone"})
+
+
+@register(RuleKind.GRAD, F.dropout)
+def dropout_grad(x, p=0.5, training=True, inplace=False):
+    if not training or p == 0.0:
+        y = F.dropout(x, p, training)  # the identity
+        put_grad(x, get_grad(y))
+        return y
+    y, mask = native_dropout(x, p, True)
+    if x.device.type in FUSED_DROPOUT_DEVICES:  # native_dropout_backward: grad * mask * scale, rounded once
+        put_grad(x, get_grad(y) * mask.to(x.dtype) * (1.0 / (1.0 - p)))
+    else:  # eager multiplies by its noise, the mask divided by 1 - p in x's dtype (rounded there in half precision)
+        put_grad(x, get_grad(y) * mask.to(x.dtype).div(1.0 - p))
+    return y
+
+
+# vmap: dropout outside training, or with p 0 or 1, draws nothing (and runs under randomness='error'), and
+# randomness='same' shares one example's mask. Dropout spelling -> its (input, p, training) from the call's arguments:
+_DROPOUTS = {
+    F.dropout: lambda input, p=0.5, training=True, inplace=False: (input, p, training),
+    torch.dropout: lambda input, p, train: (input, p, train),
+}
+
+
+def _dropout_draws(arguments):
+    def draws(*args, **kwargs) -> bool:
+        x, p, training = arguments(*args, **kwargs)
+        return bool(training) and 0 < p < 1 and x.numel() > 0  # aten's dropout returns x or x * 0 otherwise
+
+    return draws
+
+
+def _dropout_same(sym, arguments):
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        x, p, _ = arguments(*args, **kwargs)
+        if not batch.batched(x):
+            return NotImplemented
+        example = prims.select(x, 0, 0)
+        # one example's dropout of ones is its scaled mask, kept / (1 - p): x times it, as eager's x * noise
+        mask = sym(prims.full(tuple(example.shape), 1, dtype=x.dtype, device=x.device), p, True)
+        return prims.mul(x, batch.materialize(mask))
+
+    return rule
+
+
+for _fn, _arguments in _DROPOUTS.items():
+    register(RuleKind.DRAWS, _fn, _dropout_draws(_arguments))
+    register(RuleKind.BATCH_SAME_RANDOMNESS, _fn, _dropout_same(lookup(_fn).symbol, _arguments))
 
 
 # derivatives.yaml gives the filled tensor (and a tensor p) zeros
@@ -160,3 +282,11 @@ def _fill_arguments(method_name: str) -> Callable[..., tuple[tuple, dict[str, An
 
 for _name in ("uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_"):
     bind(method(_name), TorchBinding(RANDOM_FILL, inplace=True, normalize=_fill_arguments(_name)))
+
+
+# the in-place fills (`x.exponential_()`...) give `x` (and a tensor `p`) zeros, as eager does
+@register(RuleKind.GRAD, RANDOM_FILL)
+def random_fill_grad(x, method_name, *args, **kwargs):
+    out = RANDOM_FILL(x, method_name, *args, **kwargs)
+    _zero_grads(out, (x, *args), kwargs)
+    return out
