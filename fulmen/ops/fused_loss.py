@@ -35,7 +35,8 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops.registry import SYMBOLS
-from fulmen.ops.rules.grad import differentiated_by_eager
+from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, put_grads, wants_grad
+from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.utils import compute_dtype, softmax_logsumexp
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -317,7 +318,20 @@ LINEAR_CROSS_ENTROPY = _symbol(linear_cross_entropy, _loss_meta)
 LINEAR_CROSS_ENTROPY_FORWARD = _symbol(linear_cross_entropy_forward, _forward_meta)
 LINEAR_CROSS_ENTROPY_BACKWARD = _symbol(linear_cross_entropy_backward, _backward_meta, chunked=False)
 LINEAR_CROSS_ENTROPY_ROWS_BACKWARD = _symbol(linear_cross_entropy_rows_backward, _rows_backward_meta)
-# the kernels LINEAR_CROSS_ENTROPY's grad rule records (transforms/fused_loss.py), differentiated again by eager's
+# the kernels LINEAR_CROSS_ENTROPY's grad rule records (below), differentiated again by eager's
 differentiated_by_eager(LINEAR_CROSS_ENTROPY_FORWARD, LINEAR_CROSS_ENTROPY_BACKWARD, LINEAR_CROSS_ENTROPY_ROWS_BACKWARD)
 #: The symbols that loop over chunks (they accept `compiled=`).
 CHUNKED = (LINEAR_CROSS_ENTROPY, LINEAR_CROSS_ENTROPY_FORWARD, LINEAR_CROSS_ENTROPY_ROWS_BACKWARD)
+
+
+@register(RuleKind.GRAD, LINEAR_CROSS_ENTROPY)
+def linear_cross_entropy_grad(h, weight, bias, target, **spec):
+    wants = (wants_grad(h), wants_grad(weight), wants_grad(bias))
+    if spec["reduction"] == "none":  # a cotangent per row: the backward recomputes the logits
+        loss = LINEAR_CROSS_ENTROPY(h, weight, bias, target, **spec)
+        grads = LINEAR_CROSS_ENTROPY_ROWS_BACKWARD(get_grad(loss), h, weight, bias, target, **spec, wants=wants)
+    else:
+        loss, *saved = LINEAR_CROSS_ENTROPY_FORWARD(h, weight, bias, target, **spec, wants=wants)
+        grads = LINEAR_CROSS_ENTROPY_BACKWARD(get_grad(loss), tuple(saved))
+    put_grads([x for x, wanted in zip((h, weight, bias), wants) if wanted], grads)
+    return loss

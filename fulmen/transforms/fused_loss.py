@@ -8,11 +8,11 @@ the chain becomes one `fused_loss.linear_cross_entropy` call. LitGPT's `chunked_
 into row chunks, a reduction="none" cross-entropy per chunk, their concatenation) is recognised as one
 cross-entropy, and a reduction="none" loss only summed becomes reduction="sum".
 
-Its grad rule computes each chunk's gradients for h, W and the bias in the forward (reductions "mean" and "sum"),
-so the forward saves those gradients instead of logits; reduction "none" recomputes the logits chunk by chunk in
-the backward. Where the pattern does not hold, the trace is left as it is and the reason is stated in the
-provenance of the trace this pass produces (`fulmen.last_traces(fn)`, `fulmen.examine`): the logits are also
-returned or read by another op, class weights, logits that do not come from a linear.
+Its grad rule (fulmen.ops.fused_loss) computes each chunk's gradients for h, W and the bias in the forward
+(reductions "mean" and "sum"), so the forward saves those gradients instead of logits; reduction "none" recomputes
+the logits chunk by chunk in the backward. Where the pattern does not hold, the trace is left as it is and the
+reason is stated in the provenance of the trace this pass produces (`fulmen.last_traces(fn)`, `fulmen.examine`):
+the logits are also returned or read by another op, class weights, logits that do not come from a linear.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from fulmen.core.symbol import BoundSymbol, iter_proxies
 from fulmen.core.trace import Trace
 from fulmen.ops import fused_loss
 from fulmen.ops.registry import SYMBOLS
-from fulmen.ops.rules.grad import get_grad, put_grads, wants_grad
-from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.transforms.common import dce
 from fulmen.transforms.transform import Transform
 
@@ -49,22 +47,6 @@ SPLITS = frozenset(SYMBOLS[name] for name in (
     "torch.functional.split", "torch.Tensor.split", "torch.Tensor.split_with_sizes", "torch.split_with_sizes"))
 
 _CROSS_ENTROPY = inspect.signature(F.cross_entropy)
-
-
-# --- the grad rule --------------------------------------------------------------------------------------------------
-
-@register(RuleKind.GRAD, fused_loss.LINEAR_CROSS_ENTROPY)
-def linear_cross_entropy_grad(h, weight, bias, target, **spec):
-    wants = (wants_grad(h), wants_grad(weight), wants_grad(bias))
-    if spec["reduction"] == "none":  # a cotangent per row: the backward recomputes the logits
-        loss = fused_loss.LINEAR_CROSS_ENTROPY(h, weight, bias, target, **spec)
-        grads = fused_loss.LINEAR_CROSS_ENTROPY_ROWS_BACKWARD(get_grad(loss), h, weight, bias, target, **spec,
-                                                              wants=wants)
-    else:
-        loss, *saved = fused_loss.LINEAR_CROSS_ENTROPY_FORWARD(h, weight, bias, target, **spec, wants=wants)
-        grads = fused_loss.LINEAR_CROSS_ENTROPY_BACKWARD(get_grad(loss), tuple(saved))
-    put_grads([x for x, wanted in zip((h, weight, bias), wants) if wanted], grads)
-    return loss
 
 
 # --- the pattern ----------------------------------------------------------------------------------------------------
