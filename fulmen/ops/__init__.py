@@ -13,6 +13,7 @@ from fulmen.ops import (  # noqa: F401  (registration side effects)
     fft,
     fused_loss,
     linalg,
+    losses,
     nn,
     recurrent,
     reductions,
