@@ -14,11 +14,6 @@ from typing import Any
 from torch import nn
 
 import fulmen.ops  # noqa: F401  (registers the torch-level symbols)
-import fulmen.transforms.rule_files  # noqa: F401  (registers the JVP and batching rules; see there)
-import fulmen.transforms.vjp_activations  # noqa: F401  (registers grad rules)
-import fulmen.transforms.vjp_edges  # noqa: F401  (registers grad rules)
-import fulmen.transforms.vjp_random  # noqa: F401  (registers grad rules)
-import fulmen.transforms.vjp_torch  # noqa: F401  (registers grad rules)
 from fulmen import dynamo, extend, torch  # noqa: F401  (public namespaces: fulmen.dynamo, fulmen.extend, fulmen.torch)
 from fulmen.core.errors import (
     CacheLimitError,

@@ -32,7 +32,7 @@ from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
 from fulmen.ops import lookup, shape
-from fulmen.ops.checks import check_all_true
+from fulmen.ops.effects import check_all_true
 from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.autocast import PARTS as AUTOCAST_PARTS

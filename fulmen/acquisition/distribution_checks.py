@@ -1,7 +1,7 @@
 """torch.distributions' validation of arguments and samples while tracing (`validate_args`, on by default).
 
 `Distribution.__init__` and `_validate_sample` check values with `if not torch._is_all_true(valid): raise
-ValueError(...)`. Acquisition answers true and records the check itself (`fulmen.ops.checks`), which raises eager's
+ValueError(...)`. Acquisition answers true and records the check itself (`fulmen.ops.effects`), which raises eager's
 ValueError when the trace runs on invalid values. The message is stated now, from the validating frame's locals,
 as eager words it (the distribution's parameters are named by its class: their values are unknown while tracing).
 Any other reader of `_is_all_true` branches on the value, and is refused as data-dependent.

@@ -83,7 +83,7 @@ def render(obj: Any) -> str:
         return obj.printed
     if callable(obj) and resolve_name(obj) is not None:  # a torch callable passed as data (view_scatter's view)
         return resolve_name(obj)
-    if callable(obj) and getattr(obj, "__module__", None) == "fulmen.ops.impls":  # one of fulmen's own views
+    if callable(obj) and getattr(obj, "__module__", None) == "fulmen.ops.kernels.impls":  # one of fulmen's own views
         return f"impls.{obj.__name__}"
     raise TypeError(f"fulmen cannot print a value of type {type(obj).__name__} in a trace: {obj!r}")
 

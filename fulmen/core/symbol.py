@@ -40,7 +40,7 @@ class Tag(enum.Flag):
 IMPORTS: dict[str, str] = {
     "torch": "import torch",
     "prims": "from fulmen.ops import prims",
-    "impls": "from fulmen.ops import impls",
+    "impls": "from fulmen.ops.kernels import impls",
     "fused_loss": "from fulmen.ops import fused_loss",
     "operator": "import operator",
     "dist": "from fulmen.distributed import prims as dist",  # the collectives (fulmen.distributed.prims)

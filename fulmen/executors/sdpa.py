@@ -50,8 +50,8 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.executors.base import OperatorExecutor
 from fulmen.executors.registry import register_executor
+from fulmen.ops.kernels.sdpa_kernels import boolean_mask_fill, eager_choice
 from fulmen.ops.rules.grad import get_grad, put_grads
-from fulmen.ops.sdpa_kernels import boolean_mask_fill, eager_choice
 
 aten = torch.ops.aten
 

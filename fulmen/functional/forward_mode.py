@@ -16,7 +16,7 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
-from fulmen.ops import impls
+from fulmen.ops.kernels import impls
 from fulmen.ops.registry import impl_symbol
 from fulmen.ops.rules.jvp import differentiable
 from fulmen.ops.rules.tables import RuleKind, rule

@@ -9,7 +9,7 @@ ops before the call) fulmen computed otherwise. Two taps:
 - the setters written in Python (`torch.manual_seed`, `torch.set_default_dtype`, `torch.use_deterministic_algorithms`,
   `torch.set_float32_matmul_precision`, ...; and the backend flags, `torch.backends.cudnn.deterministic = True`,
   whose module properties are Python) are call regions of the frame tap (frame_tap.py): as the call starts, it is
-  recorded as a call of the setter's symbol (fulmen.ops.setters) with the arguments it got; then it runs for real, so
+  recorded as a call of the setter's symbol (fulmen.ops.effects) with the arguments it got; then it runs for real, so
   the ops after it are acquired under the state it sets. Once the program is acquired, that state is set back
   (GlobalState.restore_replayed; the generators by `Setters.put_back`, to their state before the program's first
   seed, only where it seeded: acquisition draws nothing from them, and draws another thread makes meanwhile must
@@ -39,7 +39,7 @@ from fulmen.core.source import SourceLocation, frame_location
 from fulmen.core.symbol import Symbol
 from fulmen.observation.frame_tap import frame_arguments
 from fulmen.observation.global_state import Generators
-from fulmen.ops import setters as ops
+from fulmen.ops import effects as ops
 
 # the Python setters replayed, each by its symbol (by the function itself: torch.manual_seed is wrapped once Dynamo is
 # imported, in a wrapper whose code every such wrapper shares, torch.utils.checkpoint's too)

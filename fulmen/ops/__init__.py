@@ -1,13 +1,13 @@
-"""Torch-level symbols and the prims they decompose into.
+"""Torch-level symbols and the prims they decompose into, each op one stanza in its family's module: its symbol,
+decomposition, and its grad, JVP and batching rules (fulmen.ops.rules).
 
-Importing this package registers every supported torch callable (see `registry.TORCH_BINDINGS`).
+Importing this package registers every supported torch callable (see `registry.TORCH_BINDINGS`) and every rule:
+the families are imported here, and nowhere else for their side effects.
 """
 
 from fulmen.ops import (  # noqa: F401  (registration side effects)
     activations,
-    backward_kernels,
-    builders,
-    checks,
+    effects,
     elementwise,
     factories,
     fft,
@@ -18,9 +18,9 @@ from fulmen.ops import (  # noqa: F401  (registration side effects)
     recurrent,
     reductions,
     shape,
-    statistics,
     vision,
 )
+from fulmen.ops.kernels import backward_kernels  # noqa: F401  (eager's backward kernels as symbols, their rules)
 
 # The prims' rules, by prim kind (registration side effects). Aliased: fulmen.ops.elementwise, .factories and
 # .reductions name the torch-level families.

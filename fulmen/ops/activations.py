@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from fulmen.core.errors import TraceError
-from fulmen.ops import elementwise, factories, impls, nn  # noqa: F401  (F.relu, F.dropout, F.silu: registered there)
+from fulmen.ops import elementwise, factories, nn  # noqa: F401  (F.relu, F.dropout, F.silu: registered there)
+from fulmen.ops.kernels import impls
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, takes_inplace_flag, torch_symbol
 from fulmen.ops.rules.batch import elementwise as batched_elementwise
 from fulmen.ops.rules.grad import differentiated_by_eager, differentiated_call, get_grad, put_grad

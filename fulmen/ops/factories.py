@@ -14,7 +14,8 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.symbol import Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
-from fulmen.ops import impls, prims
+from fulmen.ops import prims
+from fulmen.ops.kernels import impls
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
 from fulmen.ops.rules.batch import Batch, elementwise
 from fulmen.ops.rules.grad import (

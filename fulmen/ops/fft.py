@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from fulmen.ops.eager_grads import eager_op
 from fulmen.ops.registry import torch_symbol
+from fulmen.ops.rules.eager import eager_op
 from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 
 _TRANSFORMS = ("fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft ihfft hfft2 ihfft2 hfftn "

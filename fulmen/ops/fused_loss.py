@@ -34,7 +34,7 @@ from fulmen.core.inductor import InductorFunction, layouts
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.core.trace import TraceBuilder
-from fulmen.ops.registry import SYMBOLS
+from fulmen.ops.registry import add_symbol
 from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, put_grads, wants_grad
 from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.utils import compute_dtype, softmax_logsumexp
@@ -310,8 +310,7 @@ def _chunk_scratch(*args, chunk_rows: int, wants: tuple[bool, bool, bool] = (Fal
 def _symbol(fn: Callable[..., Any], meta: Callable[..., Any], chunked: bool = True) -> Symbol:
     printed = f"fused_loss.{fn.__name__}"
     sym = Symbol(name=fn.__name__, printed=printed, impl=fn, meta=meta, scratch=_chunk_scratch if chunked else None)
-    SYMBOLS[printed] = sym
-    return sym
+    return add_symbol(sym)
 
 
 LINEAR_CROSS_ENTROPY = _symbol(linear_cross_entropy, _loss_meta)

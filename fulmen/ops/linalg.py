@@ -19,8 +19,8 @@ from fulmen.core.errors import UnsupportedOpError
 from fulmen.core.symbol import iter_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import prims
-from fulmen.ops.eager_grads import eager_op
 from fulmen.ops.registry import bind, lookup, method, methods, torch_symbol
+from fulmen.ops.rules.eager import eager_op
 from fulmen.ops.rules.grad import differentiated_by_eager, not_differentiable
 
 _VF = torch._C._VariableFunctions

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fulmen.ops import backward_kernels, prims
+from fulmen.ops import prims
+from fulmen.ops.kernels import backward_kernels
 from fulmen.ops.nn import log_softmax_decomposition
 from fulmen.ops.registry import lookup, torch_symbol
 from fulmen.ops.rules.batch import Batch, broadcast

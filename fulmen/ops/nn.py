@@ -18,10 +18,12 @@ from torch.nn.attention import SDPBackend
 
 from fulmen.core.errors import TraceError
 from fulmen.core.symbol import Tag, iter_proxies
-from fulmen.ops import backward_kernels, impls, prims
-from fulmen.ops.eager_grads import eager_op, nn_op
+from fulmen.ops import prims
+from fulmen.ops.kernels import backward_kernels, impls
+from fulmen.ops.kernels.sdpa_kernels import eager_choice
 from fulmen.ops.registry import SYMBOLS, TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
 from fulmen.ops.rules.batch import Batch, batch_matmul, elementwise, with_dim
+from fulmen.ops.rules.eager import eager_op, nn_op
 from fulmen.ops.rules.grad import (
     differentiated_by_eager,
     differentiated_call,
@@ -34,7 +36,6 @@ from fulmen.ops.rules.grad import (
 from fulmen.ops.rules.grad_formulas import kernel_grad, matmul_rule
 from fulmen.ops.rules.jvp import Dot, add_tangents, as_tangent, bilinear, by_derivative, linear
 from fulmen.ops.rules.tables import RuleKind, register
-from fulmen.ops.sdpa_kernels import eager_choice
 from fulmen.ops.utils import (
     canonical_dim,
     compute_dtype,

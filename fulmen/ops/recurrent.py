@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fulmen.ops.eager_grads import eager_op
+from fulmen.ops.rules.eager import eager_op
 
 
 def _dropout_refusal(name: str) -> Any:

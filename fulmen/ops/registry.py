@@ -13,7 +13,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch.overrides import resolve_name
@@ -95,24 +95,14 @@ def symbol_of(target: Symbol | Callable[..., Any], what: str) -> Symbol:
     return binding.symbol
 
 
-Rule = TypeVar("Rule", bound=Callable[..., Any])
-
-
-def rule_registrar(table: dict[Symbol, Rule], what: str) -> Callable[[Symbol | Callable[..., Any]],
-                                                                      Callable[[Rule], Rule]]:
-    """`register(target)` for one rule table: a decorator making the decorated function the rule (`what`, e.g.
-    "a grad rule") of `target`, a symbol or a torch callable."""
-
-    def register(target: Symbol | Callable[..., Any]) -> Callable[[Rule], Rule]:
-        sym = symbol_of(target, what)
-
-        def decorator(rule: Rule) -> Rule:
-            table[sym] = rule
-            return rule
-
-        return decorator
-
-    return register
+def add_symbol(sym: Symbol) -> Symbol:
+    """Makes `sym` findable by the name traces print for it; a second symbol printed the same way is refused (the
+    printed name is how a trace calls it, so two would be one name for two ops)."""
+    existing = SYMBOLS.get(sym.printed)
+    if existing is not None and existing is not sym:
+        raise ValueError(f"{sym.printed} is registered twice")
+    SYMBOLS[sym.printed] = sym
+    return sym
 
 
 def printed_name(fn: Callable[..., Any]) -> str:
@@ -155,7 +145,7 @@ def torch_symbol(
         tags=tags,
         differentiable_outputs=differentiable_outputs,
     )
-    SYMBOLS[printed] = sym
+    add_symbol(sym)
     bind(fn, TorchBinding(sym))
     for alias in aliases:
         bind(alias, TorchBinding(sym))
@@ -176,13 +166,12 @@ def takes_inplace_flag(fn: Callable[..., Any], updating: Symbol | None = None) -
 
 def impl_symbol(fn: Callable[..., Any], tags: Tag = Tag.NONE, meta: Callable[..., Any] | None = None,
                 decomposition: Callable[..., Any] | None = None) -> Symbol:
-    """A symbol executed by one of fulmen's own functional helpers (`fulmen.ops.impls`), bound to no torch callable
-    (`meta`: its outputs, where running `fn` on meta tensors cannot tell them; `decomposition`: the prims that
+    """A symbol executed by one of fulmen's own functional helpers (`fulmen.ops.kernels.impls`), bound to no torch
+    callable (`meta`: its outputs, where running `fn` on meta tensors cannot tell them; `decomposition`: the prims that
     transforms without a rule for it, such as vmap and jvp, see)."""
     printed = f"impls.{fn.__name__}"
     sym = Symbol(name=fn.__name__, printed=printed, impl=fn, tags=tags, meta=meta, decomposition=decomposition)
-    SYMBOLS[printed] = sym
-    return sym
+    return add_symbol(sym)
 
 
 def method(name: str) -> Callable[..., Any]:

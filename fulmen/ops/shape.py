@@ -9,10 +9,12 @@ from typing import Any
 import torch
 
 from fulmen.core.symbol import Tag, iter_proxies
-from fulmen.ops import impls, prims
-from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, torch_symbol
+from fulmen.ops import prims
+from fulmen.ops.kernels import impls
+from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, methods, torch_symbol
 from fulmen.ops.rules.batch import Batch, elementwise, shift, with_dim
-from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, put_grad, torch_vjp, wants_grad
+from fulmen.ops.rules.eager import eager_op
+from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, not_differentiable, put_grad, torch_vjp, wants_grad
 from fulmen.ops.rules.grad_formulas import zeros_shaped
 from fulmen.ops.rules.jvp import Dot, linear
 from fulmen.ops.rules.tables import RuleKind, register
@@ -498,7 +500,7 @@ def _tri_decomposition(lower: bool):
 torch_symbol(torch.triu, decomposition=_tri_decomposition(False), aliases=(method("triu"),), inplace=(method("triu_"),))
 torch_symbol(torch.tril, decomposition=_tri_decomposition(True), aliases=(method("tril"),), inplace=(method("tril_"),))
 
-# Functional forms of in-place updates (see fulmen.ops.impls); programs never call them directly.
+# Functional forms of in-place updates (see fulmen.ops.kernels.impls); programs never call them directly.
 setitem = impl_symbol(impls.setitem)
 copy = impl_symbol(impls.copy)
 fill = impl_symbol(impls.fill)
@@ -588,3 +590,36 @@ def to_decomposition(x, device=None, dtype=None, non_blocking=False, copy=False,
 
 
 to = torch_symbol(method("to"), decomposition=to_decomposition)
+
+
+# --- Tensors built by placing the elements of others (diag, diag_embed, rot90, block_diag, vander,
+# cartesian_prod, combinations) and index factories (triu_indices, tril_indices); eager's kernels and grads.
+# block_diag and cartesian_prod are torch's Python (run inline): their builtins are what is bound
+
+_VF = torch._C._VariableFunctions
+
+for _name in ("diag", "diag_embed", "diagflat", "rot90", "vander"):
+    torch_symbol(getattr(torch, _name), aliases=methods(_name))
+torch_symbol(torch.linalg.vander)
+torch_symbol(torch.triu_indices)
+torch_symbol(torch.tril_indices)
+torch_symbol(_VF.block_diag, printed="torch._C._VariableFunctions.block_diag")
+torch_symbol(_VF.cartesian_prod, printed="torch._C._VariableFunctions.cartesian_prod")
+differentiated_by_eager(torch.diag, torch.diag_embed, torch.diagflat, torch.rot90, torch.vander, torch.linalg.vander,
+                        _VF.block_diag, _VF.cartesian_prod)
+not_differentiable(torch.triu_indices, torch.tril_indices)  # factories of indices
+
+
+def _combinations_like(x: torch.Tensor, r: int = 2, with_replacement: bool = False) -> torch.Tensor:
+    """torch's kernel selects the combinations with a mask (no meta kernel); their number follows from len(x)."""
+    if x.dim() != 1:
+        raise RuntimeError(f"Expect a 1D vector, but got shape {list(x.shape)}")
+    if r < 0:
+        raise RuntimeError(f"Expect a non-negative number, but got {r}")
+    if r == 0:
+        return x.new_empty((0,))
+    n = x.shape[0]
+    return x.new_empty((math.comb(n + r - 1, r) if with_replacement else math.comb(n, r), r))
+
+
+eager_op(torch.combinations, like=_combinations_like)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fulmen.ops.eager_grads import eager_op, nn_op
+from fulmen.ops.rules.eager import eager_op, nn_op
 
 for _fn in (F.pixel_shuffle, F.pixel_unshuffle, F.channel_shuffle, F.avg_pool1d, F.adaptive_avg_pool1d,
             torch.adaptive_max_pool1d, torch.max_pool1d, torch.max_pool2d, torch.max_pool3d,

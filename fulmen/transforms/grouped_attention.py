@@ -26,8 +26,8 @@ from torch.nn.attention import SDPBackend
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, iter_proxies
 from fulmen.core.trace import Trace
+from fulmen.ops.kernels.sdpa_kernels import eager_choice
 from fulmen.ops.registry import SYMBOLS
-from fulmen.ops.sdpa_kernels import eager_choice
 from fulmen.transforms.common import dce
 from fulmen.transforms.transform import Transform
 

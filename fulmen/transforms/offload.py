@@ -25,7 +25,7 @@ import torch
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Tag
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.ops import impls
+from fulmen.ops.kernels import impls
 from fulmen.ops.registry import impl_symbol
 from fulmen.transforms.remat import nbytes
 from fulmen.transforms.transform import GradTraces, Transform

@@ -18,7 +18,7 @@ import fulmen
 from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.executors.base import Executor, Implementation
 from fulmen.ops import lookup
-from fulmen.ops.eager_grads import EAGER_OPS
+from fulmen.ops.rules.eager import EAGER_OPS
 from fulmen.ops.rules.tables import RuleKind, table
 
 # Samples per OpInfo, of up to several hundred: 381 OpInfos, within the CPU CI budget (each sweep's own cap below).

@@ -4,7 +4,7 @@ They reach fulmen three ways: torch's own Python (`F.multi_head_attention_forwar
 dispatchers like `F.max_pool2d`) runs inline so its torch calls are traced one by one
 (fulmen/acquisition/torch_python.py);
 the ops it reaches without a rule of fulmen's (pooling, upsampling, recurrent layers, less common losses) are
-differentiated by eager's own backward (fulmen/ops/eager_grads.py); and what would change state or draw again when
+differentiated by eager's own backward (fulmen/ops/rules/eager.py); and what would change state or draw again when
 recomputed is refused naming the user's line.
 
 Oracle: eager on the same inputs in float64 (outputs, grads of inputs and parameters, which grads are None,

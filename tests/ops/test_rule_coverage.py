@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import fulmen  # noqa: F401  (registers the symbols and their rules)
 from fulmen.core.symbol import Symbol, Tag
-from fulmen.ops.eager_grads import EAGER_OPS
 from fulmen.ops.prims import PRIMS
 from fulmen.ops.registry import SYMBOLS
 from fulmen.ops.rules import tables
+from fulmen.ops.rules.eager import EAGER_OPS
 from fulmen.ops.rules.grad import Fallback, declared_fallback, fallback_of, fallbacks
 from fulmen.ops.rules.tables import RuleKind
 from fulmen.transforms.autodiff import STORAGE_OPS

@@ -268,7 +268,7 @@ def test_cuda_offloading_keeps_results_and_lowers_the_peak():
 def test_copies_keep_the_saved_layout():
     """Host and reloaded copies have the saved tensor's strides, a view that is not dense included (the backward's
     kernels choose by layout); an expanded tensor cannot be written through its strides and is copied dense."""
-    from fulmen.ops.impls import _empty_with_layout
+    from fulmen.ops.kernels.impls import _empty_with_layout
 
     base = torch.randn(6, 8, 10)
     for x in (base, base.transpose(1, 2), base[:, 1:5, ::2]):

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from fulmen.ops import backward_kernels, prims
+from fulmen.ops import prims
+from fulmen.ops.kernels import backward_kernels
 from fulmen.ops.rules.batch import Batch, elementwise, same_call
 from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, not_differentiable, put_grad
 from fulmen.ops.rules.grad_formulas import BINARY_VJPS, sum_to, zeros_shaped

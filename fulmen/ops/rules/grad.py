@@ -37,7 +37,7 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.core.trace import TraceBuilder
-from fulmen.ops import impls
+from fulmen.ops.kernels import impls
 from fulmen.ops.registry import impl_symbol, symbol_of
 from fulmen.ops.rules.tables import RuleKind, register
 

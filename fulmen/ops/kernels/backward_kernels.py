@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from fulmen.core.symbol import Tag
-from fulmen.ops import impls, prims
+from fulmen.ops import prims
+from fulmen.ops.kernels import impls
 from fulmen.ops.registry import impl_symbol
 from fulmen.ops.rules.jvp import Dot, add_tangents, as_tangent
 from fulmen.ops.rules.tables import RuleKind, register

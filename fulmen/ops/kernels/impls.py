@@ -66,7 +66,7 @@ def random_fill(x: torch.Tensor, method: str, *args: Any, **kwargs: Any) -> torc
 
 
 def check_all_true(valid: torch.Tensor, message: str) -> None:
-    """Raises ValueError(`message`) unless every element of `valid` is true (`fulmen.ops.checks`)."""
+    """Raises ValueError(`message`) unless every element of `valid` is true (`fulmen.ops.effects`)."""
     if not bool(valid.all()):
         raise ValueError(message)
 
@@ -146,7 +146,7 @@ def no_derivative(grad: torch.Tensor, shape: list[int], dtype: torch.dtype, mess
     raise RuntimeError(message)
 
 
-# Eager's fused backward kernels (symbols in fulmen.ops.backward_kernels): each computes in float32 for
+# Eager's fused backward kernels (symbols in fulmen.ops.kernels.backward_kernels): each computes in float32 for
 # half-precision tensors and rounds once, where the same formula as separate torch calls rounds after every step.
 def tanh_backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.tanh_backward(g, y)
@@ -374,7 +374,7 @@ def wait_for_copy(x: torch.Tensor) -> torch.Tensor:
 
 def set_switch(owner: str, name: str, value: Any) -> None:
     """`owner.name = value` for one of torch's backend switches (`torch.backends.cudnn.deterministic = True`),
-    `owner` named by its dotted path from `torch` (fulmen.ops.setters)."""
+    `owner` named by its dotted path from `torch` (fulmen.ops.effects)."""
     target: Any = torch
     for part in owner.split(".")[1:]:
         target = getattr(target, part)

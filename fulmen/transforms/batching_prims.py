@@ -1,1 +1,0 @@
-"""Empty: the prims' batching rules moved to fulmen/ops/prims/ (elementwise, reductions, shapes, indexing)."""
