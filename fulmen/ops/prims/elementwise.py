@@ -1,16 +1,15 @@
 """The rules of the elementwise prims, and of the conversions and copies (one tensor in, its values out).
 
 An elementwise prim's derivative is declared once, as the formula of its input's cotangent (UNARY_VJPS here;
-BINARY_VJPS in fulmen.ops.rules.grad_formulas, since torch.max / min's rules use it too); its grad rule and its JVP
-rule both follow from it (a diagonal Jacobian is its own transpose). Every elementwise prim batches by broadcasting
-its operands. Rules run as torch code on proxies (the acquisition mode records it), so each reads like its formula.
+BINARY_VJPS in fulmen.ops.rules.grad_formulas, since torch.max / min's rules use it too), and its grad, JVP and
+batching rules follow from that trait (fulmen.ops.rules.traits). Rules run as torch code on proxies (the
+acquisition mode records it), so each reads like its formula.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -18,9 +17,10 @@ from fulmen.ops import prims
 from fulmen.ops.kernels import backward_kernels
 from fulmen.ops.rules.batch import Batch, elementwise, same_call
 from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, not_differentiable, put_grad
-from fulmen.ops.rules.grad_formulas import BINARY_VJPS, sum_to, zeros_shaped
-from fulmen.ops.rules.jvp import Dot, binary, linear, unary
+from fulmen.ops.rules.grad_formulas import BINARY_VJPS, zeros_shaped
+from fulmen.ops.rules.jvp import Dot, linear
 from fulmen.ops.rules.tables import RuleKind, register
+from fulmen.ops.rules.traits import elementwise_binary, elementwise_unary
 from fulmen.ops.utils import is_tensor
 
 T = torch.Tensor
@@ -65,42 +65,13 @@ UNARY_VJPS: dict[str, Callable[[T, T, T], T]] = {
 }
 
 
-def _unary_grad(prim, vjp: Callable[[T, T, T], T]):
-    def rule(x):
-        y = prim(x)
-        put_grad(x, vjp(x, y, get_grad(y)))
-        return y
-
-    return rule
-
-
-def _binary_grad(prim, vjp):
-    def rule(a, b):
-        y = prim(a, b)
-        grad_a, grad_b = vjp(a, b, y, get_grad(y))
-        for x, grad in ((a, grad_a), (b, grad_b)):
-            if is_tensor(x) and x.requires_grad:
-                # A 0-dim CPU tensor may meet a dimensioned operand (it acts as a scalar): sum its grad down.
-                put_grad(x, _to(sum_to(grad, tuple(x.shape)) if is_tensor(grad) else grad, x))
-        return y
-
-    return rule
-
-
-def _to(grad: Any, like: T) -> T:
-    if not isinstance(grad, torch.Tensor):
-        return torch.full_like(like, grad)
-    return grad if grad.dtype == like.dtype else grad.to(like.dtype)
-
-
 for _name, _vjp in UNARY_VJPS.items():
-    register(GRAD, prims.PRIMS[_name], _unary_grad(prims.PRIMS[_name], _vjp))
-    register(JVP, prims.PRIMS[_name], unary(prims.PRIMS[_name], _vjp))
+    elementwise_unary(prims.PRIMS[_name], _vjp)
 for _name, _vjp in BINARY_VJPS.items():
-    register(GRAD, prims.PRIMS[_name], _binary_grad(prims.PRIMS[_name], _vjp))
-    register(JVP, prims.PRIMS[_name], binary(prims.PRIMS[_name], _vjp))
-for _name in (*prims.UNARY, *prims.BINARY):
-    register(BATCH, prims.PRIMS[_name], elementwise(prims.PRIMS[_name]))
+    elementwise_binary(prims.PRIMS[_name], _vjp)
+for _name in (*prims.UNARY, *prims.BINARY):  # those without a formula batch all the same
+    if _name not in UNARY_VJPS and _name not in BINARY_VJPS:
+        register(BATCH, prims.PRIMS[_name], elementwise(prims.PRIMS[_name]))
 
 # The elementwise prims without a derivative formula: differentiated by eager's backward, or (integer and bool
 # results) not at all.
