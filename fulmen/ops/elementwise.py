@@ -421,22 +421,22 @@ def lerp_jvp(dot: Dot, args: tuple, kwargs: dict):
     return y, as_tangent(t, y)
 
 
-@register(RuleKind.JVP, torch.addcmul)
-def addcmul_jvp(dot: Dot, args: tuple, kwargs: dict):
-    x, a, b = args
-    value = kwargs.get("value", 1)
-    y = torch.addcmul(x, a, b, value=value)
-    t = tangent_or_zero(dot, x) + value * (tangent_or_zero(dot, a) * b + a * tangent_or_zero(dot, b))
-    return y, as_tangent(t, y)
+def _scaled_term_jvp(fn: Callable[..., Any], term: Callable[[Dot, Any, Any], Any]):
+    """The JVP of `fn(x, a, b, value=v)` = x + v * (a op b): x's tangent plus v times `term`, the tangent of a op b."""
+
+    def rule(dot: Dot, args: tuple, kwargs: dict):
+        x, a, b = args
+        value = kwargs.get("value", 1)
+        y = fn(x, a, b, value=value)
+        return y, as_tangent(tangent_or_zero(dot, x) + value * term(dot, a, b), y)
+
+    return rule
 
 
-@register(RuleKind.JVP, torch.addcdiv)
-def addcdiv_jvp(dot: Dot, args: tuple, kwargs: dict):
-    x, a, b = args
-    value = kwargs.get("value", 1)
-    y = torch.addcdiv(x, a, b, value=value)
-    t = tangent_or_zero(dot, x) + value * (tangent_or_zero(dot, a) / b - a * tangent_or_zero(dot, b) / (b * b))
-    return y, as_tangent(t, y)
+register(RuleKind.JVP, torch.addcmul, _scaled_term_jvp(
+    torch.addcmul, lambda dot, a, b: tangent_or_zero(dot, a) * b + a * tangent_or_zero(dot, b)))
+register(RuleKind.JVP, torch.addcdiv, _scaled_term_jvp(
+    torch.addcdiv, lambda dot, a, b: tangent_or_zero(dot, a) / b - a * tangent_or_zero(dot, b) / (b * b)))
 
 
 # elementwise in its input, with this derivative

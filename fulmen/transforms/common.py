@@ -9,7 +9,7 @@ from fulmen.core.codegen import register_printer, render
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import Trace
-from fulmen.transforms.transform import GradTraces, TraceKind, Transform
+from fulmen.transforms.transform import CleanupPass, TraceKind, Transform
 
 
 def _keeps(bsym: BoundSymbol) -> bool:
@@ -122,32 +122,22 @@ def delete_last_used(trace: Trace) -> Trace:
 
 
 # --- as pipeline passes -------------------------------------------------------------------------------------------
-class DeadCodeElimination(Transform):
+class DeadCodeElimination(CleanupPass):
     """`dce` of the acquired program (stage ACQUIRED) and of each backward autodiff builds (stage GRAD)."""
 
-    @property
-    def name(self) -> str:
-        return "Dead Code Elimination"
+    title = "Dead Code Elimination"
 
-    def transform_acquired(self, trace: Trace) -> Trace:
+    def run(self, trace: Trace) -> Trace:
         return dce(trace)
 
-    def transform_backward(self, traces: GradTraces) -> Trace:
-        return dce(traces.backward)
 
-
-class CommonSubexpressionElimination(Transform):
+class CommonSubexpressionElimination(CleanupPass):
     """`cse` of the acquired program (stage ACQUIRED, with JitOptions.cse) and of each backward (stage GRAD)."""
 
-    @property
-    def name(self) -> str:
-        return "Common Subexpression Elimination"
+    title = "Common Subexpression Elimination"
 
-    def transform_acquired(self, trace: Trace) -> Trace:
+    def run(self, trace: Trace) -> Trace:
         return cse(trace)
-
-    def transform_backward(self, traces: GradTraces) -> Trace:
-        return cse(traces.backward)
 
 
 class DeleteLastUsed(Transform):

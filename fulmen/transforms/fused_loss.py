@@ -29,7 +29,7 @@ from fulmen.core.trace import Trace
 from fulmen.ops import fused_loss
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.common import dce
-from fulmen.transforms.transform import Transform
+from fulmen.transforms.transform import TracePass
 
 PROVENANCE = "Fused linear + cross-entropy"
 
@@ -278,16 +278,14 @@ def fuse_linear_cross_entropy(trace: Trace, chunk_rows: int | None = None) -> Tr
     return dce(result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
 
 
-class FuseLinearCrossEntropy(Transform):
+class FuseLinearCrossEntropy(TracePass):
     """`fuse_linear_cross_entropy` of the acquired program (stage ACQUIRED; JitOptions.fuse_linear_cross_entropy,
     with JitOptions.cross_entropy_chunk_rows as `chunk_rows`)."""
+
+    title = PROVENANCE
 
     def __init__(self, chunk_rows: int | None = None) -> None:
         self.chunk_rows = chunk_rows
 
-    @property
-    def name(self) -> str:
-        return PROVENANCE
-
-    def transform_acquired(self, trace: Trace) -> Trace:
+    def run(self, trace: Trace) -> Trace:
         return fuse_linear_cross_entropy(trace, self.chunk_rows)

@@ -29,7 +29,7 @@ from fulmen.core.trace import Trace
 from fulmen.ops.kernels.sdpa_kernels import eager_choice
 from fulmen.ops.registry import SYMBOLS
 from fulmen.transforms.common import dce
-from fulmen.transforms.transform import Transform
+from fulmen.transforms.transform import TracePass
 
 PROVENANCE = "Grouped-query attention"
 SDPA = SYMBOLS["torch.nn.functional.scaled_dot_product_attention"]
@@ -125,15 +125,13 @@ def group_query_attention(trace: Trace, kernel_of: KernelCheck = same_fused_kern
     return (dce(result) if replaced else result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
 
 
-class GroupQueryAttention(Transform):
+class GroupQueryAttention(TracePass):
     """`group_query_attention` of the acquired program (stage ACQUIRED; JitOptions.grouped_query_attention)."""
+
+    title = PROVENANCE
 
     def __init__(self, kernel_of: KernelCheck = same_fused_kernel) -> None:
         self.kernel_of = kernel_of
 
-    @property
-    def name(self) -> str:
-        return PROVENANCE
-
-    def transform_acquired(self, trace: Trace) -> Trace:
+    def run(self, trace: Trace) -> Trace:
         return group_query_attention(trace, self.kernel_of)

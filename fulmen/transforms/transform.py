@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import ClassVar
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.proxies import TensorProxy
@@ -118,6 +119,30 @@ class Transform:
 
     def __repr__(self) -> str:
         return f"<Transform {self.name}>"
+
+
+class TracePass(Transform):
+    """A built-in pass that is one function of a trace (`run`), applied to the acquired program; `title` is its name,
+    which its traces' provenance lines begin with."""
+
+    title: ClassVar[str]
+
+    @property
+    def name(self) -> str:
+        return self.title
+
+    def run(self, trace: Trace) -> Trace:
+        raise NotImplementedError
+
+    def transform_acquired(self, trace: Trace) -> Trace:
+        return self.run(trace)
+
+
+class CleanupPass(TracePass):
+    """A TracePass that also cleans each backward autodiff builds (stage GRAD)."""
+
+    def transform_backward(self, traces: GradTraces) -> Trace:
+        return self.run(traces.backward)
 
 
 def overrides(transform: Transform, hook: str) -> bool:

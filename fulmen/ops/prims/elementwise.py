@@ -106,37 +106,23 @@ register(BATCH, prims.where, elementwise(prims.where))
 
 
 # --- conversions and copies: linear in their one tensor ------------------------------------------------------------
-@register(GRAD, prims.convert_element_type)
-def _convert_element_type_grad(x, dtype):
-    y = prims.convert_element_type(x, dtype)
-    put_grad(x, get_grad(y).to(x.dtype))
-    return y
+def _copy(prim, back: Callable[[T, T], T]) -> None:
+    """A conversion or copy: linear in its one tensor, its grad the output's cotangent put `back` to the input's
+    dtype or device, and batched by the same call."""
+
+    def rule(x, *args, **kwargs):
+        y = prim(x, *args, **kwargs)
+        put_grad(x, back(get_grad(y), x))
+        return y
+
+    register(GRAD, prim, rule)
+    register(JVP, prim, linear(prim, (0,)))
+    register(BATCH, prim, same_call(prim))
 
 
-register(JVP, prims.convert_element_type, linear(prims.convert_element_type, (0,)))
-register(BATCH, prims.convert_element_type, same_call(prims.convert_element_type))
-
-
-@register(GRAD, prims.device_put)
-def _device_put_grad(x, device):
-    y = prims.device_put(x, device)
-    put_grad(x, get_grad(y).to(x.device))
-    return y
-
-
-register(JVP, prims.device_put, linear(prims.device_put, (0,)))
-register(BATCH, prims.device_put, same_call(prims.device_put))
-
-
-@register(GRAD, prims.alias)
-def _alias_grad(x):
-    y = prims.alias(x)
-    put_grad(x, get_grad(y))
-    return y
-
-
-register(JVP, prims.alias, linear(prims.alias, (0,)))
-register(BATCH, prims.alias, same_call(prims.alias))
+_copy(prims.convert_element_type, lambda g, x: g.to(x.dtype))
+_copy(prims.device_put, lambda g, x: g.to(x.device))
+_copy(prims.alias, lambda g, x: g)
 
 
 @register(GRAD, prims.clone)
