@@ -24,6 +24,7 @@ from fulmen.ops import prims
 from fulmen.ops.kernels import impls
 from fulmen.ops.registry import impl_symbol
 from fulmen.ops.rules.batch import Batch
+from fulmen.ops.rules.grad import differentiated_by_eager
 from fulmen.ops.rules.tables import RuleKind, rule
 from fulmen.transforms.autodiff import STORAGE_OPS
 from fulmen.transforms.inline import Emitter
@@ -39,6 +40,8 @@ class Randomness(enum.Enum):
 
 
 BATCH_LOOP = impl_symbol(impls.batch_loop)
+# a grad of a transformed program differentiates this call with eager's backward of the op it runs
+differentiated_by_eager(BATCH_LOOP)
 
 
 def draws_random(bsyms: list[BoundSymbol]) -> bool:

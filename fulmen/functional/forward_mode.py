@@ -18,12 +18,15 @@ from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops.kernels import impls
 from fulmen.ops.registry import impl_symbol
+from fulmen.ops.rules.grad import differentiated_by_eager
 from fulmen.ops.rules.jvp import differentiable
 from fulmen.ops.rules.tables import RuleKind, rule
 from fulmen.transforms.inline import Emitter
 from fulmen.transforms.recording import run_recorded
 
 TORCH_JVP = impl_symbol(impls.torch_jvp)
+# a grad of a transformed program differentiates this call with eager's backward of the op it runs
+differentiated_by_eager(TORCH_JVP)
 
 
 class JvpTransform:

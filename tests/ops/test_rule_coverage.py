@@ -25,10 +25,7 @@ from fulmen.transforms.autodiff import STORAGE_OPS
 # Symbols of fulmen's own transforms, defined outside fulmen/ops, that declare nothing yet: their owners declare
 # them when their engines' symbols move to ops (issue 46, wave 2). Both are differentiated by eager's backward
 # (grad of a jvp or of a vmap that fell back to a loop), which is right for them. The list must stay exact.
-NOT_DECLARED_YET = {
-    "impls.torch_jvp",  # fulmen/functional/forward_mode.py
-    "impls.batch_loop",  # fulmen/functional/batching.py
-}
+NOT_DECLARED_YET: set[str] = set()  # symbols allowed to reach eager's backward undeclared: none
 
 
 @dataclass(frozen=True)
