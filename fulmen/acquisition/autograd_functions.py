@@ -1,9 +1,9 @@
-"""Acquiring `torch.autograd.Function.apply` calls as `autograd_function` regions (fulmen.transforms.function_grad).
+"""Acquiring `torch.autograd.Function.apply` calls as `autograd_function` watches (fulmen.transforms.function_grad).
 
 torch calls a Function's `forward` from C++ (`_FunctionBase.apply`) with grad mode off and builds the autograd node
 there, so a torch-function mode sees the forward's ops but neither the call nor the backward: the Function's grad
 would be lost without a word. No dispatch hook reaches that call, so the acquisition does it where torch's Python
-`Function.apply` hands over to C++, `super().apply(...)`: as the frame of `Function.apply` starts (a call region of
+`Function.apply` hands over to C++, `super().apply(...)`: as the frame of `Function.apply` starts (a call watch of
 the frame tap, replacements.py), its `cls` is set to a subclass of the program's Function whose method resolution
 puts `_Recorded.apply` between `Function` and its C++ base, so that `super().apply` records the call instead.
 Nothing of torch or the program changes: other threads, and calls outside acquisition, run torch's own `apply`.
@@ -76,8 +76,8 @@ def _recording_class(cls: type) -> type:
     return recorded
 
 
-class FunctionApplyRegion:
-    """The call region of `Function.apply` (see above)."""
+class FunctionApplyWatch:
+    """The call watch of `Function.apply` (see above)."""
 
     def enter(self, frame: types.FrameType) -> Any:
         local = frame.f_locals
@@ -97,8 +97,8 @@ class FunctionApplyRegion:
 
 @contextlib.contextmanager
 def function_apply_recorded(interpreter: Any) -> Iterator[None]:
-    """While acquiring with `interpreter` on this thread, the Function calls that `FunctionApplyRegion` sees
-    record `autograd_function` regions."""
+    """While acquiring with `interpreter` on this thread, the Function calls that `FunctionApplyWatch` sees
+    record `autograd_function` watches."""
     token = _RECORDING.set(interpreter)
     try:
         yield

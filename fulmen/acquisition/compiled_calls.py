@@ -28,8 +28,8 @@ def _wrapper_code() -> types.CodeType | None:
 COMPILE_WRAPPER_CODE = _wrapper_code()  # None on a torch whose wrapper is made otherwise: Dynamo then runs
 
 
-class CompiledCallRegion:
-    """A call of a compiled function (frame_tap.Region on `compile_wrapper`)."""
+class CompiledCallWatch:
+    """A call of a compiled function (frame_tap.CallWatch on `compile_wrapper`)."""
 
     def enter(self, frame: types.FrameType) -> Any:
         return self

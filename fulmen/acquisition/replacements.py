@@ -6,7 +6,7 @@ Nothing of the program is rebound: no module global, class attribute or function
 - a torch callable an executor replaces (`replaces=F.layer_norm`): the interpreter's dispatch table
   (`Interpreter.replaced`), since its torch-function mode sees every torch call;
 - a Python function or method an executor replaces (`replaces=apply_rope`, `replaces=NewGELU.forward`),
-  `torch.utils.checkpoint.checkpoint` and the wrapper of a function torch.compile made: a *call region*, keyed by code
+  `torch.utils.checkpoint.checkpoint` and the wrapper of a function torch.compile made: a *call watch*, keyed by code
   object. The frame tap (frame_tap.py) sees every frame the acquired program starts, however the function was reached (a
   module global, an import by name, a closure, a saved bound method); for a region it calls `enter` as the frame starts
   and `exit` as it returns, and the function's own code runs in between. A replaced function's ops become the parts of
@@ -17,7 +17,7 @@ Nothing of the program is rebound: no module global, class attribute or function
   made gives fulmen's (torch_func_calls.py);
 - a method lookaside (`register_lookaside(LLaMAMLP.forward, ...)`): a method that runs *instead of* the original,
   so it must be found before the call: a module's forward where `nn.Module.__call__` looked it up (a region on
-  `_call_impl`, `ForwardLookasideRegion`), and any method the program looks up on the jitted module and its
+  `_call_impl`, `ForwardLookasideWatch`), and any method the program looks up on the jitted module and its
   submodules where their shadow modules (module_inputs.py) resolve it. lookasides.py's built-in lookasides live in
   the shadow classes.
 
@@ -37,13 +37,13 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from fulmen.acquisition.autograd_functions import APPLY_CODE, FunctionApplyRegion
-from fulmen.acquisition.compiled_calls import COMPILE_WRAPPER_CODE, CompiledCallRegion
+from fulmen.acquisition.autograd_functions import APPLY_CODE, FunctionApplyWatch
+from fulmen.acquisition.compiled_calls import COMPILE_WRAPPER_CODE, CompiledCallWatch
 from fulmen.acquisition.lookasides import method_lookasides
-from fulmen.acquisition.torch_func_calls import REGIONS as FUNC_TRANSFORM_REGIONS
+from fulmen.acquisition.torch_func_calls import WATCHES as FUNC_TRANSFORM_WATCHES
 from fulmen.core.source import frame_location
 from fulmen.core.symbol import Symbol
-from fulmen.observation.frame_tap import Region, frame_arguments
+from fulmen.observation.frame_tap import CallWatch, frame_arguments
 from fulmen.ops import lookup
 
 
@@ -59,7 +59,7 @@ def replacement_table(executors: tuple[Any, ...]) -> dict[Callable[..., Any], Sy
     return table
 
 
-class OperatorRegion:
+class OperatorWatch:
     """A call of a replaced function, recorded as one call of `sym` whose parts are the function's own ops."""
 
     def __init__(self, original: types.FunctionType, sym: Symbol, interpreter: Any) -> None:
@@ -90,7 +90,7 @@ def _frame_of(frame: types.FrameType, function: types.FunctionType) -> bool:
                for name, cell in zip(frame.f_code.co_freevars, function.__closure__))
 
 
-class CheckpointRegion:
+class CheckpointWatch:
     """A call of `torch.utils.checkpoint.checkpoint`, however the program reached it. Its non-reentrant form would
     run torch's saved-tensor machinery (and the program's own saved-tensor hooks) on the proxies; instead, as the
     call starts, its arguments are set to the reentrant form (as a debugger sets locals: the keyword arguments of
@@ -115,7 +115,7 @@ class CheckpointRegion:
         pass
 
 
-class ForwardLookasideRegion:
+class ForwardLookasideWatch:
     """`nn.Module.__call__` of a module whose class's forward has a lookaside: an executor's, or a built-in one
     (lookasides.py). Its `_call_impl` looks the bound forward up into the local `forward_call` and then calls it;
     between the two (at the next line) the local is rebound to the lookaside bound to the same module, as a
@@ -154,28 +154,28 @@ class CallTable:
     """What one acquisition does in place of calls (see the module docstring)."""
 
     torch: dict[Callable[..., Any], Symbol]  # replaced torch callables, for the interpreter's dispatch
-    regions: dict[types.CodeType, Region]  # for the frame tap
+    watches: dict[types.CodeType, CallWatch]  # for the frame tap
     lookasides: dict[Callable[..., Any], Callable[..., Any]]  # method -> the function traced in its place
 
 
 def call_table(executors: tuple[Any, ...], interpreter: Any) -> CallTable:
     """The table of one acquisition with these executors, recording through `interpreter`."""
     torch_calls: dict[Callable[..., Any], Symbol] = {}
-    regions: dict[types.CodeType, Region] = {_CHECKPOINT_CODE: CheckpointRegion(), APPLY_CODE: FunctionApplyRegion()}
+    watches: dict[types.CodeType, CallWatch] = {_CHECKPOINT_CODE: CheckpointWatch(), APPLY_CODE: FunctionApplyWatch()}
     if COMPILE_WRAPPER_CODE is not None:
-        regions[COMPILE_WRAPPER_CODE] = CompiledCallRegion()
-    regions.update(FUNC_TRANSFORM_REGIONS)
+        watches[COMPILE_WRAPPER_CODE] = CompiledCallWatch()
+    watches.update(FUNC_TRANSFORM_WATCHES)
     lookasides: dict[Callable[..., Any], Callable[..., Any]] = {}
     for original, target in replacement_table(executors).items():
         if lookup(original) is not None:
             torch_calls[original] = target
         elif isinstance(target, Symbol):
-            regions.setdefault(original.__code__, OperatorRegion(original, target, interpreter))
+            watches.setdefault(original.__code__, OperatorWatch(original, target, interpreter))
         else:
             lookasides[original] = target
     if _FORWARD_CALL_LOCAL:  # also for the built-in lookasides of modules the program receives
-        regions[_CALL_IMPL_CODE] = ForwardLookasideRegion(lookasides)
+        watches[_CALL_IMPL_CODE] = ForwardLookasideWatch(lookasides)
     elif lookasides:
         raise RuntimeError(f"fulmen's method lookasides do not know this torch's nn.Module.__call__ "
                            f"(torch {torch.__version__} has no local forward_call in Module._call_impl)")
-    return CallTable(torch_calls, regions, lookasides)
+    return CallTable(torch_calls, watches, lookasides)

@@ -5,7 +5,7 @@ torch's transform would wrap fulmen's proxies in functorch's batched or grad ten
 (refused: "a batched tensor reached it"). Hugging Face transformers builds attention masks so: `sdpa_mask` maps its
 mask function over batch, head, query and key indices with four nested `torch.vmap`s, made and called at once. As
 torch's `vmap` / `grad` frame returns the function it made (its local `wrapped` / `wrapper`), that local is rebound
-(as a debugger sets a local, as replacements.ForwardLookasideRegion does) to a function calling fulmen's transform
+(as a debugger sets a local, as replacements.ForwardLookasideWatch does) to a function calling fulmen's transform
 of the same function and options; torch's own code then copies the transformed function's name and doc onto it, as
 it does onto its own. Inside the trace fulmen's transform records the transformed calls; called after the trace, it
 runs through fulmen.jit. Nothing of torch changes: other threads, and transforms made outside an acquisition, get
@@ -19,12 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 # torch's transform's code -> the region making fulmen's in its place (filled in by vmap.py, derivatives.py)
-REGIONS: dict[types.CodeType, FuncTransformRegion] = {}
+WATCHES: dict[types.CodeType, FuncTransformWatch] = {}
 
 
-class FuncTransformRegion:
-    """A call of a torch.func transform that returns a function (frame_tap.Region): at each line, once the function is
-    made in the local `result`, it is replaced by fulmen's transform, which `transform` makes from the frame's
+class FuncTransformWatch:
+    """A call of a torch.func transform that returns a function (frame_tap.CallWatch): at each line, once the function
+    is made in the local `result`, it is replaced by fulmen's transform, which `transform` makes from the frame's
     locals (the function and the options the call was given)."""
 
     def __init__(self, result: str, transform: Callable[[dict[str, Any]], Callable[..., Any]]) -> None:
@@ -53,4 +53,4 @@ class FuncTransformRegion:
 def made_as(torch_transform: Callable[..., Any], result: str,
             transform: Callable[[dict[str, Any]], Callable[..., Any]]) -> None:
     """Calls of `torch_transform` made inside an acquisition give fulmen's transform (see the module docstring)."""
-    REGIONS[torch_transform.__code__] = FuncTransformRegion(result, transform)
+    WATCHES[torch_transform.__code__] = FuncTransformWatch(result, transform)

@@ -382,14 +382,14 @@ class JittedFunction:
         real = RealModules(reachable_modules(self._fn, self._module, args, kwargs))
         calls = call_table(self.executors, interpreter)
         setters = Setters(interpreter)  # torch's global setters the program calls, recorded where it calls them
-        regions = {**calls.regions, **setters.regions}
+        watches = {**calls.watches, **setters.watches}
         if self._module is not None:
             # A sharded parameter enters with its full shape (its distribution gathers it before use).
             tree = build_shadow(self._module, functools.partial(_module_proxy, builder, interpreter), observer,
                                 calls.lookasides)
             target = tree.root
         try:
-            with (builder, interpreter, interpreter.replacing(calls.torch), observer.watching(regions),
+            with (builder, interpreter, interpreter.replacing(calls.torch), observer.watching(watches),
                   real.watching(), function_apply_recorded(interpreter),
                   seen_as_compiling() if compiling else contextlib.nullcontext()):
                 interpreter.quiet = observer.quiet

@@ -36,7 +36,7 @@ from fulmen.core.bounded import ByIdentity
 from fulmen.observation import read_sites
 
 
-class Region(Protocol):
+class CallWatch(Protocol):
     """What the acquisition does around one call of a function (replacements.py): `enter` as its frame starts
     (gives a token, None to leave this call alone), `exit` with the token and the value it returned (`raised`: an
     exception left the frame)."""
@@ -166,10 +166,10 @@ class FrameTap:
     what a handler keeps (a list of records under pytest's log capture) is not the program's state."""
 
     def __init__(self, observer: Reader, previous: Callable[..., Any] | None,
-                 regions: dict[types.CodeType, Region]) -> None:
+                 watches: dict[types.CodeType, CallWatch]) -> None:
         self.observer = observer
         self.previous = previous
-        self.regions = regions
+        self.watches = watches
         self.unfollowed = 0  # module bodies being imported and loggers handling records, running now
         self.reading = 0  # frames of _STATE_READERS the program called, running now
         self.returned = _Returned(observer)
@@ -196,11 +196,11 @@ class FrameTap:
             self.observer.called(arg, frame)
 
     def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        local = _around(frame, self.regions, self._follow(frame, event, arg))
+        local = _around(frame, self.watches, self._follow(frame, event, arg))
         if self.observer.expecting:
             key = self.observer.returning(frame)
             if key is not None:
-                local = frame.f_trace = _RegionTap(self.returned, key, local).event
+                local = frame.f_trace = _WatchTap(self.returned, key, local).event
         return local
 
     def _follow(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
@@ -238,30 +238,30 @@ class FrameTap:
         return tap
 
 
-def _around(frame: types.FrameType, regions: dict[types.CodeType, Region],
+def _around(frame: types.FrameType, watches: dict[types.CodeType, CallWatch],
             local: Callable[..., Any] | None) -> Callable[..., Any] | None:
-    """The local tracer of a frame just started: the region of its code around `local`, if it has one."""
-    region = regions.get(frame.f_code)
-    token = None if region is None else region.enter(frame)
+    """The local tracer of a frame just started: the watch of its code around `local`, if it has one."""
+    watch = watches.get(frame.f_code)
+    token = None if watch is None else watch.enter(frame)
     if token is None:
         return local
-    tap = _RegionTap(region, token, local).event
+    tap = _WatchTap(watch, token, local).event
     frame.f_trace = tap
     frame.f_trace_lines = True  # a line event after an exception: it was caught inside
     return tap
 
 
 class CallTap:
-    """A `sys.settrace` function that only does the regions' work around their calls (no observer), for running
+    """A `sys.settrace` function that only does the watches' work around their calls (no observer), for running
     torch code on proxies outside an acquisition (the Dynamo backend's probe); chains a tracer already set."""
 
-    def __init__(self, regions: dict[types.CodeType, Region]) -> None:
-        self.regions = regions
+    def __init__(self, watches: dict[types.CodeType, CallWatch]) -> None:
+        self.watches = watches
         self.previous: Callable[..., Any] | None = None
 
     def call(self, frame: types.FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
         local = self.previous(frame, event, arg) if self.previous is not None else None
-        return _around(frame, self.regions, local)
+        return _around(frame, self.watches, local)
 
     def __enter__(self) -> None:
         self.previous = sys.gettrace()
@@ -271,13 +271,13 @@ class CallTap:
         sys.settrace(self.previous)
 
 
-class _RegionTap:
-    """The local tracer of a frame the acquisition does something around (a `Region`), chaining the frame's own."""
+class _WatchTap:
+    """The local tracer of a frame the acquisition does something around (a `CallWatch`), chaining the frame's own."""
 
-    __slots__ = ("region", "token", "previous", "raised")
+    __slots__ = ("watch", "token", "previous", "raised")
 
-    def __init__(self, region: Region, token: Any, previous: Callable[..., Any] | None) -> None:
-        self.region = region
+    def __init__(self, watch: CallWatch, token: Any, previous: Callable[..., Any] | None) -> None:
+        self.watch = watch
         self.token = token
         self.previous = previous
         self.raised = False
@@ -286,11 +286,11 @@ class _RegionTap:
         if self.previous is not None:
             self.previous = self.previous(frame, event, arg)
         if event == "return":
-            self.region.exit(self.token, arg, self.raised)
+            self.watch.exit(self.token, arg, self.raised)
         else:
             self.raised = event == "exception"
             if event == "line":
-                self.region.line(self.token, frame)
+                self.watch.line(self.token, frame)
         return self.event
 
 
@@ -319,7 +319,7 @@ def _called_by_program(frame: types.FrameType) -> bool:
 
 
 class _Returned:
-    """The Region of a frame whose return value the observer waits for (Observer.returning; the token is its key):
+    """The CallWatch of a frame whose return value the observer waits for (Observer.returning; the token is its key):
     it gets that value unless an exception leaves the frame."""
 
     __slots__ = ("observer",)

@@ -8,7 +8,7 @@ ops before the call) fulmen computed otherwise. Two taps:
 
 - the setters written in Python (`torch.manual_seed`, `torch.set_default_dtype`, `torch.use_deterministic_algorithms`,
   `torch.set_float32_matmul_precision`, ...; and the backend flags, `torch.backends.cudnn.deterministic = True`,
-  whose module properties are Python) are call regions of the frame tap (frame_tap.py): as the call starts, it is
+  whose module properties are Python) are call watches of the frame tap (frame_tap.py): as the call starts, it is
   recorded as a call of the setter's symbol (fulmen.ops.effects) with the arguments it got; then it runs for real, so
   the ops after it are acquired under the state it sets. Once the program is acquired, that state is set back
   (GlobalState.restore_replayed; the generators by `Setters.put_back`, to their state before the program's first
@@ -65,18 +65,18 @@ _SEEDS = frozenset({ops.manual_seed, ops.cuda_manual_seed, ops.cuda_manual_seed_
 
 
 class Setters:
-    """The setter regions of one acquisition, recording through `interpreter`'s builder."""
+    """The setter watches of one acquisition, recording through `interpreter`'s builder."""
 
     def __init__(self, interpreter: Any) -> None:
         self.interpreter = interpreter
         self.depth = 0  # setters running now: the setters they call are theirs
         self.refused: TraceError | None = None  # raised once the program ran (a region cannot raise into it)
         self.generators: Generators | None = None  # their states before the program first changed them for real
-        self.regions: dict[types.CodeType, _Region] = {
-            inspect.unwrap(fn).__code__: _Region(self, sym, _function_call) for fn, sym in _REPLAYED.items()}
-        self.regions[_CONTEXT_PROP_SET] = _Region(self, ops.set_switch, _context_prop_call)
-        self.regions[_CUBLAS_SETATTR] = _Region(self, ops.set_switch, _cublas_call)
-        self.regions[_FP32_SETATTR] = _Region(self, ops.set_switch, _fp32_precision_call)
+        self.watches: dict[types.CodeType, _SetterWatch] = {
+            inspect.unwrap(fn).__code__: _SetterWatch(self, sym, _function_call) for fn, sym in _REPLAYED.items()}
+        self.watches[_CONTEXT_PROP_SET] = _SetterWatch(self, ops.set_switch, _context_prop_call)
+        self.watches[_CUBLAS_SETATTR] = _SetterWatch(self, ops.set_switch, _cublas_call)
+        self.watches[_FP32_SETATTR] = _SetterWatch(self, ops.set_switch, _fp32_precision_call)
 
     def check(self) -> None:
         if self.refused is not None:
@@ -119,7 +119,7 @@ class Setters:
         builder.bind(sym, args, kwargs)
 
 
-class _Region:
+class _SetterWatch:
     """A call of one setter: `call` gives its symbol's arguments from the frame as it starts (None: a call not
     replayed, such as an fp32_precision object storing its own fields)."""
 

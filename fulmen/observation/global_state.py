@@ -135,7 +135,7 @@ class GlobalState:
             torch.set_autocast_dtype(device, dtype)
         torch.set_autocast_cache_enabled(self.cache)
         level = _autocast_nesting()
-        while level > self.nesting:  # autocast regions the program entered and did not leave
+        while level > self.nesting:  # autocast watches the program entered and did not leave
             level = torch.autocast_decrement_nesting()
             if level == 0:  # as torch.autocast's __exit__ does when the outermost region ends
                 torch.clear_autocast_cache()

@@ -57,7 +57,7 @@ from fulmen.core.proxies import TensorProxy, type_refusal
 from fulmen.core.source import frame_location
 from fulmen.observation import global_setters, program_caches, read_sites
 from fulmen.observation.container_writes import MUTATORS, ContainerLog, ContainerWrite, is_container
-from fulmen.observation.frame_tap import FrameTap, Quiet, Region, observed
+from fulmen.observation.frame_tap import CallWatch, FrameTap, Quiet, observed
 from fulmen.observation.guards import Guard
 from fulmen.observation.state_writes import Write, WriteLog
 from fulmen.observation.static_lookup import (
@@ -113,10 +113,10 @@ class Observer:
         # by a site
         self.expecting: dict[int, tuple[int, types.CodeType]] = {}
         self._results: dict[tuple[int, int], Any] = {}
-        # what the observer does around calls of some functions (frame_tap.Region): caches keeping what they return
+        # what the observer does around calls of some functions (frame_tap.CallWatch): caches keeping what they return
         self._threads = Threads()  # the threads the program starts: one it waits for is refused
-        self._regions: dict[types.CodeType, Region] = {
-            program_caches.CACHED_PROPERTY_GET: program_caches.CachedProperty(self), **self._threads.regions}
+        self._watches: dict[types.CodeType, CallWatch] = {
+            program_caches.CACHED_PROPERTY_GET: program_caches.CachedProperty(self), **self._threads.watches}
         self._tap: FrameTap | None = None
         self._dropped: list[Callable[[], None]] = []  # run once the program ran: what a refused cache kept
         # (id(object or globals dict), name) the program assigned while acquired: its later reads read that value
@@ -504,11 +504,11 @@ class Observer:
             self._stores.attribute(receiver, name, frame)
 
     @contextlib.contextmanager
-    def watching(self, regions: dict[types.CodeType, Region] | None = None) -> Iterator[None]:
-        """Observes the frames of user code started inside the block (this thread only). `regions`: what the
+    def watching(self, watches: dict[types.CodeType, CallWatch] | None = None) -> Iterator[None]:
+        """Observes the frames of user code started inside the block (this thread only). `watches`: what the
         acquisition does around calls of some functions (replacements.py), by code object."""
         previous = sys.gettrace()
-        tracer = self._tap = FrameTap(self, previous, ChainMap(regions or {}, self._regions))
+        tracer = self._tap = FrameTap(self, previous, ChainMap(watches or {}, self._watches))
         sys.settrace(tracer.call)
         self.active = True
         if previous is None:  # with a debugger attached, fulmen's internals stay visible to it
@@ -554,7 +554,7 @@ class Observer:
             self.changing_generators()
         if kind is functools._lru_cache_wrapper and type(getattr(value, "__wrapped__", None)) is types.FunctionType \
                 and value.cache_info().maxsize != 0:
-            self._regions.setdefault(value.__wrapped__.__code__, program_caches.Memoized(self, value))
+            self._watches.setdefault(value.__wrapped__.__code__, program_caches.Memoized(self, value))
             return
         if (kind is types.FunctionType or kind is types.BuiltinFunctionType) and value in _SWITCHES:
             self._add(("switch", id(value)), f"torch.{value.__name__}()", lambda e: f"{e.bind(value)}()", value())

@@ -1,5 +1,5 @@
 """Caches that keep what a call of the program returns beyond the call: `functools.lru_cache` (and `functools.cache`)
-and `functools.cached_property`, observed around the calls that fill them (frame_tap.Region).
+and `functools.cached_property`, observed around the calls that fill them (frame_tap.CallWatch).
 
 Later calls get the kept value from the cache, where a trace can neither store it again nor see it change: a tensor
 the trace computed is fulmen's stand-in, and an object the program created, handed out by an lru_cache without a
@@ -52,7 +52,7 @@ CACHED_PROPERTY_GET = functools.cached_property.__get__.__code__
 
 
 class _Keeping:
-    """A frame_tap.Region around a function whose return value something keeps beyond the call (`exit` hands it to
+    """A frame_tap.CallWatch around a function whose return value something keeps beyond the call (`exit` hands it to
     Observer.kept); nothing is done per line."""
 
     def line(self, token: Any, frame: types.FrameType) -> None:

@@ -22,12 +22,12 @@ JOIN_CODE = threading.Thread.join.__code__
 
 class Threads:
     """The threads started during one acquisition (by id, with the program's line that started each) and the
-    refusal of a join of one of them. Its regions (frame_tap.Region) are on `Thread.start` and `Thread.join`."""
+    refusal of a join of one of them. Its watches (frame_tap.CallWatch) are on `Thread.start` and `Thread.join`."""
 
     def __init__(self) -> None:
         self._started: dict[int, tuple[threading.Thread, SourceLocation | None]] = {}
         self.refused: TraceError | None = None
-        self.regions = {START_CODE: _Start(self), JOIN_CODE: _Join(self)}
+        self.watches = {START_CODE: _Start(self), JOIN_CODE: _Join(self)}
 
     def started(self, thread: Any, frame: types.FrameType) -> None:
         if isinstance(thread, threading.Thread):
