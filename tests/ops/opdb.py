@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from fulmen.executors.base import Executor, Implementation
 from fulmen.ops import lookup
 from fulmen.ops.rules.eager import EAGER_OPS
 from fulmen.ops.rules.tables import RuleKind, table
+from tests.sweeps import FULL_SWEEPS
 
 # Samples per OpInfo, of up to several hundred: 381 OpInfos, within the CPU CI budget (each sweep's own cap below).
 SAMPLES_PER_OP = 16
@@ -400,7 +400,7 @@ def run_vmap_case(case: Case) -> str:
 # One sample per OpInfo: of every OpInfo fulmen differentiates with a grad or JVP rule of its own, every 4th of those
 # it differentiates through their decomposition (the prims' rules, which many share) and every 10th of those it
 # differentiates by eager's backward (impls.torch_vjp and torch_jvp of it, the same for all; the rest is torch's).
-# Compiling a grad and its JVP costs ~0.15-0.3 s per OpInfo, on the CPU budget. FULMEN_JVP_OF_GRAD_ALL=1: every one.
+# Compiling a grad and its JVP costs ~0.15-0.3 s per OpInfo, on the CPU budget. FULMEN_FULL_SWEEPS=1: every one.
 JVP_OF_GRAD_SAMPLES_PER_OP = 1
 JVP_OF_GRAD_STRIDES = {"rules": 1, "decomposition": 4, "eager": 10}
 
@@ -417,11 +417,11 @@ def differentiated_by(opinfo) -> str:
 
 def jvp_of_grad_cases() -> list[Case]:
     """The first sample of each OpInfo chosen."""
-    every = os.environ.get("FULMEN_JVP_OF_GRAD_ALL") == "1"
     by_kind: dict[str, list] = {kind: [] for kind in JVP_OF_GRAD_STRIDES}
     for opinfo in sorted(_differentiable_opinfos(), key=_full_name):
         by_kind[differentiated_by(opinfo)].append(opinfo)
-    chosen = [o for kind, opinfos in by_kind.items() for o in opinfos[::1 if every else JVP_OF_GRAD_STRIDES[kind]]]
+    strides = {kind: 1 for kind in by_kind} if FULL_SWEEPS else JVP_OF_GRAD_STRIDES
+    chosen = [o for kind, opinfos in by_kind.items() for o in opinfos[::strides[kind]]]
     return list(_samples(chosen, torch.float64, True, JVP_OF_GRAD_SAMPLES_PER_OP))
 
 

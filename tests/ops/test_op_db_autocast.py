@@ -8,11 +8,16 @@ import pytest
 import torch
 
 from tests.ops.opdb import autocast_cases, run_autocast_case, sweep
+from tests.sweeps import share
+
+DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_autocast_equals_eagers(dtype, summary):
-    cases = list(autocast_cases(dtype))
+    # each input dtype its share of every OpInfo's samples: together they run each sample index of every OpInfo, in
+    # one dtype or the other (tests/sweeps.py)
+    cases = share(autocast_cases(dtype), DTYPES.index(dtype), len(DTYPES))
     result = sweep(cases, run_autocast_case)
     summary(f"op_db under CPU autocast (bfloat16), {dtype} inputs: {result.compared} samples equal eager's (outputs "
             f"bit for bit), {len(result.failures)} differ")

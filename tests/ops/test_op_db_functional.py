@@ -15,9 +15,12 @@ from tests.ops.opdb import (
     run_vmap_case,
     supported_opinfos,
 )
+from tests.sweeps import share
 
-CASES = list(functional_cases())
 RUNNERS = {"jvp": run_jvp_case, "vmap": run_vmap_case}
+# Each transform its share of every OpInfo's samples: together they transform every sample (tests/sweeps.py)
+CASES = list(functional_cases())
+CASES_BY_KIND = {kind: share(CASES, part, len(RUNNERS)) for part, kind in enumerate(RUNNERS)}
 OUTCOMES: dict[tuple[str, str], str] = {}  # (transform, case id) -> rules / fallback / loop / skip / error text
 
 # fulmen refuses these with a clear error (never a wrong result), by transform and OpInfo name
@@ -55,7 +58,7 @@ def _run(kind: str, case) -> str:
 
 
 def _params(kind: str):
-    for case in CASES:
+    for case in CASES_BY_KIND[kind]:
         reason = xfail_reason(kind, case)
         marks = [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
         yield pytest.param(kind, case, id=f"{kind}-{case.id}", marks=marks)
@@ -74,7 +77,7 @@ def test_functional_summary(kind, summary):
     counts = {"pass": 0, "fail": 0, "xfail": 0}
     how = {"rules": 0, "fallback": 0, "loop": 0}
     unexpected = []
-    for case in CASES:
+    for case in CASES_BY_KIND[kind]:
         outcome = _run(kind, case)
         if outcome == "skip":
             continue
@@ -89,7 +92,8 @@ def test_functional_summary(kind, summary):
     total = sum(counts.values())
     other = ("through torch's forward-mode AD for an op without a JVP rule" if kind == "jvp"
              else "with an op run once per example (no batching rule)")
-    summary(f"op_db {kind} against torch.func.{kind} (float64): {len({c.op_name for c in CASES})} OpInfos of "
+    ops = len({c.op_name for c in CASES_BY_KIND[kind]})
+    summary(f"op_db {kind} against torch.func.{kind} (float64): {ops} OpInfos of "
             f"{len(supported_opinfos())} supported, {total} samples: {counts['pass']} pass ({how['rules']} by "
             f"fulmen's rules alone, {how['fallback'] + how['loop']} {other}), {counts['fail']} fail, "
             f"{counts['xfail']} xfail")
