@@ -1,8 +1,8 @@
 """What the sweeps run on CI, and FULMEN_FULL_SWEEPS=1 to run them whole (before a release, or after changing a rule,
 a decomposition or how fulmen takes a module's parameters): the op_db sweeps a deterministic share of their samples,
 with every OpInfo in every share (below); tests/transforms/test_jvp_of_grad.py a stride of the OpInfos by how fulmen
-differentiates them (tests/ops/opdb.py); tests/models/test_hf.py the function form on every third family and the
-Dynamo backend on five.
+differentiates them (tests/ops/opdb.py); tests/models/test_hf.py the unpadded batch on every other family, the
+function form on every third and the Dynamo backend on five.
 
 A sweep with several variants (the grads' value sets, autocast's input dtypes, jvp and vmap) gives each variant its own
 share, so that together they still run every sample: variant `part` of `parts` takes, of each OpInfo's samples, every
