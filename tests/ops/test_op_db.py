@@ -3,35 +3,16 @@ their decompositions (what fusion executors compile)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from tests.ops.opdb import cases, run_case, supported_opinfos
+from tests.ops.outcomes import Outcomes, param
 
 CASES = list(cases())
-OUTCOMES: dict[str, str] = {}  # case id -> pass / error text, shared by the samples and the summary
+_run = Outcomes(run_case)  # pass / error text, shared by the samples and the summary
 
 
-def _run(case) -> str:
-    if case.id not in OUTCOMES:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                run_case(case)
-            OUTCOMES[case.id] = "pass"
-        except Exception as error:  # noqa: BLE001 - recorded, then raised again by the sample's own test
-            OUTCOMES[case.id] = f"{type(error).__name__}: {error}"
-    return OUTCOMES[case.id]
-
-
-def _param(case):
-    reason = case.xfail_reason
-    marks = [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
-    return pytest.param(case, id=case.id, marks=marks)
-
-
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case", [param(c, c.xfail_reason) for c in CASES])
 def test_op_db_sample(case):
     outcome = _run(case)
     assert outcome == "pass", outcome

@@ -2,37 +2,16 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from tests.ops.opdb import NotDifferentiable, run_vjp_case, supported_opinfos, vjp_cases, vjp_xfail_reason
+from tests.ops.outcomes import Outcomes, param
 
 CASES = list(vjp_cases())
-OUTCOMES: dict[str, str] = {}  # case id -> pass / skip / error text, shared by the samples and the summary
+_run = Outcomes(run_vjp_case, ((NotDifferentiable, lambda error: "skip"),))  # pass / skip / error text
 
 
-def _run(case) -> str:
-    if case.id not in OUTCOMES:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                run_vjp_case(case)
-            OUTCOMES[case.id] = "pass"
-        except NotDifferentiable:
-            OUTCOMES[case.id] = "skip"
-        except Exception as error:  # noqa: BLE001 - recorded, then re-raised by the sample's own test
-            OUTCOMES[case.id] = f"{type(error).__name__}: {error}"
-    return OUTCOMES[case.id]
-
-
-def _param(case):
-    reason = vjp_xfail_reason(case)
-    marks = [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
-    return pytest.param(case, id=case.id, marks=marks)
-
-
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case", [param(c, vjp_xfail_reason(c)) for c in CASES])
 def test_vjp_sample(case):
     outcome = _run(case)
     if outcome == "skip":

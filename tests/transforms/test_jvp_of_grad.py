@@ -4,7 +4,6 @@ on programs people write and on PyTorch's OpInfo samples (tests/ops/opdb.py) of 
 from __future__ import annotations
 
 import collections
-import warnings
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from tests.ops.opdb import (
     run_jvp_of_grad_case,
     vjp_xfail_reason,
 )
+from tests.ops.outcomes import Outcomes, param
 
 
 def _both(f, primals: tuple, tangents: tuple, argnums=0):
@@ -105,7 +105,6 @@ def test_update_of_a_captured_tensor_is_refused():
 
 # --- op_db: one sample of each OpInfo fulmen differentiates (opdb.JVP_OF_GRAD_STRIDES picks them) ---------------
 CASES = jvp_of_grad_cases()
-OUTCOMES: dict[str, str] = {}  # case id -> pass / skip / no oracle: ... / error text
 # fulmen refuses these with a clear error (never a wrong result), by OpInfo name: (what the error says, why)
 REFUSED: dict[str, tuple[str, str]] = {
     "nn.functional.batch_norm": ("updates in place a tensor from outside it",
@@ -113,20 +112,8 @@ REFUSED: dict[str, tuple[str, str]] = {
 }
 
 
-def _run(case) -> str:
-    if case.id not in OUTCOMES:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                run_jvp_of_grad_case(case)
-            OUTCOMES[case.id] = "pass"
-        except NotDifferentiable:
-            OUTCOMES[case.id] = "skip"
-        except NoOracle as error:
-            OUTCOMES[case.id] = f"no oracle: {error}"
-        except Exception as error:  # noqa: BLE001 - recorded, then re-raised by the sample's own test
-            OUTCOMES[case.id] = f"{type(error).__name__}: {error}"
-    return OUTCOMES[case.id]
+_run = Outcomes(run_jvp_of_grad_case, ((NotDifferentiable, lambda error: "skip"),
+                                       (NoOracle, lambda error: f"no oracle: {error}")))
 
 
 def _refused(case, outcome: str) -> bool:
@@ -135,13 +122,7 @@ def _refused(case, outcome: str) -> bool:
             and expected[0] in outcome)
 
 
-def _param(case):
-    reason = vjp_xfail_reason(case)
-    marks = [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
-    return pytest.param(case, id=case.id, marks=marks)
-
-
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case", [param(c, vjp_xfail_reason(c)) for c in CASES])
 def test_jvp_of_grad_sample(case):
     outcome = _run(case)
     if outcome == "skip":
