@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -28,6 +29,20 @@ class Outcomes:
                 self._seen[case.id] = next((label(error) for kind, label in self._labels if isinstance(error, kind)),
                                            f"{type(error).__name__}: {error}")
         return self._seen[case.id]
+
+    def tally(self, cases: Iterable[Any], kind: Callable[[Any, str], str | None]) -> tuple[collections.Counter, list]:
+        """Each case's outcome counted under `kind(case, outcome)` (None: not counted; "fail": unexpected, listed with
+        its outcome)."""
+        counts: collections.Counter = collections.Counter()
+        unexpected = []
+        for case in cases:
+            outcome = self(case)
+            counted = kind(case, outcome)
+            if counted is not None:
+                counts[counted] += 1
+            if counted == "fail":
+                unexpected.append(f"{case.id}: {outcome}")
+        return counts, unexpected
 
 
 def param(case: Any, xfail_reason: str | None) -> Any:

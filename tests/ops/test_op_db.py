@@ -19,17 +19,8 @@ def test_op_db_sample(case):
 
 
 def test_op_db_summary(summary):
-    counts = {"pass": 0, "fail": 0, "xfail": 0}
-    unexpected = []
-    for case in CASES:
-        outcome = _run(case)
-        if outcome == "pass":
-            counts["pass"] += 1
-        elif case.xfail_reason:
-            counts["xfail"] += 1
-        else:
-            counts["fail"] += 1
-            unexpected.append(f"{case.id}: {outcome}")
+    counts, unexpected = _run.tally(CASES, lambda case, outcome: "pass" if outcome == "pass"
+                                    else "xfail" if case.xfail_reason else "fail")
     total = sum(counts.values())
     summary(f"op_db: {len(supported_opinfos())} OpInfos, {total} samples: {counts['pass']} pass, "
             f"{counts['fail']} fail, {counts['xfail']} xfail")

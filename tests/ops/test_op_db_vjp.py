@@ -20,19 +20,8 @@ def test_vjp_sample(case):
 
 
 def test_vjp_summary(summary):
-    counts = {"pass": 0, "fail": 0, "xfail": 0}
-    unexpected = []
-    for case in CASES:
-        outcome = _run(case)
-        if outcome == "skip":
-            continue
-        if outcome == "pass":
-            counts["pass"] += 1
-        elif vjp_xfail_reason(case):
-            counts["xfail"] += 1
-        else:
-            counts["fail"] += 1
-            unexpected.append(f"{case.id}: {outcome}")
+    counts, unexpected = _run.tally(CASES, lambda case, outcome: (
+        None if outcome == "skip" else "pass" if outcome == "pass" else "xfail" if vjp_xfail_reason(case) else "fail"))
     total = sum(counts.values())
     ops = len({c.op_name for c in CASES})
     summary(f"op_db VJP (float64): {ops} differentiable OpInfos of {len(supported_opinfos())} supported, "

@@ -134,24 +134,17 @@ def test_jvp_of_grad_sample(case):
     assert outcome == "pass", outcome
 
 
+def _kind(case, outcome: str) -> str | None:
+    """How the summary counts a case's outcome (None: no floating output to differentiate)."""
+    if outcome.startswith("no oracle"):
+        return "no oracle"
+    if outcome in ("skip", "pass"):
+        return None if outcome == "skip" else "pass"
+    return "refused" if _refused(case, outcome) else "xfail" if vjp_xfail_reason(case) else "fail"
+
+
 def test_jvp_of_grad_summary(summary):
-    counts = {"pass": 0, "refused": 0, "no oracle": 0, "fail": 0, "xfail": 0}
-    unexpected = []
-    for case in CASES:
-        outcome = _run(case)
-        if outcome == "skip":
-            continue
-        if outcome == "pass":
-            counts["pass"] += 1
-        elif outcome.startswith("no oracle"):
-            counts["no oracle"] += 1
-        elif _refused(case, outcome):
-            counts["refused"] += 1
-        elif vjp_xfail_reason(case):
-            counts["xfail"] += 1
-        else:
-            counts["fail"] += 1
-            unexpected.append(f"{case.id}: {outcome}")
+    counts, unexpected = _run.tally(CASES, _kind)
     kinds = collections.Counter(differentiated_by(c.opinfo) for c in CASES)
     summary(f"op_db jvp(grad) against torch.func (float64): {len(CASES)} OpInfos ({kinds['rules']} with fulmen's "
             f"rules, {kinds['decomposition']} through their decomposition, {kinds['eager']} by eager's "
