@@ -151,7 +151,7 @@ def refused_nodes(module: torch.fx.GraphModule, args: tuple, decompose: bool,
     inputs = [builder.make_proxy(logical_meta(a), a.device, a.requires_grad) if isinstance(a, torch.Tensor) else a
               for a in args]
     with (_global_state_kept(), builder, interpreter, function_apply_recorded(interpreter),
-          CallTap(call_table(executors, interpreter).regions)):
+          CallTap(call_table(executors, interpreter).watches)):
         _Probe(module, builder, reasons).run(*inputs)
     return reasons
 
