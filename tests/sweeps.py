@@ -1,8 +1,11 @@
 """What the sweeps run on CI, and FULMEN_FULL_SWEEPS=1 to run them whole (before a release, or after changing a rule,
-a decomposition or how fulmen takes a module's parameters): the op_db sweeps a deterministic share of their samples,
-with every OpInfo in every share (below); tests/transforms/test_jvp_of_grad.py a stride of the OpInfos by how fulmen
-differentiates them (tests/ops/opdb.py); tests/models/test_hf.py the unpadded batch on every other family, the
-function form on every third and the Dynamo backend on five.
+a decomposition, a promotion or how fulmen takes a module's parameters):
+- the op_db sweeps a deterministic share of their samples, with every OpInfo in every share (below): the grads' value
+  sets, autocast's input dtypes and jvp / vmap share them out, test_op_db.py and test_op_db_vjp.py take every other;
+- tests/transforms/test_jvp_of_grad.py a stride of the OpInfos by how fulmen differentiates them (tests/ops/opdb.py);
+- tests/models/test_hf.py the unpadded batch on every fourth family, the function form on every sixth and the Dynamo
+  backend on five;
+- tests/ops/test_promotion.py's test_binary, of the cases eager refuses with the same dtypes, every other one.
 
 A sweep with several variants (the grads' value sets, autocast's input dtypes, jvp and vmap) gives each variant its own
 share, so that together they still run every sample: variant `part` of `parts` takes, of each OpInfo's samples, every
