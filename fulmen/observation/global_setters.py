@@ -310,3 +310,12 @@ def _is_default(generator: torch.Generator) -> bool:
     if generator is torch.default_generator:
         return True
     return torch.cuda.is_initialized() and any(generator is g for g in torch.cuda.default_generators)
+
+
+# Torch's global switches read through a function (those a trace depends on anyway are in the cache key).
+SWITCHES = frozenset({torch.are_deterministic_algorithms_enabled, torch.is_deterministic_algorithms_warn_only_enabled,
+                       torch.get_float32_matmul_precision, torch.get_num_threads, torch.get_num_interop_threads,
+                       torch.is_anomaly_enabled, torch.is_anomaly_check_nan_enabled, torch.is_inference_mode_enabled,
+                       torch.is_warn_always_enabled, torch.get_default_device})
+# What holds setters the observer cannot see as values: a generator's C methods, a backend module's functions
+SETTER_OWNERS = (torch.Generator, torch.backends.PropModule)

@@ -41,13 +41,11 @@ import functools
 import gc
 import operator
 import os
-import random
 import sys
-import time
 import types
-from collections import ChainMap, OrderedDict
+from collections import ChainMap
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,6 +57,15 @@ from fulmen.observation import global_setters, program_caches, read_sites
 from fulmen.observation.container_writes import MUTATORS, ContainerLog, ContainerWrite, is_container
 from fulmen.observation.frame_tap import CallWatch, FrameTap, Quiet, observed
 from fulmen.observation.guards import Guard
+from fulmen.observation.state_guards import (
+    CalleeGuard,
+    Place,
+    UnsetNames,
+    children,
+    empty_hooks,
+    tensor_slots,
+    tied_guard,
+)
 from fulmen.observation.state_writes import Write, WriteLog
 from fulmen.observation.static_lookup import (
     IMMUTABLE,
@@ -78,13 +85,10 @@ from fulmen.observation.static_lookup import (
     template_fields,
 )
 from fulmen.observation.threads import Threads, building_thread
-from fulmen.observation.value_checks import MISSING, Emitter, describe, immutable, value_check
+from fulmen.observation.value_checks import MISSING, Emitter, describe, immutable, unrepeatable, value_check
 
 # nn.Module's own state (hook registries, `_non_persistent_buffers_set`, ...): torch's to change, not the program's
 _MODULE_STATE = frozenset(nn.Module().__dict__)
-# nn.Module's hook registries (`_forward_hooks`, ...): almost always empty, then checked together per module
-HOOK_REGISTRIES = frozenset(name for name, value in nn.Module().__dict__.items()
-                             if "hook" in name and type(value) in (dict, OrderedDict))
 # The functions of read_sites.AttrCall sites by id (a user's own `getattr` is none of them): what each does to the
 # attribute
 _ATTRIBUTE_CALLS = {id(getattr): "reads", id(hasattr): "reads", id(vars): "reads", id(object.__getattribute__): "reads",
@@ -100,7 +104,7 @@ class Observer:
 
     def __init__(self, functions: tuple[Callable[..., Any], ...] = ()) -> None:
         self._guards: dict[tuple, Guard] = {}
-        self._unset: dict[int, _Unset] = {}  # id(an object's __dict__) -> what must stay unset in it
+        self._unset: dict[int, UnsetNames] = {}  # id(an object's __dict__) -> what must stay unset in it
         self._pinned: list[Any] = []
         self.active = False  # the program is running (module reads by fulmen itself are not the program's)
         # While acquisition records a symbol (its meta, its decomposition: fulmen's and torch's code only), frames
@@ -123,7 +127,7 @@ class Observer:
         self._written: set[tuple[int, str]] = set()
         self._stores = WriteLog()
         self._containers = ContainerLog()  # the lists, dicts and sets the program can reach (container_writes.py)
-        self._callees: dict[int, _Callee] = {}  # id(function read) -> what guards it, if it runs
+        self._callees: dict[int, CalleeGuard] = {}  # id(function read) -> what guards it, if it runs
         self._entered: set[types.CodeType] = set()  # the code of the program's frames that ran
         self._refused: TraceError | None = None  # why the program cannot be traced, found while it ran
         # what the program stored, to store again on every call (state_writes.py, container_writes.py)
@@ -150,13 +154,13 @@ class Observer:
     def entered(self, code: types.CodeType) -> None:
         self._entered.add(code)
 
-    def _still_unset(self, state: dict, owner: str, obj: Any = MISSING) -> _Unset:
+    def _still_unset(self, state: dict, owner: str, obj: Any = MISSING) -> UnsetNames:
         """The check, one per object, that names stay out of its `__dict__`, hook registries stay empty, and (`obj`,
         whose dict `state` is) its class stays the same."""
         unset = self._unset.get(id(state))
         if unset is None:
             self._pinned.append(state)
-            unset = self._unset[id(state)] = _Unset(state, owner)
+            unset = self._unset[id(state)] = UnsetNames(state, owner)
             self._guards[("unset", id(state))] = Guard("", "", {})  # its place among the guards
         if obj is not MISSING and unset.typed is None:
             unset.typed = (obj, type(obj))
@@ -205,7 +209,7 @@ class Observer:
         callee = self._callees.get(id(fn))
         if callee is None:
             self._pinned.append(fn)
-            callee = self._callees[id(fn)] = _Callee(fn)
+            callee = self._callees[id(fn)] = CalleeGuard(fn)
             for i, default in enumerate(fn.__defaults__ or ()):  # checked by the callee's guard, once it runs
                 self._containers.watch(default, f"default {i} of function {fn.__qualname__}",
                                        lambda e, i=i: f"{e.bind(fn)}.__defaults__[{i}]")
@@ -346,7 +350,7 @@ class Observer:
         elif state is not None and name in state:
             if issubclass(cls, nn.Module) and name in MODULE_SLOTS:
                 self._module_slot(obj, name, None, inputs=False)
-            elif issubclass(cls, nn.Module) and _empty_hooks(name, state[name]):
+            elif issubclass(cls, nn.Module) and empty_hooks(name, state[name]):
                 self._still_unset(state, f"{cls.__qualname__} module").empty.add(name)
             else:
                 self.dict_entry(state, name, what)
@@ -384,7 +388,7 @@ class Observer:
                 self._special(attribute_value(receiver, site.name), frame)
                 if global_setters.method_changes_generators(receiver, site.name):  # C code: its call is unseen
                     self.changing_generators()
-                if self._refused is None and isinstance(receiver, _SETTER_OWNERS):
+                if self._refused is None and isinstance(receiver, global_setters.SETTER_OWNERS):
                     self._refused = global_setters.attribute_refusal(receiver, site.name, frame)
                 if site.name in MUTATORS:
                     self._containers.changing(receiver, frame)
@@ -556,7 +560,7 @@ class Observer:
                 and value.cache_info().maxsize != 0:
             self._watches.setdefault(value.__wrapped__.__code__, program_caches.Memoized(self, value))
             return
-        if (kind is types.FunctionType or kind is types.BuiltinFunctionType) and value in _SWITCHES:
+        if (kind is types.FunctionType or kind is types.BuiltinFunctionType) and value in global_setters.SWITCHES:
             self._add(("switch", id(value)), f"torch.{value.__name__}()", lambda e: f"{e.bind(value)}()", value())
             return
         if value is os.environ or value is os.getenv:
@@ -605,11 +609,7 @@ class Observer:
         """`place` holds the tensor found first at `first` (tied weights): the trace takes it as one input, fetched
         from `first` only, and holds while both places hold one tensor."""
         self._pinned.append(place.module)
-        emit = Emitter()
-        source = f"{_place_expr(emit, place)} is {_place_expr(emit, first)}"
-        self._guards[("tied", id(place.module), place.container, place.name)] = Guard(
-            f"{place.qualified} tied to {first.qualified}", source, emit.bindings,
-            explain=lambda: f"{place.qualified} is no longer the same tensor as {first.qualified} (tied when traced)")
+        self._guards[("tied", id(place.module), place.container, place.name)] = tied_guard(place, first)
 
     # Guards on a module start from its own `__dict__`, which lives as long as the module: `_modules`,
     # `_parameters` and `_buffers` are looked up again on every check (ModuleList.__delitem__ replaces `_modules`).
@@ -622,7 +622,7 @@ class Observer:
         if name in state:
             if name in MODULE_SLOTS:
                 self._module_slot(original, name, None, inputs=True)
-            elif _empty_hooks(name, value):
+            elif empty_hooks(name, value):
                 self._still_unset(state, f"{type(original).__qualname__} module").empty.add(name)
             elif state[name] is value and not issubclass(type(value), torch.Tensor):
                 self.dict_entry(state, name, what)
@@ -678,84 +678,13 @@ class Observer:
             self._add(("slot", id(state), slot, None), what, lambda e: f"tuple({e.bind(state)}[{slot!r}].items())",
                       tuple(state[slot].items()))
             return
-        summary = _children if slot == "_modules" else _tensor_slots
+        summary = children if slot == "_modules" else tensor_slots
         self._add_raw(("slot", id(state), slot, None), what,
                       lambda e: f"{e.bind(summary)}({e.bind(state)}[{slot!r}]) == {e.bind(summary(state[slot]))}")
 
 
 def _nothing() -> None:
     pass
-
-
-class Place(Protocol):
-    """Where a module tensor lives: `getattr(module, container)[name]` (module_inputs.ModuleInput)."""
-
-    module: nn.Module
-    container: str  # "_parameters", "_buffers" or "__dict__"
-    name: str
-    qualified: str
-
-
-def _place_expr(emit: Emitter, place: Place) -> str:
-    state = emit.bind(place.module.__dict__)  # lives as long as the module; the containers are looked up anew
-    container = "" if place.container == "__dict__" else f"[{place.container!r}]"
-    return f"{state}{container}[{place.name!r}]"
-
-
-# Torch's global switches read through a function (those a trace depends on anyway are in the cache key).
-_SWITCHES = frozenset({torch.are_deterministic_algorithms_enabled, torch.is_deterministic_algorithms_warn_only_enabled,
-                       torch.get_float32_matmul_precision, torch.get_num_threads, torch.get_num_interop_threads,
-                       torch.is_anomaly_enabled, torch.is_anomaly_check_nan_enabled, torch.is_inference_mode_enabled,
-                       torch.is_warn_always_enabled, torch.get_default_device})
-# What holds setters the observer cannot see as values: a generator's C methods, a backend module's functions
-_SETTER_OWNERS = (torch.Generator, torch.backends.PropModule)
-# Functions whose every call gives a new value (a trace would repeat one): clocks and entropy.
-_CLOCKS = frozenset({time.time, time.time_ns, time.perf_counter, time.perf_counter_ns, time.monotonic,
-                     time.monotonic_ns, time.process_time, time.process_time_ns, os.urandom})
-
-
-def unrepeatable(value: Any) -> str | None:
-    """The name of `value` if it is a function giving a new value on every call: a draw from Python's or NumPy's
-    global random generator (a generator the program seeds and creates itself repeats its draws), a clock."""
-    kind = type(value)
-    if kind is not types.BuiltinFunctionType and kind is not types.MethodType:
-        return None
-    if kind is types.BuiltinFunctionType and value in _CLOCKS:
-        return f"{'os' if value is os.urandom else 'time'}.{value.__name__}"
-    owner = value.__self__
-    if owner is random._inst:
-        return f"random.{value.__name__}"
-    mtrand = sys.modules.get("numpy.random.mtrand")
-    if mtrand is not None and owner is getattr(mtrand, "_rand", None):
-        return f"numpy.random.{value.__name__}"
-    return None
-
-
-class _Callee:
-    """A function the program read, and may call: when it runs, it must keep its code and its defaults as they were
-    before the call (a mutable default the program changes, `fn.__defaults__ = ...`, `fn.__code__ = ...`). Defaults
-    are checked only where there are some: defaults a function had none of cannot change a call that ran without."""
-
-    def __init__(self, fn: types.FunctionType) -> None:
-        self.fn = fn
-        self.code = fn.__code__
-        self.emit = Emitter()
-        self.terms: list[str] = []  # the defaults' checks, made now: before the program changes them
-        bound = self.emit.bind(fn)
-        for name, given in (("__defaults__", fn.__defaults__), ("__kwdefaults__", fn.__kwdefaults__)):
-            if given is None:
-                continue
-            defaults = self.emit.bind(given)
-            self.terms.append(f"{bound}.{name} is {defaults}")  # a new tuple (or dict) when reassigned
-            # the tuple cannot change, its items can; the keyword defaults are a dict
-            checks = [value_check(f"{defaults}[{i}]", item, self.emit) for i, item in enumerate(given)
-                      if not immutable(item)] if name == "__defaults__" else [value_check(defaults, given, self.emit)]
-            self.terms += [check for check in checks if check is not None]
-
-    def guard(self) -> Guard:
-        terms = [f"{self.emit.bind(self.fn)}.__code__ is {self.emit.bind(self.code)}", *self.terms]
-        return Guard(f"the code or defaults of function {self.fn.__qualname__}", " and ".join(terms),
-                     self.emit.bindings)
 
 
 def _program_state(namespace: Any, name: str, owner: Any) -> bool:
@@ -765,48 +694,3 @@ def _program_state(namespace: Any, name: str, owner: Any) -> bool:
     if namespace is sys.__dict__:
         return False
     return name not in _MODULE_STATE or not isinstance(owner, dict) or "_modules" not in owner
-
-
-def _empty_hooks(name: str, value: Any) -> bool:
-    return name in HOOK_REGISTRIES and type(value) in (dict, OrderedDict) and not value
-
-
-class _Unset:
-    """Names that must stay out of one object's `__dict__` (its class provides them: methods, class attributes) and
-    hook registries of a module that must stay empty: the most common guards, checked in one expression."""
-
-    def __init__(self, state: dict, owner: str) -> None:
-        self.state = state
-        self.owner = owner
-        self.absent: set[str] = set()
-        self.empty: set[str] = set()
-        self.typed: tuple[Any, type] | None = None  # the object and its class, when its class provides names
-
-    def guard(self) -> Guard:
-        emit = Emitter()
-        bound = emit.bind(self.state)
-        terms = [f"{n!r} in {bound}" for n in sorted(self.absent)] + [f"{bound}[{n!r}]" for n in sorted(self.empty)]
-        source = f"not ({' or '.join(terms)})"
-        if self.typed is not None:  # `obj.__class__ = Other` changes what every name resolves to
-            source = f"type({emit.bind(self.typed[0])}) is {emit.bind(self.typed[1])} and {source}"
-        return Guard(f"attributes and hooks of the {self.owner}", source, emit.bindings, explain=self.explain)
-
-    def explain(self) -> str:
-        now_set = sorted(n for n in self.absent if n in self.state)
-        filled = sorted(n for n in self.empty if self.state.get(n, True))
-        what = []
-        if self.typed is not None and type(self.typed[0]) is not self.typed[1]:
-            what.append(f"the class of the {self.owner} is now {type(self.typed[0]).__qualname__}")
-        what += [f"{', '.join(now_set)} now set on the {self.owner} itself"] if now_set else []
-        what += [f"{', '.join(filled)} of the {self.owner} no longer empty (a hook was added)"] if filled else []
-        return "; ".join(what) or f"attributes and hooks of the {self.owner} changed"
-
-
-def _tensor_slots(container: dict) -> tuple:
-    return tuple((name, value is None) for name, value in container.items())
-
-
-def _children(container: dict) -> tuple:
-    return tuple(container.items())  # modules compare by identity
-
-

@@ -1,4 +1,5 @@
-"""How a guard compares a value read during acquisition with the value a later call finds: one rule per kind.
+"""How a guard compares a value read during acquisition with the value a later call finds: one rule per kind (and
+`unrepeatable`: the functions whose value no later call could find again, clocks and global random draws).
 
 The cheapest exact check per kind: identity for objects whose identity is what the program sees (modules,
 functions, classes, tensors, user objects), type plus equality for plain values, with floats compared so that
@@ -17,6 +18,10 @@ import collections
 import enum
 import itertools
 import math
+import os
+import random
+import sys
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,3 +254,25 @@ def compile_statements(body: list[str], bindings: dict[str, Any], missing: Any =
     namespace: dict[str, Any] = {}
     exec(compile(code, "<fulmen guards>", "exec"), namespace)  # noqa: S102 - our own generated expression
     return namespace["_make"](**bindings)
+
+
+# Functions whose every call gives a new value (a trace would repeat one): clocks and entropy.
+_CLOCKS = frozenset({time.time, time.time_ns, time.perf_counter, time.perf_counter_ns, time.monotonic,
+                     time.monotonic_ns, time.process_time, time.process_time_ns, os.urandom})
+
+
+def unrepeatable(value: Any) -> str | None:
+    """The name of `value` if it is a function giving a new value on every call: a draw from Python's or NumPy's
+    global random generator (a generator the program seeds and creates itself repeats its draws), a clock."""
+    kind = type(value)
+    if kind is not types.BuiltinFunctionType and kind is not types.MethodType:
+        return None
+    if kind is types.BuiltinFunctionType and value in _CLOCKS:
+        return f"{'os' if value is os.urandom else 'time'}.{value.__name__}"
+    owner = value.__self__
+    if owner is random._inst:
+        return f"random.{value.__name__}"
+    mtrand = sys.modules.get("numpy.random.mtrand")
+    if mtrand is not None and owner is getattr(mtrand, "_rand", None):
+        return f"numpy.random.{value.__name__}"
+    return None
