@@ -31,8 +31,9 @@ from fulmen.executors.registry import get_default_executors, get_executor
 from fulmen.executors.registry import resolve as resolve_executors
 from fulmen.functional.derivatives import FunctionalTransform, grad, jvp, vjp
 from fulmen.functional.vmap import vmap
-from fulmen.jit.jitted import CacheStats, JittedFunction, JittedModule, pipeline
-from fulmen.jit.jitted import core as _jitted_core  # not `core`, which would hide the subpackage fulmen.core
+from fulmen.jit.jitted import CacheStats, JittedFunction
+from fulmen.jit.jitted_module import JittedModule, pipeline
+from fulmen.jit.jitted_module import core as _jitted_core  # not `core`, which would hide the subpackage fulmen.core
 from fulmen.jit.rewrite import rewrite
 from fulmen.ops.rules.grad import get_grad, put_grad, put_grads, register_grad
 from fulmen.options import CacheLimitAction, JitOptions, OffloadOptions

@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from fulmen.acquisition.acquire import DATA_DEPENDENT, METADATA, Interpreter
 from fulmen.core.errors import TraceError
 from fulmen.core.trace import TraceBuilder
-from fulmen.jit.jitted import core
+from fulmen.jit.jitted_module import core
 from fulmen.ops import lookup
 from fulmen.transforms.fused_loss import PROVENANCE as FUSED_LOSS
 from fulmen.transforms.remat import nbytes

@@ -38,7 +38,7 @@ import fulmen
 from fulmen.distributed import checkpoint, clip_grad_norm_, distributed_state, no_sync
 from fulmen.distributed.optimizers import has_stepped, shard_optimizer_state
 from fulmen.executors.base import Executor
-from fulmen.jit.jitted import JittedModule
+from fulmen.jit.jitted_module import JittedModule
 from fulmen.strategies.checkpoint_io import FulmenCheckpointIO
 
 

@@ -42,7 +42,7 @@ from fulmen.dynamo.splitter import (
 )
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import resolve
-from fulmen.jit.jitted import JittedModule
+from fulmen.jit.jitted_module import JittedModule
 from fulmen.options import JitOptions
 
 

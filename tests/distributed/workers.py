@@ -19,7 +19,7 @@ import fulmen.distributed as fd
 from fulmen.distributed import checkpoint
 from fulmen.distributed import prims as dist_prims
 from fulmen.distributed.transform import GradSync
-from fulmen.jit.jitted import core
+from fulmen.jit.jitted_module import core
 
 # Odd sizes on purpose: vocab 67 and the MLP's 45 rows do not split evenly over 2 ranks (padded shards).
 CONFIG = dict(block_size=16, vocab_size=67, padded_vocab_size=67, n_layer=2, n_head=4, n_embd=32, n_query_groups=2,

@@ -14,7 +14,7 @@ from torch import nn
 
 import fulmen
 from fulmen.core.errors import TraceError
-from fulmen.jit.jitted import core
+from fulmen.jit.jitted_module import core
 
 
 def _leaf() -> torch.Tensor:

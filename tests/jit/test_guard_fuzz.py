@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fulmen
-from fulmen.jit.jitted import core as jitted_core
+from fulmen.jit.jitted_module import core as jitted_core
 
 OPTIONS = fulmen.JitOptions(cache_limit=64)  # the fuzz checks every retrace, not the limit
 

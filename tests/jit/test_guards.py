@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fulmen
-from fulmen.jit.jitted import core as jitted_core
+from fulmen.jit.jitted_module import core as jitted_core
 
 
 def _misses(fn) -> int:

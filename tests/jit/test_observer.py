@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.jit.jitted import core as jitted_core
+from fulmen.jit.jitted_module import core as jitted_core
 from fulmen.observation import read_sites
 
 SCALE = 2.0

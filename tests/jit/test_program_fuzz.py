@@ -31,7 +31,7 @@ import torch
 
 import fulmen
 from fulmen.core.errors import FulmenError
-from fulmen.jit.jitted import core as jitted_core
+from fulmen.jit.jitted_module import core as jitted_core
 from tests.jit.program_generator import InputSpec, Program, generate, make_inputs
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.jit.jitted import core as jitted_core
+from fulmen.jit.jitted_module import core as jitted_core
 
 
 def of_an_intermediate(x):

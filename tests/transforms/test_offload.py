@@ -10,7 +10,7 @@ from litgpt.model import GPT
 
 import fulmen
 from fulmen.core.trace import Trace, TraceBuilder
-from fulmen.jit.jitted import core
+from fulmen.jit.jitted_module import core
 from fulmen.ops import prims
 from fulmen.options import OffloadOptions
 from fulmen.transforms.offload import OFFLOAD, RELOAD, WAIT, OffloadTransform, candidates, choose
