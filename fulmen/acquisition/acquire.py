@@ -51,7 +51,7 @@ METADATA: frozenset = frozenset(
         T.itemsize.__get__, T.nbytes.__get__, T.is_xpu.__get__, T.is_mps.__get__,
         T.size, T.dim, T.ndimension, T.numel, T.nelement, T.element_size, T.stride, T.is_contiguous,
         T.is_floating_point, T.is_complex, T.is_signed, T.get_device, T.__len__, T.__hash__,
-        T.dim_order,
+        T.dim_order, T.is_conj, T.is_neg, torch.is_conj, torch.is_neg,
         torch.is_tensor, torch.is_floating_point, torch.is_complex, torch.numel, torch.result_type, torch.can_cast,
         torch.promote_types, torch.is_grad_enabled, torch.get_default_dtype, torch.is_autocast_enabled,
         torch.get_autocast_dtype, torch.is_inference_mode_enabled, torch.device,
@@ -260,6 +260,8 @@ class Interpreter(TorchFunctionMode):
             args, kwargs = binding.normalize(*args, **kwargs)
         if binding.inplace:
             return self._inplace(binding.symbol, args, kwargs)
+        if binding.returns_input is not None and binding.returns_input(*self._values(args), **kwargs):
+            return args[0]  # eager's result is the tensor itself (torch.real of a real tensor)
         return self._record(binding.symbol, args, kwargs)
 
     def _inline(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:

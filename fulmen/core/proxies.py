@@ -89,6 +89,11 @@ class TensorProxy(torch.Tensor):
         )
         proxy.pname = name
         proxy.meta = tracked_meta(meta)
+        # a lazy conjugate or negative view (torch.conj(x), its .imag) says so, as eager's does (x.is_conj())
+        if meta.is_conj():
+            torch._C._set_conj(proxy, True)
+        if meta.is_neg():
+            torch._C._set_neg(proxy, True)
         return proxy
 
     def __init__(self, *args, **kwargs):
@@ -106,6 +111,24 @@ class TensorProxy(torch.Tensor):
             "proxies are only valid inside fulmen's acquisition"
         )
 
+    # `x.real = v` and `x.imag = v` reach no torch function (eager's setter copies into the part in C++): stated as
+    # the copy eager makes, `torch.real(x).copy_(v)`, so acquisition records it as an update through a view of x
+    @property
+    def real(self) -> torch.Tensor:
+        return torch.Tensor.real.__get__(self)
+
+    @real.setter
+    def real(self, value: object) -> None:
+        _copy_into(torch.real(self), value)
+
+    @property
+    def imag(self) -> torch.Tensor:
+        return torch.Tensor.imag.__get__(self)
+
+    @imag.setter
+    def imag(self, value: object) -> None:
+        _copy_into(torch.imag(self), value)
+
     def type_string(self) -> str:
         device = self.device
         dims = ", ".join(str(s) for s in self.shape)
@@ -116,6 +139,13 @@ class TensorProxy(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"TensorProxy {self.pname} cannot be pickled or deep-copied")
+
+
+def _copy_into(part: torch.Tensor, value: object) -> None:
+    if isinstance(value, torch.Tensor):
+        part.copy_(value)
+    else:  # a number: eager copies a 0-dim tensor of the part's dtype
+        part.fill_(value)
 
 
 def is_proxy(x: object) -> bool:
@@ -171,6 +201,10 @@ def unproxyable(tensor: torch.Tensor) -> str | None:
                     "call and a trace would skip; pass `t.as_subclass(torch.Tensor)` or call the function eagerly")
     if tensor.layout is not torch.strided:
         return f"its layout is {tensor.layout}; fulmen traces dense (strided) tensors only"
+    if tensor.is_conj() or tensor.is_neg():
+        what = "conjugate" if tensor.is_conj() else "negative"
+        return (f"it is a lazy {what} view (its {what} bit is set: torch.conj(x), or the .imag of one), whose bit a "
+                f"trace's inputs do not carry; pass `t.resolve_{'conj' if tensor.is_conj() else 'neg'}()`")
     if tensor.is_nested or tensor.is_quantized:
         return f"it is a {'nested' if tensor.is_nested else 'quantized'} tensor; fulmen traces dense tensors only"
     return None

@@ -16,6 +16,7 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder
+from fulmen.ops.complex import complex_rule, complex_values, through_parts
 from fulmen.ops.kernels import impls
 from fulmen.ops.registry import impl_symbol
 from fulmen.ops.rules.grad import differentiated_by_eager
@@ -60,10 +61,13 @@ class JvpTransform:
         if bsym.sym.tags & Tag.IMPURE:
             raise TraceError(f"fulmen.jvp cannot differentiate {bsym.sym.printed}: it writes into a tensor",
                              bsym.source)
-        jvp = rule(RuleKind.JVP, bsym.sym)
+        on_complex = bsym.sym.executor is None and complex_values(bsym, differentiable)
+        # on complex values only rules that hold for them, else eager's forward-mode AD (fulmen.ops.complex)
+        jvp = complex_rule(bsym, RuleKind.COMPLEX_JVP) if on_complex else rule(RuleKind.JVP, bsym.sym)
         if jvp is not None and self._apply(bsym, lambda: jvp(self.dot, args, kwargs)):
             return
-        if bsym.subsymbols and not bsym.draws_random():
+        if through_parts(bsym, RuleKind.COMPLEX_JVP, differentiable) if on_complex else (
+                bsym.subsymbols and not bsym.draws_random()):
             self.run(bsym.subsymbols)
         else:
             self.fallbacks.append(bsym.sym.printed)

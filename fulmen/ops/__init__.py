@@ -7,6 +7,7 @@ the families are imported here, and nowhere else for their side effects.
 
 from fulmen.ops import (  # noqa: F401  (registration side effects)
     activations,
+    complex,
     effects,
     elementwise,
     factories,

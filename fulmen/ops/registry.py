@@ -30,6 +30,9 @@ class TorchBinding:
     normalize: Callable[..., tuple[tuple, dict[str, Any]]] | None = None
     # The callable's `inplace` parameter, where it has one (`F.elu(x, inplace=True)`).
     flag: InplaceFlag | None = None
+    # Whether eager gives back its first argument itself for these arguments (`torch.real` of a real tensor): the
+    # call then records nothing and the program holds that object, so an update through either reaches both.
+    returns_input: Callable[..., bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +135,10 @@ def torch_symbol(
     name: str | None = None,
     printed: str | None = None,
     differentiable_outputs: tuple[bool, ...] | None = None,
+    returns_input: Callable[..., bool] | None = None,
 ) -> Symbol:
     """Registers `fn` (and its aliases) as one torch-level symbol executed by `fn` itself (`printed`: how traces call
-    it, for callables torch.overrides cannot name)."""
+    it, for callables torch.overrides cannot name; `returns_input`: see TorchBinding)."""
     printed = printed or printed_name(fn)
     sym = Symbol(
         name=name or printed.rsplit(".", 1)[-1],
@@ -146,9 +150,9 @@ def torch_symbol(
         differentiable_outputs=differentiable_outputs,
     )
     add_symbol(sym)
-    bind(fn, TorchBinding(sym))
+    bind(fn, TorchBinding(sym, returns_input=returns_input))
     for alias in aliases:
-        bind(alias, TorchBinding(sym))
+        bind(alias, TorchBinding(sym, returns_input=returns_input))
     for alias in inplace:
         bind(alias, TorchBinding(sym, inplace=True))
     return sym

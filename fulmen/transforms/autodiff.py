@@ -22,6 +22,7 @@ from fulmen.core.errors import ExecutorContractError, TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies
 from fulmen.core.trace import Trace, TraceBuilder
+from fulmen.ops.complex import complex_rule, complex_values, through_parts
 from fulmen.ops.registry import SYMBOLS
 from fulmen.ops.rules import tables
 from fulmen.ops.rules.grad import ACTIVE_RULES, GET_GRAD, PUT_GRAD, GradRule, RuleScope, eager_grad_rule
@@ -148,21 +149,38 @@ class GradTransform:
         if not needs_grad:
             forward.append(bsym)
             return
-        _refuse_complex(bsym)
+        if bsym.sym.executor is None and not bsym.sym.tags & Tag.REGION and complex_values(bsym, _differentiable):
+            self._augment_complex(bsym, forward, chunks)
+            return
         if any(self._apply(rule, bsym, forward, chunks, owner) for rule, owner in self._rules(bsym)):
             return
         if bsym.subsymbols and not bsym.draws_random():
-            # Differentiate through the decomposition, keeping the composite itself in the forward.
-            sub_forward: list[BoundSymbol] = []
-            children: list[Chunk] = []
-            for sub in bsym.subsymbols:
-                self._augment(sub, sub_forward, children)
-            forward.append(bsym)
-            chunks.append(Chunk(bsym.output_names(), recompute=sub_forward, children=children))
+            self._through_parts(bsym, forward, chunks)
             return
         if bsym.subsymbols:  # random draws must happen once: the decomposition itself becomes forward work
             for sub in bsym.subsymbols:
                 self._augment(sub, forward, chunks)
+            return
+        self._apply(_fallback_rule(bsym), bsym, forward, chunks)
+
+    def _through_parts(self, bsym: BoundSymbol, forward: list[BoundSymbol], chunks: list[Chunk]) -> None:
+        """Differentiates `bsym` through its decomposition, keeping the composite itself in the forward."""
+        sub_forward: list[BoundSymbol] = []
+        children: list[Chunk] = []
+        for sub in bsym.subsymbols:
+            self._augment(sub, sub_forward, children)
+        forward.append(bsym)
+        chunks.append(Chunk(bsym.output_names(), recompute=sub_forward, children=children))
+
+    def _augment_complex(self, bsym: BoundSymbol, forward: list[BoundSymbol], chunks: list[Chunk]) -> None:
+        """A call of fulmen's on complex values that carry grads: fulmen's real rules would miss the conjugations of
+        torch's convention, so it takes a rule that holds for complex values, its parts where each has one, or
+        eager's backward of the call (fulmen.ops.complex)."""
+        rule = complex_rule(bsym, RuleKind.COMPLEX_GRAD)
+        if rule is not None and self._apply(rule, bsym, forward, chunks):
+            return
+        if through_parts(bsym, RuleKind.COMPLEX_GRAD, _differentiable):
+            self._through_parts(bsym, forward, chunks)
             return
         self._apply(_fallback_rule(bsym), bsym, forward, chunks)
 
@@ -220,22 +238,6 @@ def _parameter_name(rule: GradRule, bsym: BoundSymbol, proxy: TensorProxy) -> st
             return key
     position = next(i for i, value in enumerate(bsym.args) if any(p is proxy for p in iter_proxies(value)))
     return f"argument {position}"
-
-
-def _refuse_complex(bsym: BoundSymbol) -> None:
-    """fulmen's grad rules are written for real tensors: on complex ones they give the conjugate of eager's grads
-    (torch's convention, conjugate Wirtinger derivatives), so differentiating a complex value is refused."""
-    complex_value = next(
-        (p for p in (*bsym.proxy_args(), *bsym.proxy_outputs()) if _differentiable(p) and p.dtype.is_complex), None
-    )
-    if complex_value is not None:
-        raise TraceError(
-            f"fulmen cannot differentiate {bsym.sym.printed} of the complex tensor "
-            f"{complex_value.pname} ({complex_value.type_string()}): its grad would not follow torch's "
-            "convention for complex grads; compute with real tensors (real and imaginary parts apart), or "
-            "call it under torch.no_grad() or on .detach()",
-            bsym.source,
-        )
 
 
 # --- backward assembly ---------------------------------------------------------------------------------------------

@@ -29,6 +29,10 @@ class RuleKind(enum.Enum):
     BATCH = "a batching rule"  # vmap: the op over a batch dimension of its arguments (batching)
     BATCH_SAME_RANDOMNESS = "a batching rule for randomness='same'"  # a random op whose draw vmap shares
     DRAWS = "a draw predicate"  # whether a call of a random op draws at all (dropout with p=0 does not)
+    # Rules that hold for complex values (torch's convention: conjugate Wirtinger derivatives); a call on complex
+    # values takes these alone, else eager's own derivative (fulmen.ops.complex)
+    COMPLEX_GRAD = "a grad rule for complex values"
+    COMPLEX_JVP = "a JVP rule for complex values"
 
 
 class DuplicateRuleError(ValueError):
