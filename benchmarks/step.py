@@ -251,7 +251,40 @@ def profile_steps(step: Callable[[], Any], steps: int, fence: Callable[[], None]
     return {"gpu_ms_per_step_by_family": families, "gpu_ms_per_step": sum(families.values()),
             "kernels_per_step": launches / steps,
             "top_kernels": [{"name": name, "ms_per_step": ms, "launches_per_step": count}
-                            for name, (ms, count) in top]}
+                            for name, (ms, count) in top],
+            **gpu_idle(profiler, steps), "top_ops": top_ops(step, fence)}
+
+
+def gpu_idle(profiler: torch.profiler.profile, steps: int) -> dict:
+    """How much of the profiled steps' span the GPU ran no kernel: the host's work it waited for (launches, guards,
+    Python between kernels), per step."""
+    spans = sorted((event.time_range.start, event.time_range.end) for event in profiler.events()
+                   if event.device_type == DeviceType.CUDA)
+    if not spans:
+        return {}
+    busy, (start, end) = 0, spans[0]
+    first = start
+    for begin, finish in spans[1:]:
+        if begin > end:
+            busy, start = busy + end - start, begin
+        end = max(end, finish)
+    busy += end - start
+    return {"gpu_span_ms_per_step": (end - first) / 1e3 / steps,
+            "gpu_idle_ms_per_step": (end - first - busy) / 1e3 / steps}
+
+
+def top_ops(step: Callable[[], Any], fence: Callable[[], None], count: int = 30) -> list[dict]:
+    """One more step profiled with its host calls: the torch ops (with their input shapes) whose kernels take the
+    most GPU time, so a kernel family's time can be traced to the calls that launch it."""
+    fence()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=True) as profiler:
+        step()
+        fence()
+    averages = profiler.key_averages(group_by_input_shape=True)
+    rows = sorted(averages, key=lambda a: -a.self_device_time_total)[:count]
+    return [{"op": a.key, "shapes": str(a.input_shapes)[:160], "calls": a.count,
+             "self_device_ms": a.self_device_time_total / 1e3} for a in rows]
 
 
 def make_optimizer(params: list[torch.Tensor], name: str = "adamw") -> torch.optim.Optimizer:
@@ -267,7 +300,9 @@ def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y
                args: argparse.Namespace, fence: Callable[[], None],
                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> dict:
     """`make_optimizer(params, args.optimizer)`: one first step, `args.warmup` untimed steps, then `args.iters` steps
-    each timed between two `fence()` calls, then (on CUDA) `args.profile_steps` profiled steps. `backward`:
+    each timed between two `fence()` calls (synchronised every step: the host's work before the first kernel counts),
+    then `args.iters` steps free-running between one pair of fences, then (on CUDA) `args.profile_steps` profiled
+    steps. `backward`:
     `fabric.backward` for Fabric's rows."""
     optimizer = make_optimizer(params, getattr(args, "optimizer", "adamw"))
 
@@ -295,8 +330,15 @@ def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y
         loss, _ = step()
         fence()
         iter_ms.append((time.perf_counter() - start) * 1e3)
-    timed = {"iter_ms": iter_ms, "first_step_s": first_step_s, "first_loss": first_loss,
-             "final_loss": loss.item(), "params_with_grad": [with_grad, len(params)]}
+    # the same steps free-running: the host queues step after step, one fence at the end, as a training loop does
+    fence()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        loss, _ = step()
+    fence()
+    free_ms = (time.perf_counter() - start) * 1e3 / max(args.iters, 1)
+    timed = {"iter_ms": iter_ms, "free_running_ms_per_iter": free_ms, "first_step_s": first_step_s,
+             "first_loss": first_loss, "final_loss": loss.item(), "params_with_grad": [with_grad, len(params)]}
     if params[0].device.type == "cuda" and getattr(args, "profile_steps", 0):
         timed["profile"] = profile_steps(step, args.profile_steps, fence)
     return timed
@@ -324,6 +366,7 @@ def run_compiler(name: str, mode: str, args: argparse.Namespace, device: torch.d
         "ms_per_iter": median_s * 1e3,
         "ms_per_iter_min": min(iter_ms),
         "ms_per_iter_mean": statistics.fmean(iter_ms),
+        "free_running_ms_per_iter": timed["free_running_ms_per_iter"],
         "iter_ms": iter_ms,
         "first_step_s": timed["first_step_s"],
         "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
@@ -394,9 +437,12 @@ def print_rows(header: str, results: dict[str, dict], width: int, row: Callable[
 
 
 def print_table(results: dict[str, dict], ratios: dict[str, dict]) -> None:
-    header = f"{'compiler':25}{'ms/iter':>10}{'x eager':>9}{'peak GB':>9}{'1st step s':>12}{'tokens/s':>11}"
+    header = (f"{'compiler':25}{'ms/iter':>10}{'x eager':>9}{'free ms':>9}{'x eager':>9}{'peak GB':>9}"
+              f"{'1st step s':>12}{'tokens/s':>11}")
     print_rows(header + f"{'MFU':>7}{'final loss':>12}  mode", results, 25, lambda name, r: (
-        f"{r['ms_per_iter']:10.2f}{fmt(ratios.get(name, {}).get('ms_per_iter'), '.3f'):>9}{fmt(r['peak_gb'], '.2f'):>9}"
+        f"{r['ms_per_iter']:10.2f}{fmt(ratios.get(name, {}).get('ms_per_iter'), '.3f'):>9}"
+        f"{fmt(r.get('free_running_ms_per_iter'), '.2f'):>9}"
+        f"{fmt(ratios.get(name, {}).get('free_running_ms_per_iter'), '.3f'):>9}{fmt(r['peak_gb'], '.2f'):>9}"
         f"{r['first_step_s']:12.2f}{r['tokens_per_s']:11.0f}{fmt(r['mfu'], '.1%'):>7}{r['final_loss']:12.5f}"
         f"  {r['mode']}" + (f"  WARNING: {r['warning']}" if "warning" in r else "")))
     profiled = {name: r for name, r in results.items() if "gpu_ms_per_step_by_family" in r}
@@ -420,6 +466,9 @@ def ratios_to(results: dict[str, dict], baseline: str) -> dict[str, dict]:
         if r["status"] == "ok":
             ratios[name] = {
                 "ms_per_iter": r["ms_per_iter"] / base["ms_per_iter"],
+                "free_running_ms_per_iter": (r["free_running_ms_per_iter"] / base["free_running_ms_per_iter"]
+                                             if "free_running_ms_per_iter" in r and "free_running_ms_per_iter" in base
+                                             else None),
                 "peak_gb": r["peak_gb"] / base["peak_gb"] if r["peak_gb"] and base["peak_gb"] else None,
             }
     return ratios

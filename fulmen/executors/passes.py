@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +72,11 @@ def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Execut
     regions are recomputed there instead (fulmen.executors.region_remat, which never raises peak memory either)."""
 
     def plan(run: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy]) -> BoundSymbol | None:
-        return BoundSymbol(REGION, tuple(inputs), {}, tuple(outputs), run) if executor.worth_fusing(run) else None
+        # When regions are planned further, a lone call is a candidate too: it may join a region or take in the
+        # work it reads (the SwiGLU's silu, alone between two matmuls, and its gradient); what is still not worth
+        # a compiled call afterwards runs as it was.
+        worth = executor.recomputes_inputs or executor.worth_fusing(run)
+        return BoundSymbol(REGION, tuple(inputs), {}, tuple(outputs), run) if worth else None
 
     def fusible(bsym: BoundSymbol) -> bool:
         return bsym.executor in later and executor.can_fuse(bsym)
@@ -80,8 +85,15 @@ def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Execut
     if executor.recomputes_inputs:
         # a trace taking its inputs in groups frees them as it goes (a backward's saved values)
         bsyms = plan_regions(bsyms, trace.inputs, trace.output, not trace.input_groups, fusible)
+    # a value computed in two places is recomputed by a region: that region stays one (its names are its own)
+    defined = Counter(name for bsym in bsyms
+                      for call in (bsym.subsymbols if bsym.sym is REGION else (bsym,)) for name in call.output_names())
     fused, regions = [], 0
     for bsym in bsyms:
+        if (bsym.sym is REGION and not executor.worth_fusing(bsym.subsymbols)
+                and all(defined[name] == 1 for call in bsym.subsymbols for name in call.output_names())):
+            fused.extend(bsym.subsymbols)
+            continue
         if bsym.sym is REGION:
             bsym = executor.fuse(bsym.subsymbols, list(bsym.args), list(bsym.output), regions)
             regions += 1

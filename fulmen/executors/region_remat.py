@@ -34,6 +34,7 @@ from fulmen.transforms.remat import allocated_bytes, held_bytes, recomputable
 # A region being planned: its subsymbols are its calls, args its inputs, output its outputs.
 REGION = Symbol(name="region", printed="region", impl=None)
 MAX_RECOMPUTED = 32  # calls recomputed per value and reader, at most
+LOOKBACK = 4  # earlier regions a region may move up into, at most
 
 
 @dataclass
@@ -188,25 +189,33 @@ def _plan(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple, in
 
 def _merge_once(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple,
                 inputs_held: bool) -> list[BoundSymbol] | None:
-    """`bsyms` with the first region that can move up past the calls since the previous region merged into it, or
+    """`bsyms` with the first region that can move up past the calls since an earlier region merged into it, or
     None. A region does when the two read a value in common (then read once) or it is the only reader of a value the
-    previous one computes (then never materialised), it reads nothing the calls in between compute and none of
+    earlier one computes (then never materialised), it reads nothing the calls in between compute and none of
     them has a side effect, and moving it keeps the live bytes between the two places under the trace's peak (its
-    outputs exist earlier, the inputs it reads last die earlier)."""
+    outputs exist earlier, the inputs it reads last die earlier). The earlier region is the nearest such one among
+    the `LOOKBACK` before it: in the SwiGLU backward the activation's gradient reads what the region before the two
+    weight-gradient matmuls computed, with another region in between."""
     plan = _plan(bsyms, inputs, output, inputs_held, lambda bsym: False)
-    previous = None
+    regions: list[int] = []
     for position, bsym in enumerate(bsyms):
         if bsym.sym is not REGION:
             continue
-        if previous is not None and position > previous + 1:
-            between = bsyms[previous + 1 : position]
-            computed = {name for call in between for name in call.output_names()}
-            independent = not bsym.arg_names() & computed and not any(call.sym.tags & Tag.IMPURE for call in between)
-            worth = independent and _shares(bsyms[previous], bsym, position, plan)
-            if worth and _hoist_fits(bsym, previous, position, plan):
+        computed: set[str] = set()
+        impure = False
+        end = position
+        for previous in reversed(regions[-LOOKBACK:]):
+            for call in bsyms[previous + 1 : end]:
+                computed.update(call.output_names())
+                impure |= bool(call.sym.tags & Tag.IMPURE)
+            end = previous
+            if impure or bsym.arg_names() & computed:
+                break
+            if _shares(bsyms[previous], bsym, position, plan) and _hoist_fits(bsym, previous, position, plan):
                 merged = bsyms[previous].from_bsym(subsymbols=plan.members[previous] + plan.members[position])
-                return [*bsyms[:previous], merged, *between, *bsyms[position + 1 :]]
-        previous = position
+                return [*bsyms[:previous], merged, *bsyms[previous + 1 : position], *bsyms[position + 1 :]]
+            computed.update(bsyms[previous].output_names())
+        regions.append(position)
     return None
 
 
