@@ -95,9 +95,22 @@ class TorchCompileExecutor(FusionExecutor):
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         if bsym.sym.executor is not None or bsym.sym.tags & (Tag.RANDOM | Tag.IMPURE):
             return False
+        if self.declines(bsym) is not None:
+            return False
         if any(p.device.type not in ("cuda", "cpu") for p in bsym.proxy_args() + bsym.proxy_outputs()):
             return False
         return all(leaf.sym in self.fusible_leaves for leaf in leaf_calls(bsym))
+
+    def declines(self, bsym: BoundSymbol) -> str | None:
+        """Why no region takes `bsym` though its ops may be fusible, or None."""
+        complex_value = next((p for leaf in leaf_calls(bsym) for p in (*leaf.proxy_args(), *leaf.proxy_outputs())
+                              if p.dtype.is_complex), None)
+        if complex_value is not None:
+            return (f"{bsym.sym.printed} computes with the complex tensor {complex_value.pname} "
+                    f"({complex_value.type_string()}): Inductor generates no code for complex operators (it falls back "
+                    "to eager's kernels one by one, with a warning, slower than eager), so the torch executor runs "
+                    "it")
+        return None
 
     def worth_fusing(self, bsyms: list[BoundSymbol]) -> bool:
         # Worth a compiled call when it saves a kernel launch: two or more calls that compute (views are free). A

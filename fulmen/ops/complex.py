@@ -46,11 +46,13 @@ view_as_complex = torch_symbol(torch.view_as_complex, tags=Tag.VIEW)
 real = torch_symbol(torch.real, aliases=(T.real.__get__,), tags=Tag.VIEW, returns_input=_real_dtype)
 imag = torch_symbol(torch.imag, aliases=(T.imag.__get__,), tags=Tag.VIEW)
 conj = torch_symbol(torch.conj, aliases=methods("conj"), tags=Tag.VIEW, returns_input=_real_dtype)
-resolve_conj = torch_symbol(torch.resolve_conj, aliases=methods("resolve_conj"),
-                            returns_input=lambda x: not x.is_conj())
+resolve_conj = torch_symbol(
+    torch.resolve_conj, aliases=methods("resolve_conj"), returns_input=lambda x: not x.is_conj()
+)
 resolve_neg = torch_symbol(torch.resolve_neg, aliases=methods("resolve_neg"), returns_input=lambda x: not x.is_neg())
-conj_physical = torch_symbol(torch.conj_physical, aliases=methods("conj_physical"),
-                             inplace=methods("conj_physical_"), returns_input=_real_dtype)
+conj_physical = torch_symbol(
+    torch.conj_physical, aliases=methods("conj_physical"), inplace=methods("conj_physical_"), returns_input=_real_dtype
+)
 
 # --- the parts and the constructors --------------------------------------------------------------------------------
 complex_ = torch_symbol(torch.complex)
@@ -74,8 +76,20 @@ for _name, _dtype in (("cfloat", torch.complex64), ("cdouble", torch.complex128)
     torch_symbol(method(_name), decomposition=_to_complex(_dtype))
 
 # Eager's backward wherever no rule below holds (a real input: the grads of angle and sgn are zeros there).
-differentiated_by_eager(view_as_real, view_as_complex, real, imag, conj, resolve_conj, resolve_neg, conj_physical,
-                        complex_, polar, angle, sgn)
+differentiated_by_eager(
+    view_as_real,
+    view_as_complex,
+    real,
+    imag,
+    conj,
+    resolve_conj,
+    resolve_neg,
+    conj_physical,
+    complex_,
+    polar,
+    angle,
+    sgn,
+)
 
 
 # --- grads (eager's derivatives.yaml) -------------------------------------------------------------------------------
