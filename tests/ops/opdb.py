@@ -207,11 +207,9 @@ VJP_XFAIL_OPS: dict[str, str] = {
     "as_strided_scatter": "fulmen refuses to differentiate as_strided_scatter (storage layout is not modeled)",
 }
 # OpInfos left out of the grad checks, by name: every differentiable sample is refused by design (with a clear
-# error naming the line; tests/ops/test_linalg_and_parametrizations.py checks one).
-NOT_DIFFERENTIATED: dict[str, str] = dict.fromkeys(
-    ("linalg.eig", "linalg.eigvals", "fft.fft", "fft.ifft", "fft.fft2", "fft.ifft2", "fft.fftn", "fft.ifftn",
-     "fft.rfft", "fft.rfft2", "fft.rfftn", "fft.ihfft", "fft.ihfft2", "fft.ihfftn", "stft"),
-    "its outputs are complex: fulmen refuses to differentiate complex tensors (autodiff._refuse_complex)")
+# error naming the line). None now: the FFTs' and linalg.eig's complex outputs are differentiated as eager does
+# (fulmen.ops.complex), and tests/ops/test_complex.py checks complex grads bit for bit.
+NOT_DIFFERENTIATED: dict[str, str] = {}
 # OpInfo gradcheck wrappers that map any input onto the inputs the op is defined on (a hermitian or a triangular
 # matrix): finite differences of the bare op would perturb the elements it never reads.
 INPUT_WRAPPERS = (opinfo_core.gradcheck_wrapper_hermitian_input,
