@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack,
 
 from fulmen.acquisition import distribution_checks, known_values, numpy_inputs, torch_python
 from fulmen.acquisition.aliasing import reads_elements_written_elsewhere
-from fulmen.acquisition.autograd_facts import AutogradFacts
+from fulmen.acquisition.autograd_facts import AutogradFacts, leaf_flag_error
 from fulmen.acquisition.functionalize import Functionalizer
 from fulmen.acquisition.lookasides import is_fabric_backward_check
 from fulmen.acquisition.random_bounds import Bounds
@@ -77,6 +77,12 @@ DATA_DEPENDENT: frozenset = frozenset(
         torch.is_nonzero, T.is_nonzero, torch.bincount, T.bincount, T.data_ptr, T.untyped_storage, T.__dlpack__,
     }
 )
+
+
+# Updates of a tensor's shape or strides in place: a trace value's metadata is fixed, and the tensor's other users
+# (the caller, its views) would see the change.
+SHAPE_UPDATES: frozenset = frozenset({T.unsqueeze_, T.squeeze_, T.transpose_, T.t_, T.swapdims_, T.swapaxes_,
+                                      T.as_strided_, T.resize_, T.resize_as_})
 
 
 def _is_basic_index(index: Any) -> bool:
@@ -166,7 +172,7 @@ class Interpreter(TorchFunctionMode):
             T.type_as: lambda x, other: self._convert(x, dtype=other.dtype),
             T.requires_grad.__get__: self._requires_grad,
             T.requires_grad_: self._requires_grad_,
-            T.requires_grad.__set__: self._requires_grad_,
+            T.requires_grad.__set__: self._set_requires_grad,
             T.retain_grad: self._retain_grad,
             T.is_leaf.__get__: self.autograd.is_leaf,
             T.grad_fn.__get__: self.autograd.grad_fn,
@@ -247,6 +253,11 @@ class Interpreter(TorchFunctionMode):
 
     def _dispatch(self, func: Callable[..., Any], binding: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         location = self.builder.source
+        if binding is None and func in SHAPE_UPDATES:
+            raise UnsupportedOpError(
+                f"fulmen cannot trace {_describe(func)}: it changes a tensor's shape in place, which a traced value "
+                f"cannot; use its out-of-place form, x = x.{func.__name__[:-1]}(...) (nn.Dropout1d(inplace=True) "
+                "does this on an unbatched input: use inplace=False)", location)
         if binding is None:
             raise UnsupportedOpError(f"fulmen does not support {_describe(func)} (no symbol for it)", location)
         if kwargs.get("requires_grad"):
@@ -585,6 +596,12 @@ class Interpreter(TorchFunctionMode):
             "caller's), a view or a tensor with views: it would make (or unmake) a leaf of autograd inside the "
             "program, which a trace cannot represent; do it outside the jitted function", self.builder.source)
 
+    def _set_requires_grad(self, x: Any, requires_grad: bool) -> None:
+        """`x.requires_grad = flag`: unlike requires_grad_(True), eager's setter refuses any tensor not a leaf."""
+        if not self.autograd.is_leaf(x):
+            raise RuntimeError(leaf_flag_error(bool(requires_grad)))  # eager's
+        self._requires_grad_(x, requires_grad)
+
     def _retain_grad(self, x: torch.Tensor) -> None:
         """Eager keeps the grad of `x` after backward: the call does it on the tensor it returns for `x`, if any (one
         that does not leave the program cannot be looked at)."""
@@ -670,13 +687,21 @@ class Interpreter(TorchFunctionMode):
         return self._convert(x, device=device, dtype=dtype, copy=copy, memory_format=memory_format)
 
     def _type(self, x: TensorProxy, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
-        if dtype is None:
+        if dtype is None:  # the type's name: "torch.DoubleTensor", "torch.cuda.DoubleTensor"
             with torch._C.DisableTorchFunction():
-                return T.type(x.meta).replace("Meta", "" if x.device.type == "cpu" else "cuda.")
-        if isinstance(dtype, str):
-            raise UnsupportedOpError(f"fulmen does not support Tensor.type({dtype!r}); use .to(dtype)",
-                                     self.builder.source)
-        return self._convert(x, dtype=dtype)
+                name = T.type(torch.empty(0, dtype=x.dtype))
+            return name if x.device.type == "cpu" else name.replace("torch.", f"torch.{x.device.type}.", 1)
+        if isinstance(dtype, torch.dtype):
+            return self._convert(x, dtype=dtype)
+        # A type's name ("torch.cuda.DoubleTensor") or class (torch.DoubleTensor): torch's parser reads it off an
+        # empty tensor (its errors are eager's), and eager moves to the type's device only where the kind differs.
+        with torch._C.DisableTorchFunction():
+            typed = T.type(torch.empty(0), dtype)
+        if typed.layout != torch.strided:
+            raise UnsupportedOpError(f"fulmen cannot trace Tensor.type({dtype!r}): it makes a {typed.layout} tensor, "
+                                     "and fulmen traces dense (strided) tensors only", self.builder.source)
+        device = None if typed.device.type == x.device.type else torch.device(typed.device.type)
+        return self._convert(x, device=device, dtype=typed.dtype)
 
     def _convert(
         self, x: TensorProxy, device: torch.device | None = None, dtype: torch.dtype | None = None, copy: bool = False,

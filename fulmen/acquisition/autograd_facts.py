@@ -30,6 +30,13 @@ from fulmen.core.trace import Trace
 from fulmen.ops import shape
 
 
+def leaf_flag_error(requires_grad: bool) -> str:
+    """Eager's error for changing the requires_grad flag of a tensor that is not a leaf of autograd."""
+    hint = ("" if requires_grad else " If you want to use a computed variable in a subgraph that doesn't require "
+            "differentiation use var_no_grad = var.detach().")
+    return "you can only change requires_grad flags of leaf variables." + hint
+
+
 class TracedNode:
     """The grad_fn of a tensor that has one in eager, while tracing: it is not None and is true, nothing more."""
 
@@ -118,22 +125,18 @@ class AutogradFacts:
         return leaf
 
     def set_requires_grad(self, x: torch.Tensor, requires_grad: bool) -> bool:
-        """`x.requires_grad_(requires_grad)` where the flag changes, as eager does it: a value the program computed
-        becomes a leaf of autograd that requires grad (Hugging Face's `enable_input_require_grads` hook does it to
-        frozen embeddings' output), and a leaf it made stops requiring grad. False, and nothing done, for an input
-        (the flag is the caller's), a view or a tensor with views (which keep the flag they had)."""
+        """`x.requires_grad_(requires_grad)` where the flag changes, as eager does it: a value the program computed,
+        or a view of one or of an input, becomes a leaf of autograd that requires grad (Hugging Face's
+        `enable_input_require_grads` hook does it to frozen embeddings' output, Wav2Vec2's feature encoder to a view
+        of its input), and a leaf it made stops requiring grad. False, and nothing done, for an input (the flag is
+        the caller's) or a tensor views were taken from (which keep the flag they had)."""
         if type(x) is not TensorProxy or id(x) in self._inputs:
             return False
         if not requires_grad and not self.is_leaf(x):
-            raise RuntimeError("you can only change requires_grad flags of leaf variables. If you want to use a "
-                               "computed variable in a subgraph that doesn't require differentiation use "
-                               "var_no_grad = var.detach().")  # eager's
-        if self._functional.aliased(x):
-            return False
+            raise RuntimeError(leaf_flag_error(False))  # eager's
         if not x.dtype.is_floating_point and not x.dtype.is_complex:
             raise RuntimeError("only Tensors of floating point dtype can require gradients")  # eager's
-        self._functional.set_leaf(x, requires_grad)
-        return True
+        return self._functional.set_leaf(x, requires_grad)
 
     def refuse_returned_leaves(self, result: Any, values: list[TensorProxy]) -> None:
         """A leaf the program made is refused where it leaves the program (returned, or stored in a module): eager's

@@ -76,6 +76,8 @@ class Functionalizer:
         self._through_view: dict[int, bool] = {}  # whether the last update autograd saw was through a view of it
         # a leaf of autograd the program made (requires_grad_()) -> (it, that call's line)
         self._leaves: dict[int, tuple[TensorProxy, SourceLocation | None]] = {}
+        # the root of a view the program made such a leaf -> (it, that call's line): see set_leaf
+        self._shared_leaves: dict[int, tuple[TensorProxy, SourceLocation | None]] = {}
 
     def resolve(self, obj: TensorProxy) -> TensorProxy:
         """The value `obj` holds now."""
@@ -140,6 +142,7 @@ class Functionalizer:
         else:
             self.refuse_leaf_update(obj)
             self._through_view[key] = through_view  # eager's grad_fn of a tensor updated through a view: CopySlices
+        self._refuse_shared_leaf_update(obj)
         self._alive.append(obj)
         self._written[key] = obj
         self._current[key] = value
@@ -250,11 +253,22 @@ class Functionalizer:
         """Whether `obj` is a view (or detached alias) of another object, or another object is one of it."""
         return id(obj) in self._views or any(info.base is obj for info in self._views.values())
 
-    def set_leaf(self, obj: TensorProxy, requires_grad: bool) -> None:
-        """`obj.requires_grad_(requires_grad)` on a value the program computed, neither a view nor viewed: it holds
-        its data as a leaf of autograd that requires grad (`impls.autograd_leaf`), or detached again. Not an update:
-        no version bump, nothing written back."""
+    def set_leaf(self, obj: TensorProxy, requires_grad: bool) -> bool:
+        """`obj.requires_grad_(requires_grad)` on a value the program computed, or a view of one or of an input, that
+        no view was taken from yet: it holds its data as a leaf of autograd that requires grad (`impls.autograd_leaf`),
+        or detached again. Not an update: no version bump, nothing written back. False, and nothing done, where views
+        were taken from `obj` (eager's keep the flag they had, which views replayed from the leaf would not).
+
+        A view made a leaf shares its memory with its base, as in eager (Hugging Face's Wav2Vec2 feature encoder
+        does it to `input_values[:, None]` in training): it holds the values it had then, so any later in-place update
+        of that memory is refused (eager's leaf would read it)."""
+        if any(info.base is obj for info in self._views.values()):
+            return False
         value = self.resolve(obj)
+        if id(obj) in self._views:
+            root = self.root(obj)
+            self._alive.append(root)
+            self._shared_leaves.setdefault(id(root), (root, self._source()))
         if requires_grad:
             value = shape.autograd_leaf(value)
             self._leaves[id(value)] = (value, self._source())
@@ -262,6 +276,19 @@ class Functionalizer:
             value = SYMBOLS["torch.detach"](value)
         self._alive.append(obj)
         self._current[id(obj)] = value
+        return True
+
+    def _refuse_shared_leaf_update(self, obj: TensorProxy) -> None:
+        shared = self._shared_leaves.get(id(self.root(obj)))
+        if shared is None:
+            return
+        made = shared[1]
+        where = f" (at {made.describe()})" if made is not None else ""
+        raise TraceError(
+            f"the program updates in place a tensor (size {tuple(obj.shape)}) that shares its memory with a view it "
+            f"made a leaf of autograd with requires_grad{where}: eager's leaf reads the updated memory, where "
+            "fulmen's holds the values it had then; update the tensor before, or make the leaf from a copy "
+            "(`.clone()`) of the view", self._source())
 
     def made_leaf(self, value: TensorProxy) -> SourceLocation | None | bool:
         """The line of the `requires_grad_()` that made `value` a leaf of autograd; False when none did."""
@@ -276,9 +303,10 @@ class Functionalizer:
         """Eager's errors for an update autograd sees of a leaf that requires grad the program made, or of a view of
         one (an input's is refused when the program runs); `through_view`: eager writes into a view of `obj`
         (`obj[1:] = v`)."""
-        if id(self.resolve(obj)) in self._leaves:
-            raise RuntimeError(f"a {'view of a ' if through_view else ''}leaf Variable that requires grad is being "
-                               "used in an in-place operation.")
+        if id(self.resolve(obj)) in self._leaves:  # eager calls a leaf that is a view of another tensor a view
+            view = through_view or id(obj) in self._views
+            raise RuntimeError(f"a {'view of a ' if view else ''}leaf Variable that requires grad is being used in "
+                               "an in-place operation.")
         info = self._views.get(id(obj))
         while info is not None and not info.detached:
             if id(self.resolve(info.base)) in self._leaves:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -147,7 +148,7 @@ def normal_grad(*args, **kwargs):
     return out
 
 
-def _no_derivative_meta(builder: TraceBuilder, grad, shape, dtype, message) -> TensorProxy:
+def _no_derivative_meta(builder: TraceBuilder, grad, shape, dtype, message, not_implemented=False) -> TensorProxy:
     return builder.make_proxy(torch.empty(shape, dtype=dtype, device="meta"), grad.device)
 
 
@@ -241,6 +242,70 @@ def _dropout_same(sym, arguments):
 for _fn, _arguments in _DROPOUTS.items():
     register(RuleKind.DRAWS, _fn, _dropout_draws(_arguments))
     register(RuleKind.BATCH_SAME_RANDOMNESS, _fn, _dropout_same(lookup(_fn).symbol, _arguments))
+
+
+# The feature and alpha dropouts (nn.Dropout1d/2d/3d, nn.AlphaDropout, nn.FeatureAlphaDropout) are eager's composites
+# (aten's _dropout_impl) of one draw and arithmetic: they decompose into eager's very draw (dropout_noise) and its
+# ops, which give their grads and JVPs. Out of training, at p 0 or of an empty input they draw nothing and are left
+# to eager (the identity).
+dropout_noise = impl_symbol(impls.dropout_noise, tags=Tag.RANDOM | Tag.NO_GRAD)
+register(RuleKind.JVP, dropout_noise, constant(dropout_noise))
+_SELU_ALPHA = 1.7580993408473766  # aten's alpha in alpha_dropout: SELU's negative saturation over its scale
+
+
+def _noised(x: Any, noise: Any, p: float, alpha: bool) -> Any:
+    """`x` with the dropout's `noise` (its bernoulli draws) applied, as aten computes it, op for op."""
+    mul, add = lookup(torch.mul).symbol, lookup(torch.add).symbol
+    if not alpha:
+        return mul(x, lookup(torch.div).symbol(noise, 1 - p))
+    a = 1.0 / math.sqrt((_SELU_ALPHA * _SELU_ALPHA * p + 1) * (1 - p))
+    b = add(mul(add(noise, -1), _SELU_ALPHA * a), _SELU_ALPHA * a * p)
+    return add(mul(x, mul(noise, a)), b)
+
+
+def _noise_dropout(feature: bool, alpha: bool) -> Callable[..., Any]:
+    def decomposition(input: Any, p: float, train: bool) -> Any:  # noqa: A002 - torch's names
+        if not train or p == 0 or input.numel() == 0:
+            return NotImplemented
+        if p == 1:  # aten multiplies by a zero (NaN stays NaN), alpha dropout too
+            return lookup(torch.mul).symbol(input, prims.full((), 0, dtype=input.dtype, device=input.device))
+        return _noised(input, dropout_noise(input, p, feature), p, alpha)
+
+    return decomposition
+
+
+def _noise_same(feature: bool, alpha: bool) -> Callable[..., Any]:
+    """randomness='same' under vmap: one example's draw, applied to every example."""
+
+    def rule(batch: Batch, args: tuple, kwargs: dict):
+        x, p, _ = _DROPOUTS[torch.dropout](*args, **kwargs)
+        if not batch.batched(x):
+            return NotImplemented
+        return _noised(x, batch.materialize(dropout_noise(prims.select(x, 0, 0), p, feature)), p, alpha)
+
+    return rule
+
+
+def _identity_grad(sym) -> Callable[..., Any]:
+    """Where the dropout draws nothing and zeroes nothing, eager returns its input: the grad passes through."""
+
+    def rule(input: Any, p: float, train: bool) -> Any:  # noqa: A002 - torch's names
+        if train and p != 0 and input.numel() != 0:
+            return NotImplemented  # its decomposition's parts' grads
+        y = sym(input, p, train)
+        put_grad(input, get_grad(y))
+        return y
+
+    return rule
+
+
+for _fn, _feature, _alpha in ((torch.feature_dropout, True, False), (torch.alpha_dropout, False, True),
+                              (torch.feature_alpha_dropout, True, True)):
+    _sym = torch_symbol(_fn, decomposition=_noise_dropout(_feature, _alpha), tags=Tag.RANDOM)
+    register(RuleKind.GRAD, _sym, _identity_grad(_sym))
+    register(RuleKind.DRAWS, _sym, _dropout_draws(_DROPOUTS[torch.dropout]))
+    register(RuleKind.BATCH_SAME_RANDOMNESS, _sym, _noise_same(_feature, _alpha))
+    register(RuleKind.BATCH, _sym, elementwise(_sym))  # where it draws nothing (p 1: zeros)
 
 
 # derivatives.yaml gives the filled tensor (and a tensor p) zeros

@@ -280,7 +280,7 @@ def rms_norm_decomposition(x, normalized_shape, weight=None, eps=None) -> Any:
 torch_symbol(F.layer_norm, decomposition=layer_norm_decomposition)
 native_layer_norm = torch_symbol(torch.native_layer_norm, decomposition=native_layer_norm_decomposition,
                                  differentiable_outputs=(True, False, False))
-torch_symbol(F.rms_norm, decomposition=rms_norm_decomposition)
+torch_symbol(F.rms_norm, decomposition=rms_norm_decomposition, aliases=(torch.rms_norm,))  # Dynamo calls the latter
 torch_symbol(F.group_norm)
 torch_symbol(F.batch_norm)
 batch_norm_update = impl_symbol(impls.batch_norm_update)  # training mode with running statistics (acquire.py)
@@ -614,8 +614,8 @@ torch_symbol(F.fold)
 differentiated_by_eager(F.unfold, F.fold)
 
 
-# --- with eager's grads (eager_grads.py): less common activations, distances and losses, and the dropouts and
-# rrelu where they draw nothing (out of training, or p=0) ------------------------------------------------------------
+# --- with eager's grads (eager_grads.py): less common activations, distances and losses, and rrelu where it draws
+# nothing (out of training; the feature and alpha dropouts are in factories.py) -------------------------------------
 for _fn in (F.prelu, F.hardshrink, F.softshrink, F.bilinear, F.cosine_similarity, F.pairwise_distance,
             torch.margin_ranking_loss, torch.hinge_embedding_loss, torch.cosine_embedding_loss, torch.poisson_nll_loss,
             torch.triplet_margin_loss, torch.cdist):
@@ -654,18 +654,6 @@ def _embedding_bag_refusal(input: Any, weight: Any, offsets: Any = None, max_nor
 eager_op(F.embedding_bag, refuse=_embedding_bag_refusal)
 
 
-def _draws(name: str) -> Any:
-    def refuse(x: Any, p: float, training: bool) -> str | None:
-        if training and p > 0:
-            return (f"fulmen does not support torch.{name} drawing in training (p={p}): only torch.dropout's draws are "
-                    "replayed for the backward; use nn.Dropout, or keep the module outside the jitted function")
-        return None
-
-    return refuse
-
-
-for _fn in (torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout):
-    eager_op(_fn, refuse=_draws(_fn.__name__))
 eager_op(torch.rrelu, refuse=lambda x, lower=1 / 8, upper=1 / 3, training=False, generator=None: (
     "fulmen does not support torch.rrelu in training: its slopes are drawn at random, and only torch.dropout's draws "
     "are replayed for the backward; use leaky_relu, or evaluate the module in eval()") if training else None)

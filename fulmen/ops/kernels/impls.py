@@ -65,6 +65,14 @@ def random_fill(x: torch.Tensor, method: str, *args: Any, **kwargs: Any) -> torc
     return getattr(torch.empty(x.shape, dtype=x.dtype, device=x.device), method)(*args, **kwargs)
 
 
+def dropout_noise(x: torch.Tensor, p: float, feature: bool) -> torch.Tensor:
+    """The noise eager's feature and alpha dropouts draw (aten's _dropout_impl): bernoulli(1 - p) draws into a tensor
+    of x's dtype, of x's layout (empty_like: where each draw lands follows it), or for a feature dropout one per
+    channel (N, C, 1, ...), contiguous."""
+    noise = x.new_empty((*x.shape[:2], *(1,) * (x.dim() - 2))) if feature else torch.empty_like(x)
+    return noise.bernoulli_(1 - p)
+
+
 def check_all_true(valid: torch.Tensor, message: str) -> None:
     """Raises ValueError(`message`) unless every element of `valid` is true (`fulmen.ops.effects`)."""
     if not bool(valid.all()):
@@ -140,10 +148,12 @@ def _additive(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
                                                                                 device=attn_mask.device))
 
 
-def no_derivative(grad: torch.Tensor, shape: list[int], dtype: torch.dtype, message: str) -> torch.Tensor:
+def no_derivative(grad: torch.Tensor, shape: list[int], dtype: torch.dtype, message: str,
+                  not_implemented: bool = False) -> torch.Tensor:
     """The grad (of `shape` and `dtype`) of a call eager records without a derivative: its output requires grad, and
-    its backward raises when a grad reaches it, as this does."""
-    raise RuntimeError(message)
+    its backward raises when a grad reaches it, as this does (NotImplementedError where eager's formula is
+    derivatives.yaml's not_implemented, RuntimeError otherwise)."""
+    raise (NotImplementedError if not_implemented else RuntimeError)(message)
 
 
 # Eager's fused backward kernels (symbols in fulmen.ops.kernels.backward_kernels): each computes in float32 for
