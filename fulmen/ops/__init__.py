@@ -19,6 +19,7 @@ from fulmen.ops import (  # noqa: F401  (registration side effects)
     recurrent,
     reductions,
     shape,
+    special,
     vision,
 )
 from fulmen.ops.kernels import backward_kernels  # noqa: F401  (eager's backward kernels as symbols, their rules)

@@ -398,6 +398,18 @@ torch_symbol(torch.index_select, decomposition=lambda x, dim, index: prims.take(
 torch_symbol(torch.gather, decomposition=lambda x, dim, index, sparse_grad=False: prims.take_along_axis(
     x, index, canonical_dim(dim, x.dim())), aliases=(method("gather"),))
 torch_symbol(torch.take_along_dim, aliases=(method("take_along_dim"),))
+
+
+def take_decomposition(x, index):
+    """`x` read as if flattened (in its logical order, whatever its strides), at `index`; negative positions count
+    from the end, as eager's take does."""
+    numel = x.numel()
+    position = prims.where(prims.lt(index, 0), prims.add(index, numel), index)
+    picked = prims.take(prims.reshape(x, (numel,)), prims.reshape(position, (index.numel(),)), 0)
+    return prims.reshape(picked, tuple(index.shape))
+
+
+torch_symbol(torch.take, decomposition=take_decomposition, aliases=(method("take"),))
 torch_symbol(torch.scatter, aliases=(method("scatter"),), inplace=(method("scatter_"),))
 torch_symbol(torch.scatter_add, aliases=(method("scatter_add"),), inplace=(method("scatter_add_"),))
 torch_symbol(torch.scatter_reduce, aliases=(method("scatter_reduce"),), inplace=(method("scatter_reduce_"),))
