@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
+from fulmen.core.symbol import BoundSymbol, Symbol, Tag
 from fulmen.ops import prims, shape
 from fulmen.ops.registry import lookup, method, methods, symbol_of, torch_symbol
 from fulmen.ops.rules.batch import Batch, elementwise, same_call
@@ -260,7 +260,7 @@ def _view_as_complex_batch(batch: Batch, args: tuple, kwargs: dict):
 # --- which rule a call on complex values takes -----------------------------------------------------------------------
 def complex_values(bsym: BoundSymbol, carries: Callable[[TensorProxy], bool]) -> bool:
     """Whether `bsym` reads or makes a complex value that `carries` a derivative (requires grad, has a tangent)."""
-    return any(p.dtype.is_complex and carries(p) for p in iter_proxies((bsym.args, bsym.kwargs, bsym.output)))
+    return any(p.dtype.is_complex and carries(p) for p in (*bsym.proxy_args(), *bsym.proxy_outputs()))
 
 
 def complex_rule(bsym: BoundSymbol, kind: RuleKind) -> Callable[..., Any] | None:

@@ -1,6 +1,5 @@
 """`torch.fft` and the short-time Fourier transforms, with eager's kernels. Their values are complex where the
-transform's are: fulmen computes them, and refuses grads flowing through a complex tensor (autodiff), so these
-are forward-only unless the differentiated inputs and outputs are real (`irfft` of a real input, `hfft`).
+transform's are, and their grads are eager's backward (complex values follow torch's convention: fulmen.ops.complex).
 
 `torch.stft` is torch's Python (run inline, padding the signal first); its builtin is what is bound. `istft` is
 refused under autocast, as eager ops are (`eager_grads`).

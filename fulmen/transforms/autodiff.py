@@ -8,7 +8,8 @@ trace is the chunks in reverse order, with the cotangents that several uses of a
 A symbol without a rule is differentiated through its decomposition: the forward keeps the symbol itself (the
 one torch call eager makes) and its backward recomputes whatever parts of the decomposition it needs. A leaf
 without a rule falls back to torch autograd on its own callable (`impls.torch_vjp`), as its family declares
-(`rules.grad.differentiated_by_eager`).
+(`rules.grad.differentiated_by_eager`). A call on complex values that carry grads takes only rules that hold for
+them (fulmen.ops.complex: torch's conjugate convention), else eager's backward of the call.
 """
 
 from __future__ import annotations
