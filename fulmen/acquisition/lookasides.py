@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fulmen.core.errors import UnsupportedOpError
+from fulmen.core.source import user_location
 from fulmen.core.symbol import BoundSymbol, Tag, current_builder
 from fulmen.core.trace import TraceBuilder
 
@@ -103,11 +105,62 @@ def batch_norm_forward(self, input: torch.Tensor) -> torch.Tensor:
     return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, True, factor, self.eps)
 
 
+# --- the fast paths of nn.TransformerEncoder, nn.TransformerEncoderLayer and nn.MultiheadAttention -----------------
+# In eval, where no grad is to be computed, eager runs fused kernels (torch._transformer_encoder_layer_fwd,
+# torch._native_multi_head_attention) and, for an encoder given a padding mask, nested tensors, whose outputs are
+# zeros at the padded positions. Each forward decides with `torch.overrides.has_torch_function(tensor_args)`, which
+# any active torch-function mode answers yes, so inside a trace torch's own forward would take the composite path.
+# These lookasides are torch's forwards reading a `torch` that answers as eager does for the plain tensors the
+# proxies stand for: fulmen then takes eager's path, runs its fused kernels, and refuses the nested one.
+class _Answering:
+    """`target`, with some of its attributes answered otherwise."""
+
+    def __init__(self, target: Any, **answers: Any) -> None:
+        self._target = target
+        self.__dict__.update(answers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+def _left_aligned(src: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Eager's check before its nested path: whether every row keeps its first positions only, a read of the mask's
+    values (a float mask by then: never known while tracing). Yes: only the nested path reads the answer, and fulmen
+    refuses it (below); where the encoder takes its composite path anyway (a grad to compute) the answer is unused."""
+    return True
+
+
+def _refuse_nested(src: torch.Tensor, kept: torch.Tensor, mask_check: bool = True) -> Any:
+    raise UnsupportedOpError(
+        "fulmen cannot trace nn.TransformerEncoder's nested-tensor fast path: in eval with src_key_padding_mask and "
+        "no grad to compute, eager takes it (with mask_check, where the padding mask is left-aligned: every row's "
+        "padding at its end, which fulmen cannot know while tracing), and its outputs are zeros at the padded "
+        "positions, computed on nested tensors, which fulmen does not trace. Construct the encoder with "
+        "enable_nested_tensor=False (its layers then run eager's fused kernels, as fulmen does), or call "
+        "torch.backends.mha.set_fastpath_enabled(False)", user_location())
+
+
+_EAGER_TORCH = _Answering(torch, overrides=_Answering(torch.overrides, has_torch_function=lambda args: False),
+                          _nested_tensor_from_mask_left_aligned=_left_aligned,
+                          _nested_tensor_from_mask=_refuse_nested)
+
+
+def _as_eager_decides(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of torch's `forward` reading `_EAGER_TORCH` for `torch` (torch's module is left as it is)."""
+    scope = {**forward.__globals__, "torch": _EAGER_TORCH}
+    copy = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
+    copy.__kwdefaults__ = forward.__kwdefaults__
+    copy.__qualname__ = forward.__qualname__
+    return copy
+
+
 # "module.Class" -> {method name: replacement}, for the class and its subclasses that keep its method
 METHOD_LOOKASIDES: dict[str, dict[str, Callable[..., Any]]] = {
     "litgpt.model.LLaMAMoE": {"forward": litgpt_moe_forward},
     "torch.nn.modules.batchnorm._BatchNorm": {"forward": batch_norm_forward},
     "torch.nn.modules.rnn.RNNBase": {"flatten_parameters": rnn_flatten_parameters},
+    **{f"{cls.__module__}.{cls.__qualname__}": {"forward": _as_eager_decides(cls.forward)}
+       for cls in (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.MultiheadAttention)},
 }
 
 

@@ -652,6 +652,10 @@ def _embedding_bag_refusal(input: Any, weight: Any, offsets: Any = None, max_nor
 # F.embedding_bag as a whole: the op it calls (torch.embedding_bag) returns bookkeeping tensors whose shapes torch's
 # meta kernel does not give as the CPU kernel does; F.embedding_bag returns only the bags.
 eager_op(F.embedding_bag, refuse=_embedding_bag_refusal)
+# the fused kernels nn.TransformerEncoderLayer and nn.MultiheadAttention run in eval where no grad is to be computed
+# (their fast paths, taken as eager takes them: acquisition/lookasides.py)
+for _name in ("_transformer_encoder_layer_fwd", "_native_multi_head_attention"):
+    eager_op(getattr(torch, _name), printed=f"torch.{_name}")
 
 
 eager_op(torch.rrelu, refuse=lambda x, lower=1 / 8, upper=1 / 3, training=False, generator=None: (
