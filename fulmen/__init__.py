@@ -36,12 +36,12 @@ from fulmen.jit.jitted_module import JittedModule, pipeline
 from fulmen.jit.jitted_module import core as _jitted_core  # not `core`, which would hide the subpackage fulmen.core
 from fulmen.jit.rewrite import rewrite
 from fulmen.ops.rules.grad import get_grad, put_grad, put_grads, register_grad
-from fulmen.options import CacheLimitAction, JitOptions, OffloadOptions
+from fulmen.options import CacheLimitAction, Float8Options, JitOptions, OffloadOptions
 from fulmen.transforms.transform import GradTraces, Stage, TraceKind, Transform, TransformError
 
 __all__ = [
     "CacheLimitAction", "CacheLimitError", "CacheLimitWarning", "CacheStats", "DataDependentError", "ExamineReport",
-    "FulmenError", "FunctionalTransform", "GradTraces", "JitOptions", "JittedFunction", "JittedModule",
+    "Float8Options", "FulmenError", "FunctionalTransform", "GradTraces", "JitOptions", "JittedFunction", "JittedModule",
     "OffloadOptions", "Stage", "TensorProxy", "Trace", "TraceError", "TraceKind", "Transform", "TransformError",
     "UnsupportedOpError", "cache_hits", "cache_misses", "examine", "extend", "get_default_executors", "get_executor",
     "get_grad", "grad", "jit", "jvp", "last_backward_traces", "last_cache_miss_reasons", "last_traces", "put_grad",

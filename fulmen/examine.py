@@ -13,8 +13,10 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from fulmen.acquisition.acquire import DATA_DEPENDENT, METADATA, Interpreter
 from fulmen.core.errors import TraceError
 from fulmen.core.trace import TraceBuilder
-from fulmen.jit.jitted_module import core
+from fulmen.jit.jitted import JittedFunction
+from fulmen.jit.jitted_module import JittedModule, core
 from fulmen.ops import lookup
+from fulmen.transforms.float8 import notes_of as float8_notes
 from fulmen.transforms.fused_loss import PROVENANCE as FUSED_LOSS
 from fulmen.transforms.remat import nbytes
 
@@ -38,6 +40,8 @@ class ExamineReport:
     saved: list[tuple[str, str, int]] = field(default_factory=list)
     # Each cross-entropy: fused with the linear before it (fulmen.transforms.fused_loss) or why not.
     fused_losses: list[str] = field(default_factory=list)
+    # With JitOptions.float8 (examine a jitted callable): each matmul, converted to float8 or kept, and why.
+    float8: list[str] = field(default_factory=list)
 
     @property
     def saved_bytes(self) -> int:
@@ -54,6 +58,7 @@ class ExamineReport:
         lines.append(f"{len(self.ops)} ops, {len(self.unsupported)} unsupported")
         lines.append(f"acquisition: {'ok' if self.error is None else self.error}")
         lines.extend(f"linear + cross-entropy {note}" for note in self.fused_losses)
+        lines.extend(f"float8: {note}" for note in self.float8)
         if self.saved:
             lines.append(f"saved for backward: {len(self.saved)} tensors, {self.saved_bytes} bytes")
             lines.extend(f"  {name}: {kind} ({nbytes} bytes)" for name, kind, nbytes in self.saved)
@@ -79,23 +84,27 @@ _SPECIAL_FUNCS = frozenset(Interpreter(TraceBuilder()).special)
 
 
 def examine(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExamineReport:
-    """Runs `fn` eagerly, listing the torch ops it calls and whether fulmen supports them; then tries to jit it."""
+    """Runs `fn` eagerly, listing the torch ops it calls and whether fulmen supports them; then tries to jit it. `fn`
+    may be the result of `fulmen.jit` (with its options, e.g. JitOptions.float8): its own function runs eagerly."""
     from fulmen import jit  # the public entry point sits above this module
 
+    jitted = isinstance(fn, JittedFunction | JittedModule)
+    eager = (fn.wrapped_module if isinstance(fn, JittedModule) else fn.__wrapped__) if jitted else fn
     recorder = _Recorder()
     with recorder:
-        fn(*args, **kwargs)
+        eager(*args, **kwargs)
     report = ExamineReport()
     for func, count in recorder.calls.items():
         name = resolve_name(func) or _torch_name(func) or repr(func)
         report.ops[name] = (count, _supported(func))
-    jitted = jit(fn)
+    compiled = fn if jitted else jit(fn)
     try:
-        jitted(*args, **kwargs)
+        compiled(*args, **kwargs)
     except TraceError as error:
         report.error = str(error)
         return report
-    entry = core(jitted).last_entry
+    entry = core(compiled).last_entry
+    report.float8 = float8_notes(entry.traces)
     for trace in entry.traces:
         if trace.provenance.startswith(f"{FUSED_LOSS}: "):
             report.fused_losses = trace.provenance.removeprefix(f"{FUSED_LOSS}: ").split("; ")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fulmen.ops.float8 import RECIPES
 from fulmen.transforms.transform import Transform
 
 
@@ -42,6 +44,50 @@ class OffloadOptions:
                 raise ValueError(f"OffloadOptions.{name} must be a non-negative int, got {value!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class Float8Options:
+    """Float8 matmuls (`fulmen.transforms.float8`; the numerics are README.md's "Float8 training").
+
+    Each linear and matmul whose dimensions suit float8 computes with torch._scaled_mm: inputs and weights cast to
+    float8_e4m3fn with dynamic scales, the output gradient to float8 in the backward, outputs and gradients in their
+    original dtypes. Parameters, optimizer state and every other op are unchanged.
+
+    Attributes:
+        recipe: torchao's recipe names and scaling rules (fulmen.ops.float8.RECIPES): "tensorwise" (one scale per
+            tensor; the output gradient in e5m2), "rowwise" (one scale per row along the contracted dimension,
+            powers of two; everything e4m3), "rowwise_with_gw_hp" (rowwise, but the weight gradient's matmul in high
+            precision).
+        skip: matmuls to leave in high precision, by their weight: qualified names of parameters or modules, or
+            prefixes of them (`("transformer.h.0", "mlp.proj.weight")`), or a predicate of the parameter's name.
+        lm_head: convert the model's head too (its weight is an `lm_head`'s, or its output feeds a cross-entropy).
+        all_gather: under fulmen's FSDP, all-gather the weights each matmul casts already in float8 (half the bytes
+            of bfloat16), scaled by the amax over all ranks; tensorwise only.
+    """
+
+    recipe: str = "tensorwise"
+    skip: tuple[str, ...] | Callable[[str], bool] = ()
+    lm_head: bool = False
+    all_gather: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"Float8Options.recipe must be one of {', '.join(map(repr, RECIPES))}, got "
+                             f"{self.recipe!r}")
+        skip = self.skip
+        if isinstance(skip, str) or not (callable(skip) or isinstance(skip, tuple | list)) or (
+                not callable(skip) and not all(isinstance(name, str) for name in skip)):
+            raise TypeError("Float8Options.skip must be a list of qualified names (e.g. ['lm_head', "
+                            f"'transformer.h.0.mlp']) or a predicate of a parameter's name, got {skip!r}")
+        if not callable(skip):
+            object.__setattr__(self, "skip", tuple(skip))
+        for name in ("lm_head", "all_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Float8Options.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.all_gather and self.recipe != "tensorwise":
+            raise ValueError("Float8Options.all_gather needs recipe='tensorwise': a weight gathered in float8 has one "
+                             f"scale, and {self.recipe!r} scales each row of it")
+
+
 class CacheLimitAction(str, enum.Enum):
     """What a call does when it misses the cache and the cache already holds `JitOptions.cache_limit` traces."""
 
@@ -73,6 +119,7 @@ class JitOptions:
             otherwise rise above the default's.
         transforms: `fulmen.Transform`s run at the pipeline's stages, in this order (see fulmen.jit.pipeline).
         offload: CPU offloading of the tensors saved for the backward (None: off).
+        float8: float8 matmuls (fulmen.transforms.float8; None: off, every matmul computes as eager's).
         cuda_graphs: capture the final forward and backward traces in CUDA graphs and replay them
             (fulmen.transforms.cudagraphs; torch.compile's "reduce-overhead"): for steps that launch many small
             kernels. Programs that cannot be captured run without graphs, with a warning that says why.
@@ -90,6 +137,7 @@ class JitOptions:
     activation_memory_budget: float = 1.0
     transforms: tuple[Transform, ...] = field(default=())
     offload: OffloadOptions | None = None
+    float8: Float8Options | None = None
     cuda_graphs: bool = False
     cache_limit: int = 8
     cache_limit_action: CacheLimitAction | str = CacheLimitAction.EAGER
@@ -113,6 +161,8 @@ class JitOptions:
         object.__setattr__(self, "transforms", tuple(self.transforms))
         if self.offload is not None and not isinstance(self.offload, OffloadOptions):
             raise TypeError(f"JitOptions.offload must be an OffloadOptions or None, got {self.offload!r}")
+        if self.float8 is not None and not isinstance(self.float8, Float8Options):
+            raise TypeError(f"JitOptions.float8 must be a Float8Options or None, got {self.float8!r}")
         if type(self.cache_limit) is not int or self.cache_limit < 1:
             raise ValueError(f"JitOptions.cache_limit must be a positive int, got {self.cache_limit!r}")
         try:

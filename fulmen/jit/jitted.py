@@ -44,6 +44,7 @@ from fulmen.runtime.trace_function import UpdatedInput, apply
 from fulmen.runtime.view_outputs import ViewOutput, retaken, take_views, view_outputs
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
 from fulmen.transforms.distribution import distributed_input, distributed_program, logical_meta
+from fulmen.transforms.transform import named_inputs
 
 
 @dataclass(slots=True)
@@ -199,6 +200,24 @@ def _facts_read(acquisition: Acquisition) -> tuple[tuple[int, str, bool], ...] |
         return None
     position = {id(p): i for i, p in enumerate(acquisition.inputs)}
     return tuple(sorted((position[id(proxy)], fact, value) for proxy, fact, value in read.values()))
+
+
+def _input_names(acquisition: Acquisition, modules: list[nn.Module]) -> dict[str, tuple[str, ...]]:
+    """The module tensors the trace takes (module inputs, tensors the program captured), by proxy name: their
+    qualified names under the modules the program names, one per place a tied tensor sits."""
+    places: dict[int, list[str]] = {}
+    covered: set[int] = set()
+    for root in modules:  # each root before its submodules (reachable_modules' order)
+        if id(root) in covered:
+            continue
+        covered.update(id(m) for m in root.modules())
+        for name, tensor in [*root.named_parameters(remove_duplicate=False),
+                             *root.named_buffers(remove_duplicate=False)]:
+            places.setdefault(id(tensor), []).append(name)
+    tree = acquisition.tree
+    pairs = [(proxy, source.fetch()) for proxy, source in zip(tree.proxies, tree.inputs)] if tree is not None else []
+    pairs += [(proxy, tensor) for tensor, proxy in acquisition.interpreter.constants]
+    return {proxy.pname: tuple(places[id(t)]) for proxy, t in pairs if id(t) in places}
 
 
 class JittedFunction:
@@ -495,7 +514,9 @@ class JittedFunction:
         builder = acquisition.builder
         acquired = Trace("computation", acquisition.inputs, builder.bound_symbols, tuple(values),
                          "Acquisition (fulmen.jit)", builder.namespace)
-        traces = self.pipeline.acquire(acquired)
+        # a pass may choose by parameter name (float8's skip): the names of the module tensors the trace takes
+        with named_inputs(lambda: _input_names(acquisition, reachable_modules(self._fn, self._module, args, kwargs))):
+            traces = self.pipeline.acquire(acquired)
         bases = aliases.bases(real_inputs) if aliases is not None else []
         distributed = distributed_program(acquired, [*real_inputs, *bases])
         if distributed is not None:  # a call passes a sharded module tensor: its view is the trace's to take

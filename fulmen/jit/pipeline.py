@@ -15,11 +15,12 @@ code that runs. `print(fulmen.pipeline(jitted))` shows it; for the default optio
     codegen      Delete Last Used                       DeleteLastUsed
 
 The options choose fulmen's own passes: JitOptions.cse (the acquired program's CSE and second DCE; the backward's
-always run), fuse_linear_cross_entropy, grouped_query_attention, cuda_graphs (`CUDAGraphs` between two `Delete Last
-Used`, fulmen.transforms.cudagraphs). Within a stage, fulmen's own passes run first, then the transforms the user
-gave (`fulmen.jit(fn, transforms=[...])`), in their order, at each stage whose hooks they override (stages ACQUIRED,
-GRAD, FINAL), then CPU offloading (JitOptions.offload, a GRAD transform). What the user's transforms and offloading
-return is checked and stamped with their name; fulmen's own passes are trusted and stamp their own.
+always run), fuse_linear_cross_entropy, grouped_query_attention, float8 (`Float8 matmuls`, after those two),
+cuda_graphs (`CUDAGraphs` between two `Delete Last Used`, fulmen.transforms.cudagraphs). Within a stage, fulmen's
+own passes run first, then the transforms the user gave (`fulmen.jit(fn, transforms=[...])`), in their order, at each
+stage whose hooks they override (stages ACQUIRED, GRAD, FINAL), then CPU offloading (JitOptions.offload, a GRAD
+transform). What the user's transforms and offloading return is checked and stamped with their name; fulmen's own
+passes are trusted and stamp their own.
 
 Autodiff and the DDP / FSDP collectives stay stage machinery, not Transforms: autodiff turns one trace into a
 saved-for-backward plan, a forward and a backward per pattern of cotangents (no trace -> trace hook can return that),
@@ -48,6 +49,7 @@ from fulmen.transforms.autocast import autocast_enabled
 from fulmen.transforms.common import CommonSubexpressionElimination, DeadCodeElimination, DeleteLastUsed
 from fulmen.transforms.cudagraphs import CUDAGraphs, GraphedProgram, GraphPool, graph_pool_for
 from fulmen.transforms.distribution import DistributionTransform, GradSync
+from fulmen.transforms.float8 import Float8Matmuls
 from fulmen.transforms.forward_backward import plan_grad
 from fulmen.transforms.fused_loss import FuseLinearCrossEntropy
 from fulmen.transforms.grouped_attention import GroupQueryAttention
@@ -116,6 +118,9 @@ def default_steps(options: JitOptions, claim: Transform) -> tuple[Step, ...]:
         acquired.append(FuseLinearCrossEntropy(options.cross_entropy_chunk_rows))
     if options.grouped_query_attention:
         acquired.append(GroupQueryAttention())
+    if options.float8 is not None:  # after the fused loss, which takes the head it fuses
+        f8 = options.float8
+        acquired.append(Float8Matmuls(f8.recipe, f8.skip, f8.lm_head, f8.all_gather))
     codegen: list[Transform] = [DeleteLastUsed()]
     if options.cuda_graphs:  # the graphed trace's values freed again (inside a graph too: cudagraphs.py)
         codegen += [CUDAGraphs(), DeleteLastUsed()]

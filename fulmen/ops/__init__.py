@@ -12,6 +12,7 @@ from fulmen.ops import (  # noqa: F401  (registration side effects)
     elementwise,
     factories,
     fft,
+    float8,
     fused_loss,
     linalg,
     losses,

@@ -16,7 +16,10 @@ every value defined before it is read. Its provenance line (`# Constructed by ..
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -143,6 +146,38 @@ class CleanupPass(TracePass):
 
     def transform_backward(self, traces: GradTraces) -> Trace:
         return self.run(traces.backward)
+
+
+# --- what the program's inputs are called ------------------------------------------------------------------------
+# While fulmen.jit runs the ACQUIRED stage: the qualified names of the parameters and buffers each trace input stands
+# for, by the input's proxy name, worked out on first use (fulmen.jit.jitted).
+_INPUT_NAMES: ContextVar[Callable[[], Mapping[str, tuple[str, ...]]] | None] = ContextVar("fulmen_input_names",
+                                                                                         default=None)
+
+
+@contextlib.contextmanager
+def named_inputs(resolve: Callable[[], Mapping[str, tuple[str, ...]]]) -> Iterator[None]:
+    """Makes `input_names` answer from `resolve()`, called at most once and only when asked."""
+    found: list[Mapping[str, tuple[str, ...]]] = []
+
+    def once() -> Mapping[str, tuple[str, ...]]:
+        if not found:
+            found.append(resolve())
+        return found[0]
+
+    token = _INPUT_NAMES.set(once)
+    try:
+        yield
+    finally:
+        _INPUT_NAMES.reset(token)
+
+
+def input_names(proxy: TensorProxy) -> tuple[str, ...]:
+    """The qualified names of the module parameter or buffer that the trace input `proxy` stands for
+    (`("transformer.h.0.attn.qkv.weight",)`; a tied weight has one per place), inside an ACQUIRED-stage hook; () for
+    any other value, and outside fulmen.jit's pipeline."""
+    resolve = _INPUT_NAMES.get()
+    return resolve().get(proxy.pname, ()) if resolve is not None else ()
 
 
 def overrides(transform: Transform, hook: str) -> bool:
