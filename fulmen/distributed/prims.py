@@ -48,6 +48,9 @@ def _group(name: str) -> Any:
     return group
 
 
+_BYTES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
 def _in_flight(out: torch.Tensor, work: Any) -> torch.Tensor:
     out._fulmen_work = work  # type: ignore[attr-defined]
     return out
@@ -55,7 +58,11 @@ def _in_flight(out: torch.Tensor, work: Any) -> torch.Tensor:
 
 def _all_gather_impl(x: torch.Tensor, group: str, world: int) -> torch.Tensor:
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    return _in_flight(out, _all_gather(out, x.contiguous(), group=_group(group), async_op=True))
+    x = x.contiguous()
+    if x.dtype in _BYTES:  # float8 weights (fulmen.distributed.float8) travel as their bytes: gloo has no float8
+        return _in_flight(out, _all_gather(out.view(torch.uint8), x.view(torch.uint8), group=_group(group),
+                                           async_op=True))
+    return _in_flight(out, _all_gather(out, x, group=_group(group), async_op=True))
 
 
 def _reduce_scatter_impl(x: torch.Tensor, group: str, world: int) -> torch.Tensor:
@@ -66,6 +73,11 @@ def _reduce_scatter_impl(x: torch.Tensor, group: str, world: int) -> torch.Tenso
 def _all_reduce_impl(x: torch.Tensor, group: str) -> torch.Tensor:
     # In place on `x`: the transforms pass only buffers they just made (packed and divided gradients).
     return _in_flight(x, dist.all_reduce(x, group=_group(group), async_op=True))
+
+
+def _all_reduce_max_impl(x: torch.Tensor, group: str) -> torch.Tensor:
+    # In place on `x`: the transforms pass only buffers they just made (the amaxes of float8 weight shards).
+    return _in_flight(x, dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_group(group), async_op=True))
 
 
 def _wait_impl(x: torch.Tensor) -> torch.Tensor:
@@ -183,6 +195,7 @@ all_gather = _symbol("all_gather", _all_gather_impl,
 reduce_scatter = _symbol("reduce_scatter", _reduce_scatter_impl,
                          lambda b, x, group, world: _like(b, x, (x.shape[0] // world, *x.shape[1:])))
 all_reduce = _symbol("all_reduce", _all_reduce_impl, lambda b, x, group: _like(b, x, tuple(x.shape)))
+all_reduce_max = _symbol("all_reduce_max", _all_reduce_max_impl, lambda b, x, group: _like(b, x, tuple(x.shape)))
 wait = _symbol("wait", _wait_impl, lambda b, x: _like(b, x, tuple(x.shape)))
 
 # Returns nothing: a check the transforms put before a trace's first collective.

@@ -33,6 +33,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Namespace, Trace, TraceBuilder
 from fulmen.distributed import prims as collectives
+from fulmen.distributed.float8 import Float8Gather, cast_shards, float8_gathers
 from fulmen.distributed.specs import ParamSpec, deliver_grad
 from fulmen.transforms.distribution import GradSync
 
@@ -113,6 +114,7 @@ class DistributedProgram:
         self.by_name = {p.pname: s for p, s in zip(inputs, specs) if s is not None}
         self.sharded = {name: spec for name, spec in self.by_name.items() if spec.sharded}
         self._shards: dict[str, TensorProxy] = {}
+        self._casting: dict[str, Float8Gather] = {}  # while a forward is built: its float8 gathers
         self.states = tuple({id(s.state): s.state for s in self.by_name.values()}.values())
         # The gradient outputs that belong to distributed parameters requiring grad.
         self.grad_owners = [i for i, (p, spec) in enumerate(zip(inputs, specs)) if spec is not None and p.requires_grad]
@@ -220,14 +222,20 @@ class DistributedProgram:
         """`trace` (outputs, then saved values from position `n_outputs`) reading shards and gathering them."""
         if not self.sharded:
             return trace
+        full = {p.pname: p for p in trace.inputs if p.pname in self.sharded}
+        # weights gathered cast to float8 (fulmen.distributed.float8): their float8 copies are gathered as they are
+        forward_bsyms, self._casting = float8_gathers(trace.bound_symbols, trace.output, full)
+        for name, gather in self._casting.items():
+            self.sharded[name] = self.sharded[gather.weight.pname]
+            full[name] = gather.bits
         outputs = list(trace.output)
         for i in range(n_outputs, len(outputs)):
             out = outputs[i]
             if type(out) is TensorProxy and out.pname in self.sharded and self.sharded[out.pname].state.zero3:
                 outputs[i] = self.shard(out)
-        full = {p.pname: p for p in trace.inputs if p.pname in self.sharded}
         plan: dict[int, _Collective] = {}
-        bsyms = self._checked(self._with_gathers(trace.bound_symbols, outputs, full, plan), plan, "forward")
+        bsyms = self._checked(self._with_gathers(forward_bsyms, outputs, full, plan), plan, "forward")
+        self._casting = {}
         inputs = [self.shard(p) if p.pname in self.sharded else p for p in trace.inputs]
         return trace.from_trace("FSDP: shards gathered before use", inputs=inputs, bound_symbols=bsyms,
                                 output=tuple(outputs))
@@ -253,8 +261,11 @@ class DistributedProgram:
         buckets = sorted((_Bucket(names, first[names[0]]) for names in groups.values()), key=lambda b: b.ready)
         for bucket in buckets:
             self._gather(bucket, [full[name] for name in bucket.names])
-            plan[id(bucket.start[-1])] = _collective("all_gather", [self.sharded[n] for n in bucket.names],
-                                                     bucket.start[-1].args[0])
+            specs = [self.sharded[n] for n in bucket.names]
+            plan[id(bucket.start[-1])] = _collective("all_gather", specs, bucket.start[-1].args[0])
+            for bsym in bucket.start[:-1]:
+                if bsym.sym is collectives.all_reduce_max:  # the amaxes of a float8 gather
+                    plan[id(bsym)] = _collective("all_reduce_max", specs, bsym.args[0])
         in_flight = self.sharded[buckets[0].names[0]].state.max_in_flight if buckets else 1
         result: list[BoundSymbol] = []
         started = 0
@@ -285,6 +296,10 @@ class DistributedProgram:
         world = state.world
         with TraceBuilder(self.namespace) as builder:
             shards = [self.shard(p) for p in fulls]
+            if self._casting:  # the forward computes the float8 shards it gathers; ZeRO-3's backward saved them
+                gathers = [self._casting.get(p.pname) for p in fulls]
+                sources = [self.shard(g.weight) if g is not None else s for g, s in zip(gathers, shards)]
+                shards = cast_shards(builder, sources, shards, gathers, state.group_name)
             flat = shards[0] if len(shards) == 1 else ft.cat([ft.reshape(s, (-1,)) for s in shards], 0)
             gathered = collectives.all_gather(flat, state.group_name, world)
         bucket.start = builder.bound_symbols
