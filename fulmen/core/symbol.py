@@ -42,6 +42,7 @@ IMPORTS: dict[str, str] = {
     "prims": "from fulmen.ops import prims",
     "impls": "from fulmen.ops.kernels import impls",
     "fused_loss": "from fulmen.ops import fused_loss",
+    "float8": "from fulmen.ops import float8",
     "operator": "import operator",
     "dist": "from fulmen.distributed import prims as dist",  # the collectives (fulmen.distributed.prims)
 }

@@ -39,7 +39,7 @@ import torch
 
 import fulmen.torch as ft
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import IMPORTS, Symbol, Tag
+from fulmen.core.symbol import Symbol, Tag
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops.registry import add_symbol
 from fulmen.ops.rules.grad import get_grad, put_grad, wants_grad
@@ -48,7 +48,6 @@ from fulmen.ops.rules.tables import RuleKind, register
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 EPS = 1e-12  # the smallest amax a scale is computed from (an all-zero tensor gets a finite scale)
-IMPORTS.setdefault("float8", "from fulmen.ops import float8")  # how traces that print these symbols import them
 
 
 @dataclass(frozen=True, slots=True)
