@@ -31,7 +31,7 @@ from fulmen.core.proxies import TensorProxy, unproxyable
 from fulmen.core.source import SourceLocation, library_location, user_location
 from fulmen.core.symbol import BoundSymbol, Symbol, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, mismatch
-from fulmen.ops import lookup, shape
+from fulmen.ops import lookup, recurrent, shape
 from fulmen.ops.effects import check_all_true
 from fulmen.ops.nn import batch_norm_update
 from fulmen.ops.registry import SYMBOLS
@@ -83,6 +83,12 @@ DATA_DEPENDENT: frozenset = frozenset(
 # (the caller, its views) would see the change.
 SHAPE_UPDATES: frozenset = frozenset({T.unsqueeze_, T.squeeze_, T.transpose_, T.t_, T.swapdims_, T.swapaxes_,
                                       T.as_strided_, T.resize_, T.resize_as_})
+
+
+# Factories whose leading arguments are sizes (all of them, or the first: torch.full's): eager reads a 0-dim integer
+# tensor there as a Python int (nn.LSTM sizes its zero states by a packed sequence's batch_sizes[0]).
+SIZED_FACTORIES: dict[Callable[..., Any], bool] = {torch.zeros: True, torch.ones: True, torch.empty: True,
+                                                   torch.rand: True, torch.randn: True, torch.full: False}
 
 
 def _is_basic_index(index: Any) -> bool:
@@ -196,6 +202,8 @@ class Interpreter(TorchFunctionMode):
             T.storage_offset: self._storage_offset,
             T.register_hook: self._register_hook,
             torch._is_all_true: self._is_all_true,
+            torch._C._VariableFunctions._pack_padded_sequence: self._pack_padded_sequence,
+            torch._C._VariableFunctions._pad_packed_sequence: self._pad_packed_sequence,
         }
         for func in (torch.tensor, torch.as_tensor, T.new_tensor):
             self.special[func] = functools.partial(self._from_data, func)
@@ -260,6 +268,8 @@ class Interpreter(TorchFunctionMode):
                 "does this on an unbatched input: use inplace=False)", location)
         if binding is None:
             raise UnsupportedOpError(f"fulmen does not support {_describe(func)} (no symbol for it)", location)
+        if func in SIZED_FACTORIES:
+            args = self._sizes_read(func, args)
         if kwargs.get("requires_grad"):
             raise UnsupportedOpError(f"fulmen cannot trace {_describe(func)}(..., requires_grad=True): a tensor the "
                                      "program creates as a leaf of autograd has no place in a trace; create it "
@@ -601,6 +611,49 @@ class Interpreter(TorchFunctionMode):
         if not self.autograd.is_leaf(x):
             raise RuntimeError(leaf_flag_error(bool(requires_grad)))  # eager's
         self._requires_grad_(x, requires_grad)
+
+    def _sizes_read(self, func: Callable[..., Any], args: tuple) -> tuple:
+        """`args` of a factory with each 0-dim integer tensor among its sizes read as eager reads it (`__index__`):
+        answered where its value is known while tracing, refused naming the line otherwise."""
+
+        def read(size: Any) -> Any:
+            if isinstance(size, (tuple, list)) and not isinstance(size, torch.Size):
+                return type(size)(read(item) for item in size)
+            if type(size) is TensorProxy and size.dim() == 0 and not size.dtype.is_floating_point:
+                found, value = self.known.read(T.__index__, self.functional.resolve(size))
+                if not found:
+                    raise DataDependentError(f"fulmen cannot trace {_describe(func)} with a size given as a tensor: "
+                                             "eager reads its value, unknown while tracing; pass a Python int",
+                                             self.builder.source)
+                return value
+            return size
+
+        every = SIZED_FACTORIES[func]
+        return tuple(read(a) if every or i == 0 else a for i, a in enumerate(args))
+
+    def _known_ints(self, x: Any, what: str) -> list:
+        """The values of the integer tensor `x` where they are known while tracing (known_values.py)."""
+        if type(x) is not TensorProxy:  # a captured tensor, read as eager reads it
+            with torch._C.DisableTorchFunction():
+                return x.tolist()
+        found, values = self.known.read(T.tolist, self.functional.resolve(x))
+        if not found:
+            raise DataDependentError(
+                f"fulmen cannot trace {what}: the packed sequence's shape depends on the lengths' values, unknown "
+                f"while tracing (a tensor of shape {tuple(x.shape)}); pass the lengths as a Python list (a trace for "
+                "each list of lengths), or pack outside the jitted function", self.builder.source)
+        return values
+
+    def _pack_padded_sequence(self, input: Any, lengths: Any, batch_first: bool) -> Any:
+        values = self._known_ints(lengths, "pack_padded_sequence")
+        with self:
+            return recurrent.pack_padded(input, values, batch_first)
+
+    def _pad_packed_sequence(self, data: Any, batch_sizes: Any, batch_first: bool, padding_value: float,
+                             total_length: int) -> Any:
+        values = self._known_ints(batch_sizes, "pad_packed_sequence")
+        with self:
+            return recurrent.pad_packed(data, values, batch_first, padding_value, total_length)
 
     def _retain_grad(self, x: torch.Tensor) -> None:
         """Eager keeps the grad of `x` after backward: the call does it on the tensor it returns for `x`, if any (one

@@ -25,11 +25,11 @@ from fulmen.ops.registry import lookup
 
 _LIMIT = 1 << 16  # elements: larger values are not worth computing twice
 _FACTORIES = frozenset(lookup(f).symbol for f in (torch.arange, torch.zeros, torch.ones, torch.full, torch.tensor,
-                                                  torch.eye) if lookup(f) is not None)
+                                                  torch.as_tensor, torch.eye) if lookup(f) is not None)
 _EXACT = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 _CPU = torch.device("cpu")
 # Ops whose results another device's kernels may order or pick otherwise (ties, duplicate indices): the CPU's answer
-# would not be the device's.
+# would not be the device's (of CPU tensors it is: pack_padded_sequence sorts its lengths there).
 _DEVICE_DEPENDENT = ("sort", "topk", "kthvalue", "mode", "median", "max", "min", "scatter", "index_put", "index_copy",
                      "put", "unique", "histc", "bincount")
 # Reads of a tensor's values that return Python values.
@@ -52,7 +52,8 @@ class KnownValues:
         outputs = list(iter_proxies(output))
         if not outputs or sym.tags & (Tag.RANDOM | Tag.IMPURE):
             return
-        if any(part in sym.printed for part in _DEVICE_DEPENDENT):
+        if any(part in sym.printed for part in _DEVICE_DEPENDENT) and any(
+                p.device.type != "cpu" for p in (*outputs, *iter_proxies((args, kwargs)))):
             return
         if any(out.dtype not in _EXACT or out.numel() > _LIMIT for out in outputs):
             return
