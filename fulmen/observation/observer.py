@@ -89,6 +89,7 @@ from fulmen.observation.value_checks import MISSING, Emitter, describe, immutabl
 
 # nn.Module's own state (hook registries, `_non_persistent_buffers_set`, ...): torch's to change, not the program's
 _MODULE_STATE = frozenset(nn.Module().__dict__)
+_MODULE_GETATTR = nn.Module.__getattr__.__code__
 # The functions of read_sites.AttrCall sites by id (a user's own `getattr` is none of them): what each does to the
 # attribute
 _ATTRIBUTE_CALLS = {id(getattr): "reads", id(hasattr): "reads", id(vars): "reads", id(object.__getattribute__): "reads",
@@ -383,7 +384,9 @@ class Observer:
             self._special(frame.f_locals.get(site.name), frame)
         elif kind is read_sites.AttrRead:
             receiver = evaluate(site.receiver, frame, self._results)
-            if receiver is not MISSING:
+            if receiver is not MISSING and site.name == "__dict__" and frame.f_code is _MODULE_GETATTR:
+                self._module_getattr(receiver, frame.f_locals.get("name"))
+            elif receiver is not MISSING:
                 self.read_attribute(receiver, site.name)
                 self._special(attribute_value(receiver, site.name), frame)
                 if global_setters.method_changes_generators(receiver, site.name):  # C code: its call is unseen
@@ -629,6 +632,26 @@ class Observer:
             return
         if name not in shadow_class.__dict__:  # not one of the shadow's own hooks
             self.class_attribute(type(original), name, what, original)
+
+    def _module_getattr(self, module: nn.Module, name: Any) -> None:
+        """`nn.Module.__getattr__` of a module outside the jitted module's tree (an argument, a global) looks `name`
+        up in its parameters, buffers and submodules through `__dict__`: that lookup is guarded, not the whole
+        content of the module (a model passed to a jitted function made a guard of every module's whole state, most
+        of a cache hit's checks). It runs only when `name` is not in the module's own dict, which is checked too."""
+        if not isinstance(name, str) or not isinstance(module, nn.Module):
+            self.read_state(module, "`__dict__`")
+            return
+        if is_shadow(module) or id(module) in self._created:
+            return  # shadows: the module tap; modules the program created: derived from what it read
+        state = module.__dict__
+        self._pinned.append(state)
+        kind = type(module).__qualname__
+        self._add_raw(("not in dict", id(state), name), f"attribute {name} of a {kind} module (not its own)",
+                      lambda e: f"{name!r} not in {e.bind(state)}")
+        if not self._module_member(module, name, inputs=False):
+            for slot in MODULE_SLOTS:
+                self._add_raw(("no slot", id(state), slot, name), f"{slot[1:-1]} {name} of a {kind} module (absent)",
+                              lambda e, slot=slot: f"{name!r} not in {e.bind(state)}[{slot!r}]")
 
     def module_fallback(self, module: nn.Module, name: str) -> bool:
         """The program read `name` through `nn.Module.__getattr__` (a parameter, buffer or submodule) of a module of
