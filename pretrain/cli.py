@@ -54,6 +54,7 @@ def setup(
     offload: float | None = None,
     cuda_graphs: bool = False,
     activation_memory_budget: float = 1.0,
+    float8: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
@@ -87,8 +88,10 @@ def setup(
             runs without, with a warning.
         activation_memory_budget: the bytes fulmen's forward saves for the backward, as a share of its default
             (`JitOptions.activation_memory_budget`); below 1 the backward recomputes matmuls to fit.
+        float8: fulmen computes the linears with float8 matmuls, by torchao's recipe of this name
+            (`JitOptions.float8`; the lm_head stays in high precision); null: as eager.
         strategy: "auto" (one device: none; several: ddp), "ddp" or "fsdp" (fulmen's Fabric strategies).
-        fsdp: the FSDP strategy's options.
+        fsdp: the FSDP strategy's options (`float8_all_gather`: with float8 tensorwise, gather weights in float8).
         logger_name: "csv" or "tensorboard".
         seed: seeds the weights and the data order.
     """

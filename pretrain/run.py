@@ -51,9 +51,12 @@ def make_strategy(settings: Settings, world: int) -> Any:
 def compile_loss(settings: Settings) -> Any:
     if settings.compiler == "fulmen":
         offload = None if settings.offload is None else fulmen.OffloadOptions(fraction=settings.offload)
+        float8 = None if settings.float8 is None else fulmen.Float8Options(
+            recipe=settings.float8, all_gather=settings.fsdp.float8_all_gather)
         return fulmen.jit(forward_and_loss, executors=settings.executors,
                           options=fulmen.JitOptions(offload=offload, cuda_graphs=settings.cuda_graphs,
-                                                    activation_memory_budget=settings.activation_memory_budget))
+                                                    activation_memory_budget=settings.activation_memory_budget,
+                                                    float8=float8))
     if settings.compiler == "torch":
         return torch.compile(forward_and_loss)
     return forward_and_loss

@@ -39,6 +39,7 @@ class FSDPArgs:
     sharding_strategy: Literal["ZERO2", "ZERO3"] = "ZERO3"
     bucketing_strategy: Literal["NONE", "LAYER", "BLOCK"] = "BLOCK"
     state_dict_type: Literal["full", "sharded"] = "full"
+    float8_all_gather: bool = False  # with float8: tensorwise, all-gather the weights in float8 (fulmen's, not torch's)
 
     def __post_init__(self) -> None:  # the enums' own spellings are accepted too
         self.sharding_strategy = FSDPType[str(self.sharding_strategy).upper()].name
@@ -67,6 +68,7 @@ class Settings:
     offload: float | None
     cuda_graphs: bool
     activation_memory_budget: float
+    float8: str | None
     strategy: str
     fsdp: FSDPArgs
     logger_name: str
@@ -292,6 +294,14 @@ def check(settings: Settings) -> Plan:
         if settings.compiler != "fulmen":
             raise SettingsError(f"offload is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
         _fulmen_refusal(fulmen.OffloadOptions, fraction=settings.offload)  # a fraction outside (0, 1] fails here
+    if settings.float8 is not None:
+        if settings.compiler != "fulmen":
+            raise SettingsError(f"float8 is fulmen's and needs compiler: fulmen, got compiler: {settings.compiler}")
+        _fulmen_refusal(fulmen.Float8Options, recipe=settings.float8)  # an unknown recipe fails here
+    if settings.fsdp.float8_all_gather:
+        if settings.strategy != "fsdp" or settings.float8 != "tensorwise":
+            raise SettingsError("fsdp.float8_all_gather needs strategy: fsdp and float8: tensorwise, got strategy: "
+                                f"{settings.strategy}, float8: {settings.float8}")
     if settings.strategy == "fsdp" and settings.compiler != "fulmen":
         raise SettingsError(f"strategy fsdp is fulmen's ThunderFSDPStrategy and needs compiler: fulmen, got "
                             f"compiler: {settings.compiler}")

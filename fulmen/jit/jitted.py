@@ -28,7 +28,7 @@ from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors import base as executor_base
 from fulmen.executors.base import Executor
 from fulmen.jit.buffer_registrations import RealModules, Registered, Registration
-from fulmen.jit.module_inputs import ModuleInput, ShadowTree, build_shadow
+from fulmen.jit.module_inputs import ModuleInput, ShadowTree, build_shadow, qualified_names
 from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.trace_cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.undo import HookSnapshot, reachable_modules
@@ -200,24 +200,6 @@ def _facts_read(acquisition: Acquisition) -> tuple[tuple[int, str, bool], ...] |
         return None
     position = {id(p): i for i, p in enumerate(acquisition.inputs)}
     return tuple(sorted((position[id(proxy)], fact, value) for proxy, fact, value in read.values()))
-
-
-def _input_names(acquisition: Acquisition, modules: list[nn.Module]) -> dict[str, tuple[str, ...]]:
-    """The module tensors the trace takes (module inputs, tensors the program captured), by proxy name: their
-    qualified names under the modules the program names, one per place a tied tensor sits."""
-    places: dict[int, list[str]] = {}
-    covered: set[int] = set()
-    for root in modules:  # each root before its submodules (reachable_modules' order)
-        if id(root) in covered:
-            continue
-        covered.update(id(m) for m in root.modules())
-        for name, tensor in [*root.named_parameters(remove_duplicate=False),
-                             *root.named_buffers(remove_duplicate=False)]:
-            places.setdefault(id(tensor), []).append(name)
-    tree = acquisition.tree
-    pairs = [(proxy, source.fetch()) for proxy, source in zip(tree.proxies, tree.inputs)] if tree is not None else []
-    pairs += [(proxy, tensor) for tensor, proxy in acquisition.interpreter.constants]
-    return {proxy.pname: tuple(places[id(t)]) for proxy, t in pairs if id(t) in places}
 
 
 class JittedFunction:
@@ -515,7 +497,8 @@ class JittedFunction:
         acquired = Trace("computation", acquisition.inputs, builder.bound_symbols, tuple(values),
                          "Acquisition (fulmen.jit)", builder.namespace)
         # a pass may choose by parameter name (float8's skip): the names of the module tensors the trace takes
-        with named_inputs(lambda: _input_names(acquisition, reachable_modules(self._fn, self._module, args, kwargs))):
+        with named_inputs(lambda: qualified_names(acquisition.tree, acquisition.interpreter.constants,
+                                                  reachable_modules(self._fn, self._module, args, kwargs))):
             traces = self.pipeline.acquire(acquired)
         bases = aliases.bases(real_inputs) if aliases is not None else []
         distributed = distributed_program(acquired, [*real_inputs, *bases])

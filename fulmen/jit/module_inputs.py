@@ -235,3 +235,26 @@ def build_shadow(module: nn.Module, make_proxy: Callable[[torch.Tensor, str], Te
 
     tree.root = visit(module, "")
     return tree
+
+
+def qualified_names(tree: ShadowTree | None, captured: list[tuple[torch.Tensor, TensorProxy]],
+                    modules: list[nn.Module]) -> dict[str, tuple[str, ...]]:
+    """The module tensors a trace takes (`tree`'s inputs, tensors the program `captured`), by proxy name: their
+    qualified names under `modules` (the modules the program names, each root before its submodules), one per place a
+    tied tensor sits, without a wrapper's own references (Fabric's `_forward_module.`)."""
+    places: dict[int, list[str]] = {}
+    covered: set[int] = set()
+    for root in modules:
+        if id(root) in covered:
+            continue
+        covered.update(id(m) for m in root.modules())
+        for name, tensor in [*root.named_parameters(remove_duplicate=False),
+                             *root.named_buffers(remove_duplicate=False)]:
+            parts = name.split(".")
+            while len(parts) > 1 and parts[0].startswith("_"):
+                parts.pop(0)
+            if ".".join(parts) not in places.setdefault(id(tensor), []):
+                places[id(tensor)].append(".".join(parts))
+    pairs = [(proxy, source.fetch()) for proxy, source in zip(tree.proxies, tree.inputs)] if tree is not None else []
+    pairs += [(proxy, tensor) for tensor, proxy in captured]
+    return {proxy.pname: tuple(places[id(t)]) for proxy, t in pairs if id(t) in places}
