@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from fulmen.core.symbol import Tag, iter_proxies
+from fulmen.core.errors import DataDependentError
+from fulmen.core.symbol import Tag, iter_proxies, map_proxies
+from fulmen.core.trace import TraceBuilder, infer_device
 from fulmen.ops import prims
 from fulmen.ops.kernels import impls
 from fulmen.ops.registry import TorchBinding, bind, impl_symbol, lookup, method, methods, torch_symbol
@@ -265,9 +267,43 @@ def _pieces_grad(fn):
 
 for _fn in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
     register(RuleKind.GRAD, _fn, _pieces_grad(_fn))
-torch_symbol(torch.tensor_split, aliases=(method("tensor_split"),))
+
+
+def _by_values(fn: Callable[..., Any], refuse: Callable[..., str | None]) -> Callable[..., Any]:
+    """The meta of `fn`, refusing (naming the line) the calls whose output shapes depend on a tensor argument's
+    values, which eager's kernel reads (`refuse` says why); torch's meta kernel on the others."""
+
+    def meta(builder: TraceBuilder, *args: Any, **kwargs: Any) -> Any:
+        reason = refuse(*args, **kwargs)
+        if reason is not None:
+            raise DataDependentError(reason, builder.source)
+        requires_grad = torch.is_grad_enabled() and any(p.requires_grad for p in iter_proxies((args, kwargs)))
+        out = fn(*map_proxies(args, lambda p: p.meta), **map_proxies(kwargs, lambda p: p.meta))
+        return builder.wrap_outputs(out, infer_device(args, kwargs), requires_grad)
+
+    return meta
+
+
+def _tensor_split_by_values(input, indices_or_sections=None, dim=0, **kwargs) -> str | None:  # noqa: A002
+    if is_tensor(indices_or_sections):
+        return ("fulmen cannot trace torch.tensor_split with its indices or sections given as a tensor: eager reads "
+                "their values, which set the pieces' shapes and are unknown while tracing; pass them as Python ints")
+    return None
+
+
+def narrow_meta(builder: TraceBuilder, input: Any, dim: int, start: Any, length: int) -> Any:  # noqa: A002
+    """narrow's view. A start given as a 0-dim integer tensor (eager's kernel reads it when the call runs) leaves
+    the shape known, length along dim: the view is taken at 0 on meta tensors (its offset is the runtime's)."""
+    if is_tensor(start) and (start.dim() != 0 or start.dtype.is_floating_point or start.dtype.is_complex):
+        raise RuntimeError("start must be an 0-dim integral Tensor.")  # eager's
+    out = input.meta.narrow(dim, 0 if is_tensor(start) else start, length)
+    return builder.wrap_outputs(out, input.device, torch.is_grad_enabled() and input.requires_grad)
+
+
+torch_symbol(torch.tensor_split, aliases=(method("tensor_split"),),
+             meta=_by_values(torch.tensor_split, _tensor_split_by_values))
 torch_symbol(torch.unbind, aliases=(method("unbind"),))
-torch_symbol(torch.narrow, aliases=(method("narrow"),))
+torch_symbol(torch.narrow, aliases=(method("narrow"),), meta=narrow_meta)
 torch_symbol(torch.select, decomposition=lambda x, dim, index: prims.select(x, canonical_dim(dim, x.dim()), index),
              aliases=(method("select"),))
 torch_symbol(torch.diagonal, aliases=(method("diagonal"),))
@@ -388,8 +424,17 @@ def repeat_interleave_decomposition(x, repeats, dim=None, *, output_size=None):
     return prims.reshape(expanded, tuple(shape))
 
 
+def _repeat_interleave_by_values(input, repeats=None, dim=None, *, output_size=None) -> str | None:  # noqa: A002
+    if output_size is None and (repeats is None or is_tensor(repeats)):
+        return ("fulmen cannot trace torch.repeat_interleave with repeats given as a tensor and no output_size: the "
+                "result's length is their sum, which eager reads and which is unknown while tracing; pass "
+                "output_size=")
+    return None
+
+
 torch_symbol(torch.repeat_interleave, decomposition=repeat_interleave_decomposition,
-             aliases=(method("repeat_interleave"),))
+             aliases=(method("repeat_interleave"),),
+             meta=_by_values(torch.repeat_interleave, _repeat_interleave_by_values))
 _linear_in({torch.repeat_interleave: (0,)})
 
 # --- gathers and scatters ------------------------------------------------------------------------------------------

@@ -31,9 +31,8 @@ XFAIL: dict[str, str] = {
     "__getitem__-14": "indexing with a boolean mask is data-dependent (fulmen raises DataDependentError)",
 }
 XFAIL_TENSOR_ARGUMENT: dict[str, str] = {
-    "narrow": "a start given as a tensor is data-dependent (its value sets the output shape)",
-    "repeat_interleave": "tensor repeats without output_size are data-dependent",
-    "tensor_split": "split indices given as a tensor are data-dependent",
+    "repeat_interleave": "tensor repeats without output_size are data-dependent (fulmen raises DataDependentError)",
+    "tensor_split": "split indices given as a tensor are data-dependent (fulmen raises DataDependentError)",
 }
 # By OpInfo name, samples fulmen refuses (with a clear error) for the values of their arguments: (which, why).
 XFAIL_WHERE: dict[str, tuple[Callable[[object], bool], str]] = {

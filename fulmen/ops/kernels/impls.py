@@ -245,6 +245,8 @@ def view_scatter(
 ) -> torch.Tensor:
     """`base` after writing `value` into the view `view_fn(base, *args, **kwargs)` (its `index`-th output)."""
     out = _clone_with_layout(base)
+    if out.is_meta:  # the output's metadata is the base's; the view may need values only the run has (narrow's start)
+        return out
     view = view_fn(out, *args, **kwargs)
     if index is not None:
         view = view[index]
