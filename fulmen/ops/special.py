@@ -16,6 +16,7 @@ from fulmen.ops.factories import no_derivative
 from fulmen.ops.registry import TorchBinding, bind, lookup, method, methods, torch_symbol
 from fulmen.ops.rules.batch import elementwise
 from fulmen.ops.rules.grad import get_grad, put_grad, wants_grad
+from fulmen.ops.rules.grad_formulas import sum_to
 from fulmen.ops.rules.jvp import Dot, as_tangent, by_derivative
 from fulmen.ops.rules.tables import RuleKind, register
 from fulmen.ops.rules.traits import elementwise_unary
@@ -108,10 +109,11 @@ ldexp = torch_symbol(
 def ldexp_grad(x, other):
     y = ldexp(x, other)
     g = get_grad(y)
+    # each summed to its operand's shape, then in its dtype, as eager's engine does with a broadcast operand's grad
     if wants_grad(x):  # grad * pow(2, other)
-        put_grad(x, (g * torch.pow(2, other)).to(x.dtype))
+        put_grad(x, sum_to(g * torch.pow(2, other), tuple(x.shape)).to(x.dtype))
     if wants_grad(other):  # grad * result * M_LN2
-        put_grad(other, (g * y * math.log(2.0)).to(other.dtype))
+        put_grad(other, sum_to(g * y * math.log(2.0), tuple(other.shape)).to(other.dtype))
     return y
 
 
