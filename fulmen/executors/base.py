@@ -362,6 +362,11 @@ class FusionExecutor(Executor):
     def worth_fusing(self, bsyms: list[BoundSymbol]) -> bool:
         return len(bsyms) > 1
 
+    def is_view(self, bsym: BoundSymbol) -> bool:
+        """Whether `bsym` only views its input (no kernel in eager): one of a value that exists anyway stays out of
+        the regions, since a region would write out a copy of it (see fulmen.executors.passes.fuse_regions)."""
+        return False
+
     def fuse(self, bsyms: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy],
              index: int) -> BoundSymbol:
         """One call computing `outputs` from `inputs` by running `bsyms`; `index` numbers a trace's regions."""

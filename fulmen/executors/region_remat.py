@@ -24,6 +24,7 @@ reductions or random draws), from values materialised before the reading region.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fulmen.core.proxies import TensorProxy
@@ -51,6 +52,7 @@ class _Plan:
     live: list[int] = field(default_factory=list)  # bytes alive at each position
     recomputed: dict[int, set[str]] = field(default_factory=dict)  # region position -> values it recomputes
     dropped: set[int] = field(default_factory=set)  # positions of lone calls whose outputs are all recomputed
+    is_view: Callable[[BoundSymbol], bool] = lambda bsym: False  # the executor's: a call that only views its input
 
     @property
     def peak(self) -> int:
@@ -110,6 +112,11 @@ def _try_drop(value: TensorProxy, plan: _Plan) -> bool:
     readers = plan.readers.get(value.pname, set())
     if not readers or not all(reader in plan.members for reader in readers):
         return False
+    for reader in readers:  # a reader that only views it for a later call would write it out again, one per reader
+        for call in plan.members[reader]:
+            if value.pname in call.arg_names() and plan.is_view(call) \
+                    and any(plan.readers.get(name, set()) - {reader} for name in call.output_names()):
+                return False
     chains = {}
     for reader in readers:
         found = _chain(value.pname, reader, plan)
@@ -148,10 +155,10 @@ def _try_drop(value: TensorProxy, plan: _Plan) -> bool:
 
 
 def _plan(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple, inputs_held: bool,
-          fusible) -> _Plan:
+          fusible, is_view: Callable[[BoundSymbol], bool] = lambda bsym: False) -> _Plan:
     plan = _Plan(bsyms, members={}, materialised={p.pname for p in inputs}, position={p.pname: -1 for p in inputs},
                  producer={}, readers={}, last_use={}, proxies={p.pname: p for p in inputs},
-                 held={p.pname for p in inputs} if inputs_held else set())
+                 held={p.pname for p in inputs} if inputs_held else set(), is_view=is_view)
     for position, bsym in enumerate(bsyms):
         for proxy in bsym.proxy_args():
             plan.readers.setdefault(proxy.pname, set()).add(position)
@@ -252,21 +259,22 @@ def _refresh(bsyms: list[BoundSymbol], output: tuple) -> list[BoundSymbol]:
 
 
 def plan_regions(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple, inputs_held: bool,
-                 fusible) -> list[BoundSymbol]:
+                 fusible, is_view: Callable[[BoundSymbol], bool] = lambda bsym: False) -> list[BoundSymbol]:
     """`bsyms` (regions as REGION placeholders) with regions merged across independent calls, then cheap values
     recomputed by the regions reading them (see the module docstring). `inputs_held`: the caller keeps the trace's
     inputs alive (a forward; a backward frees its saved values as it goes). `fusible(bsym)`: whether a call
     outside the regions may move into one."""
     while (merged := _merge_once(bsyms, inputs, output, inputs_held)) is not None:
         bsyms = _refresh(merged, output)
-    return recompute_region_inputs(bsyms, inputs, output, inputs_held, fusible)
+    return recompute_region_inputs(bsyms, inputs, output, inputs_held, fusible, is_view)
 
 
 def recompute_region_inputs(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple,
-                            inputs_held: bool, fusible) -> list[BoundSymbol]:
+                            inputs_held: bool, fusible,
+                            is_view: Callable[[BoundSymbol], bool] = lambda bsym: False) -> list[BoundSymbol]:
     """`bsyms` (regions as REGION placeholders) with cheap values recomputed by the regions reading them; regions'
     inputs and outputs follow from their calls again."""
-    plan = _plan(bsyms, inputs, output, inputs_held, fusible)
+    plan = _plan(bsyms, inputs, output, inputs_held, fusible, is_view)
     outputs = {p.pname for p in iter_proxies(output)}
     changed = False
     for bsym in bsyms:

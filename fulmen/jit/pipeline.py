@@ -98,16 +98,18 @@ class ClaimExecution(Transform):
     """Stage EXECUTION: the executors, in their priority order, claim the calls; fusion regions form
     (fulmen.executors.passes)."""
 
-    def __init__(self, executors: tuple[Executor, ...], interpreter_factory: Callable[[TraceBuilder], Any]) -> None:
+    def __init__(self, executors: tuple[Executor, ...], interpreter_factory: Callable[[TraceBuilder], Any],
+                 common: bool = False) -> None:
         self.executors = executors
         self.interpreter_factory = interpreter_factory
+        self.common = common  # JitOptions.cse: what claiming made twice is computed once
 
     @property
     def name(self) -> str:
         return f"Transform for execution ({', '.join(e.name for e in self.executors)})"
 
     def transform_execution(self, trace: Trace, kind: TraceKind) -> Trace:
-        return transform_for_execution(trace, self.executors, self.interpreter_factory)
+        return transform_for_execution(trace, self.executors, self.interpreter_factory, self.common)
 
 
 def default_steps(options: JitOptions, claim: Transform) -> tuple[Step, ...]:
@@ -159,7 +161,7 @@ class Pipeline:
         self.interpreter_factory = interpreter_factory
         self.memory_budget = options.activation_memory_budget
         _refuse_fulmens_stages(options.transforms)
-        self._set_steps(default_steps(options, ClaimExecution(executors, interpreter_factory)))
+        self._set_steps(default_steps(options, ClaimExecution(executors, interpreter_factory, options.cse)))
 
     def _set_steps(self, steps: tuple[Step, ...]) -> None:
         self.steps = steps
