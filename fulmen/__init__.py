@@ -31,6 +31,7 @@ from fulmen.executors.registry import get_default_executors, get_executor
 from fulmen.executors.registry import resolve as resolve_executors
 from fulmen.functional.derivatives import FunctionalTransform, grad, jvp, vjp
 from fulmen.functional.vmap import vmap
+from fulmen.jit.dynamic_shapes import mark_dynamic
 from fulmen.jit.jitted import CacheStats, JittedFunction
 from fulmen.jit.jitted_module import JittedModule, pipeline
 from fulmen.jit.jitted_module import core as _jitted_core  # not `core`, which would hide the subpackage fulmen.core
@@ -44,8 +45,8 @@ __all__ = [
     "Float8Options", "FulmenError", "FunctionalTransform", "GradTraces", "JitOptions", "JittedFunction", "JittedModule",
     "OffloadOptions", "Stage", "TensorProxy", "Trace", "TraceError", "TraceKind", "Transform", "TransformError",
     "UnsupportedOpError", "cache_hits", "cache_misses", "examine", "extend", "get_default_executors", "get_executor",
-    "get_grad", "grad", "jit", "jvp", "last_backward_traces", "last_cache_miss_reasons", "last_traces", "put_grad",
-    "pipeline", "put_grads", "register_grad", "rewrite", "torch", "vjp", "vmap",
+    "get_grad", "grad", "jit", "jvp", "last_backward_traces", "last_cache_miss_reasons", "last_traces", "mark_dynamic",
+    "put_grad", "pipeline", "put_grads", "register_grad", "rewrite", "torch", "vjp", "vmap",
 ]
 
 

@@ -127,6 +127,11 @@ class JitOptions:
             each holds its compiled code and, for a training step, its saved-for-backward plan.
         cache_limit_action: what a call that needs one more trace does then: "eager" (run uncompiled, with a warning
             naming what keeps changing) or "error" (raise fulmen.CacheLimitError).
+        dynamic: symbolic sizes for the tensor arguments (fulmen.jit.dynamic_shapes). None (automatic, torch.compile's
+            rule): the first trace is static, and a dimension whose size differs at a later trace becomes a symbol,
+            so one trace serves every size its guards admit; True: every dimension is a symbol from the first trace;
+            False: static shapes only, one trace per shape. Sizes 0 and 1 stay static; `fulmen.mark_dynamic(tensor,
+            dim)` marks a dimension ahead. Parameters and buffers stay static.
     """
 
     decompose: bool = True
@@ -141,8 +146,11 @@ class JitOptions:
     cuda_graphs: bool = False
     cache_limit: int = 8
     cache_limit_action: CacheLimitAction | str = CacheLimitAction.EAGER
+    dynamic: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise TypeError(f"JitOptions.dynamic must be None, True or False, got {self.dynamic!r}")
         for name in ("decompose", "cse", "fuse_linear_cross_entropy", "grouped_query_attention", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"JitOptions.{name} must be a bool, got {getattr(self, name)!r}")

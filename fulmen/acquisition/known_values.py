@@ -21,6 +21,7 @@ import torch
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol, Tag, iter_proxies, map_proxies
+from fulmen.core.symbolic import free_symbols, has_symbolic_sizes
 from fulmen.ops.registry import lookup
 
 _LIMIT = 1 << 16  # elements: larger values are not worth computing twice
@@ -55,6 +56,8 @@ class KnownValues:
         if any(part in sym.printed for part in _DEVICE_DEPENDENT) and any(
                 p.device.type != "cpu" for p in (*outputs, *iter_proxies((args, kwargs)))):
             return
+        if any(has_symbolic_sizes(out.meta) for out in outputs) or free_symbols((args, kwargs)):
+            return  # contents that depend on a symbolic size (fulmen.core.symbolic) are not fixed by the trace
         if any(out.dtype not in _EXACT or out.numel() > _LIMIT for out in outputs):
             return
         read = list(iter_proxies((args, kwargs)))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.overrides import resolve_name
 
-from fulmen.core import pytree
+from fulmen.core import pytree, symbolic
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import IMPORTS, BoundSymbol, Symbol, iter_proxies
 from fulmen.core.trace import CODEGEN, Trace, TracePrinter
@@ -44,6 +44,8 @@ def render(obj: Any) -> str:
     """Python source for a value appearing as an argument in a trace."""
     if type(obj) is TensorProxy:
         return obj.pname
+    if isinstance(obj, symbolic.SYMBOLIC):  # a size the trace computes from its inputs' shapes (`4*s0`)
+        return symbolic.python(obj)
     if obj is None or isinstance(obj, (bool, str)):
         return repr(obj)
     if isinstance(obj, int):
@@ -161,6 +163,7 @@ def trace_source(trace: Trace, print_depth: int = 0, include_sources: bool = Tru
         lines.append(f"def {trace.name}({', '.join(p.pname for p in trace.inputs)}):")
     for proxy in trace.inputs:
         lines.append(f'  # {proxy.pname}: "{proxy.type_string()}"')
+    lines += [f"  {line}" for line in _size_bindings(trace)]
     line_map: dict[int, BoundSymbol] = {}
     last_source = None
 
@@ -184,6 +187,16 @@ def trace_source(trace: Trace, print_depth: int = 0, include_sources: bool = Tru
         emit(bsym, print_depth, "  ", False)
     lines.append(f"  return {render(tuple(trace.output))}")
     return PythonSource("\n".join(lines) + "\n", line_map)
+
+
+def _size_bindings(trace: Trace) -> list[str]:
+    """The statements binding the symbolic sizes the trace's statements use from its inputs' shapes (none for a
+    trace of static shapes)."""
+    if not any(symbolic.has_symbolic_sizes(p.meta) for p in trace.inputs):
+        return []
+    needed = symbolic.free_symbols([(b.args, b.kwargs) for b in trace.bound_symbols])
+    needed |= symbolic.free_symbols(trace.output)
+    return symbolic.size_bindings(trace.inputs, needed) if needed else []
 
 
 _counter = itertools.count()

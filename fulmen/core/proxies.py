@@ -15,6 +15,7 @@ import torch
 from fulmen.core.dtypes import short_name
 from fulmen.core.errors import UnsupportedOpError
 from fulmen.core.source import frame_location, is_fulmens
+from fulmen.core.symbolic import size_string
 
 
 class ProxyDispatchError(RuntimeError):
@@ -131,7 +132,7 @@ class TensorProxy(torch.Tensor):
 
     def type_string(self) -> str:
         device = self.device
-        dims = ", ".join(str(s) for s in self.shape)
+        dims = ", ".join(size_string(s) for s in self.shape)
         return f"{device} {short_name(self.dtype)}[{dims}]"
 
     def __repr__(self, *, tensor_contents=None) -> str:

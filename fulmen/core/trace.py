@@ -29,6 +29,7 @@ from fulmen.core.symbol import (
     pop_builder,
     push_builder,
 )
+from fulmen.core.symbolic import SYMBOLIC, MetaFactories, has_symbolic_sizes, involved, symbolic_dispatch
 
 # Names a generated trace must not shadow: the roots it imports (a user's argument named `dist` would hide the
 # collectives' module) and Python's builtins.
@@ -151,7 +152,12 @@ def _meta_key(obj: Any) -> Any:
     """A hashable description of everything a meta kernel reads from arguments (a tensor's shape, strides, offset
     and dtype; any other value with its type, since 1, 1.0 and True promote differently)."""
     if type(obj) is TensorProxy:
+        if has_symbolic_sizes(obj.meta):  # SymInts do not hash: equal expressions are equal sizes
+            return (TensorProxy, _meta_key(tuple(obj.shape)), _meta_key(obj.stride()),
+                    _meta_key(obj.storage_offset()), obj.dtype)
         return (TensorProxy, tuple(obj.shape), obj.stride(), obj.storage_offset(), obj.dtype)
+    if isinstance(obj, SYMBOLIC):
+        return (type(obj), obj.node.expr)
     if isinstance(obj, (tuple, list)):
         return (type(obj), tuple(_meta_key(item) for item in obj))
     if isinstance(obj, dict):
@@ -272,7 +278,11 @@ class TraceBuilder(Builder):
         if cached is not None:
             return _fresh_metas(cached)
         meta_args, meta_kwargs = _to_meta(args, kwargs)
-        meta_out = sym.impl(*meta_args, **meta_kwargs)
+        if involved((meta_args, meta_kwargs)):  # symbolic sizes (fulmen.core.symbolic)
+            with symbolic_dispatch(True), MetaFactories():
+                meta_out = sym.impl(*meta_args, **meta_kwargs)
+        else:
+            meta_out = sym.impl(*meta_args, **meta_kwargs)
         if key is not None and _new_tensors_only(meta_out, meta_args, meta_kwargs):
             self._metas[key] = meta_out
         return meta_out

@@ -16,6 +16,7 @@ from fulmen.core.dtypes import short_name
 from fulmen.core.errors import ExecutorContractError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Tag, iter_proxies
+from fulmen.core.symbolic import has_symbolic_sizes, known_true
 from fulmen.core.trace import Trace
 
 
@@ -158,6 +159,8 @@ def _output_problem(expected: Any, got: Any, declared: bool, where: str) -> str 
         if not isinstance(got, torch.Tensor):
             return f"returned {_describe(got)}{at}, but the trace was built for a tensor {expected.type_string()}"
         want, have = _layout(expected), _layout(got)
+        if has_symbolic_sizes(expected.meta):  # its symbolic sizes and strides stand for any value: not compared
+            have = _as_wanted(want, have)
         # a 0-dim CPU tensor mixes with tensors of any device in torch's ops (sdpa's philox seed and offset are such
         # where the trace's device rule says the query's device)
         scalar = got.ndim == 0 and got.device.type == "cpu"
@@ -208,8 +211,21 @@ def _argument_problem(arguments: list[torch.Tensor], versions: list[int | None],
 def _layout(value: torch.Tensor) -> tuple:
     device = value.device
     # a dimension of size 1 can have any stride (eager's own kernels disagree there)
-    strides = tuple(stride for size, stride in zip(value.shape, value.stride()) if size != 1)
-    return tuple(value.shape), value.dtype, (device.type, device.index or 0), strides if value.numel() else ()
+    # (a symbolic size is never 1, nor a symbolic tensor known to be empty: no guard is asked)
+    strides = tuple(stride for size, stride in zip(value.shape, value.stride()) if type(size) is not int or size != 1)
+    empty = value.numel() == 0 if type(value) is not TensorProxy else known_true(value.numel() == 0)
+    return tuple(value.shape), value.dtype, (device.type, device.index or 0), strides if not empty else ()
+
+
+def _as_wanted(want: tuple, have: tuple) -> tuple:
+    """`have` (a real output's layout) with the sizes and strides that are symbolic in `want` taken from `want`, and
+    `want`'s symbolic values as None: a comparison checks the static ones only."""
+    def merge(wanted: tuple, had: tuple) -> tuple:
+        if len(wanted) != len(had):
+            return had
+        return tuple(w if isinstance(w, torch.SymInt) else h for w, h in zip(wanted, had))
+
+    return (merge(want[0], have[0]), have[1], have[2], merge(want[3], have[3]) if have[3] else have[3])
 
 
 def _type_string(tensor: torch.Tensor) -> str:

@@ -38,9 +38,10 @@ from typing import Any
 
 import torch
 
-from fulmen.core.inductor import InductorFunction
+from fulmen.core.inductor import InductorFunction, layouts, strides
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, map_proxies
+from fulmen.core.symbolic import symbolic_trace
 from fulmen.core.trace import Namespace, Trace
 from fulmen.executors.base import FusionExecutor, Implementation
 from fulmen.executors.registry import register_executor
@@ -127,7 +128,10 @@ class TorchCompileExecutor(FusionExecutor):
         source, region = _canonical_region(bsyms, inputs, outputs)
         compiled = self._compiled.get(source)
         if compiled is None:
-            compiled = InductorFunction(region.python_callable(), self.compile_options)
+            # a region of symbolic sizes (fulmen.core.symbolic) runs at every size its trace admits: compiled per
+            # layout (shapes included), where a static trace's regions differ by strides only
+            key = layouts if symbolic_trace(region) else strides
+            compiled = InductorFunction(region.python_callable(), self.compile_options, key)
             self._compiled[source] = compiled
         name = f"TorchCompile{index}"
         sym = Symbol(name=name, printed=name, impl=compiled, meta=None, executor=self)

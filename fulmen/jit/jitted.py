@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -28,13 +29,20 @@ from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors import base as executor_base
 from fulmen.executors.base import Executor
 from fulmen.jit.buffer_registrations import RealModules, Registered, Registration
+from fulmen.jit.dynamic_shapes import DynamicDims, SymbolicInputs, frozen, has_sizes, settled, settled_writes, thawed
 from fulmen.jit.module_inputs import ModuleInput, ShadowTree, build_shadow, qualified_names
 from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.trace_cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.undo import HookSnapshot, reachable_modules
 from fulmen.observation.global_setters import Setters
 from fulmen.observation.global_state import GlobalState, StateLeftChanged
-from fulmen.observation.guards import argument_key, compile_check, global_state_key, module_key
+from fulmen.observation.guards import (
+    argument_key,
+    compile_check,
+    global_state_key,
+    module_key,
+    symbolic_argument_key,
+)
 from fulmen.observation.observer import Observer
 from fulmen.ops import prims
 from fulmen.options import CacheLimitAction, JitOptions
@@ -215,6 +223,7 @@ class JittedFunction:
         self._options = options
         self.executors = executors
         self._cache = Cache(options.cache_limit)
+        self._dims = DynamicDims(options.dynamic)
         self._module_inputs: list[ModuleInput] = []
         self.stats = CacheStats()
         self.last_entry: CacheEntry | None = None
@@ -250,14 +259,24 @@ class JittedFunction:
             _refuse_unproxyable(tensors, self._names(args, kwargs, len(tensors)))
             raise
         entry = self._cache.lookup(key, tensors, module_tensors)
+        if entry is None and self._dims.active and key is not None:  # a trace with symbolic sizes (dynamic_shapes.py)
+            for positions in self._dims.keys(tensors):
+                entry = self._cache.lookup(self._symbolic_key(key, tensors, positions), tensors, module_tensors)
+                if entry is not None:
+                    break
         if entry is None and len(self._cache.layouts) > 1:
             entry, module_tensors = self._other_layouts(spec, tensors, (state, registrations), module_tensors)
         if entry is None:
             self.stats.misses += 1
             names = self._names(args, kwargs, len(tensors))
-            self.last_miss_reasons = self._cache.miss_reasons(key, tensors, module_tensors, names, self._module_inputs)
+            self.last_miss_reasons = self._cache.miss_reasons(
+                key, tensors, module_tensors, names, self._module_inputs,
+                lambda positions: self._symbolic_key(key, tensors, positions))
+            if self._cache.entries:
+                self.last_miss_reasons += self._dims.notes(names)
             if self._cache.full:
                 return self._past_limit(args, kwargs)
+            self._dims.observe(tensors)
             before = GlobalState.current()
             try:
                 entry, module_tensors = self._compile(args, kwargs, tensors, (spec, state, registrations), names,
@@ -266,11 +285,21 @@ class JittedFunction:
                 before.restore()  # the grad mode or autocast a refused program set is not left behind
                 raise
             self._cache.add(entry)
+            if entry.symbolic:
+                self._dims.traced[entry.symbolic] = None
         else:
             self.stats.hits += 1
         self.last_entry = entry
         outputs = entry.fn(*tensors, *module_tensors, *entry.constants)
         return self._finish(entry, outputs, tensors, module_tensors)
+
+    @staticmethod
+    def _symbolic_key(key: tuple | None, tensors: list[torch.Tensor], positions: tuple[int, ...]) -> tuple | None:
+        """The cache key of a trace whose arguments at `positions` carry symbolic sizes (its shape guards check
+        them)."""
+        if key is None or not positions:
+            return key
+        return (key[0], symbolic_argument_key(tensors, positions), *key[2:])
 
     def _recount_registrations(self) -> tuple[int, ...]:
         """Its executors' registration counts, a part of the cache key: after a registration (an implementation, a
@@ -335,16 +364,19 @@ class JittedFunction:
             for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
                 getattr(module, container)[name] = value
             outputs = outputs[: entry.n_outputs]
-        takes_inputs = any(r is not None for r in entry.returns_input)
+        returns_input, views = entry.returns_input, entry.views
+        if entry.view_sizes:  # views taken by symbolic sizes: this call's (dynamic_shapes.thawed)
+            returns_input, views = thawed((returns_input, views), entry.shapes.values(tensors))
+        takes_inputs = any(r is not None for r in returns_input)
         if takes_inputs or entry.retained is not None:
             inputs = [*tensors, *module_tensors, *entry.constants]
         if takes_inputs:
-            returned = [r.take(inputs, out) if r is not None else out for r, out in zip(entry.returns_input, outputs)]
+            returned = [r.take(inputs, out) if r is not None else out for r, out in zip(returns_input, outputs)]
             if entry.program is not None and entry.program.feeding:
                 rewatch(entry.program.feeding, outputs, returned)
             outputs = returned
-        if entry.views is not None:  # views of computed tensors, taken outside the autograd node (view_outputs.py)
-            returned = take_views(entry.views, outputs, produced)
+        if views is not None:  # views of computed tensors, taken outside the autograd node (view_outputs.py)
+            returned = take_views(views, outputs, produced)
             if entry.program is not None and entry.program.feeding:
                 rewatch(entry.program.feeding, outputs, returned)
             outputs = returned
@@ -358,13 +390,14 @@ class JittedFunction:
 
     # --- acquisition ---------------------------------------------------------------------------------------------
     def _acquire(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], names: list[str],
-                 aliases: AliasPlan | None, real_inputs: list[torch.Tensor], compiling: bool) -> Acquisition:
+                 aliases: AliasPlan | None, real_inputs: list[torch.Tensor], compiling: bool,
+                 symbolic: SymbolicInputs | None = None) -> Acquisition:
         builder = TraceBuilder(decompose=self._options.decompose)
         interpreter = Interpreter(builder)
         observer = Observer((self._fn,))
         _refuse_unproxyable(tensors, names)
-        proxies = [builder.make_proxy(logical_meta(t), t.device, t.requires_grad, name=hint)
-                   for t, hint in zip(tensors, names)]
+        proxies = [builder.make_proxy(symbolic.meta(t, i) if symbolic is not None else logical_meta(t), t.device,
+                                      t.requires_grad, name=hint) for i, (t, hint) in enumerate(zip(tensors, names))]
         visible, storage = self._shared_storage(builder, interpreter, proxies, aliases, real_inputs, names)
         for tensor, seen, proxy in zip(tensors, visible, proxies):
             interpreter.autograd.add_input(seen, proxy, tensor)
@@ -396,8 +429,14 @@ class JittedFunction:
                 interpreter.arrays.held_by_caller = observer.held_by_global
                 observer.changing_generators = setters.keep_generators
                 result = target(*proxy_args, **proxy_kwargs)
+                if symbolic is not None:  # sizes it returns are the traced call's ints (dynamic_shapes.settled)
+                    result = settled(result)
         except DataDependentError:
             observer.undo()  # acquired again as a tracer is seen (_compile), or refused: stored once, as eager
+            raise
+        except Exception:
+            if symbolic is not None:  # acquired again with static shapes (_compile): stored once, as eager
+                observer.undo()
             raise
         finally:
             setters.put_back()  # a seed the program set for real while acquired (the trace sets it again)
@@ -453,16 +492,53 @@ class JittedFunction:
     # --- compilation ---------------------------------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], key_parts: tuple,
                  names: list[str], before: GlobalState) -> tuple[CacheEntry, list]:
+        positions = self._dims.to_trace(tensors)
+        if not positions:
+            return self._compile_traced(args, kwargs, tensors, key_parts, names, before, None)
+        symbolic = SymbolicInputs({p: self._dims.dims[p] for p in positions})
+        try:
+            with symbolic.dispatch():
+                traced = self._compile_traced(args, kwargs, tensors, key_parts, names, before, symbolic)
+            for position, dim, why in symbolic.specialised():
+                self._dims.pin(position, dim, why)
+            return traced
+        except Exception as error:
+            # What the trace with symbols could not do: a trace of static shapes (the program's own error raises
+            # again there), and static shapes for this callable from now on
+            before.restore()
+            traced = self._compile_traced(args, kwargs, tensors, key_parts, names, before, None)
+            self._dims.give_up(symbolic.failure(error))
+            return traced
+
+    def _compile_traced(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], key_parts: tuple,
+                        names: list[str], before: GlobalState, symbolic: SymbolicInputs | None
+                        ) -> tuple[CacheEntry, list]:
         # What a run that is acquired again did to Python state is undone first (undo.py): eager runs it once.
         hooks = HookSnapshot(reachable_modules(self._fn, self._module, args, kwargs))
         try:
-            acquisition = self._acquire(args, kwargs, tensors, names, None, [], compiling=False)
+            acquisition = self._acquire(args, kwargs, tensors, names, None, [], False, symbolic)
         except DataDependentError:
             # Eager's path reads a tensor value; libraries keep such reads out of the path they take under a tracer
             # (Hugging Face's `if padding_mask.all()`), which computes the same values.
             hooks.restore()
             before.restore()
-            acquisition = self._acquire(args, kwargs, tensors, names, None, [], compiling=True)
+            acquisition = self._acquire(args, kwargs, tensors, names, None, [], True, symbolic)
+        except Exception:
+            if symbolic is not None:
+                hooks.restore()
+            raise
+        try:
+            return self._compile_acquired(acquisition, args, kwargs, tensors, key_parts, names, before, hooks,
+                                          symbolic)
+        except Exception:
+            if symbolic is not None:  # acquired again with static shapes: the program's writes are undone
+                acquisition.observer.undo()
+                hooks.restore()
+            raise
+
+    def _compile_acquired(self, acquisition: Acquisition, args: tuple, kwargs: dict[str, Any],
+                          tensors: list[torch.Tensor], key_parts: tuple, names: list[str], before: GlobalState,
+                          hooks: HookSnapshot, symbolic: SymbolicInputs | None) -> tuple[CacheEntry, list]:
         compiling = acquisition.compiling
         tree, interpreter = acquisition.tree, acquisition.interpreter
         module_inputs = tree.inputs if tree is not None else []
@@ -476,6 +552,8 @@ class JittedFunction:
             all_names = [*names, *(m.qualified for m in module_inputs), *(p.pname for _, p in interpreter.constants)]
             aliases = plan_aliases(real_inputs, written, all_names, range(len(tensors), len(tensors) +
                                                                                len(module_tensors)))
+            if aliases is not None and symbolic is not None:
+                raise NotImplementedError("the program updates in place inputs that share memory")
             if aliases is not None:  # acquire again, with the shared storage as one input
                 acquisition.observer.undo()
                 hooks.restore()
@@ -537,18 +615,23 @@ class JittedFunction:
             fn = functools.partial(_with_storage, aliases, fn)
         guards = acquisition.observer.guards()
         left = GlobalState.current()  # the program's own changes, still applied (the passes undo theirs)
+        shapes = symbolic.guards(acquisition.inputs) if symbolic is not None else None
+        positions = tuple(symbolic.dims) if symbolic is not None else ()
         entry = CacheEntry(
             fn=fn,
             traces=tuple(traces),
             out_spec=out_spec,
             out_objects=out_objects,
             n_outputs=len(returns_input),
-            returns_input=returns_input,
+            returns_input=frozen(returns_input) if symbolic is not None else returns_input,
             rebinds=tuple(rebinds),
             constants=tuple(constants),
             backward_traces=tuple(program.backward_traces) if program is not None else (),
             program=program,
-            key=(key_parts[0], argument_key(tensors), module_key(module_tensors), *key_parts[1:]),
+            key=self._symbolic_key((key_parts[0], argument_key(tensors), module_key(module_tensors), *key_parts[1:]),
+                                   tensors, positions),
+            shapes=shapes,
+            symbolic=positions,
             guards=guards,
             check=compile_check(guards),
             storage=storage_groups(real_inputs) if written else None,
@@ -556,13 +639,16 @@ class JittedFunction:
             module_inputs=tuple(module_inputs),
             facts=_facts_read(acquisition),
             aliases=aliases,
-            writes=(*acquisition.observer.writes, *acquisition.registrations,
+            writes=(*(settled_writes(acquisition.observer.writes) if symbolic is not None else
+                      acquisition.observer.writes), *acquisition.registrations,
                     *((StateLeftChanged(left),) if left != before else ())),
             # the bases of views the call takes again are objects of their own too
             distinct=identity_pattern(values[: len(values) - len(acquisition.dirty)]),
             retained=acquisition.retained,
-            views=acquisition.views or None,
+            views=(frozen(acquisition.views) if symbolic is not None else acquisition.views) or None,
         )
+        if symbolic is not None and has_sizes((entry.returns_input, entry.views)):
+            entry = dataclasses.replace(entry, view_sizes=True)
         return entry, module_tensors
 
     @staticmethod

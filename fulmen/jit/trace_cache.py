@@ -16,6 +16,7 @@ from fulmen.jit.buffer_registrations import Registration
 from fulmen.observation.container_writes import ContainerWrite
 from fulmen.observation.global_state import StateLeftChanged
 from fulmen.observation.guards import Guard, compile_first_failure, key_difference
+from fulmen.observation.shape_guards import ShapeGuards
 from fulmen.observation.state_writes import Write
 from fulmen.runtime.output_grads import Retained
 from fulmen.runtime.trace_function import GradProgram, give_history
@@ -74,8 +75,13 @@ class CacheEntry:
     # which outputs (returned, then rebinds) the program gave as one object (distinct_outputs.py); None: at most one
     distinct: tuple[int, ...] | None = None
     views: tuple[ViewOutput, ...] | None = None  # returned views of computed tensors, taken again by the call
+    shapes: ShapeGuards | None = None  # the guards on its symbolic sizes (shape_guards.py)
+    symbolic: tuple[int, ...] = ()  # the arguments that carry symbolic sizes (its key leaves their shapes out)
+    view_sizes: bool = False  # returns_input / views take views by symbolic sizes (dynamic_shapes.SizeOf)
 
     def admits(self, tensors: list, module_tensors: list) -> bool:
+        if self.shapes is not None and not self.shapes.check(tensors):
+            return False
         if self.check is not None and not self.check():
             return False
         if self.offsets is not None and storage_offsets([*tensors, *module_tensors, *self.constants]) != self.offsets:
@@ -130,17 +136,22 @@ class Cache:
         self._by_key.setdefault(entry.key, []).append(entry)
 
     def miss_reasons(self, key: Any, tensors: list, module_tensors: list, names: Sequence[str],
-                     layout: Sequence[Any]) -> list[str]:
-        """For each cached entry, the first thing this call differs in."""
-        return [f"trace {i}: {self._reason(entry, key, tensors, module_tensors, names, tuple(layout))}"
+                     layout: Sequence[Any], symbolic_key: Callable[[tuple[int, ...]], Any]) -> list[str]:
+        """For each cached entry, the first thing this call differs in (`symbolic_key(positions)`: this call's key
+        for an entry whose arguments at `positions` carry symbolic sizes)."""
+        return [f"trace {i}: {self._reason(entry, key, tensors, module_tensors, names, tuple(layout), symbolic_key)}"
                 for i, entry in enumerate(self.entries)]
 
     def _reason(self, entry: CacheEntry, key: Any, tensors: list, module_tensors: list, names: Sequence[str],
-                layout: tuple) -> str:
+                layout: tuple, symbolic_key: Callable[[tuple[int, ...]], Any]) -> str:
         if entry.module_inputs != layout:
             return "the module's parameters and buffers changed (its structure differs)"
+        if entry.symbolic:
+            key = symbolic_key(entry.symbolic)
         if entry.key != key:
             return key_difference(entry.key, key, names)
+        if entry.shapes is not None and (why := entry.shapes.explain(tensors, names)) is not None:
+            return why
         if entry.guards:
             explain = self._explain.get(id(entry))
             if explain is None:

@@ -89,8 +89,14 @@ def frame_arguments(frame: types.FrameType) -> tuple[tuple, dict[str, Any]]:
     return tuple(args), kwargs
 
 
+# sympy (and its mpmath) run under torch's symbolic sizes (fulmen.core.symbolic): a program's `T > 64` on a symbolic
+# size asks them, and their caches are theirs, never the program's state
+_SYMBOLIC = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+                  for module in (__import__("sympy"), __import__("mpmath")))
+
+
 def _observed_file(filename: str) -> bool:
-    if filename.startswith(_FULMEN):
+    if filename.startswith(_FULMEN) or filename.startswith(_SYMBOLIC):
         return False
     if filename.startswith(_TORCH):
         return filename.startswith(_TORCH_MODULES)

@@ -36,6 +36,16 @@ def argument_key(tensors: Sequence[torch.Tensor]) -> tuple:
                    type(t)) for t in tensors])
 
 
+def symbolic_argument_key(tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> tuple:
+    """`argument_key` for a trace whose arguments at `positions` carry symbolic sizes: their sizes and strides are
+    left to the trace's shape guards (shape_guards.py), their number of dimensions stays in the key."""
+    key = list(argument_key(tensors))
+    for p in positions:
+        kept = key[p]
+        key[p] = (f"{tensors[p].dim()} dims, symbolic", "symbolic", *kept[2:])
+    return tuple(key)
+
+
 def module_key(tensors: Sequence[torch.Tensor]) -> tuple:
     """`tensor_key` of the module's tensors, with what `isinstance` reads of each: the markers torch's classes read
     (a Buffer's) and its class. Other Python attributes stay on the module's tensor, unread by the trace. A Parameter

@@ -213,8 +213,9 @@ def same_value(current: Any, value: Any) -> bool:
 _PRINTABLE = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size, range)
 
 
+# (a symbolic size of a trace is stored again as the int the traced call had: fulmen.jit.dynamic_shapes.settled)
 _IMMUTABLE_LEAVES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size, range,
-                     slice)
+                     slice, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def immutable(value: Any) -> bool:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from fulmen.core.inductor import InductorFunction, layouts
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
+from fulmen.core.symbolic import hint
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops.registry import add_symbol
 from fulmen.ops.rules.grad import differentiated_by_eager, get_grad, put_grads, wants_grad
@@ -168,7 +169,7 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: b
 
 
 def _run(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, *,
-         ignore_index: int, reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_rows: int,
+         ignore_index: int, reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_rows: int | None,
          wants: tuple[bool, bool, bool], row_scale: torch.Tensor | None, compiled: bool) -> tuple[Any, tuple]:
     """The loss (None when `row_scale` is given: a backward) and the wanted grads of `sum(losses * scale)`, where
     the scale is `row_scale` per row, or 1 / (rows not ignored) for "mean", or 1 for "sum"."""
@@ -176,6 +177,8 @@ def _run(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targe
     hidden = h.shape[-1]
     h2 = h.reshape(-1, hidden)
     rows = h2.shape[0]
+    if chunk_rows is None:  # a trace of symbolic rows: chosen from this call's rows, as a static trace chooses
+        chunk_rows = chunk_rows_for(rows, weight.shape[0], h.dtype)
     want_grad = any(wants)
     if row_scale is None:
         count = (target != ignore_index).sum().to(compute)
@@ -220,7 +223,7 @@ def _run(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targe
 
 
 def linear_cross_entropy(h, weight, bias, target, *, ignore_index: int, reduction: str, label_smoothing: float,
-                         dtype: torch.dtype, chunk_rows: int, compiled: bool = False) -> torch.Tensor:
+                         dtype: torch.dtype, chunk_rows: int | None, compiled: bool = False) -> torch.Tensor:
     """`cross_entropy(linear(h, weight, bias).to(dtype).reshape(-1, V), target, ...)` without its logits."""
     loss, _ = _run(h, weight, bias, target, ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, dtype=dtype, chunk_rows=chunk_rows, wants=(False, False, False),
@@ -229,7 +232,7 @@ def linear_cross_entropy(h, weight, bias, target, *, ignore_index: int, reductio
 
 
 def linear_cross_entropy_forward(h, weight, bias, target, *, ignore_index: int, reduction: str,
-                                 label_smoothing: float, dtype: torch.dtype, chunk_rows: int,
+                                 label_smoothing: float, dtype: torch.dtype, chunk_rows: int | None,
                                  wants: tuple[bool, bool, bool], compiled: bool = False) -> tuple[torch.Tensor, ...]:
     """The loss ("mean" or "sum") and the gradients of the loss for the `wants` among (h, weight, bias)."""
     loss, grads = _run(h, weight, bias, target, ignore_index=ignore_index, reduction=reduction,
@@ -246,8 +249,8 @@ def linear_cross_entropy_backward(g: torch.Tensor, grads: tuple[torch.Tensor, ..
 
 
 def linear_cross_entropy_rows_backward(g: torch.Tensor, h, weight, bias, target, *, ignore_index: int,
-                                       reduction: str, label_smoothing: float, dtype: torch.dtype, chunk_rows: int,
-                                       wants: tuple[bool, bool, bool], compiled: bool = False
+                                       reduction: str, label_smoothing: float, dtype: torch.dtype,
+                                       chunk_rows: int | None, wants: tuple[bool, bool, bool], compiled: bool = False
                                        ) -> tuple[torch.Tensor, ...]:
     """Gradients of reduction "none" losses with per-row cotangents `g`, recomputing each chunk's logits."""
     _, grads = _run(h, weight, bias, target, ignore_index=ignore_index, reduction=reduction,
@@ -290,12 +293,14 @@ def _rows_backward_meta(builder, g, h, weight, bias, target, *, wants, **spec):
     return _grad_proxies(builder, wants, h, weight, bias)
 
 
-def _chunk_scratch(*args, chunk_rows: int, wants: tuple[bool, bool, bool] = (False, False, False), **spec) -> int:
+def _chunk_scratch(*args, chunk_rows: int | None, wants: tuple[bool, bool, bool] = (False, False, False),
+                   **spec) -> int:
     """What `_run` allocates and frees within a call: one chunk's logits (which then hold their gradient); for the
     uncompiled step also their compute-dtype copy (unless they have that dtype) and torch.logsumexp's temporary of
     the same size; and the fp32 accumulators of the weight and bias gradients (when those are not fp32 already)."""
     h, weight, bias = args[-4:-1]
-    rows = min(chunk_rows, h.numel() // h.shape[-1])
+    rows = hint(h.numel() // h.shape[-1])  # symbolic rows count as the traced call's (a cost, decided once)
+    rows = min(chunk_rows or chunk_rows_for(rows, weight.shape[0], h.dtype), rows)
     per_logit = weight.element_size()
     if not spec.get("compiled"):
         compute = compute_dtype(spec.get("dtype", weight.dtype))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core import symbolic
 from fulmen.core.errors import DataDependentError
 from fulmen.core.symbol import Tag, iter_proxies, map_proxies
 from fulmen.core.trace import TraceBuilder, infer_device
@@ -142,7 +143,22 @@ def _normalize_index(index: Any) -> tuple:
 
 
 def _is_basic(item: Any) -> bool:
-    return item is None or item is Ellipsis or isinstance(item, (int, slice)) and not isinstance(item, bool)
+    return item is None or item is Ellipsis or isinstance(item, (int, slice, torch.SymInt)) and \
+        not isinstance(item, bool)
+
+
+def _later(start: Any, stop: Any) -> Any:
+    """max(start, stop), where either may be symbolic (a guard decides which, as Python's max would)."""
+    return stop if stop >= start else start
+
+
+def _whole(starts: list, ends: list, steps: list, shape: torch.Size) -> bool:
+    """Whether the slice takes every element: for symbolic sizes, only where the guards so far say it does (taking a
+    slice that happens to be whole costs a view, never a wrong value)."""
+    if all(type(v) is int for v in (*starts, *ends, *shape)):
+        return not (any(s != 0 for s in starts) or ends != list(shape) or any(s != 1 for s in steps))
+    return all(symbolic.known_true(s == 0) for s in starts) and all(s == 1 for s in steps) and \
+        all(symbolic.known_true(e == n) for e, n in zip(ends, shape))
 
 
 def getitem_decomposition(x: torch.Tensor, index: Any) -> Any:
@@ -163,16 +179,17 @@ def getitem_decomposition(x: torch.Tensor, index: Any) -> Any:
             position += 1
             continue
         size = x.shape[dim]
-        if isinstance(item, int):
+        if isinstance(item, (int, torch.SymInt)):
             start = item % size if size else 0
             starts[dim], ends[dim] = start, start + 1
             squeeze.append(dim)
         else:
-            start, stop, step = item.indices(size)
-            starts[dim], ends[dim], steps[dim] = start, max(start, stop), step
+            plain = type(size) is int and all(type(b) is not torch.SymInt for b in (item.start, item.stop, item.step))
+            start, stop, step = item.indices(size) if plain else symbolic.slice_indices(item, size)
+            starts[dim], ends[dim], steps[dim] = start, max(start, stop) if plain else _later(start, stop), step
             position += 1
         dim += 1
-    if any(s != 0 for s in starts) or ends != list(x.shape) or any(s != 1 for s in steps):
+    if not _whole(starts, ends, steps, x.shape):
         out = prims.slice(out, tuple(starts), tuple(ends), tuple(steps))
     if squeeze:
         out = prims.squeeze(out, tuple(squeeze))

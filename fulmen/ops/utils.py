@@ -66,7 +66,8 @@ def broadcast_shape(*args: Any) -> torch.Size:
 
 
 def expand_to(x: Any, shape: Sequence[int]) -> Any:
-    if not is_tensor(x) or tuple(x.shape) == tuple(shape):
+    # (the lengths first: a tuple compares its items before its length, which asks a symbolic size a question)
+    if not is_tensor(x) or x.dim() == len(shape) and tuple(x.shape) == tuple(shape):
         return x
     if x.dim() < len(shape):
         x = prims.reshape(x, (1,) * (len(shape) - x.dim()) + tuple(x.shape))

@@ -43,6 +43,7 @@ from fulmen.acquisition.autograd_facts import refuse_leaf_without_grads
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import SourceLocation, user_location
+from fulmen.core.symbolic import symbolic_dispatch, symbolic_trace
 from fulmen.core.trace import Trace
 from fulmen.ops import prims
 from fulmen.runtime.output_grads import check_watched, feeding_outputs, watch
@@ -135,7 +136,8 @@ class GradProgram:
     def backward_fn(self, present: tuple[bool, ...], mode: GradSync = GradSync.SYNC) -> Callable[..., tuple]:
         fn = self._backward_fns.get((present, mode))
         if fn is None:
-            fn = self._callable(self.finalize(self.plan.backward(present), mode)[-1])
+            with symbolic_dispatch(symbolic_trace(self.plan.forward)):  # built later than the forward: its sizes too
+                fn = self._callable(self.finalize(self.plan.backward(present), mode)[-1])
             self._backward_fns[present, mode] = fn
         return fn
 
@@ -143,7 +145,8 @@ class GradProgram:
         """For each of `stale`, whether the backward for the cotangents `present` reads it."""
         reads = self._stale_reads.get(present)
         if reads is None:
-            trace = self.plan.backward(present)
+            with symbolic_dispatch(symbolic_trace(self.plan.forward)):
+                trace = self.plan.backward(present)
             names = {name for b in trace.bound_symbols for name in b.arg_names()}
             names.update(p.pname for p in trace.output if p is not None)
             reads = self._stale_reads[present] = tuple(self.saved_names[k] in names for k, _ in self.stale)

@@ -247,9 +247,10 @@ def graph_pool_for(trace: Trace, distributed: bool, name: str) -> GraphPool | No
     """A pool for the graphs of the program `trace` acquired, or None (with a warning) when it cannot have any."""
     reason = decline_reason(trace, distributed)
     if reason is not None:
-        # graph_pool_for < Pipeline.for_program < JittedFunction._compile < JittedFunction.__call__ < the user's call
+        # graph_pool_for < Pipeline.for_program < JittedFunction._compile_acquired < _compile_traced < _compile <
+        # JittedFunction.__call__ < the user's call
         warnings.warn(f"fulmen.jit(options=JitOptions(cuda_graphs=True)): {name} runs without CUDA graphs: {reason}",
-                      stacklevel=5)
+                      stacklevel=7)
         return None
     return GraphPool(name)
 

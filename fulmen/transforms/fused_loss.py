@@ -21,6 +21,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
 from fulmen.core.proxies import TensorProxy
@@ -263,19 +264,27 @@ def fuse_linear_cross_entropy(trace: Trace, chunk_rows: int | None = None) -> Tr
             continue
         h, weight, _, target = match.args
         rows, vocab = target.shape[0], weight.shape[0]
-        rows_per_chunk = min(chunk_rows or fused_loss.chunk_rows_for(rows, vocab, h.dtype), rows)
+        if isinstance(rows, torch.SymInt):  # symbolic rows (fulmen.core.symbolic): the call chooses from its own rows
+            rows_per_chunk = chunk_rows
+        else:
+            rows_per_chunk = min(chunk_rows or fused_loss.chunk_rows_for(rows, vocab, h.dtype), rows)
         fused = BoundSymbol(fused_loss.LINEAR_CROSS_ENTROPY, match.args, {**match.spec, "chunk_rows": rows_per_chunk},
                             match.terminal.output, [], bsym.source, bsym.checkpoint_region)
         for removed in match.removed:
             replaced[id(removed)] = None
         replaced[id(match.terminal)] = fused
         notes.append(f"fused{_at(bsym)}: {match.linear.output.pname} -> {match.terminal.output.pname} "
-                     f"({rows} rows x {vocab} classes, {match.spec['reduction']}, chunks of {rows_per_chunk} rows)")
+                     f"({rows} rows x {vocab} classes, {match.spec['reduction']}, "
+                     f"{_chunks(rows_per_chunk)})")
     if not notes:
         return trace
     bsyms = [replaced.get(id(b), b) for b in trace.bound_symbols]
     result = trace.from_trace("", bound_symbols=[b for b in bsyms if b is not None])
     return dce(result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
+
+
+def _chunks(rows_per_chunk: int | None) -> str:
+    return f"chunks of {rows_per_chunk} rows" if rows_per_chunk is not None else "chunks chosen from the rows per call"
 
 
 class FuseLinearCrossEntropy(TracePass):

@@ -32,6 +32,7 @@ import networkx as nx
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Tag
+from fulmen.core.symbolic import hint
 from fulmen.ops import prims
 
 _CHEAP_PRIM_NAMES = set(prims.UNARY) | set(prims.BINARY) | {
@@ -53,7 +54,8 @@ def recomputable(bsym: BoundSymbol) -> bool:
 
 
 def nbytes(proxy: TensorProxy) -> int:
-    return proxy.numel() * proxy.element_size()
+    """Its bytes; for symbolic sizes, those of the traced call (a cost, decided once per trace)."""
+    return hint(proxy.numel()) * proxy.element_size()
 
 
 def allocated_bytes(proxy: TensorProxy) -> int:
@@ -64,7 +66,7 @@ def allocated_bytes(proxy: TensorProxy) -> int:
 def held_bytes(proxy: TensorProxy) -> int:
     """What saving `proxy` keeps alive: a view holds its whole base."""
     base = proxy.meta._base if proxy.meta._is_view() else None
-    return max(nbytes(proxy), base.numel() * base.element_size() if base is not None else 0)
+    return max(nbytes(proxy), hint(base.numel()) * base.element_size() if base is not None else 0)
 
 
 # Saving a value the forward computes only for the backward also costs forward work: at equal bytes, prefer
@@ -95,11 +97,11 @@ def recompute_flops(bsym: BoundSymbol) -> int | None:
     for leaf in leaf_calls(bsym):
         if leaf.sym is _MATMUL:
             a, out = leaf.args[0], leaf.output
-            flops += 2 * out.numel() * a.shape[-1]
+            flops += hint(2 * out.numel() * a.shape[-1])
         elif leaf.sym in _REDUCTION_PRIMS:
             flops += FLOPS_PER_BYTE * nbytes(leaf.args[0])
         elif leaf.sym.flops is not None:
-            flops += leaf.sym.flops(*leaf.args, **leaf.kwargs)
+            flops += hint(leaf.sym.flops(*leaf.args, **leaf.kwargs))
         elif not leaf.sym.is_prim or leaf.sym not in CHEAP_PRIMS:
             return None
     return flops

@@ -441,7 +441,8 @@ def test_batch_norm_running_statistics_update_once(grad):
 
 # --- 7. a bounded cache ---------------------------------------------------------------------------------------------
 def test_cache_limit_warns_then_runs_eagerly():
-    fn = fulmen.jit(lambda x: x * 2)
+    # static shapes: one trace per size (with symbolic sizes, the default, these sizes share one trace)
+    fn = fulmen.jit(lambda x: x * 2, options=fulmen.JitOptions(dynamic=False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in range(1, 51):
@@ -459,7 +460,8 @@ def test_cache_limit_warns_then_runs_eagerly():
 
 
 def test_cache_limit_error():
-    fn = fulmen.jit(lambda x: x + 1, options=fulmen.JitOptions(cache_limit=2, cache_limit_action="error"))
+    fn = fulmen.jit(lambda x: x + 1, options=fulmen.JitOptions(cache_limit=2, cache_limit_action="error",
+                                                               dynamic=False))
     fn(torch.ones(1))
     fn(torch.ones(2))
     with pytest.raises(fulmen.CacheLimitError, match="cache_limit=2.*shape"):

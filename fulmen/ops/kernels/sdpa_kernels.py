@@ -14,11 +14,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from fulmen.core import symbolic
 from fulmen.core.proxies import TensorProxy
 
 
-def _stand_in(proxy: TensorProxy) -> torch.Tensor:
-    tensor = torch.empty_strided(proxy.shape, proxy.stride(), dtype=proxy.dtype, device=proxy.device)
+def _stand_in(proxy: TensorProxy, sizes: dict) -> torch.Tensor:
+    shape = [symbolic.concrete(s, sizes) for s in proxy.shape]
+    strides = [symbolic.concrete(s, sizes) for s in proxy.stride()]
+    tensor = torch.empty_strided(shape, strides, dtype=proxy.dtype, device=proxy.device)
     return tensor.requires_grad_(proxy.requires_grad)
 
 
@@ -26,11 +29,20 @@ def eager_choice(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool
                  enable_gqa: bool = False, attn_mask: TensorProxy | None = None, dropout_p: float = 0.0) -> int:
     """The `SDPBackend` eager's `F.scaled_dot_product_attention` picks for tensors laid out like these (torch's
     selector reads shapes, strides, dtypes, devices, requires_grad, the grad mode and the backend switches, and
-    needs real tensors of the device: uninitialised stand-ins, outside the acquisition)."""
+    needs real tensors of the device: uninitialised stand-ins, outside the acquisition). For symbolic sizes, the
+    choice at the traced, the smallest and a large size; a choice that differs between them is refused."""
+    given = [t for t in (q, k, v, attn_mask) if t is not None]
+    choices = set()
     with torch._C.DisableTorchFunction():
-        mask = _stand_in(attn_mask) if attn_mask is not None else None
-        return torch._fused_sdp_choice(_stand_in(q), _stand_in(k), _stand_in(v), mask, dropout_p, is_causal,
-                                       scale=scale, enable_gqa=enable_gqa)
+        for sizes in symbolic.probes(given):
+            mask = _stand_in(attn_mask, sizes) if attn_mask is not None else None
+            choices.add(torch._fused_sdp_choice(_stand_in(q, sizes), _stand_in(k, sizes), _stand_in(v, sizes), mask,
+                                                dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa))
+    if len(choices) > 1:
+        names = ", ".join(SDPBackend(c).name for c in sorted(choices))
+        raise symbolic.SymbolicSizeError(f"eager's scaled_dot_product_attention picks another kernel for other "
+                                         f"sequence lengths ({names})")
+    return choices.pop()
 
 
 # The fused kernels that take an additive mask, and the name of that argument in their schema.
