@@ -1,0 +1,117 @@
+"""LitGPT models trained over many lengths and batch sizes through one trace with symbolic sizes (and the static
+trace of the first call): every loss, grad and parameter equal to eager's on the same batches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from litgpt.model import GPT
+
+import fulmen
+from tests.models.litgpt_configs import shrunk
+
+# GPT-NeoX (parallel residual, LayerNorm, partial rotary), Llama 3 (RMSNorm, grouped-query attention, SwiGLU, RoPE),
+# Falcon (multi-query attention, parallel residual)
+FAMILIES = ["pythia-14m", "Llama-3.1-8B", "falcon-7b"]
+# (batch, length): the second batch changes both, so the second trace makes both symbolic; 32 is the block size
+BATCHES = [(2, 5), (3, 9), (2, 12), (4, 7), (3, 32), (2, 2), (5, 17)]
+
+
+def _model(name: str) -> GPT:
+    torch.manual_seed(0)
+    return GPT(shrunk(name)).train()
+
+
+def _batch(model: GPT, batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.padded_vocab_size
+    idx = torch.randint(0, vocab, (batch, length), generator=generator)
+    return idx, torch.randint(0, vocab, (batch, length), generator=generator)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_trains_over_lengths_and_batch_sizes_in_two_traces_as_eager(name):
+    """fulmen.jit(model) with the loss outside (as LitGPT's finetuning scripts): AdamW steps over 7 shapes, losses,
+    grads and the parameters after each step equal eager's bit for bit, in 2 traces."""
+    eager = _model(name)
+    model = copy.deepcopy(eager)
+    jitted = fulmen.jit(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model)]
+    for step, (batch, length) in enumerate(BATCHES):
+        idx, targets = _batch(eager, batch, length, step)
+        losses = []
+        for m in (eager, jitted):
+            loss = _loss(m(idx), targets)
+            loss.backward()
+            losses.append(loss)
+        assert torch.equal(losses[1], losses[0]), (name, batch, length)
+        for (key, want), got in zip(eager.named_parameters(), model.parameters()):
+            assert torch.equal(got.grad, want.grad), (name, batch, length, key)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for want, got in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(got, want)
+    assert fulmen.cache_misses(jitted) == 2, fulmen.last_cache_miss_reasons(jitted)
+    # the symbolic trace: batch and length are its inputs' symbols, the parameters static
+    source = fulmen.last_traces(jitted)[-1].python()
+    assert '# idx: "cpu i64[s0, s1]"' in source and "s1 = idx.shape[1]" in source, source[:2000]
+
+
+def test_a_length_past_the_block_size_fails_as_eager_fails():
+    model = _model("Llama-3.1-8B")
+    jitted = fulmen.jit(model)
+    for step, (batch, length) in enumerate([(2, 5), (3, 9), (2, 32)]):
+        idx, _ = _batch(model, batch, length, step)
+        assert torch.equal(jitted(idx), model(idx))
+    idx, _ = _batch(model, 2, 33, 3)
+    message = "Cannot forward sequence of length 33, max seq length is only 32"
+    with pytest.raises(ValueError, match=message):
+        model(idx)
+    with pytest.raises(ValueError, match=message):
+        jitted(idx)
+    idx, _ = _batch(model, 3, 20, 4)
+    assert torch.equal(jitted(idx), model(idx))
+    assert fulmen.cache_misses(jitted) == 3  # static, symbolic, and the refused call (traced to raise eager's error)
+
+
+def test_the_jitted_step_with_its_fused_loss_traces_twice():
+    """The loss inside the jitted function: the fused linear + cross-entropy chooses its chunks from each call's rows;
+    loss and grads close to eager's (its chunks sum in another order) and equal to the static trace's."""
+    model = _model("pythia-14m")
+    static = _model("pythia-14m")
+
+    def step(idx, targets):
+        return _loss(model(idx), targets)
+
+    def static_step(idx, targets):
+        return _loss(static(idx), targets)
+
+    jitted = fulmen.jit(step)
+    for n, (batch, length) in enumerate(BATCHES[:5]):
+        idx, targets = _batch(model, batch, length, n)
+        loss = jitted(idx, targets)
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        expected = step(idx, targets)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+        for got, want in zip(grads, model.parameters()):
+            torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-7)
+        model.zero_grad(set_to_none=True)
+        if n == 3:  # the symbolic trace computes what a static trace of this shape computes, bit for bit
+            reference = fulmen.jit(static_step, options=fulmen.JitOptions(dynamic=False))
+            static_loss = reference(idx, targets)
+            static_loss.backward()
+            assert torch.equal(loss, static_loss)
+            for got, want in zip(grads, static.parameters()):
+                assert torch.equal(got, want.grad)
+    assert fulmen.cache_misses(jitted) == 2, fulmen.last_cache_miss_reasons(jitted)
+    assert any("chunks chosen from the rows per call" in t.provenance for t in fulmen.last_traces(jitted))
