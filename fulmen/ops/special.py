@@ -59,8 +59,8 @@ def zeta_grad(x, q):
     if wants_grad(x):  # derivatives.yaml: not_implemented("zeta"): eager's backward raises when a grad reaches x
         message = "the derivative for 'zeta' is not implemented."
         put_grad(x, no_derivative(get_grad(y), list(x.shape), x.dtype, message, not_implemented=True))
-    if wants_grad(q):  # derivatives.yaml: grad * -self * special_zeta(self + 1., other)
-        put_grad(q, get_grad(y) * -x * zeta(x + 1.0, q))
+    if wants_grad(q):  # derivatives.yaml: grad * -self * special_zeta(self + 1., other), summed to q's shape
+        put_grad(q, sum_to(get_grad(y) * -x * zeta(x + 1.0, q), tuple(q.shape)).to(q.dtype))
     return y
 
 
