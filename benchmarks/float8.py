@@ -62,8 +62,12 @@ FLOAT8_ROWS = tuple(f"fulmen-{recipe}" for recipe in RECIPES)
 TORCHAO_ROWS = ("torchao-tensorwise", "torchao-rowwise", "torchao-rowwise_with_gw_hp")
 COMPILERS = ("eager", "torch.compile", *TORCHAO_ROWS, "fulmen", *FLOAT8_ROWS)
 DEFAULT_COMPILERS = ("eager", "torch.compile", "torchao-tensorwise", "torchao-rowwise", "fulmen", *FLOAT8_ROWS)
-# torch._scaled_mm's kernels: cuBLAS's (tensorwise) and CUTLASS's (rowwise) name their float8 operand types
-FLOAT8_KERNELS = ("matmul-float8", ("e4m3", "e5m2", "f8f8", "fp8", "float8"))
+# torch._scaled_mm's kernels name their float8 operand types: cuBLAS's nvjet kernels on Hopper as `nvjet_sm90_qq...`
+# (e4m3 x e4m3), `..._qr...` (e4m3 x e5m2), where bf16's are `nvjet_sm90_tst...`; CUTLASS's spell them out
+FLOAT8_KERNELS = (
+    "matmul-float8",
+    ("e4m3", "e5m2", "f8f8", "fp8", "float8", "nvjet_sm90_q", "nvjet_sm90_r", "nvjet_sm100_q", "nvjet_sm100_r"),
+)
 TINY_STEP = [
     "--device",
     "cpu",

@@ -1,7 +1,7 @@
 """Float8 all-gather under fulmen's FSDP (`Float8Options(all_gather=True)`): a weight the program only casts to
 float8 per tensor is gathered already cast, in half the bytes of bfloat16 (a quarter of float32).
 
-fulmen.transforms.float8 marks such casts (`float8.cast(w, ..., all_gather=True)`). Where the weight is a sharded
+fulmen.transforms.float8 marks such casts (`float8.cast_weight(w, ..., all_gather=True)`). Where the weight is a sharded
 parameter and those casts are its only readers, the forward drops them: each rank takes the amax of its own shard,
 one `dist.all_reduce_max` per bucket makes it the amax of the whole weight, each rank casts its shard with the scale
 of that amax (`float8.cast_by_amax`) and the float8 shards are gathered in the bucket's `dist.all_gather`. These are
@@ -37,7 +37,7 @@ class Float8Gather:
 
 def _gathered_cast(bsym: BoundSymbol, weight: TensorProxy) -> bool:
     return (
-        bsym.sym is float8.CAST
+        bsym.sym is float8.CAST_WEIGHT
         and bool(bsym.kwargs.get("all_gather"))
         and bsym.kwargs.get("dim") is None
         and bool(bsym.args)

@@ -7,7 +7,8 @@ bias); traces print these symbols as `float8.NAME(...)`:
   per tensor, or one per row along `dim`, computed in float64 and stored in float32, rounded down to a power of two
   when asked), `x8 = clamp(x.float() * scale, -max, max).to(dtype)` and the scale's reciprocal, which is what
   `torch._scaled_mm` multiplies by. Made of elementwise ops and one reduction (its decomposition), so fusion
-  executors merge it into the regions around it.
+  executors merge it into the regions around it. `float8.cast_weight` is the same cast of a weight, made once per
+  step (the backward reads its saved copy), where an activation's may be made again in the backward.
 * `float8.scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum)`: `torch._scaled_mm`, a row-major `a` and a
   column-major `b` (the layouts its CUDA kernels take; the grad rule makes them), with the scales' shapes saying
   per-tensor `()` or per row of `a` `(M, 1)` / per column of `b` `(1, N)`.
@@ -110,15 +111,22 @@ def _cast(x: Any, amax: Any, dtype: torch.dtype, power_of_2: bool) -> tuple[Any,
 
 
 def cast(
+    x: torch.Tensor, dtype: torch.dtype, dim: tuple[int, ...] | None = None, power_of_2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` in float8 `dtype`, scaled by its amax over `dim` (kept as size-1 dims; None: the whole tensor, one
+    scale), and the inverse scale (float32) that multiplies it back."""
+    return _cast(x, _amax(x, dim), dtype, power_of_2)
+
+
+def cast_weight(
     x: torch.Tensor,
     dtype: torch.dtype,
     dim: tuple[int, ...] | None = None,
     power_of_2: bool = False,
     all_gather: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x` in float8 `dtype`, scaled by its amax over `dim` (kept as size-1 dims; None: the whole tensor, one
-    scale), and the inverse scale (float32) that multiplies it back. `all_gather`: where `x` is a parameter fulmen's
-    FSDP shards, gather it cast (fulmen.distributed.float8); the values are the same."""
+    """`cast` of a weight: made once per step, its float8 copy kept for the backward. `all_gather`: where the
+    weight is a parameter fulmen's FSDP shards, it gathers it cast (fulmen.distributed.float8); the same values."""
     return _cast(x, _amax(x, dim), dtype, power_of_2)
 
 
@@ -183,9 +191,12 @@ def _symbol(fn: Any, meta: Any, decomposition: Any = None, tags: Tag = Tag.NONE)
     )
 
 
-# Not recomputable as a whole (it holds a reduction), so a backward that reads a cast reads the forward's float8
-# copy, saved: a weight is cast once per step, an activation kept in 1 byte per element instead of 2.
-CAST = _symbol(cast, _cast_meta, decomposition=cast, tags=Tag.NO_GRAD)
+# An activation's (or a gradient's) cast is RECOMPUTABLE: the backward casts again where the activation is at hand
+# anyway (a norm's output, recomputed from what the norm's backward reads) and keeps the float8 copy, 1 byte per
+# element instead of 2, where it is not. A weight's cast is not (a reduction, never rerun): it is made once per step
+# and its copy kept for the backward.
+CAST = _symbol(cast, _cast_meta, decomposition=cast, tags=Tag.NO_GRAD | Tag.RECOMPUTABLE)
+CAST_WEIGHT = _symbol(cast_weight, _cast_meta, decomposition=cast_weight, tags=Tag.NO_GRAD)
 CAST_BY_AMAX = _symbol(
     cast_by_amax,
     lambda builder, x, amax, dtype, power_of_2=False: _cast_meta(builder, x, dtype),
@@ -257,8 +268,11 @@ class Casts:
         dims = None if not how.rowwise else (x.dim() - 1,) if per_row else tuple(range(x.dim() - 1))
         key = (x.pname if type(x) is TensorProxy else id(x), how.dtype, dims)
         if key not in self.made:
-            gather = {"all_gather": True} if weight and self.all_gather and dims is None else {}
-            bits, scale = CAST(x, how.dtype, dim=dims, power_of_2=self.power_of_2, **gather)
+            if weight:
+                gather = {"all_gather": True} if self.all_gather and dims is None else {}
+                bits, scale = CAST_WEIGHT(x, how.dtype, dim=dims, power_of_2=self.power_of_2, **gather)
+            else:
+                bits, scale = CAST(x, how.dtype, dim=dims, power_of_2=self.power_of_2)
             columns = x.shape[-1]
             self.made[key] = (bits if bits.dim() == 2 else ft.reshape(bits, (bits.numel() // columns, columns)), scale)
         return self.made[key]
@@ -319,15 +333,21 @@ def linear_grad(x, weight, x8, x_scale, w8, w_scale, *, recipe, weight_for_grad_
     y = linear(x, weight, x8, x_scale, w8, w_scale, recipe=recipe)
     g = get_grad(y)
     casts = Casts(r.power_of_2)  # of the output's gradient: the one the backward computes
-    if wants_grad(x):
+    # every cast and layout copy first, then the matmuls: consecutive, they make one fusion region
+    wants_input, wants_weight = wants_grad(x), wants_grad(weight)
+    if wants_input:
         g8, sg = casts(g, r.grad_output, per_row=True)
         wg8, swg = weight_for_grad_input or (w8, w_scale)
+        g8, wg8 = _row_major(g8), _column_major(wg8)
+    if wants_weight and r.grad_weight_in_float8:
+        gt8, sgt = casts(g, r.grad_output_for_grad_weight, per_row=False)
+        xg8, sxg = input_for_grad_weight or (x8, x_scale)
+        gt8, xg8 = _row_major(ft.t(gt8)), _column_major(xg8)
+    if wants_input:
         put_grad(x, ft.reshape(_matmul(g8, sg, wg8, swg, x.dtype, r.fast_accum[1]), tuple(x.shape)))
-    if wants_grad(weight):
+    if wants_weight:
         if r.grad_weight_in_float8:
-            g8, sg = casts(g, r.grad_output_for_grad_weight, per_row=False)
-            xg8, sxg = input_for_grad_weight or (x8, x_scale)
-            grad = _matmul(ft.t(g8), sg, xg8, sxg, weight.dtype, r.fast_accum[2])
+            grad = _matmul(gt8, sgt, xg8, sxg, weight.dtype, r.fast_accum[2])
         else:
             rows = x.numel() // x.shape[-1]
             grad = ft.matmul(ft.t(ft.reshape(g, (rows, g.shape[-1]))), ft.reshape(x, (rows, x.shape[-1])))

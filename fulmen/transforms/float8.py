@@ -197,7 +197,9 @@ def _upcast_sources(
 
 class _Rewrite:
     """The calls replacing converted matmuls, with one float8 cast per tensor and scaling (`float8.Casts`): made
-    where the first matmul reading the tensor was, shared by those after it."""
+    where the first matmul reading the tensor was, shared by those after it. The matmuls that read one input (a
+    SwiGLU's two) have their weights cast together with it, before the first of them: a weight's cast alone between
+    two matmuls would be a fusion region of one call, its ops run one kernel each."""
 
     def __init__(self, trace: Trace, recipe: str, all_gather: bool) -> None:
         self.namespace = trace.namespace
@@ -213,12 +215,16 @@ class _Rewrite:
             self.transposed[weight.pname] = ft.t(weight)
         return self.transposed[weight.pname]
 
-    def __call__(self, matmul: _Matmul, weight: TensorProxy) -> list[BoundSymbol]:
+    def __call__(
+        self, matmul: _Matmul, weight: TensorProxy, siblings: Sequence[tuple[_Matmul, TensorProxy]] = ()
+    ) -> list[BoundSymbol]:
         bsym = matmul.bsym
         out = bsym.proxy_outputs()[0]
         with TraceBuilder(self.namespace) as builder, torch.set_grad_enabled(out.requires_grad):
             builder.source = bsym.source
             builder.checkpoint_region = bsym.checkpoint_region
+            for sibling, its_weight in siblings:  # their casts made now; their calls find them made
+                self.casts.for_linear(sibling.x, self.weight_rows(sibling, its_weight), float8.RECIPES[self.recipe])
             rows = self.weight_rows(matmul, weight)
             args, kwargs = self.casts.for_linear(matmul.x, rows, float8.RECIPES[self.recipe])
             y = float8.LINEAR(matmul.x, rows, *args, recipe=self.recipe, **kwargs)
@@ -277,8 +283,23 @@ def float8_matmuls(
     if not converted:
         return trace.from_trace(f"{PROVENANCE} ({recipe}): {'; '.join(notes)}")
     sources = _upcast_sources(trace, converted, readers)
+    weights = {id(m.bsym): sources.get(m.weight.pname, m.weight) for m in converted}
+    position = {id(b): i for i, b in enumerate(trace.bound_symbols)}
+    made_at = {p.pname: -1 for p in trace.inputs} | {
+        n: i for i, b in enumerate(trace.bound_symbols) for n in b.output_names()
+    }
     rewrite = _Rewrite(trace, recipe, all_gather)
-    replaced = {id(m.bsym): rewrite(m, sources.get(m.weight.pname, m.weight)) for m in converted}
+    replaced = {}
+    for m in converted:
+        here = position[id(m.bsym)]
+        siblings = [
+            (s, weights[id(s.bsym)])
+            for s in converted
+            if s.x.pname == m.x.pname
+            and position[id(s.bsym)] > here
+            and made_at.get(weights[id(s.bsym)].pname, here) < here
+        ]
+        replaced[id(m.bsym)] = rewrite(m, weights[id(m.bsym)], siblings)
     bsyms = [new for b in trace.bound_symbols for new in replaced.get(id(b), [b])]
     result = dce(trace.from_trace("", bound_symbols=bsyms))
     return result.from_trace(f"{PROVENANCE} ({recipe}): {'; '.join(notes)}")

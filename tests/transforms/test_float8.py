@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from litgpt.config import Config
 from litgpt.model import GPT
 
 import fulmen
+from fulmen.core.proxies import TensorProxy
 from fulmen.jit.jitted_module import core
 from fulmen.ops import float8, fused_loss
 from fulmen.transforms.float8 import PROVENANCE, notes_of
@@ -143,8 +145,11 @@ def test_traces_hold_scaled_matmuls(recipe):
     backward_matmuls = _calls(backward).count(SCALED_MM)
     assert backward_matmuls == (3 if recipe == "rowwise_with_gw_hp" else 6)
     assert _calls(backward).count("torch.matmul") == (3 if recipe == "rowwise_with_gw_hp" else 0)
-    gradient_casts = {bsym.args[1] for bsym in backward.bound_symbols if bsym.sym.printed == CAST}
-    assert gradient_casts == ({float8.E5M2} if recipe == "tensorwise" else {float8.E4M3})
+    # the output gradient, each backward matmul's left operand: e5m2 under tensorwise scaling, e4m3 under rowwise
+    gradients = {b.args[0].dtype for b in backward.bound_symbols if b.sym.printed == SCALED_MM}
+    assert gradients == ({float8.E5M2} if recipe == "tensorwise" else {float8.E4M3})
+    assert {b.args[1].dtype for b in backward.bound_symbols if b.sym.printed == SCALED_MM} == {float8.E4M3}
+    assert "float8.cast_weight" not in _calls(backward)  # a weight is cast once, in the forward
     for trace in (forward, backward):  # the layouts torch._scaled_mm's CUDA kernels take
         for bsym in trace.bound_symbols:
             if bsym.sym.printed == SCALED_MM:
@@ -153,26 +158,50 @@ def test_traces_hold_scaled_matmuls(recipe):
     assert all(note.startswith("converted ") for note in _notes(jitted)) and len(_notes(jitted)) == 3
 
 
+def _saved(jitted) -> list[TensorProxy]:
+    """What the forward saves for the backward beyond the program's inputs (which the caller holds anyway)."""
+    inputs = {p.pname for p in fulmen.last_traces(jitted)[0].inputs}
+    return [p for p in core(jitted).last_entry.program.plan.saved if p.pname not in inputs]
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_backward_reads_float8_copies(recipe):
-    """Saved for the backward: the float8 casts the backward's matmuls take, not the high-precision inputs they were
-    cast from (rowwise_with_gw_hp's weight gradient reads its input in high precision); each input and weight cast
-    once per scaling, in the forward (the SwiGLU's two linears share the cast of their input)."""
+def test_no_extra_copies_are_saved(recipe):
+    """A SwiGLU in float8 saves what it saves in bfloat16 (what silu and the product need, from which the backward
+    recomputes the casts of the linears' inputs) and one float8 copy of each weight: each weight is cast once per
+    scaling, in the forward; the two linears reading one input share its cast."""
     jitted, _, _ = _feed_forward_grads(recipe, "random")
+    torch.manual_seed(0)
+    plain = fulmen.jit(FeedForward().to(torch.bfloat16))
+    plain(torch.randn(2, 256, 128, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+    weights = {p.pname for p in fulmen.last_traces(jitted)[0].inputs[1:]}
+    copies = Counter(p.type_string() for p in _saved(jitted) if p.dtype != torch.float32)  # (scales: 4 bytes)
+    # one copy per weight, the one its gradient's matmul takes (rowwise: scaled along the other dimension)
+    assert sum(n for kind, n in copies.items() if "float8_e4m3fn" in kind) == 3
+    assert +(copies - Counter(kind for kind in copies.elements() if "float8" in kind)) == Counter(
+        p.type_string() for p in _saved(plain)
+    )
     acquired = next(t for t in fulmen.last_traces(jitted) if t.provenance.startswith(PROVENANCE))
-    linears = [b for b in acquired.bound_symbols if b.sym is float8.LINEAR]
-    inputs = {b.args[0].pname for b in linears}
-    saved = {p.pname: p for p in core(jitted).last_entry.program.plan.saved}
-    assert bool(inputs & set(saved)) == (recipe == "rowwise_with_gw_hp")
-    assert {p.dtype for p in saved.values()} >= {float8.E4M3}
-    casts = [b for b in acquired.bound_symbols if b.sym is float8.CAST]
-    keys = [(b.args[0].pname, b.kwargs["dim"]) for b in casts]
-    assert len(keys) == len(set(keys))
-    casts_per_recipe = {"tensorwise": 5, "rowwise": 10, "rowwise_with_gw_hp": 8}  # inputs: 2 (x shared), weights: 3
-    assert len(casts) == casts_per_recipe[recipe]
-    backward = fulmen.last_backward_traces(jitted)[-1]
-    weights = {p.pname for p in backward.inputs} & {b.args[1].pname for b in linears}
-    assert not weights  # the weights' float8 copies are saved; the backward casts only the output gradients
+    weight_casts = [b for b in acquired.bound_symbols if b.sym is float8.CAST_WEIGHT]
+    assert {b.args[0].pname for b in weight_casts} == weights
+    assert len(weight_casts) == (3 if recipe == "tensorwise" else 6)  # one per scaling: per tensor, per row, per column
+    input_casts = [b.args[0].pname for b in acquired.bound_symbols if b.sym is float8.CAST]
+    assert len(input_casts) == (4 if recipe == "rowwise" else 2)  # x (shared by w1 and w3) and w2's input
+
+
+def test_the_backward_keeps_a_float8_copy_where_it_has_no_other():
+    """`w2(w1(x))`: the backward of w2 needs its input, which nothing else keeps; bfloat16 saves it, float8 saves its
+    1-byte cast instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(128, 64, bias=False))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(4, 32, 64, dtype=torch.bfloat16)
+    saved = {}
+    for name, options in (("bf16", None), ("float8", _options(lm_head=True))):
+        jitted = fulmen.jit(model, options=fulmen.JitOptions() if options is None else options)
+        jitted(x).sum().backward()
+        saved[name] = [p.type_string() for p in _saved(jitted) if p.dtype != torch.float32]
+    assert saved["bf16"] == ["cpu bf16[4, 32, 128]"]
+    assert sorted(saved["float8"]) == ["cpu float8_e4m3fn[128, 128]", "cpu float8_e4m3fn[64, 128]"]  # h8, w2's copy
 
 
 def _odd_model() -> torch.nn.Module:
@@ -326,7 +355,7 @@ def test_autocast_casts_float32_weights_to_float8_directly():
         assert q.grad.dtype == torch.float32 and sqnr(p.grad, q.grad) > 20, name
     forward = fulmen.last_traces(jitted)[-1]
     weights = {p.pname for p in forward.inputs[1:]}
-    casts = [b for b in forward.bound_symbols if b.sym is float8.CAST and b.args[0].pname in weights]
+    casts = [b for b in forward.bound_symbols if b.sym is float8.CAST_WEIGHT and b.args[0].pname in weights]
     assert len(casts) == 3 and all(b.args[0].dtype == torch.float32 for b in casts)
     assert not [b for b in forward.bound_symbols if b.sym.printed == "torch.Tensor.to" and b.args[0].pname in weights]
 
