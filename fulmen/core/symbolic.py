@@ -282,6 +282,32 @@ def symbolic_trace(trace: Any) -> bool:
 def size_bindings(inputs: Sequence[Any], needed: set[sympy.Symbol]) -> list[str]:
     """Statements binding each of `needed` from the shape of one of `inputs` (proxies): `s0 = idx.shape[1]`, or, where
     no input has the symbol as a dimension of its own, `s0 = x.shape[0] // 4` from a dimension `4*s0`."""
+    lines, left = _bindings(inputs, needed)
+    if left:
+        names = ", ".join(sorted(str(s) for s in left))
+        raise AssertionError(f"internal error: no input of the trace has a size that gives {names}")
+    return lines
+
+
+def size_carriers(bsyms: Sequence[Any], inputs: Sequence[Any], candidates: Sequence[Any]) -> list[Any]:
+    """Of `candidates` (proxies, in order of preference), those a trace of `bsyms` taking `inputs` must take as well
+    to bind the symbolic sizes its calls use (a backward whose saved values and cotangents hold no dimension s0,
+    where a call divides by s0): the first that gives each such symbol."""
+    needed = free_symbols([(b.args, b.kwargs) for b in bsyms])
+    _, left = _bindings(inputs, needed)
+    carriers: list[Any] = []
+    for candidate in candidates:
+        if not left:
+            break
+        _, still = _bindings([candidate], left)
+        if still != left:
+            carriers.append(candidate)
+            left = still
+    return carriers
+
+
+def _bindings(inputs: Sequence[Any], needed: set[sympy.Symbol]) -> tuple[list[str], set[sympy.Symbol]]:
+    """The statements binding what of `needed` the shapes of `inputs` give, and the symbols they do not give."""
     lines: list[str] = []
     left = set(needed)
     for linear in (False, True):
@@ -300,10 +326,7 @@ def size_bindings(inputs: Sequence[Any], needed: set[sympy.Symbol]) -> list[str]
                     read = f"{proxy.pname}.shape[{dim}]" + (f" - {offset}" if offset else "")
                     lines.append(f"{symbol} = ({read}) // {factor}" if factor != 1 else f"{symbol} = {read}")
                     left.discard(symbol)
-    if left:
-        names = ", ".join(sorted(str(s) for s in left))
-        raise AssertionError(f"internal error: no input of the trace has a size that gives {names}")
-    return lines
+    return lines, left
 
 
 def _linear(expr: sympy.Expr, symbol: sympy.Symbol) -> tuple[int | None, int]:

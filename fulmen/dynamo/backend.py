@@ -31,6 +31,7 @@ from fulmen.core.errors import FulmenError
 from fulmen.core.trace import Trace
 from fulmen.dynamo.func_regions import escaping_value_reason
 from fulmen.dynamo.hops import as_torch_calls, with_context_calls
+from fulmen.dynamo.sizes import SizeInputs
 from fulmen.dynamo.splitter import (
     CALLS,
     first_line,
@@ -43,6 +44,7 @@ from fulmen.dynamo.splitter import (
 from fulmen.executors.base import Executor
 from fulmen.executors.registry import resolve
 from fulmen.jit.jitted_module import JittedModule
+from fulmen.jit.jitted_module import core as jitted_core
 from fulmen.options import JitOptions
 
 
@@ -164,15 +166,24 @@ class FulmenPiece(nn.Module):
         # Dynamo's graphs generate their code on their first call; until then forward is `_lazy_forward(*args)`, and
         # fulmen named the graph's inputs args_0, args_1, ... in traces and errors instead of Dynamo's names for them
         _LazyGraphModule.force_recompile(runnable)
+        self.sizes = SizeInputs.of(module)  # Dynamo's symbolic sizes (sizes.py): read from the tensors, not taken
+        if self.sizes is not None:
+            runnable = self.sizes.from_tensors(runnable)
         self.jitted = JittedModule(runnable, options, executors)
+        if self.sizes is not None:
+            jitted_core(self.jitted).declare_dynamic(self.sizes.dims)
         self._fallback_kind = fallback
         self.fallback: FallbackPiece | None = None
         self.record: Piece | None = None
 
+    def run(self, *args: Any) -> Any:
+        """The piece through fulmen (what raises its refusal)."""
+        return self.jitted(*(self.sizes.arguments(args) if self.sizes is not None else args))
+
     def forward(self, *args: Any) -> Any:
         if self.fallback is None:
             try:
-                return self.jitted(*args)
+                return self.run(*args)
             except FulmenError as error:
                 self.fallback = FallbackPiece(self.module, self._fallback_kind)
                 self.fallback.record = self.record
@@ -198,7 +209,7 @@ class _SplitProgram:
         if not static_refusals(graph):
             whole = FulmenPiece(graph, backend.executors, backend.options, backend.fallback)
             try:
-                out = whole.jitted(*args)
+                out = whole.run(*args)
             except FulmenError as error:
                 refusal = first_line(error)
             else:

@@ -100,6 +100,15 @@ class DynamicDims:
             if dims:
                 self.dims[position] = frozenset(dims)
 
+    def declare(self, dims: dict[int, frozenset[int]]) -> None:
+        """Makes these dims (by argument position) symbolic, as marking them would (none under dynamic=False)."""
+        if self.dynamic is False:
+            return
+        for position, marked in dims.items():
+            left = marked - {d for p, d in self.pinned if p == position}
+            if left:
+                self.dims[position] = self.dims.get(position, frozenset()) | left
+
     def positions(self, tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """The arguments of this call that carry symbols in a symbolic trace (whose key leaves their sizes to its
         guards)."""

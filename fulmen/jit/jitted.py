@@ -293,6 +293,11 @@ class JittedFunction:
         outputs = entry.fn(*tensors, *module_tensors, *entry.constants)
         return self._finish(entry, outputs, tensors, module_tensors)
 
+    def declare_dynamic(self, dims: dict[int, frozenset[int]]) -> None:
+        """Dimensions (argument tensor position -> dims) symbolic from the first trace (those Dynamo made symbolic
+        in a graph fulmen.dynamo runs)."""
+        self._dims.declare(dims)
+
     @staticmethod
     def _symbolic_key(key: tuple | None, tensors: list[torch.Tensor], positions: tuple[int, ...]) -> tuple | None:
         """The cache key of a trace whose arguments at `positions` carry symbolic sizes (its shape guards check

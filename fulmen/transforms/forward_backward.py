@@ -18,6 +18,7 @@ import torch
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
+from fulmen.core.symbolic import size_carriers, symbolic_trace
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.ops import prims
 from fulmen.ops.registry import SYMBOLS
@@ -162,6 +163,10 @@ def plan_grad(trace: Trace, interpreter_factory: Callable[[TraceBuilder], Any],
     overwritten = frozenset(b.args[1].pname for b in trace.bound_symbols if b.sym is prims.copy_)
     saved_names = choose_saved(joint.forward, trace.inputs, outputs, needed, forward_needs, memory_budget, peak,
                                overwritten)
+    if symbolic_trace(trace):  # the backward binds its symbolic sizes from what it takes: an input gives a missing one
+        given = [proxies[name] for name in saved_names] + cotangents
+        recomputing = _with_recomputation(bsyms, grads, saved_names | {p.pname for p in cotangents}, producers)
+        saved_names |= {p.pname for p in size_carriers(recomputing, given, [*trace.inputs, *proxies.values()])}
     order = list(trace.inputs) + [o for b in joint.forward for o in b.proxy_outputs()]
     saved, seen = [], set()
     for proxy in order:

@@ -239,3 +239,16 @@ def test_what_symbolic_sizes_cannot_do_yet_traces_static_shapes_and_says_why():
         "symbolic sizes are off for this callable: tracing with symbolic sizes failed "
         "(NotImplementedError: the program updates in place inputs that share memory)"
     )
+
+
+def test_a_backward_that_saves_nothing_still_knows_the_length():
+    # mean's grad divides by the length and is expanded to it: the backward takes the input only for its shape
+    jitted = fulmen.jit(lambda h: h.mean(0) * 3)
+    for n in (4, 6, 9):
+        h = torch.randn(n, 5, requires_grad=True)
+        (got,) = torch.autograd.grad(jitted(h).sum(), h)
+        (want,) = torch.autograd.grad((h.mean(0) * 3).sum(), h)
+        assert torch.equal(got, want)
+    assert fulmen.cache_misses(jitted) == 2
+    backward = fulmen.last_backward_traces(jitted)[-1].python()
+    assert "s0 = h.shape[0]" in backward, backward
