@@ -19,6 +19,7 @@ Inductor's compiled graph itself (`Variant.direct`); any other keeps the wrapped
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
+
+_ARGUMENT = re.compile(r"L\['t(\d+)'\]")  # an argument as torch's produce_guards names it
 
 
 def strides(args: tuple[torch.Tensor, ...]) -> tuple:
@@ -63,22 +66,67 @@ class Variant:
 
 
 class InductorFunction:
-    """`fn(*tensors)` compiled by Inductor, one variant per `key(args)`."""
+    """`fn(*tensors)` compiled by Inductor, one variant per `key(args)`; with `dynamic` (per argument, the dims that
+    vary between calls: a fusion region of a trace with symbolic sizes), variants compiled for symbolic sizes, each
+    used while the guards its ShapeEnv produced hold (Inductor's own among them)."""
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None,
-                 key: Callable[[tuple[torch.Tensor, ...]], tuple] = strides) -> None:
+                 key: Callable[[tuple[torch.Tensor, ...]], tuple] = strides,
+                 dynamic: tuple[frozenset[int], ...] | None = None) -> None:
         self._fn = fn
         self._options = options or None
         self._key = key
+        self._dynamic = dynamic
         self.variants: dict[tuple, Variant] = {}
+        self.guarded: list[tuple[Callable[[tuple], bool], Variant]] = []  # the symbolic variants, with their guards
 
     def __call__(self, *args: torch.Tensor) -> Any:
+        if self._dynamic is not None:
+            for admits, variant in self.guarded:
+                if admits(args):
+                    return variant(*args)
+            return self._compile_symbolic(args)(*args)
         variant = self.variants.get(self._key(args))
         if variant is None:
             variant = self._compile(args)
         return variant(*args)
 
     def _compile(self, args: tuple[torch.Tensor, ...]) -> Variant:
+        # Callers run where nothing records autograd (inside the autograd bridge, or without grad), so `fn` is
+        # traced and compiled as inference on detached arguments.
+        with torch.no_grad():
+            inputs = [arg.detach() for arg in args]
+            variant = self._inductor(make_fx(self._fn, tracing_mode="fake")(*inputs), inputs)
+        self.variants[self._key(args)] = variant
+        return variant
+
+    def _compile_symbolic(self, args: tuple[torch.Tensor, ...]) -> Variant:
+        from torch._dynamo.source import LocalSource
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import (
+            SYMPY_INTERP,
+            DimDynamic,
+            ShapeEnv,
+            StatelessSymbolicContext,
+        )
+
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        fakes = []
+        for arg, dims in zip(args, self._dynamic):
+            context = StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(arg.dim())])
+            fakes.append(mode.from_tensor(arg.detach(), symbolic_context=context))
+        with torch.no_grad():
+            graph = make_fx(self._fn, tracing_mode="fake")(*fakes)
+            placeholders = [node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"]
+            variant = self._inductor(graph, placeholders)
+        guards = mode.shape_env.produce_guards(placeholders, [LocalSource(f"t{i}") for i in range(len(args))],
+                                               ignore_static=False)
+        body = " and ".join("(" + _ARGUMENT.sub(r"a[\1]", guard) + ")" for guard in guards) or "True"
+        self.guarded.append((eval(f"lambda a: {body}", dict(SYMPY_INTERP)), variant))  # noqa: S307 (torch's guards)
+        return variant
+
+    def _inductor(self, graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Variant:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         captured: list[tuple[torch.fx.GraphModule, Any]] = []
@@ -88,17 +136,12 @@ class InductorFunction:
             captured.append((gm, compiled))
             return compiled
 
-        # Callers run where nothing records autograd (inside the autograd bridge, or without grad), so `fn` is
-        # traced and compiled as inference on detached arguments. AOTAutograd's cache is off so that a cache hit
-        # does not skip the inner compile whose result is called directly (Inductor's own cache still applies).
-        with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
-            inputs = [arg.detach() for arg in args]
-            graph = make_fx(self._fn, tracing_mode="fake")(*inputs)
+        # AOTAutograd's cache is off so that a cache hit does not skip the inner compile whose result is called
+        # directly (Inductor's own cache still applies).
+        with torch._functorch.config.patch(enable_autograd_cache=False):
             facts = _Facts.of(graph)  # before Inductor rewrites the graph's output in place
             wrapped = compile_fx(graph, inputs, inner_compile=inner_compile, config_patches=self._options)
-        variant = _variant(facts, len(inputs), wrapped, captured)
-        self.variants[self._key(args)] = variant
-        return variant
+        return _variant(facts, len(inputs), wrapped, captured)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fulmen.core.inductor import InductorFunction, layouts, strides
+from fulmen.core.inductor import InductorFunction
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, map_proxies
 from fulmen.core.symbolic import symbolic_trace
@@ -128,10 +128,12 @@ class TorchCompileExecutor(FusionExecutor):
         source, region = _canonical_region(bsyms, inputs, outputs)
         compiled = self._compiled.get(source)
         if compiled is None:
-            # a region of symbolic sizes (fulmen.core.symbolic) runs at every size its trace admits: compiled per
-            # layout (shapes included), where a static trace's regions differ by strides only
-            key = layouts if symbolic_trace(region) else strides
-            compiled = InductorFunction(region.python_callable(), self.compile_options, key)
+            # a region of symbolic sizes (fulmen.core.symbolic) runs at every size its trace admits: compiled for
+            # symbolic sizes in the dims that are symbolic in the trace, where a static trace's regions differ by
+            # strides only
+            dynamic = tuple(frozenset(d for d, size in enumerate(p.shape) if isinstance(size, torch.SymInt))
+                            for p in region.inputs) if symbolic_trace(region) else None
+            compiled = InductorFunction(region.python_callable(), self.compile_options, dynamic=dynamic)
             self._compiled[source] = compiled
         name = f"TorchCompile{index}"
         sym = Symbol(name=name, printed=name, impl=compiled, meta=None, executor=self)
