@@ -9,7 +9,7 @@ from fulmen.core.codegen import register_printer, render
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies, map_proxies
 from fulmen.core.trace import Trace
-from fulmen.transforms.transform import CleanupPass, TraceKind, Transform
+from fulmen.transforms.transform import CleanupPass, GradTraces, TraceKind, Transform
 
 
 def _keeps(bsym: BoundSymbol) -> bool:
@@ -28,12 +28,12 @@ def dce(trace: Trace) -> Trace:
     return trace.from_trace("Dead Code Elimination", bound_symbols=kept)
 
 
-def _key(bsym: BoundSymbol) -> str | None:
+def _key(bsym: BoundSymbol, differentiated: bool) -> str | None:
     # A call whose outputs require grad stays: merged, the two values' grads would be summed before its backward
     # runs (in its output's dtype: a bfloat16 cast of a float32 value sums them in bfloat16) where eager runs the
     # backward of each call and sums at the input, so grads would round differently. (autocast's cache, eager's one
     # shared conversion, is modelled when acquiring: fulmen.transforms.autocast.CastCache.)
-    if any(p.requires_grad for p in bsym.proxy_outputs()):
+    if differentiated and any(p.requires_grad for p in bsym.proxy_outputs()):
         return None
     try:
         return f"{bsym.sym.printed}|{render(bsym.args)}|{render(bsym.kwargs)}"
@@ -41,9 +41,10 @@ def _key(bsym: BoundSymbol) -> str | None:
         return None
 
 
-def cse(trace: Trace) -> Trace:
+def cse(trace: Trace, differentiated: bool = True) -> Trace:
     """Reuses the outputs of an identical earlier call (same symbol, same arguments) whose outputs do not require
-    grad."""
+    grad, or of any identical earlier call where the trace is not `differentiated`: a backward, whose values carry
+    the forward's requires_grad but which nothing differentiates (fulmen refuses double backward)."""
     seen: dict[str, BoundSymbol] = {}
     renames: dict[str, TensorProxy] = {}
     roots = _memory_roots(trace)
@@ -56,7 +57,7 @@ def cse(trace: Trace) -> Trace:
     for bsym in trace.bound_symbols:
         if renames:
             bsym = bsym.with_args_mapped(rename)
-        key = None if _keeps(bsym) else _key(bsym)
+        key = None if _keeps(bsym) else _key(bsym, differentiated)
         earlier = seen.get(key) if key is not None else None
         if earlier is not None and not _merges_returned_memory(bsym, earlier, roots, returned):
             for mine, theirs in zip(bsym.proxy_outputs(), earlier.proxy_outputs()):
@@ -138,6 +139,9 @@ class CommonSubexpressionElimination(CleanupPass):
 
     def run(self, trace: Trace) -> Trace:
         return cse(trace)
+
+    def transform_backward(self, traces: GradTraces) -> Trace:
+        return cse(traces.backward, differentiated=False)
 
 
 class DeleteLastUsed(Transform):

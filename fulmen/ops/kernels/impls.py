@@ -21,12 +21,14 @@ def _clone_with_layout(x: torch.Tensor) -> torch.Tensor:
     """A copy of `x` with its strides, also where `x` is not dense (a slice with a step; `clone` makes that one
     contiguous). The value an in-place update leaves keeps the updated tensor's layout, as eager's does: a later
     `reshape`/`flatten` views it or copies it by its strides, and the program may read them."""
+    if x.is_contiguous():  # the same copy in one call
+        return x.clone()
     return _empty_with_layout(x, x.device).copy_(x)
 
 
 def setitem(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
     """`x` with `x[index] = value` applied, leaving `x` untouched."""
-    out = _clone_with_layout(x)
+    out = x.clone() if x.is_contiguous() else _clone_with_layout(x)  # backward traces make thousands: slices' grads
     if out.is_meta and any(isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8)
                            for item in (index if isinstance(index, tuple) else (index,))):
         return out  # a mask's count of true elements is a value (the call checks it against `value`'s shape)
@@ -335,8 +337,7 @@ def offload_stream(device: torch.device) -> torch.cuda.Stream:
 def _empty_with_layout(x: torch.Tensor, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
     """An empty tensor with `x`'s strides, also for a view that is not dense (`empty_like` would make that one
     contiguous): the backward's kernels pick their algorithm by layout, and must see the one eager saved."""
-    overlapping = any(stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape))
-    if overlapping or x.is_contiguous():
+    if x.is_contiguous() or any(stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape)):
         return torch.empty_like(x, device=device, pin_memory=pin_memory)
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device, pin_memory=pin_memory)
 
