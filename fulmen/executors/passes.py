@@ -12,6 +12,8 @@ from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.executors.base import Executor, FusionExecutor
 from fulmen.executors.region_remat import REGION, plan_regions
+from fulmen.executors.torch_eager import direct_calls
+from fulmen.executors.view_folding import fold_views
 from fulmen.transforms.common import cse
 from fulmen.transforms.recording import record_call
 from fulmen.transforms.regions import form_regions, region_io
@@ -66,7 +68,7 @@ def transform_for_execution(trace: Trace, executors: tuple[Executor, ...],
     for position, executor in enumerate(executors):
         if isinstance(executor, FusionExecutor):
             result = fuse_regions(result, executor, frozenset(executors[position + 1:]))
-    return result
+    return fold_views(direct_calls(result))
 
 
 def fuse_regions(trace: Trace, executor: FusionExecutor, later: frozenset[Executor]) -> Trace:

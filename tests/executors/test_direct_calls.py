@@ -116,7 +116,7 @@ def test_traces_call_the_torch_functions_wrappers_would_call():
             assert wrapper not in text, (wrapper, text)
         assert "torch.Tensor.split_with_sizes(" in text
     backward = str(fulmen.last_backward_traces(jitted)[-1])
-    assert "torch.Tensor.expand(" in backward and "torch.Tensor.reshape(" in backward  # the RMSNorm weight's grad
+    assert "torch.Tensor.reshape(t_" in backward  # the RMSNorm weight, reshaped to broadcast in its grad
 
 
 def test_a_split_by_one_size_stays_a_split():
@@ -164,3 +164,57 @@ def test_setitem_keeps_the_layout_of_the_tensor_it_updates(layout):
     expected[..., 1:3] = value
     assert torch.equal(out, expected) and out.stride() == expected.stride()
     assert out.data_ptr() != x.data_ptr()
+
+
+def _calls(trace: Any) -> list[str]:
+    return [
+        line.split(" = ", 1)[1].split("  #")[0]
+        for line in str(trace).splitlines()
+        if " = " in line and line.startswith("  t")
+    ]
+
+
+def test_broadcasting_ops_read_unexpanded_operands_and_reshapes_are_not_chained():
+    # RMSNorm's weight grad expanded the weight before multiplying, and reshaped the reduced grad twice
+    jitted = _train_as_eager(nn.Sequential(RMSNorm(16), nn.Linear(16, 16), RMSNorm(16)), torch.randn(4, 16))
+    backward = fulmen.last_backward_traces(jitted)[-1]
+    assert not any(call.startswith("torch.Tensor.expand(") for call in _calls(backward)), str(backward)
+    made_by = {}
+    for bsym in backward.bound_symbols:
+        for name in bsym.output_names():
+            made_by[name] = bsym.sym.printed
+    chained = [
+        b
+        for b in backward.bound_symbols
+        if b.sym.printed == "torch.Tensor.reshape" and made_by.get(b.args[0].pname) == "torch.Tensor.reshape"
+    ]
+    assert not chained, str(backward)
+
+
+def test_a_fold_that_would_change_the_result_is_not_made():
+    # a 0-dim operand takes no part in type promotion once unexpanded (half * float32 scalar is half), and a reshape
+    # of a reshape that copied is a view of the copy where the one reshape is a copy itself
+    def f(x, s, y):
+        return x.half() * s.expand(4, 8), y.t().reshape(-1).reshape(8, 4) * 2
+
+    x, s, y = torch.randn(4, 8), torch.tensor(1.5, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    got, expected = fulmen.jit(f)(x, s, y), f(x, s, y)
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+    sum(o.float().sum() for o in got).backward()
+    grads = s.grad.clone(), y.grad.clone()
+    s.grad = y.grad = None
+    sum(o.float().sum() for o in expected).backward()
+    assert torch.equal(grads[0], s.grad) and torch.equal(grads[1], y.grad)
+
+
+def test_a_folded_reshape_of_an_input_stays_a_view_of_it():
+    def f(x):
+        return x.reshape(2, 8).reshape(16), x.reshape(4, 4).reshape(2, 2, 4) + 1
+
+    x = torch.randn(4, 4)
+    jitted = fulmen.jit(f)
+    view, _ = jitted(x)
+    assert "reshape(x, 16)" in str(fulmen.last_traces(jitted)[-1]).replace("(16,)", "16")
+    x.add_(1)  # eager's reshape of a contiguous tensor is a view: the update shows through it
+    assert torch.equal(view, x.reshape(16))
