@@ -115,3 +115,37 @@ def test_the_jitted_step_with_its_fused_loss_traces_twice():
                 assert torch.equal(got, want.grad)
     assert fulmen.cache_misses(jitted) == 2, fulmen.last_cache_miss_reasons(jitted)
     assert any("chunks chosen from the rows per call" in t.provenance for t in fulmen.last_traces(jitted))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device machine with -m cuda)")
+def test_cuda_default_executors_train_over_lengths_in_two_traces():
+    """On CUDA with the default executors (sdpa's fused attention, the torchcompile executor's regions compiled for
+    symbolic sizes, the fused loss), in bf16: a Llama step over 5 lengths, loss and grads close to eager's at each,
+    2 traces; sdpa runs the symbolic trace's attention and its regions are compiled for symbolic sizes."""
+    torch.manual_seed(0)
+    config = shrunk("Llama-3.1-8B")
+    with torch.device("cuda"):
+        model = GPT(config).to(torch.bfloat16)
+
+    def step(idx, targets):
+        return _loss(model(idx), targets)
+
+    jitted = fulmen.jit(step)
+    for n, (batch, length) in enumerate([(2, 16), (2, 24), (2, 32), (3, 8), (2, 20)]):
+        idx, targets = (t.cuda() for t in _batch(model, batch, length, n))
+        loss = jitted(idx, targets)
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        expected = step(idx, targets)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=2e-2, atol=2e-2)
+        for got, (key, p) in zip(grads, model.named_parameters()):
+            torch.testing.assert_close(got, p.grad, rtol=5e-2, atol=5e-2, msg=lambda m, k=key: f"{k}: {m}")
+        model.zero_grad(set_to_none=True)
+    assert fulmen.cache_misses(jitted) == 2, fulmen.last_cache_miss_reasons(jitted)
+    source = fulmen.last_traces(jitted)[-1].python()
+    assert "s1 = idx.shape[1]" in source, source[:2000]
+    assert "scaled_dot_product" in source, source[:4000]
+    assert "TorchCompile0(" in source, source[:4000]
