@@ -72,6 +72,7 @@ class Setters:
         self.depth = 0  # setters running now: the setters they call are theirs
         self.refused: TraceError | None = None  # raised once the program ran (a region cannot raise into it)
         self.generators: Generators | None = None  # their states before the program first changed them for real
+        self.device_context = _device_context()  # torch.set_default_device's mode (refused, it ran for real)
         self.watches: dict[types.CodeType, _SetterWatch] = {
             inspect.unwrap(fn).__code__: _SetterWatch(self, sym, _function_call) for fn, sym in _REPLAYED.items()}
         self.watches[_CONTEXT_PROP_SET] = _SetterWatch(self, ops.set_switch, _context_prop_call)
@@ -96,6 +97,8 @@ class Setters:
         if self.generators is not None:
             self.generators.restore()
             self.generators = None
+        if _device_context() is not self.device_context:
+            _restore_device_context(self.device_context)
 
     def record(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], location: SourceLocation | None) -> None:
         builder = self.interpreter.builder
@@ -298,6 +301,22 @@ def attribute_refusal(receiver: Any, name: str, frame: types.FrameType) -> Trace
     return _refused(f"{owner}.{name}", "a generator's method written in C, whose calls fulmen cannot see to make them "
                     "again on every call as eager's program does", "Seed with torch.manual_seed(n), which every call "
                     "of the trace does again", frame)
+
+
+def _device_context() -> Any:
+    """The torch-function mode torch.set_default_device left entered (None when the default device was never set)."""
+    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+
+
+def _restore_device_context(previous: Any) -> None:
+    """The default device as it was before the program's refused torch.set_default_device call ran: its mode left,
+    the earlier one (if any) entered again, as torch.set_default_device itself swaps them."""
+    current = _device_context()
+    if current is not None:
+        current.__exit__(None, None, None)
+    if previous is not None:
+        previous.__enter__()
+    torch._GLOBAL_DEVICE_CONTEXT.device_context = previous
 
 
 def _refused(name: str, why: str, fix: str, frame: types.FrameType) -> TraceError:

@@ -311,7 +311,7 @@ REFUSED = {
 @pytest.mark.parametrize("program", list(REFUSED), ids=lambda p: p.__name__)
 def test_a_setter_no_call_could_set_again_is_refused_naming_the_line_and_leaves_the_state_as_it_was(program):
     # before: each ran once, while tracing, and the later calls went on without it (or with its first answer)
-    threads = torch.get_num_threads()
+    threads, modes = torch.get_num_threads(), torch._C._len_torch_function_stack()
     torch.manual_seed(5)
     want = torch.rand(4)
     torch.manual_seed(5)
@@ -320,6 +320,25 @@ def test_a_setter_no_call_could_set_again_is_refused_naming_the_line_and_leaves_
     assert "test_global_state.py" in str(error.value)
     assert torch.equal(torch.rand(4), want)  # no seed the acquisition ran is left behind
     assert torch.get_num_threads() == threads and not torch.is_anomaly_enabled()
+    # torch.set_default_device's torch-function mode, left entered, took later programs off eager's fast paths
+    assert torch._C._len_torch_function_stack() == modes and torch.get_default_device() == torch.device("cpu")
+
+
+def test_a_refused_default_device_leaves_the_callers_own_default_device():
+    def sets_meta(x):
+        torch.set_default_device("meta")
+        return x * 2
+
+    torch.set_default_device("cpu")  # the caller's: a mode of its own is entered
+    try:
+        modes = torch._C._len_torch_function_stack()
+        with pytest.raises(TraceError, match="torch.set_default_device"):
+            fulmen.jit(sets_meta)(torch.ones(3))
+        assert torch._C._len_torch_function_stack() == modes
+        assert torch.empty(2).device == torch.device("cpu")
+    finally:
+        torch.set_default_device(None)
+    assert torch._C._len_torch_function_stack() == 0
 
 
 # --- draws another thread makes while a program is compiled ----------------------------------------------------------
