@@ -61,3 +61,14 @@ def _distributions_validate():
     # Dynamo's first use in a process turns torch.distributions' default argument validation off for good
     # (TorchPatcher.patch): each test starts from a fresh process's default, whichever tests ran before it
     torch.distributions.Distribution.set_default_validate_args(True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _rank_pools():
+    # the launches of one module share warm rank processes (tests/distributed/launch.py); ended with the module, so
+    # which launches share processes does not depend on how pytest-xdist hands out the files
+    yield
+    launch = sys.modules.get("tests.distributed.launch")
+    if launch is not None:
+        launch.close_pools()
+
