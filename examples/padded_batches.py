@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
                        for a, b in zip(model.parameters(), reference.parameters()))
     shapes = sorted({tuple(input_ids.shape) for input_ids, _ in data})
     result = {"traces": fulmen.cache_misses(jitted), "shapes": shapes, "losses": losses,
-              "losses_close_to_eager": all(abs(a - b) <= 1e-5 * abs(b) for a, b in losses), "weights_close_to_eager": same_weights}
+              "losses_close_to_eager": all(abs(a - b) <= 1e-5 * abs(b) for a, b in losses),
+              "weights_close_to_eager": same_weights}
     print(f"{len(data)} padded batches of {len(shapes)} shapes: {result['traces']} traces; losses close to eager's: "
           f"{result['losses_close_to_eager']}; final weights close to eager's: {same_weights}")
     header = [line for line in str(fulmen.last_traces(jitted)[-1]).splitlines() if "input_ids" in line][:2]

@@ -71,4 +71,3 @@ def _rank_pools():
     launch = sys.modules.get("tests.distributed.launch")
     if launch is not None:
         launch.close_pools()
-
