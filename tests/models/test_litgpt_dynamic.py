@@ -64,6 +64,22 @@ def test_trains_over_lengths_and_batch_sizes_in_two_traces_as_eager(name):
     assert '# idx: "cpu i64[s0, s1]"' in source and "s1 = idx.shape[1]" in source, source[:2000]
 
 
+def _close_to_eager(jitted, step, model, idx, targets, loss_tol, grad_tol):
+    """The jitted step's loss and grads close to `step`'s run eagerly on the same batch ((rtol, atol) each); the
+    jitted loss and grads, the model's grads cleared."""
+    loss = jitted(idx, targets)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    expected = step(idx, targets)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=loss_tol[0], atol=loss_tol[1])
+    for got, (key, p) in zip(grads, model.named_parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=grad_tol[0], atol=grad_tol[1], msg=lambda m, k=key: f"{k}: {m}")
+    model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
 def test_a_length_past_the_block_size_fails_as_eager_fails():
     model = _model("Llama-3.1-8B")
     jitted = fulmen.jit(model)
@@ -96,16 +112,7 @@ def test_the_jitted_step_with_its_fused_loss_traces_twice():
     jitted = fulmen.jit(step)
     for n, (batch, length) in enumerate(BATCHES[:5]):
         idx, targets = _batch(model, batch, length, n)
-        loss = jitted(idx, targets)
-        loss.backward()
-        grads = [p.grad for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        expected = step(idx, targets)
-        expected.backward()
-        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
-        for got, want in zip(grads, model.parameters()):
-            torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-7)
-        model.zero_grad(set_to_none=True)
+        loss, grads = _close_to_eager(jitted, step, model, idx, targets, loss_tol=(1e-5, 0), grad_tol=(1e-5, 1e-7))
         if n == 3:  # the symbolic trace computes what a static trace of this shape computes, bit for bit
             reference = fulmen.jit(static_step, options=fulmen.JitOptions(dynamic=False))
             static_loss = reference(idx, targets)
@@ -134,16 +141,7 @@ def test_cuda_default_executors_train_over_lengths_in_two_traces():
     jitted = fulmen.jit(step)
     for n, (batch, length) in enumerate([(2, 16), (2, 24), (2, 32), (3, 8), (2, 20)]):
         idx, targets = (t.cuda() for t in _batch(model, batch, length, n))
-        loss = jitted(idx, targets)
-        loss.backward()
-        grads = [p.grad for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        expected = step(idx, targets)
-        expected.backward()
-        torch.testing.assert_close(loss, expected, rtol=2e-2, atol=2e-2)
-        for got, (key, p) in zip(grads, model.named_parameters()):
-            torch.testing.assert_close(got, p.grad, rtol=5e-2, atol=5e-2, msg=lambda m, k=key: f"{k}: {m}")
-        model.zero_grad(set_to_none=True)
+        _close_to_eager(jitted, step, model, idx, targets, loss_tol=(2e-2, 2e-2), grad_tol=(5e-2, 5e-2))
     assert fulmen.cache_misses(jitted) == 2, fulmen.last_cache_miss_reasons(jitted)
     source = fulmen.last_traces(jitted)[-1].python()
     assert "s1 = idx.shape[1]" in source, source[:2000]
