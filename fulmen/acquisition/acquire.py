@@ -673,7 +673,10 @@ class Interpreter(TorchFunctionMode):
         return None
 
     def _storage_offset(self, x: torch.Tensor) -> int:
-        self.reads_storage_offset = True
+        # a real tensor's offset (a captured tensor's, which its guard reads itself: value_checks.tensor_meta) leaves
+        # the inputs' offsets free
+        if isinstance(x, TensorProxy):
+            self.reads_storage_offset = True
         with torch._C.DisableTorchFunction():
             return T.storage_offset(x)
 

@@ -256,11 +256,21 @@ def symbolic_meta(sizes: Sizes, tensor: torch.Tensor, position: int, dims: froze
     context = StatelessSymbolicContext(
         dynamic_sizes=[DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(tensor.dim())]
     )
+    offset = tensor.storage_offset()
+    if offset != 0:
+        # a view into a larger storage (a rank's rows of a global batch, `x[start:stop]`): its offset stays static
+        # (the ShapeEnv would make it a symbol), as in a static trace (distribution.logical_meta), which holds for any
+        # offset unless the program reads it (then its cache entry checks the offsets)
+        tensor = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
     shape, strides, _ = sizes.create_symbolic_sizes_strides_storage_offset(
         tensor, LocalSource(f"t{position}"), symbolic_context=context
     )
     with enable_python_dispatcher():
-        return torch.empty_strided(shape, strides, dtype=tensor.dtype, device="meta")
+        if offset == 0:
+            return torch.empty_strided(shape, strides, dtype=tensor.dtype, device="meta")
+        extent = offset + sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
+        storage = torch.empty(extent, dtype=tensor.dtype, device="meta").untyped_storage()
+        return torch.empty(0, dtype=tensor.dtype, device="meta").set_(storage, offset, shape, strides)
 
 
 @contextlib.contextmanager

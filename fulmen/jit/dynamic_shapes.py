@@ -50,15 +50,11 @@ def mark_dynamic(tensor: torch.Tensor, dim: int | Sequence[int]) -> None:
 
 
 def _eligible(tensor: torch.Tensor) -> bool:
-    """A tensor whose trace input can carry symbols: a plain strided tensor at the start of its storage (a view
-    elsewhere into a storage is traced with that storage's static size)."""
-    return (
-        tensor.layout is torch.strided
-        and tensor.dim() > 0
-        and tensor.storage_offset() == 0
-        and not tensor.is_nested
-        and distributed_input(tensor) is None
-    )
+    """A tensor whose trace input can carry symbols: a plain strided tensor, not a distributed module tensor. A view
+    into a larger storage (`x[start:stop]`, each rank's rows of a global batch) keeps its storage offset, as in a
+    static trace (symbolic.symbolic_meta)."""
+    return tensor.layout is torch.strided and tensor.dim() > 0 and not tensor.is_nested and (
+        distributed_input(tensor) is None)
 
 
 class DynamicDims:

@@ -23,6 +23,9 @@ from fulmen.core.symbolic import Decision, Sizes
 
 _ARGUMENT = re.compile(r"L\['t(\d+)'\]")
 _STATIC_SIZE = re.compile(r"a\[(\d+)\]\.size\(\)\[(\d+)\] == (\d+)")
+# torch guards a static storage offset, which a trace holds for whatever it is, as a static trace does (a trace whose
+# program reads an offset checks the inputs' offsets: trace_cache.CacheEntry.offsets)
+_OFFSET = re.compile(r"a\[\d+\]\.storage_offset\(\) == \d+")
 
 
 def symbolic_position(source: Any) -> tuple[int, str, int] | None:
@@ -52,7 +55,7 @@ class ShapeGuards:
         produced = sizes.produce_guards(
             [metas[p] for p in positions], [LocalSource(f"t{p}") for p in positions], ignore_static=False
         )
-        sources = tuple(_ARGUMENT.sub(r"a[\1]", guard) for guard in produced)
+        sources = tuple(source for guard in produced if not _OFFSET.fullmatch(source := _ARGUMENT.sub(r"a[\1]", guard)))
         body = " and ".join(f"({source})" for source in sources) or "True"
         check = eval(f"lambda a: {body}", dict(SYMPY_INTERP))  # noqa: S307  (fulmen's own generated source)
         symbols, places = {}, {}

@@ -11,6 +11,7 @@ import functools
 import re
 
 import pytest
+import torch
 
 import fulmen
 from tests.distributed import workers
@@ -142,3 +143,25 @@ def test_zero3_holds_half_the_parameter_bytes(suite):
     for mode in MODES[1:]:
         ratio = suite[f"{mode}-plain"]["param_bytes"] / full
         assert 0.5 <= ratio < 0.51, (mode, ratio)  # 1/world_size, plus the padding rows of the odd sizes
+
+
+# DDP under no_sync accumulation; ZeRO-3 with clipping and an activation memory budget (remat decided once)
+LENGTH_SETUPS = [(Setup("ddp", accumulate=2), {}),
+                 (Setup("zero3-block", clip=True), {"activation_memory_budget": 0.5})]
+
+
+def test_symbolic_lengths_train_as_static_traces_in_two_traces():
+    """Over 4 (rows, length) shapes, on each rank: losses, norms and parameters of the symbolic trace torch.equal the
+    static traces' (one per shape), close to single-process eager's, in 2 traces (static, then symbolic)."""
+    ranks = values(run_ranks(workers.train_over_lengths, 2, LENGTH_SETUPS, timeout=600))
+    for setup, _ in LENGTH_SETUPS:
+        want = workers.eager_training(setup, lengths=True)
+        for rank, results in enumerate(ranks):
+            static, symbolic = results[setup.name, False], results[setup.name, None]
+            assert static["misses"] == len(workers.LENGTH_SHAPES)
+            assert symbolic["misses"] == 2, (rank, symbolic["reasons"])
+            assert '# idx: "cpu i64[s0, s1]"' in symbolic["forward"], symbolic["forward"][:3000]
+            assert static["losses"] == symbolic["losses"] and static["norms"] == symbolic["norms"]
+            for name, value in static["shards"].items():
+                assert torch.equal(symbolic["shards"][name], value), (setup.name, rank, name)
+        workers.assert_matches_eager(ranks[0][setup.name, None], want)

@@ -75,13 +75,25 @@ def global_batches(world: int, accumulate: int) -> list[tuple[torch.Tensor, torc
              torch.randint(0, CONFIG["vocab_size"], (rows, SEQ), generator=generator)) for _ in range(STEPS)]
 
 
-def eager_training(setup: Setup, world: int = 2, splits: int = 1) -> dict[str, Any]:
+# (rows per rank and micro-batch, length) of each step of `train_over_lengths`: the second step changes both
+LENGTH_SHAPES = [(2, 5), (3, 9), (2, 12), (3, 7)]
+
+
+def length_batches(world: int, accumulate: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, CONFIG["vocab_size"], (world * rows * accumulate, length), generator=generator),
+             torch.randint(0, CONFIG["vocab_size"], (world * rows * accumulate, length), generator=generator))
+            for rows, length in LENGTH_SHAPES]
+
+
+def eager_training(setup: Setup, world: int = 2, splits: int = 1, lengths: bool = False) -> dict[str, Any]:
     """One process, the whole global batch per step: what the distributed runs must reproduce. `splits` > 1
-    accumulates the batch in that many chunks: the same training summed in another order."""
+    accumulates the batch in that many chunks: the same training summed in another order. `lengths`: the batches of
+    `length_batches`."""
     model = make_model(device=setup.place(), dtype=setup.dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
-    for x, y in global_batches(world, setup.accumulate):
+    for x, y in (length_batches if lengths else global_batches)(world, setup.accumulate):
         loss = torch.zeros((), device=setup.place())
         for xs, ys in zip(x.chunk(splits), y.chunk(splits)):
             part = loss_fn(model, xs.to(setup.place()), ys.to(setup.place())) / splits
@@ -164,6 +176,41 @@ def train(rank: int, world: int, setup: Setup, **distribute_kwargs: Any) -> dict
     params = checkpoint.get_model_state_dict(jitted, FULL)
     return {"losses": losses, "norms": norms, "params": params, "param_bytes": param_bytes,
             "traces": _trace_facts(jitted) if rank == 0 else None}
+
+
+def train_over_lengths(rank: int, world: int, setups: list[tuple[Setup, dict[str, Any]]]) -> dict[str, Any]:
+    """Each setup with its JitOptions fields, trained on `length_batches` (each rank's rows a view into the global
+    batch, at an offset on rank 1) with static traces (dynamic=False) and with the default's symbolic sizes."""
+    results = {}
+    for setup, options in setups:
+        for dynamic in (False, None):
+            model = distribute(make_model(), setup.mode)
+            jitted = fulmen.jit(model, options=fulmen.JitOptions(dynamic=dynamic, **options))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses, norms = [], []
+            for x, y in length_batches(world, setup.accumulate):
+                rows = x.shape[0] // world // setup.accumulate
+                total = torch.zeros(())
+                for micro in range(setup.accumulate):
+                    start = (micro * world + rank) * rows
+                    syncing = micro == setup.accumulate - 1
+                    with contextlib.nullcontext() if syncing else fd.no_sync(jitted):
+                        loss = loss_fn(jitted, x[start : start + rows], y[start : start + rows]) / setup.accumulate
+                        loss.backward()
+                    total += loss.detach()
+                if setup.clip:
+                    norms.append(fd.clip_grad_norm_(jitted, MAX_NORM).item())
+                optimizer.step()
+                optimizer.zero_grad()
+                torch_dist.all_reduce(total)
+                losses.append(total.item() / world)
+            results[setup.name, dynamic] = {
+                "losses": losses, "norms": norms, "params": checkpoint.get_model_state_dict(jitted, FULL),
+                "shards": shards_of(model),  # the full parameters on rank 0 only; each rank's own
+                "misses": fulmen.cache_misses(jitted), "reasons": fulmen.last_cache_miss_reasons(jitted),
+                "forward": str(fulmen.last_traces(jitted)[-1]),
+            }
+    return results
 
 
 def parity_suite(rank: int, world: int, setups: list[Setup]) -> dict[str, Any]:

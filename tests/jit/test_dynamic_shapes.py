@@ -252,3 +252,40 @@ def test_a_backward_that_saves_nothing_still_knows_the_length():
     assert fulmen.cache_misses(jitted) == 2
     backward = fulmen.last_backward_traces(jitted)[-1].python()
     assert "s0 = h.shape[0]" in backward, backward
+
+
+def test_rows_of_a_larger_batch_are_symbolic():
+    # each rank's rows of a global batch (x[start:stop]) are views at an offset into the batch's storage: they stand
+    # for tensors of their own, so every rank traces twice, as the one whose rows start the storage
+    linear = torch.nn.Linear(C, 4)  # captured: its guard reads its storage offset, the program's inputs' stay free
+
+    def rows(x, y):
+        return torch.tanh(linear(x)).softmax(-1) * y[..., None]
+
+    jitted = fulmen.jit(rows)
+    for T in (4, 5, 7, 12, 9):
+        x, y = _inputs(T, B=6).detach(), torch.randn(6, T)
+        got, got_grads = _grads(jitted, x[2:4].requires_grad_(), y[2:4])
+        want, want_grads = _grads(rows, x[2:4].requires_grad_(), y[2:4])
+        assert torch.equal(got, want)
+        for g, e in zip(got_grads, want_grads):
+            assert torch.equal(g, e)
+        assert x[2:4].storage_offset() == 2 * T * C
+    assert fulmen.cache_misses(jitted) == 2, fulmen.last_cache_miss_reasons(jitted)
+    assert '# x: "cpu f32[2, s0, 13]"' in fulmen.last_traces(jitted)[-1].python()
+
+
+def test_a_program_reading_an_offset_of_a_view_gets_the_calls_offset():
+    def offset(x):
+        return x * x.storage_offset()
+
+    jitted = fulmen.jit(offset)
+    for T in (4, 5, 7):
+        x = torch.randn(4, T)
+        for view in (x[2:], x[:2], x[2:]):
+            assert torch.equal(jitted(view), offset(view)), (T, view.storage_offset())
+    # the symbolic trace holds for the offsets it read: each other offset traces again, the same one hits
+    assert '"cpu f32[2, s0]"' in fulmen.last_traces(jitted)[-1].python()
+    assert fulmen.cache_hits(jitted) >= 2
+    reasons = fulmen.last_cache_miss_reasons(jitted)
+    assert "the inputs' storage offsets (14,), traced with (0,) (the program reads them" in reasons[-1], reasons

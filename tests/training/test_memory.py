@@ -4,6 +4,7 @@ checkpointing, and autocast."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -172,6 +173,42 @@ def test_activation_memory_budget_trades_saved_bytes_for_recomputed_matmuls():
     assert saved[0.5] <= 0.5 * saved[1.0] and saved[0.0] < saved[0.5]
     assert recomputed[1.0] < recomputed[0.5] < recomputed[0.0]
     assert peaks[0.5] < peaks[1.0] and peaks[0.0] < peaks[1.0]
+
+
+def test_activation_memory_budget_over_lengths_is_decided_once():
+    """A symbolic trace's saved-for-backward choice is made once, at its traced call's sizes: it recomputes what a
+    static trace of that call recomputes, and serves every length with eager's loss and grads (bit for bit)."""
+    torch.manual_seed(0)
+    model = LitGPT(shrunk("Llama-3.1-8B")).train()
+    vocab = model.config.padded_vocab_size
+    options = fulmen.JitOptions(activation_memory_budget=0.5)
+
+    def step(net, idx):
+        loss = F.cross_entropy(net(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return loss, grads
+
+    jitted = fulmen.jit(model, options=options)
+    for batch, length in [(2, 8), (3, 12), (2, 16), (4, 9), (2, 30)]:
+        idx = torch.randint(0, vocab, (batch, length))
+        (loss, grads), (want, want_grads) = step(jitted, idx), step(model, idx)
+        assert torch.equal(loss, want), (batch, length)
+        for got, expected in zip(grads, want_grads, strict=True):
+            assert torch.equal(got, expected), (batch, length)
+    assert fulmen.cache_misses(jitted) == 2
+    static = fulmen.jit(model, options=dataclasses.replace(options, dynamic=False))
+    step(static, torch.randint(0, vocab, (3, 12)))  # the call the symbolic trace was made for
+    unbudgeted = fulmen.jit(model)
+    step(unbudgeted, torch.randint(0, vocab, (3, 12)))
+
+    def plan(j):
+        backward = fulmen.last_backward_traces(j)[-1]
+        return len(backward.inputs), str(backward).count("torch.nn.functional.linear(")
+
+    assert '"cpu i64[s0, s1]"' in str(fulmen.last_traces(jitted)[-1])
+    assert plan(jitted) == plan(static) and plan(static)[1] > plan(unbudgeted)[1]
 
 
 def test_activation_memory_budget_is_a_share():

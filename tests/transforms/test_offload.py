@@ -210,6 +210,28 @@ def test_cpu_tensors_are_never_offloaded():
     assert "offload" not in str(fulmen.last_traces(jitted)[-1])
 
 
+def test_offloading_over_lengths_in_two_traces():
+    """The rewrite of a symbolic trace (its candidates chosen once, by the traced call's bytes) serves every length:
+    loss and grads torch.equal eager's over 5 (batch, length) shapes in 2 traces."""
+    model = _small_llama()
+    options = OffloadOptions(min_bytes=0, min_distance=4)
+    jitted = fulmen.jit(model, transforms=[OffloadTransform(options, device_types=("cpu",))])
+    for batch, length in [(2, 5), (3, 9), (2, 16), (4, 7), (2, 12)]:
+        idx = torch.randint(0, model.config.padded_vocab_size, (batch, length))
+        want = _step(model, idx)
+        grads = [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        assert torch.equal(_step(jitted, idx), want), (batch, length)
+        for got, expected in zip((p.grad for p in model.parameters()), grads, strict=True):
+            assert torch.equal(got, expected), (batch, length)
+        model.zero_grad(set_to_none=True)
+    assert fulmen.cache_misses(jitted) == 2, fulmen.last_cache_miss_reasons(jitted)
+    forward, backward = fulmen.last_traces(jitted)[-1], fulmen.last_backward_traces(jitted)[-1]
+    assert '# idx: "cpu i64[s0, s1]"' in str(forward)
+    offloads = sum(b.sym is OFFLOAD for b in forward.bound_symbols)
+    assert offloads >= 6 and sum(b.sym is RELOAD for b in backward.bound_symbols) == offloads
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"fraction": 0}, "fraction must be a number in (0, 1]"),
     ({"fraction": 1.5}, "fraction must be a number in (0, 1]"),
