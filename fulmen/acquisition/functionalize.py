@@ -327,6 +327,10 @@ class Functionalizer:
         """The line of the last update of `obj`."""
         return self._written_at.get(id(obj))
 
+    def written_seen_by_autograd(self, obj: TensorProxy) -> bool:
+        """Whether some update of `obj` was one autograd sees (grad mode on, not through a detached alias)."""
+        return id(obj) in self._through_view
+
     def written_through_view(self, obj: TensorProxy) -> bool:
         """Whether the last update of `obj` that autograd saw was through a view of it (eager's grad_fn is then
         CopySlices)."""

@@ -30,7 +30,9 @@ from fulmen.executors import base as executor_base
 from fulmen.executors.base import Executor
 from fulmen.jit.buffer_registrations import RealModules, Registered, Registration
 from fulmen.jit.dynamic_shapes import DynamicDims, SymbolicInputs, frozen, has_sizes, settled, settled_writes, thawed
+from fulmen.jit.grad_slots import GradWrite, StepInterpreter
 from fulmen.jit.module_inputs import ModuleInput, ShadowTree, build_shadow, qualified_names
+from fulmen.jit.optimizer_steps import OptimizerSteps
 from fulmen.jit.pipeline import Pipeline
 from fulmen.jit.trace_cache import Cache, CacheEntry, ReturnedInput
 from fulmen.jit.undo import HookSnapshot, reachable_modules
@@ -53,6 +55,7 @@ from fulmen.runtime.view_outputs import ViewOutput, retaken, take_views, view_ou
 from fulmen.transforms.autocast import autocast_enabled, without_autocast
 from fulmen.transforms.distribution import distributed_input, distributed_program, logical_meta
 from fulmen.transforms.transform import named_inputs
+from fulmen.transforms.update_order import updates_early
 
 
 @dataclass(slots=True)
@@ -79,7 +82,8 @@ def _places(result: Any, returned: int, rebinds: list[tuple[nn.Module, str, str]
     places = [f"output{where}" for where, _ in pytree.tensor_places(result)]
     if len(places) != returned:  # flatten took other tensors (those of an object the program was given)
         places = [f"output #{i}" for i in range(returned)]
-    return (*places, *(f"attribute {name} of a {type(module).__qualname__} module" for module, _, name in rebinds))
+    return (*places, *(r.describe() if isinstance(r, GradWrite) else f"attribute {r[2]} of a "
+                       f"{type(r[0]).__qualname__} module" for r in rebinds))
 
 
 def _named_arguments(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> tuple[list[str], list[Any]]:
@@ -366,7 +370,11 @@ class JittedFunction:
             outputs = distinct
         produced = outputs
         if len(outputs) > entry.n_outputs:  # then the rebinds' values, then the values of updated inputs
-            for (module, container, name), value in zip(entry.rebinds, outputs[entry.n_outputs :]):
+            for rebind, value in zip(entry.rebinds, outputs[entry.n_outputs :]):
+                if isinstance(rebind, GradWrite):
+                    rebind.apply(value)
+                    continue
+                module, container, name = rebind
                 getattr(module, container)[name] = value
             outputs = outputs[: entry.n_outputs]
         returns_input, views = entry.returns_input, entry.views
@@ -398,7 +406,7 @@ class JittedFunction:
                  aliases: AliasPlan | None, real_inputs: list[torch.Tensor], compiling: bool,
                  symbolic: SymbolicInputs | None = None) -> Acquisition:
         builder = TraceBuilder(decompose=self._options.decompose)
-        interpreter = Interpreter(builder)
+        interpreter = StepInterpreter(builder)  # with loss.backward() and .grad inside the program (grad_slots.py)
         observer = Observer((self._fn,))
         _refuse_unproxyable(tensors, names)
         proxies = [builder.make_proxy(symbolic.meta(t, i) if symbolic is not None else logical_meta(t), t.device,
@@ -420,7 +428,8 @@ class JittedFunction:
         real = RealModules(reachable_modules(self._fn, self._module, args, kwargs))
         calls = call_table(self.executors, interpreter)
         setters = Setters(interpreter)  # torch's global setters the program calls, recorded where it calls them
-        watches = {**calls.watches, **setters.watches}
+        steps = OptimizerSteps(interpreter, interpreter.grad_slots.extra_guards)  # torch.optim steps in the program
+        watches = {**calls.watches, **setters.watches, **steps.watches}
         if self._module is not None:
             # A sharded parameter enters with its full shape (its distribution gathers it before use).
             tree = build_shadow(self._module, functools.partial(_module_proxy, builder, interpreter), observer,
@@ -583,6 +592,10 @@ class JittedFunction:
         with named_inputs(lambda: qualified_names(acquisition.tree, acquisition.interpreter.constants,
                                                   reachable_modules(self._fn, self._module, args, kwargs))):
             traces = self.pipeline.acquire(acquired)
+        if interpreter.grad_slots.backward_ran:  # a whole step: each update right after its grad (update_order.py)
+            reordered = updates_early(traces[-1])
+            if reordered is not traces[-1]:
+                traces.append(reordered)
         bases = aliases.bases(real_inputs) if aliases is not None else []
         distributed = distributed_program(acquired, [*real_inputs, *bases])
         if distributed is not None:  # a call passes a sharded module tensor: its view is the trace's to take
@@ -591,7 +604,7 @@ class JittedFunction:
         pipeline = self.pipeline.for_program(traces[-1], distributed is not None,
                                              getattr(self._fn, "__qualname__", "the program"))
         program = None
-        if _needs_grad(traces[-1]):
+        if _needs_grad(traces[-1]) and not interpreter.grad_slots.backward_ran:
             first_dirty = len(values) - len(acquisition.dirty)
             where = interpreter.functional.written_at
             dirty = tuple(UpdatedInput(first_dirty + k, i, where(acquisition.inputs[i]),
@@ -618,7 +631,7 @@ class JittedFunction:
             fn = without_autocast(fn)
         if aliases is not None:
             fn = functools.partial(_with_storage, aliases, fn)
-        guards = acquisition.observer.guards()
+        guards = (*acquisition.observer.guards(), *interpreter.grad_slots.guards())
         left = GlobalState.current()  # the program's own changes, still applied (the passes undo theirs)
         shapes = symbolic.guards(acquisition.inputs) if symbolic is not None else None
         positions = tuple(symbolic.dims) if symbolic is not None else ()
@@ -646,7 +659,7 @@ class JittedFunction:
             aliases=aliases,
             writes=(*(settled_writes(acquisition.observer.writes) if symbolic is not None else
                       acquisition.observer.writes), *acquisition.registrations,
-                    *((StateLeftChanged(left),) if left != before else ())),
+                    *((StateLeftChanged(left),) if left != before else ()), *interpreter.grad_slots.cleared()),
             # the bases of views the call takes again are objects of their own too
             distinct=identity_pattern(values[: len(values) - len(acquisition.dirty)]),
             retained=acquisition.retained,
@@ -710,6 +723,10 @@ class JittedFunction:
                     objects.setdefault(id(now), len(values))
                     values.append(value)
                     rebinds.append((module, container, name))
+        for write, value in interpreter.grad_slots.outputs():  # the .grad a backward inside the program left
+            objects.setdefault(id(value), len(values))
+            values.append(functional.resolve(value))
+            rebinds.append(write)
         # views of tensors the program computed, taken again by the call (view_outputs.py): after the returned and
         # assigned tensors, the trace returns the bases that are neither
         views = view_outputs(functional, [leaf if r is None else None for leaf, r in zip(leaves, returns_input)],

@@ -17,6 +17,7 @@ from fulmen.ops import (  # noqa: F401  (registration side effects)
     linalg,
     losses,
     nn,
+    optim,
     recurrent,
     reductions,
     shape,

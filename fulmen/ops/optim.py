@@ -1,0 +1,87 @@
+"""torch.optim's per-parameter updates as trace symbols (issue 50: the whole training step in one trace).
+
+One call updates one parameter and its optimizer state: `optim.adam_update(param, grad, exp_avg, exp_avg_sq, None,
+step, lr=..., ...)` returns the new parameter, moments and step count. Its implementation is eager's own kernel
+(torch.optim.adam's `_single_tensor_adam`, or `_multi_tensor_adam` for foreach=True) run on that one parameter, so
+the arithmetic is eager's to the bit, in eager's precisions: the step count is read from the step tensor when the
+call runs (`_get_value`, `.item()` of a CPU tensor: no device sync) and the bias corrections are Python doubles, as
+eager computes them. Hyperparameters (lr, betas, ...) are the call's constants, guarded by the trace (a scheduler
+that changes lr between calls makes a new trace). The call is functional, as every trace symbol: it works on copies
+and the acquisition writes the results back into the parameter and the state tensors, like any in-place update of a
+captured tensor. Updating one parameter at a time lets the trace run each update right after its gradient is
+complete (fulmen.jit.optimizer_steps orders them so), freeing the gradient early.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim import adam as torch_adam
+from torch.optim import sgd as torch_sgd
+
+from fulmen.core.symbol import IMPORTS, Symbol, Tag
+from fulmen.core.trace import TraceBuilder
+from fulmen.ops.registry import add_symbol
+from fulmen.ops.rules.grad import not_differentiable
+
+IMPORTS["optim"] = "from fulmen.ops import optim"
+
+
+def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                max_exp_avg_sq: torch.Tensor | None, step: torch.Tensor, *, lr: float, beta1: float, beta2: float,
+                weight_decay: float, eps: float, amsgrad: bool, maximize: bool, decoupled_weight_decay: bool,
+                foreach: bool) -> tuple[torch.Tensor, ...]:
+    """Adam / AdamW on one parameter: (param, exp_avg, exp_avg_sq, [max_exp_avg_sq,] step), updated."""
+    param, exp_avg, exp_avg_sq, step = param.clone(), exp_avg.clone(), exp_avg_sq.clone(), step.clone()
+    maxima = [max_exp_avg_sq.clone()] if amsgrad else []
+    kernel = torch_adam._multi_tensor_adam if foreach else torch_adam._single_tensor_adam
+    with torch.no_grad():
+        kernel([param], [grad], [exp_avg], [exp_avg_sq], maxima, [step], None, None, amsgrad=amsgrad,
+               has_complex=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+               maximize=maximize, capturable=False, differentiable=False,
+               decoupled_weight_decay=decoupled_weight_decay)
+    return (param, exp_avg, exp_avg_sq, *maxima, step)
+
+
+def sgd_update(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *, lr: float,
+               momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
+               foreach: bool) -> tuple[torch.Tensor, ...]:
+    """SGD on one parameter: (param,) or, with momentum, (param, momentum_buffer), updated (a first step makes the
+    buffer, as eager's: a copy of the grad)."""
+    param = param.clone()
+    buffers = [momentum_buffer.clone() if momentum_buffer is not None else None]
+    kernel = torch_sgd._multi_tensor_sgd if foreach else torch_sgd._single_tensor_sgd
+    with torch.no_grad():
+        kernel([param], [grad], buffers, None, None, weight_decay=weight_decay, momentum=momentum, lr=lr,
+               dampening=dampening, nesterov=nesterov, maximize=maximize, has_sparse_grad=False)
+    return (param, buffers[0]) if momentum != 0 else (param,)
+
+
+def _like(builder: TraceBuilder, *tensors: Any) -> tuple:
+    """Outputs laid out as the tensors they update (clone keeps the layout), never requiring grad."""
+    with torch._C.DisableTorchFunction():
+        metas = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors)
+    return tuple(builder.make_proxy(m, t.device) for m, t in zip(metas, tensors))
+
+
+def _adam_meta(builder: TraceBuilder, param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, max_exp_avg_sq: Any,
+               step: Any, **options: Any) -> tuple:
+    maxima = (max_exp_avg_sq,) if options["amsgrad"] else ()
+    return _like(builder, param, exp_avg, exp_avg_sq, *maxima, step)
+
+
+def _sgd_meta(builder: TraceBuilder, param: Any, grad: Any, momentum_buffer: Any, **options: Any) -> tuple:
+    if options["momentum"] == 0:
+        return _like(builder, param)
+    return _like(builder, param, momentum_buffer if momentum_buffer is not None else grad)
+
+
+def _symbol(fn: Any, meta: Any) -> Symbol:
+    return add_symbol(Symbol(name=fn.__name__, printed=f"optim.{fn.__name__}", impl=fn, meta=meta,
+                             tags=Tag.NO_GRAD))
+
+
+ADAM_UPDATE = _symbol(adam_update, _adam_meta)
+SGD_UPDATE = _symbol(sgd_update, _sgd_meta)
+not_differentiable(ADAM_UPDATE, SGD_UPDATE)

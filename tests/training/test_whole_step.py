@@ -1,0 +1,195 @@
+"""A whole training step in one trace (issue 50): forward, loss.backward(), optimizer.step() and zero_grad() jitted
+together train as eager does, bit for bit on CPU, and reuse their trace across steps.
+
+Each test trains two identical copies, one through `fulmen.jit(train_step)` and one eagerly, on the same batches, and
+compares with torch.equal after every step: the loss, every parameter, every tensor of the optimizer's state (Adam's
+exp_avg / exp_avg_sq / max_exp_avg_sq and step counter, SGD's momentum buffer) and `.grad` as eager leaves it (None
+after zero_grad(set_to_none=True), the zeroed tensor otherwise).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+from fulmen.core.errors import TraceError
+
+
+def train_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def train_step_zeroing(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    return loss
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 5))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=generator), torch.randint(0, 5, (8,), generator=generator)) for _ in range(n)]
+
+
+def _assert_same(model, eager_model, optimizer, eager_optimizer) -> None:
+    for (name, p), q in zip(model.named_parameters(), eager_model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+        state, eager_state = optimizer.state[p], eager_optimizer.state[q]
+        assert state.keys() == eager_state.keys(), name
+        for key in state:
+            assert torch.equal(state[key], eager_state[key]), (name, key)
+            assert state[key].dtype == eager_state[key].dtype and state[key].device == eager_state[key].device
+
+
+def _train(make_optimizer, steps: int = 4, step_fn=train_step, scheduler=None):
+    model = _model()
+    eager_model = copy.deepcopy(model)
+    optimizer, eager_optimizer = make_optimizer(model.parameters()), make_optimizer(eager_model.parameters())
+    schedulers = (scheduler(optimizer), scheduler(eager_optimizer)) if scheduler is not None else ()
+    jitted = fulmen.jit(step_fn)
+    for x, y in _batches(steps):
+        loss, eager_loss = jitted(model, optimizer, x, y), step_fn(eager_model, eager_optimizer, x, y)
+        assert torch.equal(loss, eager_loss.detach())
+        _assert_same(model, eager_model, optimizer, eager_optimizer)
+        for s in schedulers:
+            s.step()
+    return jitted, optimizer
+
+
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=False),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.05, foreach=False),
+    "adam-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, foreach=False),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_adam_family_step_is_eager_and_cached(name):
+    jitted, _ = _train(OPTIMIZERS[name], steps=5)
+    # the state is made before the first trace (as eager's first step makes it): the second call reuses it
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (1, 4)
+    trace = str(fulmen.last_traces(jitted)[-1])
+    assert trace.count("optim.adam_update(") == 6 and "torch.autograd" not in trace
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_sgd_momentum_step_is_eager_and_cached(foreach):
+    make = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01,  # noqa: E731
+                                     foreach=foreach)
+    jitted, optimizer = _train(make, steps=5)
+    # the first step makes the momentum buffers (a copy of the grad, as eager): a trace of its own, then one for
+    # every later step
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (2, 3)
+    assert "momentum_buffer" in fulmen.last_cache_miss_reasons(jitted)[0] or "optimizer state" in \
+        fulmen.last_cache_miss_reasons(jitted)[0]
+    assert all("momentum_buffer" in optimizer.state[p] for p in optimizer.param_groups[0]["params"])
+
+
+def test_sgd_nesterov_and_plain():
+    _train(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5, nesterov=True), steps=3)
+    jitted, _ = _train(lambda p: torch.optim.SGD(p, lr=0.1), steps=3)
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (1, 2)
+
+
+def test_step_lr_scheduler_takes_effect():
+    """StepLR halves lr every 2 steps between calls: each new lr traces once (its guard), and the steps stay eager's;
+    an lr seen before reuses its trace."""
+    jitted, optimizer = _train(lambda p: torch.optim.AdamW(p, lr=1e-2), steps=6,
+                               scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (3, 3)
+    assert "lr=0.01" in fulmen.last_cache_miss_reasons(jitted)[0]
+
+
+def test_zero_grad_without_set_to_none():
+    jitted, _ = _train(lambda p: torch.optim.Adam(p, lr=1e-2), steps=4, step_fn=train_step_zeroing)
+    # the first call begins without grads, the next ones with the zeroed grads (updated in place from then on)
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (2, 2)
+
+
+def test_updates_follow_their_gradients():
+    """Each parameter's update runs right after its gradient is complete, and its write-back right after its last
+    read: the last layer's update comes before the first layer's gradient is computed."""
+    jitted, _ = _train(OPTIMIZERS["adamw"], steps=1)
+    final = fulmen.last_traces(jitted)[-1]
+    provenance = [t.provenance for t in fulmen.last_traces(jitted)]
+    assert "Optimizer updates right after their gradients" in provenance
+    lines = str(final).splitlines()
+    updates = [i for i, line in enumerate(lines) if "optim.adam_update(" in line]
+    matmuls = [i for i, line in enumerate(lines) if "torch.matmul(" in line]
+    assert updates[0] < matmuls[-1]  # the head's update comes before the first layer's weight gradient
+
+
+def test_state_replaced_by_load_state_dict_traces_again():
+    model = _model()
+    eager_model = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    eager_optimizer = torch.optim.Adam(eager_model.parameters(), lr=1e-2)
+    jitted = fulmen.jit(train_step)
+    batches = _batches(4)
+    for x, y in batches[:2]:
+        jitted(model, optimizer, x, y), train_step(eager_model, eager_optimizer, x, y)
+    saved = copy.deepcopy(eager_optimizer.state_dict())
+    optimizer.load_state_dict(copy.deepcopy(saved))
+    eager_optimizer.load_state_dict(copy.deepcopy(saved))
+    for x, y in batches[2:]:
+        assert torch.equal(jitted(model, optimizer, x, y), train_step(eager_model, eager_optimizer, x, y).detach())
+        _assert_same(model, eager_model, optimizer, eager_optimizer)
+    assert fulmen.cache_misses(jitted) == 2
+
+
+def test_backward_alone_accumulates_as_eager():
+    """`loss.backward()` in the jitted function: the grads of the model's parameters as eager's AccumulateGrad
+    leaves them (first the grad, then sums), a frozen parameter without one."""
+
+    def forward_backward(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    model = _model()
+    model[2].weight.requires_grad_(False)
+    eager_model = copy.deepcopy(model)
+    jitted = fulmen.jit(forward_backward)
+    for x, y in _batches(3):
+        assert torch.equal(jitted(model, x, y), forward_backward(eager_model, x, y).detach())
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            assert p.grad is None or (torch.equal(p.grad, q.grad) and p.grad.stride() == q.grad.stride())
+
+
+def test_unknown_optimizer_is_refused_naming_it():
+    model = _model()
+    optimizer = torch.optim.RMSprop(model.parameters())
+    x, y = _batches(1)[0]
+    with pytest.raises(TraceError, match=r"optimizer torch\.optim\.rmsprop\.RMSprop(.|\n)*test_whole_step.py:\d+ in "
+                                         r"train_step: \"optimizer\.step\(\)\""):
+        fulmen.jit(train_step)(model, optimizer, x, y)
+    assert all(p.grad is None for p in model.parameters())  # nothing ran
+    assert not optimizer.state
+
+
+def test_fused_step_is_refused():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    x, y = _batches(1)[0]
+    with pytest.raises(TraceError, match="fused torch.optim step"):
+        fulmen.jit(train_step)(model, optimizer, x, y)
