@@ -9,16 +9,18 @@ AccumulateGrad does. After the call the trace's final slot values become the ten
 caller sees what eager leaves: the grad, or None after `zero_grad(set_to_none=True)`.
 
 Leaves are the real tensors the program captured (the parameters of a model passed as an argument, or a global's):
-each one the trace touched has a guard on its `.grad` as the trace began (None, or that very tensor), so a call
-after a backward outside the program traces again. The backward consumes the graph, as eager's (retain_graph is
-refused): the values computed before it no longer require grad, so nothing else of the trace runs through
-torch.autograd.
+each one the trace touched has a guard on its `.grad` as the trace began: None, or a tensor laid out as then, which
+each call reads anew (a trace input: CacheEntry.fetched), so micro-batches accumulating into the grads of the step
+before reuse one trace; a grad that is a view is guarded by identity. The backward consumes the graph, as eager's
+(retain_graph is refused): the values computed before it no longer require grad, so nothing else of the trace runs
+through torch.autograd.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,7 @@ from fulmen.observation.guards import Guard
 from fulmen.observation.value_checks import Emitter
 from fulmen.ops import prims
 from fulmen.transforms.autodiff import BackwardAssembler, GradTransform
+from fulmen.transforms.distribution import distributed_input
 
 T = torch.Tensor
 
@@ -71,6 +74,22 @@ def _off_acquisition(interpreter: Interpreter) -> Iterator[None]:
         yield
 
 
+def _grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    return tensor.grad
+
+
+def _fetchable(grad: torch.Tensor | None) -> bool:
+    """A grad each call may read anew (not a view: its base would be another input the trace does not see)."""
+    return grad is not None and grad._base is None and type(grad) is torch.Tensor
+
+
+def _layout(grad: torch.Tensor | None) -> tuple | None:
+    """What a trace reading a grad assumes of it: its metadata (the cache key's, for an input), not its identity."""
+    if not _fetchable(grad):
+        return None
+    return (grad.shape, grad.stride(), grad.storage_offset(), grad.dtype, grad.device, grad.requires_grad)
+
+
 class StepInterpreter(Interpreter):
     """fulmen.jit's acquisition: the interpreter, with backward calls and `.grad` inside the program (GradSlots)."""
 
@@ -96,6 +115,8 @@ class GradSlots:
         self.slots: dict[int, Slot] = {}  # id(real tensor) -> its slot
         self.backward_ran = False
         self.extra_guards: list[Guard] = []  # those of the optimizer steps (optimizer_steps.py)
+        # captured tensors each call reads anew: (the tensor traced with, how a call fetches its own)
+        self.fetches: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
         interpreter.special.update({
             T.grad.__get__: self.read,
             T.grad.__set__: self.assign,
@@ -113,6 +134,8 @@ class GradSlots:
             with torch._C.DisableTorchFunction():
                 initial = x.grad
             slot = self.slots[id(x)] = Slot(x, proxy, initial, initial)
+            if _fetchable(initial):  # the grad a call begins with is its own (a new tensor after each step)
+                self.fetches.append((initial, functools.partial(_grad_of, x)))
         return slot
 
     def read(self, x: torch.Tensor) -> Any:
@@ -203,6 +226,10 @@ class GradSlots:
                                  "module input that requires grad: inside the program it follows the grads of the "
                                  "tensors the program captures (the parameters of a model passed as an argument); "
                                  "pass the model, or call backward outside the jitted function", where)
+            if distributed_input(tensor) is not None:
+                raise TraceError(f"fulmen cannot trace loss.backward() inside the program for {proxy.pname}, a ddp / "
+                                 "fsdp parameter: the reductions of its grads belong to the backward of a jitted "
+                                 "forward; call backward outside the jitted function", where)
             self._accumulate(tensor, grad)
         # the graph is consumed, as eager's without retain_graph: nothing computed so far carries a history
         with torch._C.DisableTorchFunction():
@@ -249,6 +276,16 @@ class GradSlots:
         return [GradWrite(s.tensor, s.proxy.pname) for s in self.slots.values()
                 if s.value is None and s.initial is not None]
 
+    def fetched(self) -> tuple[tuple[int, Callable[[], torch.Tensor]], ...]:
+        """(position among the interpreter's constants, fetch) of the captured tensors each call reads anew."""
+        position = {id(p): i for i, (_, p) in enumerate(self.interpreter.constants)}
+        found = []
+        for tensor, fetch in self.fetches:
+            proxy = self.interpreter._constant_ids.get(id(tensor))
+            if proxy is not None and id(proxy) in position:
+                found.append((position[id(proxy)], fetch))
+        return tuple(found)
+
     def guards(self) -> list[Guard]:
         """Each touched tensor's `.grad` as the trace began: None, or that tensor."""
         found = []
@@ -258,6 +295,9 @@ class GradSlots:
             if slot.initial is None:
                 source = f"{tensor}.grad is None"
                 traced = "None"
+            elif _fetchable(slot.initial):
+                source = f"{emit.bind(_layout)}({tensor}.grad) == {emit.bind(_layout(slot.initial))}"
+                traced = "a tensor laid out as " + repr(_layout(slot.initial))
             else:
                 source = f"{tensor}.grad is {emit.bind(slot.initial)}"
                 traced = "a tensor"

@@ -294,8 +294,9 @@ class JittedFunction:
         else:
             self.stats.hits += 1
         self.last_entry = entry
-        outputs = entry.fn(*tensors, *module_tensors, *entry.constants)
-        return self._finish(entry, outputs, tensors, module_tensors)
+        constants = entry.current_constants()
+        outputs = entry.fn(*tensors, *module_tensors, *constants)
+        return self._finish(entry, outputs, tensors, module_tensors, constants)
 
     def declare_dynamic(self, dims: dict[int, frozenset[int]]) -> None:
         """Dimensions (argument tensor position -> dims) symbolic from the first trace (those Dynamo made symbolic
@@ -345,7 +346,7 @@ class JittedFunction:
                    f"another: {reason}")
         latest = self._cache.entries[-1]
         distributed = any(distributed_input(t) is not None for t in (*(s.fetch() for s in latest.module_inputs),
-                                                          *latest.constants))
+                                                          *(t for t in latest.constants if t is not None)))
         if self._options.cache_limit_action is CacheLimitAction.ERROR or distributed:
             why = " (a program with ddp / fsdp parameters cannot run eagerly)" if distributed else ""
             raise CacheLimitError(f"{message}{why}. Keep it constant, or raise the limit "
@@ -359,8 +360,8 @@ class JittedFunction:
         return (self._fn if self._module is None else self._module)(*args, **kwargs)
 
     @staticmethod
-    def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor], module_tensors: list[torch.Tensor]
-                ) -> Any:
+    def _finish(entry: CacheEntry, outputs: tuple, tensors: list[torch.Tensor], module_tensors: list[torch.Tensor],
+                constants: tuple) -> Any:
         for write in entry.writes:  # the Python state the program stored (fulmen.observation.state_writes)
             write.apply()
         if entry.distinct is not None:  # what the trace merged, eager gives as distinct tensors (distinct_outputs.py)
@@ -382,7 +383,7 @@ class JittedFunction:
             returns_input, views = thawed((returns_input, views), entry.shapes.values(tensors))
         takes_inputs = any(r is not None for r in returns_input)
         if takes_inputs or entry.retained is not None:
-            inputs = [*tensors, *module_tensors, *entry.constants]
+            inputs = [*tensors, *module_tensors, *constants]
         if takes_inputs:
             returned = [r.take(inputs, out) if r is not None else out for r, out in zip(returns_input, outputs)]
             if entry.program is not None and entry.program.feeding:
@@ -635,6 +636,10 @@ class JittedFunction:
         left = GlobalState.current()  # the program's own changes, still applied (the passes undo theirs)
         shapes = symbolic.guards(acquisition.inputs) if symbolic is not None else None
         positions = tuple(symbolic.dims) if symbolic is not None else ()
+        fetched = interpreter.grad_slots.fetched()  # captured tensors each call reads anew (grad_slots.py)
+        if fetched:
+            skipped = {position for position, _ in fetched}  # not kept alive by the entry
+            constants = [None if i in skipped else t for i, t in enumerate(constants)]
         entry = CacheEntry(
             fn=fn,
             traces=tuple(traces),
@@ -664,6 +669,7 @@ class JittedFunction:
             distinct=identity_pattern(values[: len(values) - len(acquisition.dirty)]),
             retained=acquisition.retained,
             views=(frozen(acquisition.views) if symbolic is not None else acquisition.views) or None,
+            fetched=fetched,
         )
         if symbolic is not None and has_sizes((entry.returns_input, entry.views)):
             entry = dataclasses.replace(entry, view_sizes=True)

@@ -14,12 +14,15 @@ torch's own step code runs while the program is acquired (its hooks, `_use_grad_
   whose implementation is that same kernel: eager's arithmetic, the bias corrections in Python doubles from the step
   tensor read when the call runs. Its results are written back into the parameter and the state tensors.
 
-The hyperparameters each update used (lr, betas, weight decay, ...) are constants of the trace, guarded: a learning
-rate scheduler stepping between calls makes the next call trace again (once per distinct value) and then reuse it.
+A float learning rate is an input of the trace, read from its param group by each call (lr_input): a scheduler
+stepping between calls reuses the trace. The other hyperparameters (betas, momentum, weight decay, ...) are constants of
+the trace, guarded (a schedule of momentum, OneCycleLR's, traces once per value); so are the param groups themselves
+and each parameter's state tensors (add_param_group, load_state_dict trace again).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import types
@@ -150,6 +153,10 @@ class KernelWatch:
         pass
 
 
+def _lr_of(group: dict) -> torch.Tensor:
+    return torch.scalar_tensor(group["lr"], dtype=torch.float64)
+
+
 def _raiser(error: Exception) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise error
@@ -166,6 +173,7 @@ class OptimizerSteps:
         self._guarded: set[int] = set()
         self._kept: list[Any] = []
         self.current: tuple[torch.optim.Optimizer, dict] | None = None  # the step and group whose kernel runs next
+        self._lr: dict[int, torch.Tensor] = {}  # id(group) -> the tensor holding its lr while traced (lr_input)
         # torch.autograd.profiler.record_function around the step and zero_grad: no profiler range in the trace
         interpreter.special[torch.ops.profiler._record_function_enter_new] = lambda *args, **kwargs: _NO_RECORD
         interpreter.special[torch.ops.profiler._record_function_exit._RecordFunction] = lambda *args, **kwargs: None
@@ -222,8 +230,10 @@ class OptimizerSteps:
             if not isinstance(value, (bool, int, float, str, tuple, type(None))):
                 raise TraceError(f"fulmen cannot trace an optimizer step whose param group holds {key}={value!r} "
                                  "(a tensor or other object): pass a Python number", self.interpreter.builder.source)
-            checks.append(f"type({name}[{key!r}]) is {emit.bind(type(value))} and {name}[{key!r}] == "
-                          f"{emit.bind(value)}")
+            check = f"type({name}[{key!r}]) is {emit.bind(type(value))}"
+            if key != "lr" or type(value) is not float:  # a float lr is an input of the trace (lr_input)
+                check += f" and {name}[{key!r}] == {emit.bind(value)}"
+            checks.append(check)
         traced = ", ".join(f"{k}={v!r}" for k, v in group.items() if k in ("lr", "momentum", "betas",
                                                                             "weight_decay"))
         self.guards.append(Guard("an optimizer param group or its hyperparameters", " and ".join(checks),
@@ -245,6 +255,20 @@ class OptimizerSteps:
                    for key, value in read.items()]
         traced = ", ".join(f"{k}: {'a tensor' if v is not None else 'none'}" for k, v in read.items())
         self.guards.append(Guard("the optimizer state of a parameter", " and ".join(checks), emit.bindings, traced))
+
+    def lr_input(self, lr: Any) -> Any:
+        """The learning rate of the group whose kernel runs, as the trace reads it: a float is an input each call
+        reads from the group (a 0-dim float64 tensor holds a Python float exactly; the update reads it back with
+        .item()), so a scheduler changing it every step reuses the trace; another number stays a guarded constant."""
+        if type(lr) is not float or self.current is None:
+            return lr
+        _, group = self.current
+        holder = self._lr.get(id(group))
+        if holder is None:
+            with torch._C.DisableTorchFunction():
+                holder = self._lr[id(group)] = _lr_of(group)
+            self.interpreter.grad_slots.fetches.append((holder, functools.partial(_lr_of, group)))
+        return self._value(holder)
 
     # --- the kernels ------------------------------------------------------------------------------------------------
     def _value(self, x: Any) -> Any:
@@ -274,7 +298,7 @@ class OptimizerSteps:
                 maximum = max_exp_avg_sqs[i] if amsgrad else None
                 out = optim.ADAM_UPDATE(
                     self._value(param), self._value(grads[i]), self._value(exp_avgs[i]), self._value(exp_avg_sqs[i]),
-                    self._value(maximum), self._value(state_steps[i]), lr=lr, beta1=beta1, beta2=beta2,
+                    self._value(maximum), self._value(state_steps[i]), lr=self.lr_input(lr), beta1=beta1, beta2=beta2,
                     weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
                     decoupled_weight_decay=decoupled_weight_decay, foreach=foreach)
                 updated = [param, exp_avgs[i], exp_avg_sqs[i], *([maximum] if amsgrad else []), state_steps[i]]
@@ -298,7 +322,8 @@ class OptimizerSteps:
         with self.interpreter.quiet:
             for i, param in enumerate(params):
                 buffer = momentum_buffer_list[i] if momentum != 0 else None
-                out = optim.SGD_UPDATE(self._value(param), self._value(grads[i]), self._value(buffer), lr=lr,
+                out = optim.SGD_UPDATE(self._value(param), self._value(grads[i]), self._value(buffer),
+                                       lr=self.lr_input(lr),
                                        momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                        nesterov=nesterov, maximize=maximize, foreach=foreach)
                 self._write(param, out[0], "SGD's update")

@@ -78,17 +78,30 @@ class CacheEntry:
     shapes: ShapeGuards | None = None  # the guards on its symbolic sizes (shape_guards.py)
     symbolic: tuple[int, ...] = ()  # the arguments that carry symbolic sizes (its key leaves their shapes out)
     view_sizes: bool = False  # returns_input / views take views by symbolic sizes (dynamic_shapes.SizeOf)
+    # constants each call reads anew, (position, how): the .grad a whole step begins with, the learning rate its
+    # optimizer step reads (fulmen.jit.grad_slots); `constants` holds None there
+    fetched: tuple[tuple[int, Callable[[], torch.Tensor]], ...] = ()
+
+    def current_constants(self) -> tuple:
+        """The captured tensors this call passes the trace."""
+        if not self.fetched:
+            return self.constants
+        constants = list(self.constants)
+        for position, fetch in self.fetched:
+            constants[position] = fetch()
+        return tuple(constants)
 
     def admits(self, tensors: list, module_tensors: list) -> bool:
         if self.shapes is not None and not self.shapes.check(tensors):
             return False
         if self.check is not None and not self.check():
             return False
-        if self.offsets is not None and storage_offsets([*tensors, *module_tensors, *self.constants]) != self.offsets:
+        constants = self.current_constants()
+        if self.offsets is not None and storage_offsets([*tensors, *module_tensors, *constants]) != self.offsets:
             return False
         if self.facts is not None and changed_fact(self.facts, [*tensors, *module_tensors]) is not None:
             return False
-        return self.storage is None or storage_groups([*tensors, *module_tensors, *self.constants]) == self.storage
+        return self.storage is None or storage_groups([*tensors, *module_tensors, *constants]) == self.storage
 
 
 def _fact(tensor: torch.Tensor, fact: str) -> bool:
@@ -159,7 +172,7 @@ class Cache:
             failed = explain()
             if failed >= 0:
                 return entry.guards[failed].describe()
-        inputs = [*tensors, *module_tensors, *entry.constants]
+        inputs = [*tensors, *module_tensors, *entry.current_constants()]
         changed = changed_fact(entry.facts, inputs) if entry.facts is not None else None
         if changed is not None:
             position, fact = changed

@@ -5,11 +5,13 @@ step, lr=..., ...)` returns the new parameter, moments and step count. Its imple
 (torch.optim.adam's `_single_tensor_adam`, or `_multi_tensor_adam` for foreach=True) run on that one parameter, so
 the arithmetic is eager's to the bit, in eager's precisions: the step count is read from the step tensor when the
 call runs (`_get_value`, `.item()` of a CPU tensor: no device sync) and the bias corrections are Python doubles, as
-eager computes them. Hyperparameters (lr, betas, ...) are the call's constants, guarded by the trace (a scheduler
-that changes lr between calls makes a new trace). The call is functional, as every trace symbol: it works on copies
-and the acquisition writes the results back into the parameter and the state tensors, like any in-place update of a
-captured tensor. Updating one parameter at a time lets the trace run each update right after its gradient is
-complete (fulmen.jit.optimizer_steps orders them so), freeing the gradient early.
+eager computes them. A float learning rate is an input of the trace (a 0-dim float64 tensor each call makes from the
+param group, read back exactly), so a scheduler stepping between calls reuses the trace; the other hyperparameters
+(betas, momentum, weight decay, ...) are the call's constants, guarded. The call is functional, as every trace
+symbol: it works on copies and the acquisition writes the results back into the parameter and the state tensors,
+like any in-place update of a captured tensor. Updating one parameter at a time lets the trace run each update right
+after its gradient is complete (fulmen.transforms.update_order
+orders them so), freeing the gradient early.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ IMPORTS["optim"] = "from fulmen.ops import optim"
 
 
 def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                max_exp_avg_sq: torch.Tensor | None, step: torch.Tensor, *, lr: float, beta1: float, beta2: float,
-                weight_decay: float, eps: float, amsgrad: bool, maximize: bool, decoupled_weight_decay: bool,
-                foreach: bool) -> tuple[torch.Tensor, ...]:
-    """Adam / AdamW on one parameter: (param, exp_avg, exp_avg_sq, [max_exp_avg_sq,] step), updated."""
+                max_exp_avg_sq: torch.Tensor | None, step: torch.Tensor, *, lr: float | torch.Tensor, beta1: float,
+                beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
+                decoupled_weight_decay: bool, foreach: bool) -> tuple[torch.Tensor, ...]:
+    """Adam / AdamW on one parameter: (param, exp_avg, exp_avg_sq, [max_exp_avg_sq,] step), updated. `lr` may be
+    a 0-dim float64 tensor holding the Python float eager reads (an input of the trace), read back exactly."""
+    lr = _number(lr)
     param, exp_avg, exp_avg_sq, step = param.clone(), exp_avg.clone(), exp_avg_sq.clone(), step.clone()
     maxima = [max_exp_avg_sq.clone()] if amsgrad else []
     kernel = torch_adam._multi_tensor_adam if foreach else torch_adam._single_tensor_adam
@@ -44,11 +48,12 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     return (param, exp_avg, exp_avg_sq, *maxima, step)
 
 
-def sgd_update(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *, lr: float,
-               momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
-               foreach: bool) -> tuple[torch.Tensor, ...]:
+def sgd_update(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *,
+               lr: float | torch.Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+               maximize: bool, foreach: bool) -> tuple[torch.Tensor, ...]:
     """SGD on one parameter: (param,) or, with momentum, (param, momentum_buffer), updated (a first step makes the
-    buffer, as eager's: a copy of the grad)."""
+    buffer, as eager's: a copy of the grad). `lr` as adam_update's."""
+    lr = _number(lr)
     param = param.clone()
     buffers = [momentum_buffer.clone() if momentum_buffer is not None else None]
     kernel = torch_sgd._multi_tensor_sgd if foreach else torch_sgd._single_tensor_sgd
@@ -56,6 +61,10 @@ def sgd_update(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.T
         kernel([param], [grad], buffers, None, None, weight_decay=weight_decay, momentum=momentum, lr=lr,
                dampening=dampening, nesterov=nesterov, maximize=maximize, has_sparse_grad=False)
     return (param, buffers[0]) if momentum != 0 else (param,)
+
+
+def _number(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 def _like(builder: TraceBuilder, *tensors: Any) -> tuple:

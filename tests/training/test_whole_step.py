@@ -10,6 +10,7 @@ after zero_grad(set_to_none=True), the zeroed tensor otherwise).
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -110,13 +111,40 @@ def test_sgd_nesterov_and_plain():
 
 
 def test_step_lr_scheduler_takes_effect():
-    """StepLR halves lr every 2 steps between calls: each new lr traces once (its guard), and the steps stay eager's;
-    an lr seen before reuses its trace."""
+    """StepLR halves lr every 2 steps between calls: lr is an input of the trace, read from the param group by each
+    call, so the steps stay eager's in one trace."""
     jitted, optimizer = _train(lambda p: torch.optim.AdamW(p, lr=1e-2), steps=6,
                                scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5))
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
-    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (3, 3)
-    assert "lr=0.01" in fulmen.last_cache_miss_reasons(jitted)[0]
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (1, 5)
+
+
+def test_lr_changing_every_step_reuses_the_trace():
+    """A warm-up then cosine schedule (LambdaLR) gives every step another lr, with Adam and with SGD momentum."""
+    def schedule(o):
+        return torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 3) * (0.5 + 0.5 * math.cos(s / 7)))
+
+    jitted, _ = _train(lambda p: torch.optim.Adam(p, lr=3e-3), steps=6, scheduler=schedule)
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (1, 5)
+    jitted, _ = _train(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), steps=5, scheduler=schedule)
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (2, 3)
+
+
+def test_other_hyperparameters_are_guarded():
+    """A hyperparameter other than lr (here betas, as OneCycleLR's momentum cycle changes them) is a constant of the
+    trace: a new value traces again, and the step stays eager's."""
+    model = _model()
+    eager_model = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    eager_optimizer = torch.optim.Adam(eager_model.parameters(), lr=1e-2)
+    jitted = fulmen.jit(train_step)
+    for i, (x, y) in enumerate(_batches(3)):
+        for o in (optimizer, eager_optimizer):
+            o.param_groups[0]["betas"] = (0.9 - 0.1 * i, 0.99)
+        assert torch.equal(jitted(model, optimizer, x, y), train_step(eager_model, eager_optimizer, x, y).detach())
+        _assert_same(model, eager_model, optimizer, eager_optimizer)
+    assert fulmen.cache_misses(jitted) == 3
+    assert "betas=(0.8, 0.99)" in fulmen.last_cache_miss_reasons(jitted)[1]
 
 
 def test_zero_grad_without_set_to_none():
@@ -156,24 +184,39 @@ def test_state_replaced_by_load_state_dict_traces_again():
     assert fulmen.cache_misses(jitted) == 2
 
 
-def test_backward_alone_accumulates_as_eager():
-    """`loss.backward()` in the jitted function: the grads of the model's parameters as eager's AccumulateGrad
-    leaves them (first the grad, then sums), a frozen parameter without one."""
+def test_gradient_accumulation_over_calls_is_eager_and_cached():
+    """Micro-batches: a jitted forward + backward accumulates into the grads the call before left (eager's
+    AccumulateGrad: the first grad, then sums; a frozen parameter gets none), then a jitted step uses them and zeroes
+    them. Each call reads the grads it begins with anew, so every kind of call traces once or twice."""
 
     def forward_backward(model, x, y):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         return loss
 
+    def step(model, optimizer):
+        optimizer.step()
+        optimizer.zero_grad()
+
     model = _model()
     model[2].weight.requires_grad_(False)
     eager_model = copy.deepcopy(model)
-    jitted = fulmen.jit(forward_backward)
-    for x, y in _batches(3):
-        assert torch.equal(jitted(model, x, y), forward_backward(eager_model, x, y).detach())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    eager_optimizer = torch.optim.AdamW([p for p in eager_model.parameters() if p.requires_grad], lr=1e-2)
+    jitted, jitted_step = fulmen.jit(forward_backward), fulmen.jit(step)
+    batches = _batches(9)
+    for micro in range(3):
+        for x, y in batches[3 * micro : 3 * micro + 3]:
+            assert torch.equal(jitted(model, x, y), forward_backward(eager_model, x, y).detach())
+            for p, q in zip(model.parameters(), eager_model.parameters()):
+                assert (p.grad is None) == (q.grad is None)
+                assert p.grad is None or (torch.equal(p.grad, q.grad) and p.grad.stride() == q.grad.stride())
+        jitted_step(model, optimizer), step(eager_model, eager_optimizer)
         for p, q in zip(model.parameters(), eager_model.parameters()):
-            assert (p.grad is None) == (q.grad is None)
-            assert p.grad is None or (torch.equal(p.grad, q.grad) and p.grad.stride() == q.grad.stride())
+            assert torch.equal(p, q) and p.grad is None and q.grad is None
+    # forward + backward: one trace beginning without grads, one accumulating; the step: one trace
+    assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (2, 7)
+    assert (fulmen.cache_misses(jitted_step), fulmen.cache_hits(jitted_step)) == (1, 2)
 
 
 def test_unknown_optimizer_is_refused_naming_it():
