@@ -188,6 +188,22 @@ def _new_tensors_only(meta_out: Any, meta_args: tuple, meta_kwargs: dict[str, An
     return isinstance(meta_out, (torch.Tensor, tuple, list))
 
 
+def _view_layout(meta_out: Any, meta_args: tuple, meta_kwargs: dict[str, Any]) -> tuple[int, Any, Any, Any] | None:
+    """(position among the arguments' tensors, shape, strides, storage offset) of `meta_out` where it is one tensor,
+    a plain view of one of them (as a reshape, slice, expand or permute gives), else None: a call with the same
+    metadata gives that view again, which as_strided takes of the same argument (the same base, layout and dtype)."""
+    if type(meta_out) is not torch.Tensor or not meta_out._is_view() or meta_out.is_conj() or meta_out.is_neg():
+        return None
+    base, tensors = meta_out._base, _tensors((meta_args, meta_kwargs))
+    if any(tensor is meta_out for tensor in tensors):  # an input given back as it is
+        return None
+    for position, tensor in enumerate(tensors):
+        root = tensor._base if tensor._is_view() else tensor
+        if root is base and tensor.dtype == meta_out.dtype and type(tensor) is torch.Tensor:
+            return position, meta_out.shape, meta_out.stride(), meta_out.storage_offset()
+    return None
+
+
 def _fresh_metas(meta_out: Any) -> Any:
     """New meta tensors laid out as those of `meta_out` (each call gets its own)."""
     return pytree.tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
@@ -206,6 +222,9 @@ class TraceBuilder(Builder):
         # The repeated blocks of a model ask torch's meta kernels the same question once per block: the answers,
         # by the arguments' metadata (see _meta_key), for calls whose outputs are new tensors.
         self._metas: dict[tuple, Any] = {}
+        # With symbolic sizes, a view's meta kernel (reshape's, most of all) costs ~1 ms of SymInt arithmetic: the
+        # layout it gave, by the same key, to take again of the same input with as_strided (_view_layout)
+        self._views: dict[tuple, tuple[int, Any, Any, Any]] = {}
         self.scopes: list[list[BoundSymbol]] = [[]]
         self.source: SourceLocation | None = None
         # > 0 while a grad rule or an execution transform runs (fulmen.transforms.recording): its calls keep the line
@@ -279,8 +298,15 @@ class TraceBuilder(Builder):
             return _fresh_metas(cached)
         meta_args, meta_kwargs = _to_meta(args, kwargs)
         if involved((meta_args, meta_kwargs)):  # symbolic sizes (fulmen.core.symbolic)
-            with symbolic_dispatch(True), MetaFactories():
-                meta_out = sym.impl(*meta_args, **meta_kwargs)
+            with symbolic_dispatch(True):
+                view = self._views.get(key) if key is not None else None
+                if view is not None:
+                    position, shape, strides, offset = view
+                    return _tensors((meta_args, meta_kwargs))[position].as_strided(shape, strides, offset)
+                with MetaFactories():
+                    meta_out = sym.impl(*meta_args, **meta_kwargs)
+            if key is not None and (view := _view_layout(meta_out, meta_args, meta_kwargs)) is not None:
+                self._views[key] = view
         else:
             meta_out = sym.impl(*meta_args, **meta_kwargs)
         if key is not None and _new_tensors_only(meta_out, meta_args, meta_kwargs):
