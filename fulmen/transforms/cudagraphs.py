@@ -15,6 +15,11 @@ How a graph region runs (`CUDAGraphRegion`):
   where it lies; any other argument gets a static copy, refreshed on every replay;
 - later calls replay. An argument read in place that moved (a parameter reassigned) invalidates every graph of the
   program: they are warmed up and captured again (after three such invalidations the program stops using graphs).
+Each layout of a region's arguments (shapes and strides) has its own warm-up, capture and graph: a trace with symbolic
+sizes runs one graph per shape, at most `MAX_SHAPES` per region, the least recently used dropped first. A new shape
+costs one eager warm-up call, one capture (a run and its recording) and the pool memory its graph keeps: its outputs
+(the forward's saved values and results, the backward's gradients at that shape), besides what the other shapes'
+graphs keep; what the graphs use only inside a replay is shared by all of them.
 
 Memory: all graphs of one program (its forward and backward) capture into one memory pool, and the allocator's
 cached blocks are released before the first capture, so the pool takes the place of the memory the warm-up step
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +52,9 @@ from fulmen.transforms.transform import TraceKind, Transform
 
 # Arguments read in place that moved: the program's graphs are captured again at most this many times.
 MAX_INVALIDATIONS = 3
+# Graphs one region keeps, one per layout of its arguments (a trace with symbolic sizes runs many shapes): the most
+# recently used ones; torch.compile's "reduce-overhead" keeps one graph per shape too, without a bound.
+MAX_SHAPES = 8
 CAPTURE_DEVICE = "cuda"  # the device type whose work graphs capture
 
 
@@ -83,8 +92,28 @@ class GraphPool:
             warnings.warn(f"fulmen CUDA graphs: {self.name} runs without graphs from now on: {reason}", stacklevel=2)
 
 
+class _ShapeGraph:
+    """One region's graph for one layout of its arguments: the warm-up call's arguments, then the capture."""
+
+    def __init__(self) -> None:
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.previous: list[weakref.ref] | None = None  # the arguments of the warm-up call
+        self.static_inputs: list[torch.Tensor] = []
+        self.addresses: list[int | None] = []  # per argument read where it lies, its address; None: copied in
+        self.outputs: Any = None
+
+
+def layout_key(args: tuple) -> tuple:
+    """What a graph holds fixed of its arguments: each one's shape and strides (a trace with symbolic sizes calls its
+    regions with other shapes; a static trace, always with the same)."""
+    return tuple([(tuple(arg.shape), arg.stride()) for arg in args])
+
+
 class CUDAGraphRegion:
-    """The callable of one `CUDAGraphN` call: warm-up, capture, then replays (see the module docstring)."""
+    """The callable of one `CUDAGraphN` call: warm-up, capture, then replays (see the module docstring), for each
+    layout of its arguments apart (`layout_key`): a trace with symbolic sizes keeps one graph per shape it runs, the
+    `MAX_SHAPES` most recently used; a new shape costs one warm-up call, one capture and the pool memory its graph
+    keeps (its outputs); dropping the least recently used one releases its graph and outputs."""
 
     def __init__(self, fn: Callable[..., Any], pool: GraphPool, name: str) -> None:
         self.fn = fn
@@ -94,55 +123,66 @@ class CUDAGraphRegion:
 
     def _reset(self) -> None:
         self.generation = self.pool.generation
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.previous: list[weakref.ref] | None = None  # the arguments of the warm-up call
-        self.static_inputs: list[torch.Tensor] = []
-        self.addresses: list[int | None] = []  # per argument read where it lies, its address; None: copied in
-        self.outputs: Any = None
+        self.shapes: OrderedDict[tuple, _ShapeGraph] = OrderedDict()
+        self.captures = 0  # graphs captured since the last reset (one per shape, again after eviction)
 
     def __call__(self, *args: torch.Tensor) -> Any:
         if self.pool.disabled is not None:
             return self.fn(*args)
         if self.generation != self.pool.generation:
             self._reset()
-        if self.graph is None:
-            if self.previous is None:
-                self.previous = [weakref.ref(arg) for arg in args]
+        key = layout_key(args)
+        state = self.shapes.get(key)
+        if state is None:
+            state = self.shapes[key] = _ShapeGraph()
+            while len(self.shapes) > MAX_SHAPES:
+                self._drop(next(iter(self.shapes)))
+        else:
+            self.shapes.move_to_end(key)
+        if state.graph is None:
+            if state.previous is None:
+                state.previous = [weakref.ref(arg) for arg in args]
                 return self.fn(*args)
-            return self._capture(args)
-        for static, address, arg in zip(self.static_inputs, self.addresses, args):
+            return self._capture(state, args)
+        for static, address, arg in zip(state.static_inputs, state.addresses, args):
             if address is None:
                 static.copy_(arg)
             elif arg.data_ptr() != address:  # the same tensor object may hold new memory (`param.data = ...`)
                 self.pool.invalidate(f"an argument of {self.name} read in place moved")
                 return self.fn(*args)
-        self.graph.replay()
-        return self.outputs
+        state.graph.replay()
+        return state.outputs
 
-    def _capture(self, args: tuple[torch.Tensor, ...]) -> Any:
+    def _drop(self, key: tuple) -> None:
+        state = self.shapes.pop(key)
+        self.pool.static_ptrs.difference_update(
+            out.data_ptr() for out in tree_leaves(state.outputs) if isinstance(out, torch.Tensor))
+
+    def _capture(self, state: _ShapeGraph, args: tuple[torch.Tensor, ...]) -> Any:
         pool = self.pool
         pool.prepare_capture()
-        self.static_inputs, self.addresses = [], []
-        for arg, previous in zip(args, self.previous):
+        state.static_inputs, state.addresses = [], []
+        for arg, previous in zip(args, state.previous):
             if previous() is arg or arg.data_ptr() in pool.static_ptrs:
-                self.static_inputs.append(arg)
-                self.addresses.append(arg.data_ptr())
+                state.static_inputs.append(arg)
+                state.addresses.append(arg.data_ptr())
             else:
-                self.static_inputs.append(_static_copy(arg))
-                self.addresses.append(None)
+                state.static_inputs.append(_static_copy(arg))
+                state.addresses.append(None)
         stream = pool.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # libraries create their handles for the capture stream outside the capture
-            self.fn(*self.static_inputs)
+            self.fn(*state.static_inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=pool.handle, stream=stream):
-                outputs = self.fn(*self.static_inputs)
+                outputs = self.fn(*state.static_inputs)
         except RuntimeError as error:  # an op that cannot be captured (a host synchronisation, a CPU copy)
             pool.disable(f"capturing {self.name} failed: {error}")
             return self.fn(*args)
-        self.graph, self.outputs = graph, outputs
+        state.graph, state.outputs = graph, outputs
+        self.captures += 1
         pool.static_ptrs.update(out.data_ptr() for out in tree_leaves(outputs) if isinstance(out, torch.Tensor))
         graph.replay()
         return outputs

@@ -232,3 +232,40 @@ def test_declines_without_cuda_with_its_reason():
 def test_option_is_typed():
     with pytest.raises(TypeError, match="cuda_graphs must be a bool"):
         fulmen.JitOptions(cuda_graphs="yes")
+
+
+def _batch_of(seed: int, length: int):
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, 96, (2, length), generator=generator) for _ in range(2))
+
+
+def test_a_symbolic_trace_keeps_one_set_of_graphs_per_shape(simulated_graphs):
+    """A trace with a symbolic length runs each length's own graphs (warm-up, capture, replays per shape): a graph
+    captured at one length never replays another's; the graphs of the shapes seen stay, up to a bound."""
+    lengths = [5, 5, 9, 9, 9, 12, 12, 5, 9, 12, 5, 7, 7]
+    batches = [_batch_of(step, length) for step, length in enumerate(lengths)]
+    graphed = _jit(_loss)
+    losses, grads = train(graphed, _model(), batches, lr=1e-2)
+    want_losses, want_grads = train(_jit(_loss, graphs=False), _model(), batches, lr=1e-2)
+    for step, (loss, want) in enumerate(zip(losses, want_losses)):
+        torch.testing.assert_close(loss, want, msg=f"loss of step {step}")
+        for got, ref in zip(grads[step], want_grads[step]):
+            torch.testing.assert_close(got, ref, msg=f"a gradient of step {step}")
+    assert fulmen.cache_misses(graphed) == 2
+    assert '"cpu i64[2, s0]"' in str(fulmen.last_traces(graphed)[-1])
+    # a forward and a backward graph per shape run at least twice: the static trace's (5), the symbolic one's (9, 12,
+    # 7); before, the symbolic trace replayed the graph of its first captured length ("The size of tensor a (9) must
+    # match the size of tensor b (12)")
+    assert len(simulated_graphs) == 8
+    # calls after each shape's warm-up (the capture replays once): 5 and 9 run 4 times, 12 3 times, 7 twice
+    assert sum(graph.replays for graph in simulated_graphs) == 2 * (3 + 3 + 2 + 1)
+
+
+def test_the_graphs_of_a_region_are_bounded_least_recently_used_first(simulated_graphs, monkeypatch):
+    monkeypatch.setattr(cudagraphs, "MAX_SHAPES", 2)
+    region = cudagraphs.CUDAGraphRegion(lambda x: (x * 2,), cudagraphs.GraphPool("test"), "CUDAGraph0")
+    for n in (3, 3, 3, 4, 4, 5, 5, 3, 3, 4):
+        x = torch.randn(n)
+        assert torch.equal(region(x)[0], x * 2), n
+    # 3, 4 captured; 5 drops 3 (the least recently used); 3 again warms up and drops 4, whose next call warms up
+    assert region.captures == 4 and list(region.shapes) == [cudagraphs.layout_key((torch.randn(n),)) for n in (3, 4)]
