@@ -55,6 +55,7 @@ def setup(
     cuda_graphs: bool = False,
     activation_memory_budget: float = 1.0,
     float8: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None,
+    whole_step: bool = True,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
@@ -90,6 +91,12 @@ def setup(
             (`JitOptions.activation_memory_budget`); below 1 the backward recomputes matmuls to fit.
         float8: fulmen computes the linears with float8 matmuls, by torchao's recipe of this name
             (`JitOptions.float8`; the lm_head stays in high precision); null: as eager.
+        whole_step: fulmen jits each step's last micro-batch whole: forward, backward, gradient clipping and the
+            optimizer's step in one trace (`fulmen.jit(train_step)`: one program per step, each parameter updated
+            right after its gradient), where that applies: compiler fulmen, one process, an SGD, Adam or AdamW
+            optimizer, a precision without a gradient scaler, and none of offload, cuda_graphs, float8 or an
+            activation_memory_budget below 1 (the run says which kept it off); false: forward_and_loss is jitted
+            and the backward and the step run outside.
         strategy: "auto" (one device: none; several: ddp), "ddp" or "fsdp" (fulmen's Fabric strategies).
         fsdp: the FSDP strategy's options (`float8_all_gather`: with float8 tensorwise, gather weights in float8).
         logger_name: "csv" or "tensorboard".

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 import fulmen
 from fulmen.distributed.manifest import CheckpointError
+from fulmen.jit.optimizer_steps import KNOWN
 from fulmen.pretrain.corpus import ShippedCorpus
 from fulmen.pretrain.flops import peak_flops
 from fulmen.pretrain.resume import CHECKPOINT_FILE, Resume, check_model, remove_partials, save_config
@@ -31,6 +32,53 @@ from fulmen.strategies import FulmenCheckpointIO, ThunderDDPStrategy, ThunderFSD
 def forward_and_loss(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor,
+               targets: torch.Tensor, accumulate: int, max_norm: float | None) -> tuple[torch.Tensor, Any]:
+    """A step's last micro-batch, jitted whole (`whole_step`): its loss and backward, the gradient clipping and the
+    optimizer's step, as the loop's other path runs them (clip_grad_norm_ as Fabric's clip_gradients calls it, its
+    foreach=False path: fulmen traces the single-tensor ops). The earlier micro-batches' grads are in `.grad`
+    already. Returns the loss and the total grad norm (None without clipping)."""
+    loss = forward_and_loss(model, input_ids, targets) / accumulate
+    loss.backward()
+    norm = None
+    if max_norm is not None:  # the non-finite check is the loop's, after the step (a trace cannot raise before it)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=False)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, norm
+
+
+def accumulation_step(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
+                      accumulate: int) -> torch.Tensor:
+    """An earlier micro-batch of a whole step (`whole_step` with accumulation): its loss and backward jitted together,
+    adding into the grads the step's last micro-batch then reads."""
+    loss = forward_and_loss(model, input_ids, targets) / accumulate
+    loss.backward()
+    return loss
+
+
+def whole_step_refusal(settings: Settings, world: int, optimizer: Any) -> str | None:
+    """Why the whole step does not apply to this run (None: it does)."""
+    if not settings.whole_step:
+        return "whole_step: false"
+    reasons = [(settings.compiler != "fulmen", f"compiler: {settings.compiler}"),
+               (world > 1 or settings.strategy != "auto", "more than one process (ddp / fsdp)"),
+               (settings.offload is not None, "offload"), (settings.cuda_graphs, "cuda_graphs"),
+               (settings.float8 is not None, "float8"),
+               (settings.activation_memory_budget != 1.0, "activation_memory_budget below 1"),
+               (settings.precision == "16-mixed", "precision 16-mixed (a gradient scaler)"),
+               (type(optimizer) not in KNOWN, f"the optimizer {type(optimizer).__qualname__} (fulmen steps "
+                                              "SGD, Adam and AdamW)")]
+    found = [why for refused, why in reasons if refused]
+    return ", ".join(found) if found else None
+
+
+def compile_step(settings: Settings) -> tuple[Any, Any]:
+    """The whole step's two programs: a micro-batch's forward and backward, and the last one's with the step."""
+    return (fulmen.jit(accumulation_step, executors=settings.executors),
+            fulmen.jit(train_step, executors=settings.executors))
 
 
 def make_strategy(settings: Settings, world: int) -> Any:
@@ -146,6 +194,11 @@ def fit(fabric: L.Fabric, settings: Settings, plan: Plan, resume: Resume) -> dic
     optimizer = fabric.setup_optimizers(plan.make_optimizer(model.parameters()))
     base_lr = optimizer.param_groups[0]["lr"]  # before a checkpoint's param groups (the lr of its step) load
     loss_fn = compile_loss(settings)
+    torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper steps this one
+    off = whole_step_refusal(settings, plan.world, torch_optimizer)
+    accumulate_fn, step_fn = compile_step(settings) if off is None else (None, None)
+    if off is not None and settings.whole_step and settings.compiler == "fulmen":
+        fabric.print(f"whole_step: each step runs as forward_and_loss, backward and optimizer.step ({off})")
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
     load_newest(fabric, state, resume, settings, config)
 
@@ -178,14 +231,23 @@ def fit(fabric: L.Fabric, settings: Settings, plan: Plan, resume: Resume) -> dic
         for micro in range(accumulate):
             batch = next(batches)
             state["iter_num"] += 1
-            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
-                loss = loss_fn(model, batch[:, :-1], batch[:, 1:]) / accumulate
-                fabric.backward(loss)
+            if step_fn is not None and micro == accumulate - 1:  # the last micro-batch and the step, one program
+                loss, norm = step_fn(model, torch_optimizer, batch[:, :-1], batch[:, 1:], accumulate, train.max_norm)
+                if norm is not None and not torch.isfinite(norm):  # Fabric's clip_gradients error, after the step
+                    raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, "
+                                       "so it cannot be clipped.")
+            elif step_fn is not None:
+                loss = accumulate_fn(model, batch[:, :-1], batch[:, 1:], accumulate)
+            else:
+                with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                    loss = loss_fn(model, batch[:, :-1], batch[:, 1:]) / accumulate
+                    fabric.backward(loss)
             total += loss.detach().float()
-        if train.max_norm is not None:
-            fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
-        optimizer.step()
-        optimizer.zero_grad()
+        if step_fn is None:
+            if train.max_norm is not None:
+                fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
+            optimizer.step()
+            optimizer.zero_grad()
         state["step_count"] += 1
         progress.update()
         step_loss = fabric.all_reduce(total).item()

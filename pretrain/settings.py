@@ -69,6 +69,7 @@ class Settings:
     cuda_graphs: bool
     activation_memory_budget: float
     float8: str | None
+    whole_step: bool
     strategy: str
     fsdp: FSDPArgs
     logger_name: str

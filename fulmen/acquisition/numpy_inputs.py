@@ -118,6 +118,13 @@ class Arrays:
             if external(tensor):
                 self._reads.append(_Read(tensor, proxy, tensor.clone(), location, self.held_by_caller(tensor)))
 
+    def hold(self, tensor: torch.Tensor) -> None:
+        """The caller holds `tensor` where each call's guards find it again (an optimizer's parameters and state,
+        which fulmen.jit.optimizer_steps guards by identity): its memory is each call's, whoever owns it."""
+        for read in self._reads:
+            if read.tensor is tensor:
+                read.held = True
+
     def refuse_changes(self, written: Callable[[TensorProxy], bool],
                        written_at: Callable[[TensorProxy], SourceLocation | None]) -> None:
         """Once the program ran: an update of memory torch does not own and the caller does not hold

@@ -186,6 +186,9 @@ class GradSlots:
         if len(builder.scopes) != 1 or builder.checkpoint_region:
             raise TraceError("fulmen traces a backward inside the program only at its top level (not inside a "
                              "replaced function, an autograd.Function or a checkpointed region)", where)
+        if interpreter.retained:
+            raise TraceError("fulmen cannot trace loss.backward() inside the program after retain_grad() on a tensor "
+                             "it computes: call backward outside the jitted function", where)
         roots, seeds = [], []
         for i, (tensor, gradient) in enumerate(zip(tensors, gradients, strict=True)):
             value = interpreter._values(tensor)
@@ -226,6 +229,12 @@ class GradSlots:
                                  "module input that requires grad: inside the program it follows the grads of the "
                                  "tensors the program captures (the parameters of a model passed as an argument); "
                                  "pass the model, or call backward outside the jitted function", where)
+            with torch._C.DisableTorchFunction():
+                hooked = bool(tensor._backward_hooks or getattr(tensor, "_post_accumulate_grad_hooks", None))
+            if hooked:
+                raise TraceError(f"fulmen cannot trace loss.backward() inside the program for {proxy.pname}, which has "
+                                 "a hook (register_hook / register_post_accumulate_grad_hook) that eager's backward "
+                                 "calls: call backward outside the jitted function", where)
             if distributed_input(tensor) is not None:
                 raise TraceError(f"fulmen cannot trace loss.backward() inside the program for {proxy.pname}, a ddp / "
                                  "fsdp parameter: the reductions of its grads belong to the backward of a jitted "
@@ -253,6 +262,8 @@ class GradSlots:
                                      f"{tensor.stride()}) as eager's AccumulateGrad does",
                                      self.interpreter.builder.source)
                 grad = prims.clone(grad, memory_format=torch.contiguous_format)
+            elif grad.meta._is_view():  # a view of a larger value (a transposed matmul): .grad is a tensor of its own
+                grad = prims.clone(grad, memory_format=torch.preserve_format)
             slot.value = grad
             return
         with self.interpreter, torch.no_grad():

@@ -223,7 +223,8 @@ class OptimizerSteps:
         groups, params = emit.bind(optimizer.param_groups), emit.bind(group["params"])
         checks = [f"{emit.bind(optimizer)}.param_groups is {groups}", f"len({groups}) == {len(optimizer.param_groups)}",
                   f"{groups}[{index}] is {name}", f"{name}['params'] is {params}",
-                  f"len({params}) == {len(group['params'])}"]
+                  f"len({params}) == {len(group['params'])}",
+                  f"all(a is b for a, b in zip({params}, {emit.bind(tuple(group['params']))}))"]
         for key, value in group.items():
             if key == "params":
                 continue
@@ -278,6 +279,9 @@ class OptimizerSteps:
         interpreter = self.interpreter
         with torch.no_grad():
             interpreter._assign(interpreter._proxy(obj), value, what)
+        # a parameter or state tensor the guards pin by identity: the update writes each call's tensor, also one of
+        # memory torch does not own (a checkpoint loaded with mmap)
+        interpreter.arrays.hold(obj)
 
     def record_adam(self, foreach: bool, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
                     max_exp_avg_sqs: list, state_steps: list, grad_scale: Any = None, found_inf: Any = None, *,

@@ -236,3 +236,13 @@ def test_fused_step_is_refused():
     x, y = _batches(1)[0]
     with pytest.raises(TraceError, match="fused torch.optim step"):
         fulmen.jit(train_step)(model, optimizer, x, y)
+
+
+def test_backward_reaching_a_hooked_parameter_is_refused():
+    """A hook eager's backward would call (on the parameter, or after its grad accumulates) is refused, not skipped."""
+    model = _model()
+    model[0].weight.register_hook(lambda grad: grad * 2)
+    x, y = _batches(1)[0]
+    with pytest.raises(TraceError, match=r"has a hook(.|\n)*train_step: \"loss\.backward\(\)\""):
+        fulmen.jit(train_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    assert all(p.grad is None for p in model.parameters())
