@@ -63,6 +63,34 @@ def sgd_update(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.T
     return (param, buffers[0]) if momentum != 0 else (param,)
 
 
+def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 max_exp_avg_sq: torch.Tensor | None, step: torch.Tensor, *, lr: float | torch.Tensor, beta1: float,
+                 beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
+                 decoupled_weight_decay: bool, foreach: bool) -> None:
+    """adam_update in place: eager's kernel on the tensors themselves (the trace's write-backs of adam_update's
+    results into them, made one call by fulmen.transforms.update_order: no copies)."""
+    kernel = torch_adam._multi_tensor_adam if foreach else torch_adam._single_tensor_adam
+    with torch.no_grad():
+        kernel([param], [grad], [exp_avg], [exp_avg_sq], [max_exp_avg_sq] if amsgrad else [], [step], None, None,
+               amsgrad=amsgrad, has_complex=False, beta1=beta1, beta2=beta2, lr=_number(lr),
+               weight_decay=weight_decay, eps=eps, maximize=maximize, capturable=False, differentiable=False,
+               decoupled_weight_decay=decoupled_weight_decay)
+
+
+def sgd_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *,
+                lr: float | torch.Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+                maximize: bool, foreach: bool) -> None:
+    """sgd_update in place, with a buffer there is already (as adam_update_)."""
+    kernel = torch_sgd._multi_tensor_sgd if foreach else torch_sgd._single_tensor_sgd
+    with torch.no_grad():
+        kernel([param], [grad], [momentum_buffer], None, None, weight_decay=weight_decay, momentum=momentum,
+               lr=_number(lr), dampening=dampening, nesterov=nesterov, maximize=maximize, has_sparse_grad=False)
+
+
+def _no_outputs(builder: TraceBuilder, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def _number(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) else value
 
@@ -86,11 +114,14 @@ def _sgd_meta(builder: TraceBuilder, param: Any, grad: Any, momentum_buffer: Any
     return _like(builder, param, momentum_buffer if momentum_buffer is not None else grad)
 
 
-def _symbol(fn: Any, meta: Any) -> Symbol:
-    return add_symbol(Symbol(name=fn.__name__, printed=f"optim.{fn.__name__}", impl=fn, meta=meta,
-                             tags=Tag.NO_GRAD))
+def _symbol(fn: Any, meta: Any, tags: Tag = Tag.NO_GRAD) -> Symbol:
+    return add_symbol(Symbol(name=fn.__name__, printed=f"optim.{fn.__name__}", impl=fn, meta=meta, tags=tags))
 
 
 ADAM_UPDATE = _symbol(adam_update, _adam_meta)
 SGD_UPDATE = _symbol(sgd_update, _sgd_meta)
-not_differentiable(ADAM_UPDATE, SGD_UPDATE)
+# IMPURE: they write their arguments; never removed, merged or moved
+ADAM_UPDATE_ = _symbol(adam_update_, _no_outputs, Tag.IMPURE | Tag.NO_GRAD)
+SGD_UPDATE_ = _symbol(sgd_update_, _no_outputs, Tag.IMPURE | Tag.NO_GRAD)
+IN_PLACE = {ADAM_UPDATE: ADAM_UPDATE_, SGD_UPDATE: SGD_UPDATE_}
+not_differentiable(ADAM_UPDATE, SGD_UPDATE, ADAM_UPDATE_, SGD_UPDATE_)

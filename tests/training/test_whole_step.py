@@ -88,7 +88,10 @@ def test_adam_family_step_is_eager_and_cached(name):
     # the state is made before the first trace (as eager's first step makes it): the second call reuses it
     assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (1, 4)
     trace = str(fulmen.last_traces(jitted)[-1])
-    assert trace.count("optim.adam_update(") == 6 and "torch.autograd" not in trace
+    # one in-place update per parameter (eager's kernel on the tensors themselves): no copies of the parameters or
+    # the state, no write-backs
+    assert trace.count("optim.adam_update_(") == 6 and "torch.autograd" not in trace
+    assert "prims.copy_" not in trace and "optim.adam_update(" not in trace
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -102,6 +105,9 @@ def test_sgd_momentum_step_is_eager_and_cached(foreach):
     assert "momentum_buffer" in fulmen.last_cache_miss_reasons(jitted)[0] or "optimizer state" in \
         fulmen.last_cache_miss_reasons(jitted)[0]
     assert all("momentum_buffer" in optimizer.state[p] for p in optimizer.param_groups[0]["params"])
+    # the first step's trace makes the buffers (functional updates, written back); every later one updates in place
+    later = str(fulmen.last_traces(jitted)[-1])
+    assert later.count("optim.sgd_update_(") == 6 and "prims.copy_" not in later
 
 
 def test_sgd_nesterov_and_plain():
@@ -161,7 +167,7 @@ def test_updates_follow_their_gradients():
     provenance = [t.provenance for t in fulmen.last_traces(jitted)]
     assert "Optimizer updates right after their gradients" in provenance
     lines = str(final).splitlines()
-    updates = [i for i, line in enumerate(lines) if "optim.adam_update(" in line]
+    updates = [i for i, line in enumerate(lines) if "optim.adam_update_(" in line]
     matmuls = [i for i, line in enumerate(lines) if "torch.matmul(" in line]
     assert updates[0] < matmuls[-1]  # the head's update comes before the first layer's weight gradient
 
