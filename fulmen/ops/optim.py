@@ -9,9 +9,9 @@ eager computes them. A float learning rate is an input of the trace (a 0-dim flo
 param group, read back exactly), so a scheduler stepping between calls reuses the trace; the other hyperparameters
 (betas, momentum, weight decay, ...) are the call's constants, guarded. The call is functional, as every trace
 symbol: it works on copies and the acquisition writes the results back into the parameter and the state tensors,
-like any in-place update of a captured tensor. Updating one parameter at a time lets the trace run each update right
-after its gradient is complete (fulmen.transforms.update_order
-orders them so), freeing the gradient early.
+like any in-place update of a captured tensor; where nothing else reads the results, fulmen.transforms.update_order
+makes that one in-place call (`adam_update_`). Updating one parameter at a time lets the trace run each update right
+after its gradient is complete (fulmen.transforms.update_order orders them so), freeing the gradient early.
 """
 
 from __future__ import annotations
