@@ -43,6 +43,7 @@ IMPORTS: dict[str, str] = {
     "impls": "from fulmen.ops.kernels import impls",
     "fused_loss": "from fulmen.ops import fused_loss",
     "float8": "from fulmen.ops import float8",
+    "optim": "from fulmen.ops import optim",  # the whole step's optimizer updates
     "operator": "import operator",
     "dist": "from fulmen.distributed import prims as dist",  # the collectives (fulmen.distributed.prims)
 }

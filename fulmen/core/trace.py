@@ -33,7 +33,7 @@ from fulmen.core.symbolic import SYMBOLIC, MetaFactories, has_symbolic_sizes, in
 
 # Names a generated trace must not shadow: the roots it imports (a user's argument named `dist` would hide the
 # collectives' module) and Python's builtins.
-_RESERVED = frozenset(IMPORTS) | frozenset(dir(builtins))
+_BUILTINS = frozenset(dir(builtins))
 
 
 class Namespace:
@@ -55,7 +55,7 @@ class Namespace:
         base = "".join(c if c.isalnum() or c == "_" else "_" for c in hint) or "t"
         if base[0].isdigit():
             base = f"t_{base}"
-        if keyword.iskeyword(base) or base in _RESERVED:
+        if keyword.iskeyword(base) or base in IMPORTS or base in _BUILTINS:
             base = f"{base}_"
         name, suffix = base, 1
         while name in self._taken:

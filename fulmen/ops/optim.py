@@ -22,12 +22,10 @@ import torch
 from torch.optim import adam as torch_adam
 from torch.optim import sgd as torch_sgd
 
-from fulmen.core.symbol import IMPORTS, Symbol, Tag
+from fulmen.core.symbol import Symbol, Tag
 from fulmen.core.trace import TraceBuilder
 from fulmen.ops.registry import add_symbol
 from fulmen.ops.rules.grad import not_differentiable
-
-IMPORTS["optim"] = "from fulmen.ops import optim"
 
 
 def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
