@@ -123,6 +123,11 @@ class JitOptions:
         cuda_graphs: capture the final forward and backward traces in CUDA graphs and replay them
             (fulmen.transforms.cudagraphs; torch.compile's "reduce-overhead"): for steps that launch many small
             kernels. Programs that cannot be captured run without graphs, with a warning that says why.
+        optimizer_bucket_cap_mb: in a whole training step (`loss.backward()` and `optimizer.step()` in the jitted
+            program), the parameters' updates run in buckets: eager's kernel called once over several parameters of a
+            group (one launch per foreach op for the bucket), each update waiting, its gradient held, until the
+            bucket's gradients reach this many MiB (DDP's `bucket_cap_mb`) or a later call reads what it updates.
+            0: each parameter alone, right after its gradient. Values are eager's either way.
         cache_limit: how many traces one jitted callable keeps (torch.compile's default recompile limit is 8 too);
             each holds its compiled code and, for a training step, its saved-for-backward plan.
         cache_limit_action: what a call that needs one more trace does then: "eager" (run uncompiled, with a warning
@@ -144,6 +149,7 @@ class JitOptions:
     offload: OffloadOptions | None = None
     float8: Float8Options | None = None
     cuda_graphs: bool = False
+    optimizer_bucket_cap_mb: float = 32.0
     cache_limit: int = 8
     cache_limit_action: CacheLimitAction | str = CacheLimitAction.EAGER
     dynamic: bool | None = None
@@ -154,6 +160,9 @@ class JitOptions:
         for name in ("decompose", "cse", "fuse_linear_cross_entropy", "grouped_query_attention", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"JitOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        cap = self.optimizer_bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0:
+            raise ValueError(f"JitOptions.optimizer_bucket_cap_mb must be a number >= 0, got {cap!r}")
         rows = self.cross_entropy_chunk_rows
         if rows is not None and (type(rows) is not int or rows < 1):
             raise ValueError(f"JitOptions.cross_entropy_chunk_rows must be a positive int or None, got {rows!r}")

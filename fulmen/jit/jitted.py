@@ -594,7 +594,7 @@ class JittedFunction:
                                                   reachable_modules(self._fn, self._module, args, kwargs))):
             traces = self.pipeline.acquire(acquired)
         if interpreter.grad_slots.backward_ran:  # a whole step: each update right after its grad (update_order.py)
-            reordered = updates_early(traces[-1])
+            reordered = updates_early(traces[-1], self._options.optimizer_bucket_cap_mb)
             if reordered is not traces[-1]:
                 traces.append(reordered)
         bases = aliases.bases(real_inputs) if aliases is not None else []

@@ -9,7 +9,7 @@ torch's own step code runs while the program is acquired (its hooks, `_use_grad_
   `_init_group` run eagerly on the parameters that have a grad in the trace (as torch.compile does): the values are
   eager's (zeros, a step of 0), and the trace reads the state as it stands on every later call, so the second call
   hits the cache;
-- the per-parameter kernel (`_single_tensor_adam`, `_multi_tensor_adam`, `_single_tensor_sgd`, ...) that torch's
+- the kernel (`_single_tensor_adam`, `_multi_tensor_adam`, `_fused_adam`, `_single_tensor_sgd`, ...) that torch's
   functional `adam()` / `sgd()` chose is recorded as one `optim.*_update` call per parameter (fulmen.ops.optim),
   whose implementation is that same kernel: eager's arithmetic, the bias corrections in Python doubles from the step
   tensor read when the call runs. Its results are written back into the parameter and the state tensors.
@@ -53,10 +53,9 @@ def _code(fn: Any) -> types.CodeType | None:
     return getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
 
 
-# kernel code -> whether it is the foreach one
-_ADAM_KERNELS = {_code(_adam._single_tensor_adam): False, _code(_adam._multi_tensor_adam): True}
-_SGD_KERNELS = {_code(_sgd._single_tensor_sgd): False, _code(_sgd._multi_tensor_sgd): True}
-_FUSED = frozenset({_code(_adam._fused_adam), _code(_sgd._fused_sgd)})
+# kernel code -> its name in fulmen.ops.optim (torch's `_{name}_adam`)
+_ADAM_KERNELS = {_code(getattr(_adam, f"_{kernel}_adam")): kernel for kernel in optim.KERNELS}
+_SGD_KERNELS = {_code(getattr(_sgd, f"_{kernel}_sgd")): kernel for kernel in optim.KERNELS}
 
 
 _NO_RECORD = object()  # what record_function's __enter__ keeps (and hands its __exit__) while acquired
@@ -124,7 +123,7 @@ class InitGroupWatch:
 class KernelWatch:
     """torch's functional `adam()` / `sgd()`: the kernel it chose (its local `func`) becomes fulmen's recording."""
 
-    def __init__(self, kernels: dict[types.CodeType | None, bool], record: Callable[..., Any]) -> None:
+    def __init__(self, kernels: dict[types.CodeType | None, str], record: Callable[..., Any]) -> None:
         self.kernels = kernels
         self.record = record
 
@@ -136,16 +135,10 @@ class KernelWatch:
         func = local.get("func")
         if func is None or getattr(func, "__name__", None) == "recorded":
             return
-        code = _code(func)
-        if code in _FUSED:
-            error = TraceError("fulmen cannot trace a fused torch.optim step (fused=True); use foreach=True or "
-                               "foreach=False", frame_location(frame.f_back))
-            local["func"] = _raiser(error)
-        elif code in self.kernels:
-            foreach = self.kernels[code]
-
+        kernel = self.kernels.get(_code(func))
+        if kernel is not None:
             def recorded(*args: Any, **kwargs: Any) -> None:
-                return self.record(foreach, *args, **kwargs)
+                return self.record(kernel, *args, **kwargs)
 
             local["func"] = recorded
 
@@ -155,13 +148,6 @@ class KernelWatch:
 
 def _lr_of(group: dict) -> torch.Tensor:
     return torch.scalar_tensor(group["lr"], dtype=torch.float64)
-
-
-def _raiser(error: Exception) -> Callable[..., Any]:
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise error
-
-    return refuse
 
 
 class OptimizerSteps:
@@ -283,7 +269,7 @@ class OptimizerSteps:
         # memory torch does not own (a checkpoint loaded with mmap)
         interpreter.arrays.hold(obj)
 
-    def record_adam(self, foreach: bool, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
+    def record_adam(self, kernel: str, params: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
                     max_exp_avg_sqs: list, state_steps: list, grad_scale: Any = None, found_inf: Any = None, *,
                     amsgrad: bool, has_complex: bool, beta1: Any, beta2: Any, lr: Any, weight_decay: Any, eps: Any,
                     maximize: bool, capturable: bool, differentiable: bool,
@@ -304,7 +290,7 @@ class OptimizerSteps:
                     self._value(param), self._value(grads[i]), self._value(exp_avgs[i]), self._value(exp_avg_sqs[i]),
                     self._value(maximum), self._value(state_steps[i]), lr=self.lr_input(lr), beta1=beta1, beta2=beta2,
                     weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
-                    decoupled_weight_decay=decoupled_weight_decay, foreach=foreach)
+                    decoupled_weight_decay=decoupled_weight_decay, kernel=kernel)
                 updated = [param, exp_avgs[i], exp_avg_sqs[i], *([maximum] if amsgrad else []), state_steps[i]]
                 self._guard_state(param, {"step": state_steps[i], "exp_avg": exp_avgs[i],
                                           "exp_avg_sq": exp_avg_sqs[i],
@@ -312,7 +298,7 @@ class OptimizerSteps:
                 for obj, value in zip(updated, out, strict=True):
                     self._write(obj, value, "Adam's update")
 
-    def record_sgd(self, foreach: bool, params: list, grads: list, momentum_buffer_list: list,
+    def record_sgd(self, kernel: str, params: list, grads: list, momentum_buffer_list: list,
                    grad_scale: Any = None, found_inf: Any = None, *, weight_decay: Any, momentum: Any, lr: Any,
                    dampening: Any, nesterov: bool, maximize: bool, has_sparse_grad: bool) -> None:
         where = self.interpreter.builder.source
@@ -329,7 +315,7 @@ class OptimizerSteps:
                 out = optim.SGD_UPDATE(self._value(param), self._value(grads[i]), self._value(buffer),
                                        lr=self.lr_input(lr),
                                        momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                       nesterov=nesterov, maximize=maximize, foreach=foreach)
+                                       nesterov=nesterov, maximize=maximize, kernel=kernel)
                 self._write(param, out[0], "SGD's update")
                 if momentum == 0:
                     continue

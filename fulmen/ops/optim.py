@@ -2,7 +2,8 @@
 
 One call updates one parameter and its optimizer state: `optim.adam_update(param, grad, exp_avg, exp_avg_sq, None,
 step, lr=..., ...)` returns the new parameter, moments and step count. Its implementation is eager's own kernel
-(torch.optim.adam's `_single_tensor_adam`, or `_multi_tensor_adam` for foreach=True) run on that one parameter, so
+(torch.optim.adam's `_single_tensor_adam`, `_multi_tensor_adam` for foreach=True, `_fused_adam` for fused=True: the
+`kernel` torch's step chose) run on that one parameter, so
 the arithmetic is eager's to the bit, in eager's precisions: the step count is read from the step tensor when the
 call runs (`_get_value`, `.item()` of a CPU tensor: no device sync) and the bias corrections are Python doubles, as
 eager computes them. A float learning rate is an input of the trace (a 0-dim float64 tensor each call makes from the
@@ -31,58 +32,70 @@ from fulmen.ops.rules.grad import not_differentiable
 def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 max_exp_avg_sq: torch.Tensor | None, step: torch.Tensor, *, lr: float | torch.Tensor, beta1: float,
                 beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
-                decoupled_weight_decay: bool, foreach: bool) -> tuple[torch.Tensor, ...]:
+                decoupled_weight_decay: bool, kernel: str) -> tuple[torch.Tensor, ...]:
     """Adam / AdamW on one parameter: (param, exp_avg, exp_avg_sq, [max_exp_avg_sq,] step), updated. `lr` may be
     a 0-dim float64 tensor holding the Python float eager reads (an input of the trace), read back exactly."""
-    lr = _number(lr)
     param, exp_avg, exp_avg_sq, step = param.clone(), exp_avg.clone(), exp_avg_sq.clone(), step.clone()
     maxima = [max_exp_avg_sq.clone()] if amsgrad else []
-    kernel = torch_adam._multi_tensor_adam if foreach else torch_adam._single_tensor_adam
-    with torch.no_grad():
-        kernel([param], [grad], [exp_avg], [exp_avg_sq], maxima, [step], None, None, amsgrad=amsgrad,
-               has_complex=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
-               maximize=maximize, capturable=False, differentiable=False,
-               decoupled_weight_decay=decoupled_weight_decay)
+    _adam([param], [grad], [exp_avg], [exp_avg_sq], maxima, [step], lr=lr, beta1=beta1, beta2=beta2,
+          weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
+          decoupled_weight_decay=decoupled_weight_decay, kernel=kernel)
     return (param, exp_avg, exp_avg_sq, *maxima, step)
 
 
 def sgd_update(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *,
                lr: float | torch.Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-               maximize: bool, foreach: bool) -> tuple[torch.Tensor, ...]:
+               maximize: bool, kernel: str) -> tuple[torch.Tensor, ...]:
     """SGD on one parameter: (param,) or, with momentum, (param, momentum_buffer), updated (a first step makes the
     buffer, as eager's: a copy of the grad). `lr` as adam_update's."""
-    lr = _number(lr)
     param = param.clone()
     buffers = [momentum_buffer.clone() if momentum_buffer is not None else None]
-    kernel = torch_sgd._multi_tensor_sgd if foreach else torch_sgd._single_tensor_sgd
-    with torch.no_grad():
-        kernel([param], [grad], buffers, None, None, weight_decay=weight_decay, momentum=momentum, lr=lr,
-               dampening=dampening, nesterov=nesterov, maximize=maximize, has_sparse_grad=False)
+    _sgd([param], [grad], buffers, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+         nesterov=nesterov, maximize=maximize, kernel=kernel)
     return (param, buffers[0]) if momentum != 0 else (param,)
 
 
-def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 max_exp_avg_sq: torch.Tensor | None, step: torch.Tensor, *, lr: float | torch.Tensor, beta1: float,
-                 beta2: float, weight_decay: float, eps: float, amsgrad: bool, maximize: bool,
-                 decoupled_weight_decay: bool, foreach: bool) -> None:
-    """adam_update in place: eager's kernel on the tensors themselves (the trace's write-backs of adam_update's
-    results into them, made one call by fulmen.transforms.update_order: no copies)."""
-    kernel = torch_adam._multi_tensor_adam if foreach else torch_adam._single_tensor_adam
-    with torch.no_grad():
-        kernel([param], [grad], [exp_avg], [exp_avg_sq], [max_exp_avg_sq] if amsgrad else [], [step], None, None,
-               amsgrad=amsgrad, has_complex=False, beta1=beta1, beta2=beta2, lr=_number(lr),
-               weight_decay=weight_decay, eps=eps, maximize=maximize, capturable=False, differentiable=False,
-               decoupled_weight_decay=decoupled_weight_decay)
+def adam_update_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *,
+                 lr: float | torch.Tensor, beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool,
+                 maximize: bool, decoupled_weight_decay: bool, kernel: str) -> None:
+    """adam_update in place, on one or several parameters of one param group: eager's kernel on the tensors
+    themselves, over the lists as eager's step calls it over a group's (the trace's write-backs of adam_update's
+    results into them, made one call by fulmen.transforms.update_order: no copies). The kernels' arithmetic is per
+    tensor, so a list gives each tensor what a call of its own would."""
+    _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+          weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
+          decoupled_weight_decay=decoupled_weight_decay, kernel=kernel)
 
 
-def sgd_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *,
-                lr: float | torch.Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
-                maximize: bool, foreach: bool) -> None:
-    """sgd_update in place, with a buffer there is already (as adam_update_)."""
-    kernel = torch_sgd._multi_tensor_sgd if foreach else torch_sgd._single_tensor_sgd
+def sgd_update_(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor | None],
+                *, lr: float | torch.Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+                maximize: bool, kernel: str) -> None:
+    """sgd_update in place, with buffers there are already (None without momentum), on one or several parameters
+    (as adam_update_)."""
+    _sgd(params, grads, list(momentum_buffers), lr=lr, momentum=momentum, dampening=dampening,
+         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, kernel=kernel)
+
+
+def _adam(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, max_exp_avg_sqs: list, steps: list, *,
+          lr: float | torch.Tensor, kernel: str, amsgrad: bool, **hyperparameters: Any) -> None:
     with torch.no_grad():
-        kernel([param], [grad], [momentum_buffer], None, None, weight_decay=weight_decay, momentum=momentum,
-               lr=_number(lr), dampening=dampening, nesterov=nesterov, maximize=maximize, has_sparse_grad=False)
+        getattr(torch_adam, f"_{kernel}_adam")(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps, None, None,
+            amsgrad=amsgrad, has_complex=False, lr=_number(lr), capturable=False, differentiable=False,
+            **hyperparameters)
+
+
+def _sgd(params: list, grads: list, buffers: list, *, lr: float | torch.Tensor, kernel: str,
+         **hyperparameters: Any) -> None:
+    with torch.no_grad():
+        getattr(torch_sgd, f"_{kernel}_sgd")(params, grads, buffers, None, None, lr=_number(lr),
+                                            has_sparse_grad=False, **hyperparameters)
+
+
+# torch.optim's kernels, by the name torch gives each (`_{kernel}_adam`, `_{kernel}_sgd`): the per-parameter loop
+# (foreach=False), the foreach one (foreach=True) and the fused one (fused=True)
+KERNELS = ("single_tensor", "multi_tensor", "fused")
 
 
 def _no_outputs(builder: TraceBuilder, *args: Any, **kwargs: Any) -> None:

@@ -59,12 +59,12 @@ def _assert_same(model, eager_model, optimizer, eager_optimizer) -> None:
             assert state[key].dtype == eager_state[key].dtype and state[key].device == eager_state[key].device
 
 
-def _train(make_optimizer, steps: int = 4, step_fn=train_step, scheduler=None):
+def _train(make_optimizer, steps: int = 4, step_fn=train_step, scheduler=None, options=None):
     model = _model()
     eager_model = copy.deepcopy(model)
     optimizer, eager_optimizer = make_optimizer(model.parameters()), make_optimizer(eager_model.parameters())
     schedulers = (scheduler(optimizer), scheduler(eager_optimizer)) if scheduler is not None else ()
-    jitted = fulmen.jit(step_fn)
+    jitted = fulmen.jit(step_fn, options=options)
     for x, y in _batches(steps):
         loss, eager_loss = jitted(model, optimizer, x, y), step_fn(eager_model, eager_optimizer, x, y)
         assert torch.equal(loss, eager_loss.detach())
@@ -79,25 +79,31 @@ OPTIMIZERS = {
     "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.05, foreach=False),
     "adam-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, foreach=False),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam-amsgrad-fused": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, fused=True),
 }
+UNBATCHED = fulmen.JitOptions(optimizer_bucket_cap_mb=0)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_adam_family_step_is_eager_and_cached(name):
-    jitted, _ = _train(OPTIMIZERS[name], steps=5)
+@pytest.mark.parametrize("options", [None, UNBATCHED], ids=["buckets", "one-by-one"])
+def test_adam_family_step_is_eager_and_cached(name, options):
+    jitted, _ = _train(OPTIMIZERS[name], steps=5, options=options)
     # the state is made before the first trace (as eager's first step makes it): the second call reuses it
     assert (fulmen.cache_misses(jitted), fulmen.cache_hits(jitted)) == (1, 4)
     trace = str(fulmen.last_traces(jitted)[-1])
-    # one in-place update per parameter (eager's kernel on the tensors themselves): no copies of the parameters or
-    # the state, no write-backs
-    assert trace.count("optim.adam_update_(") == 6 and "torch.autograd" not in trace
+    # in-place updates (eager's kernel on the tensors themselves): no copies of the parameters or the state, no
+    # write-backs; the 6 parameters' updates in one bucket (the default's 32 MiB of grads), or one call each
+    assert trace.count("optim.adam_update_(") == (1 if options is None else 6) and "torch.autograd" not in trace
     assert "prims.copy_" not in trace and "optim.adam_update(" not in trace
+    kernel = "fused" if "fused" in name else "multi_tensor" if "foreach" in name else "single_tensor"
+    assert trace.count(f"kernel='{kernel}'") == trace.count("optim.adam_update_(")
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_sgd_momentum_step_is_eager_and_cached(foreach):
+@pytest.mark.parametrize("kernel", ["single_tensor", "multi_tensor", "fused"])
+def test_sgd_momentum_step_is_eager_and_cached(kernel):
     make = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01,  # noqa: E731
-                                     foreach=foreach)
+                                     foreach=kernel == "multi_tensor", fused=kernel == "fused" or None)
     jitted, optimizer = _train(make, steps=5)
     # the first step makes the momentum buffers (a copy of the grad, as eager): a trace of its own, then one for
     # every later step
@@ -107,7 +113,8 @@ def test_sgd_momentum_step_is_eager_and_cached(foreach):
     assert all("momentum_buffer" in optimizer.state[p] for p in optimizer.param_groups[0]["params"])
     # the first step's trace makes the buffers (functional updates, written back); every later one updates in place
     later = str(fulmen.last_traces(jitted)[-1])
-    assert later.count("optim.sgd_update_(") == 6 and "prims.copy_" not in later
+    assert later.count("optim.sgd_update_(") == 1 and "prims.copy_" not in later
+    assert f"kernel='{kernel}'" in later
 
 
 def test_sgd_nesterov_and_plain():
@@ -162,7 +169,7 @@ def test_zero_grad_without_set_to_none():
 def test_updates_follow_their_gradients():
     """Each parameter's update runs right after its gradient is complete, and its write-back right after its last
     read: the last layer's update comes before the first layer's gradient is computed."""
-    jitted, _ = _train(OPTIMIZERS["adamw"], steps=1)
+    jitted, _ = _train(OPTIMIZERS["adamw"], steps=1, options=UNBATCHED)
     final = fulmen.last_traces(jitted)[-1]
     provenance = [t.provenance for t in fulmen.last_traces(jitted)]
     assert "Optimizer updates right after their gradients" in provenance
@@ -170,6 +177,61 @@ def test_updates_follow_their_gradients():
     updates = [i for i, line in enumerate(lines) if "optim.adam_update_(" in line]
     matmuls = [i for i, line in enumerate(lines) if "torch.matmul(" in line]
     assert updates[0] < matmuls[-1]  # the head's update comes before the first layer's weight gradient
+
+
+def _update_calls(jitted) -> list[str]:
+    return [line for line in str(fulmen.last_traces(jitted)[-1]).splitlines() if "optim.adam_update_(" in line]
+
+
+def test_updates_run_in_buckets_of_the_cap():
+    """A cap of 400 bytes of grads (the model's are 916) splits the 6 updates into several calls, each parameter in
+    exactly one, each call's grads deleted right after it."""
+    jitted, _ = _train(OPTIMIZERS["adamw-foreach"], steps=3,
+                       options=fulmen.JitOptions(optimizer_bucket_cap_mb=400 / 2**20))
+    calls = _update_calls(jitted)
+    assert 1 < len(calls) < 6
+    params = [name for call in calls for name in call.split("([", 1)[1].split("]", 1)[0].split(", ")]
+    assert len(params) == len(set(params)) == 6
+    lines = str(fulmen.last_traces(jitted)[-1]).splitlines()
+    for i, line in enumerate(lines):
+        if "optim.adam_update_(" in line:
+            grads = line.split("], [", 1)[1].split("]", 1)[0].split(", ")
+            assert lines[i + 1].strip().startswith("del ") and set(grads) <= set(lines[i + 1][6:].split(", "))
+
+
+def train_step_reading_after(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, model[0].weight.sum(), model[3].bias * 2
+
+
+def train_two_steps(model, optimizer, x, y):
+    for rows in (slice(0, 4), slice(4, 8)):
+        loss = F.cross_entropy(model(x[rows]), y[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("step_fn", [train_step_reading_after, train_two_steps])
+def test_a_bucket_runs_before_what_reads_its_new_values(step_fn):
+    """Reads of the updated parameters later in the program (the values it returns, a second step's forward) see
+    the updates."""
+    model = _model()
+    eager_model = copy.deepcopy(model)
+    optimizer, eager_optimizer = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](eager_model.parameters())
+    jitted = fulmen.jit(step_fn)
+    for x, y in _batches(3):
+        got, expected = jitted(model, optimizer, x, y), step_fn(eager_model, eager_optimizer, x, y)
+        for g, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected), strict=True):
+            assert torch.equal(g, e.detach())
+        _assert_same(model, eager_model, optimizer, eager_optimizer)
+    assert fulmen.cache_misses(jitted) == 1
+    if step_fn is train_step_reading_after:  # what is returned reads the new values; the other updates: a bucket
+        assert len(_update_calls(jitted)) == 1
 
 
 def test_state_replaced_by_load_state_dict_traces_again():
@@ -236,14 +298,6 @@ def test_unknown_optimizer_is_refused_naming_it():
     assert not optimizer.state
 
 
-def test_fused_step_is_refused():
-    model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-    x, y = _batches(1)[0]
-    with pytest.raises(TraceError, match="fused torch.optim step"):
-        fulmen.jit(train_step)(model, optimizer, x, y)
-
-
 def test_backward_reaching_a_hooked_parameter_is_refused():
     """A hook eager's backward would call (on the parameter, or after its grad accumulates) is refused, not skipped."""
     model = _model()
@@ -252,3 +306,9 @@ def test_backward_reaching_a_hooked_parameter_is_refused():
     with pytest.raises(TraceError, match=r"has a hook(.|\n)*train_step: \"loss\.backward\(\)\""):
         fulmen.jit(train_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("cap", [-1, "32", True, float("nan")])
+def test_bucket_cap_must_be_a_number_at_least_zero(cap):
+    with pytest.raises(ValueError, match="optimizer_bucket_cap_mb"):
+        fulmen.JitOptions(optimizer_bucket_cap_mb=cap)
