@@ -11,13 +11,17 @@ is fulmen with `JitOptions(cuda_graphs=True)`, `torch.compile+cudagraphs` torch.
 (`TorchCompileExecutor(fuse_matmuls=True)`), `fulmen+matmul-autotune` also autotunes them (Inductor's
 `max_autotune_gemm`: its Triton matmul templates, with neighbouring elementwise work fused in, where they beat
 cuBLAS), and `torch.compile+max-autotune` is torch.compile's "max-autotune-no-cudagraphs" mode for comparison.
-`fulmen+inductor-roundings` compiles the regions without Inductor's `emulate_precision_casts` (on in the `fulmen`
-row): a fused chain of half-precision ops keeps float32 between its ops instead of rounding after each, as eager does.
+`fulmen-whole-step` jits the whole step, the optimizer's step and zero_grad included (one program: each parameter's
+update right after its gradient, in buckets, fulmen.transforms.update_order), and `fulmen-whole-step+cudagraphs`
+captures it in CUDA graphs (the in-place updates run between them). `fulmen+inductor-roundings` compiles the
+regions without Inductor's `emulate_precision_casts` (on in the `fulmen` row): a fused chain of half-precision ops
+keeps float32 between its ops instead of rounding after each, as eager does.
 
 `--preset seed-002` is the seed-002 notebook's regime: llm.c's GPT-2 124M as examples/llmc/model.py writes it
 (`--model_name llmc-gpt2`, its own loss in the forward), B=4, T=64, fp32 with TF32 off, `torch.optim.Adam`:
 
-    python benchmarks/step.py --preset seed-002 --compilers eager,torch.compile,fulmen,fulmen+cudagraphs
+    python benchmarks/step.py --preset seed-002 --compilers eager,torch.compile,fulmen,fulmen+cudagraphs,\
+        torch.compile+cudagraphs,fulmen-whole-step,fulmen-whole-step+cudagraphs
 
 Every compiler runs in turn in this one process on one device, each on a fresh model built from the same seed and
 trained on the same random batch, so the losses they report should agree. The weights are in the benchmark dtype
@@ -82,7 +86,9 @@ from fulmen.executors.torch_compile import TorchCompileExecutor  # noqa: E402
 from fulmen.pretrain.flops import peak_flops  # noqa: E402 - the same table pretraining reports MFU with
 
 DEFAULT_COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen+unsloth", "thunder")
-COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs", "fulmen-unfused-loss",
+# the whole step (forward, loss, backward, optimizer step and zero_grad) jitted as one program (issue 50)
+WHOLE_STEP = {"fulmen-whole-step": False, "fulmen-whole-step+cudagraphs": True}
+COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs", *WHOLE_STEP, "fulmen-unfused-loss",
              "fulmen-repeated-heads", "fulmen+matmul-regions", "fulmen+matmul-autotune", "torch.compile+max-autotune",
              "fulmen+inductor-roundings")
 # torchcompile executor variants: Inductor options for its regions, and whether matmuls join them. With the matmuls
@@ -204,6 +210,24 @@ def make_loss_fn(name: str, mode: str, model: torch.nn.Module, executors: list[s
     return lambda x, y: compiled(model, x, y)
 
 
+def make_whole_step(name: str, model: torch.nn.Module, executors: list[str] | None) -> Callable:
+    """`step(optimizer, x, y)` for a whole-step row: the forward, loss, backward, optimizer step and zero_grad in one
+    jitted program (fulmen.jit of a training step), with CUDA graphs for the `+cudagraphs` row."""
+    loss = loss_function(model)
+
+    def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                   y: torch.Tensor) -> torch.Tensor:
+        value = loss(model, x, y)
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return value
+
+    jitted = fulmen.jit(train_step, executors=executors,
+                        options=fulmen.JitOptions(cuda_graphs=WHOLE_STEP[name]))
+    return lambda optimizer, x, y: jitted(model, optimizer, x, y)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -298,15 +322,20 @@ def make_optimizer(params: list[torch.Tensor], name: str = "adamw") -> torch.opt
 
 def time_steps(loss_fn: Callable, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
                args: argparse.Namespace, fence: Callable[[], None],
-               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> dict:
+               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+               whole_step: Callable | None = None) -> dict:
     """`make_optimizer(params, args.optimizer)`: one first step, `args.warmup` untimed steps, then `args.iters` steps
     each timed between two `fence()` calls (synchronised every step: the host's work before the first kernel counts),
     then `args.iters` steps free-running between one pair of fences, then (on CUDA) `args.profile_steps` profiled
     steps. `backward`:
-    `fabric.backward` for Fabric's rows."""
+    `fabric.backward` for Fabric's rows. `whole_step(optimizer, x, y)`, for the whole-step rows, runs all of a step
+    (then the parameters the first step updated are those with optimizer state)."""
     optimizer = make_optimizer(params, getattr(args, "optimizer", "adamw"))
 
     def step(count_grads: bool = False) -> tuple[torch.Tensor, int]:
+        if whole_step is not None:
+            loss = whole_step(optimizer, x, y)
+            return loss.detach(), len(optimizer.state) if count_grads else 0
         loss = loss_fn(x, y)
         backward(loss)
         with_grad = sum(p.grad is not None for p in params) if count_grads else 0
@@ -355,8 +384,11 @@ def run_compiler(name: str, mode: str, args: argparse.Namespace, device: torch.d
     n_params = sum(p.numel() for p in model.parameters())
     params = list(model.parameters())
     x, y = make_batch(args, model.config, device)
-    loss_fn = make_loss_fn(name, mode, model, args.executors)
-    timed = time_steps(loss_fn, params, x, y, args, lambda: sync(device))
+    if name in WHOLE_STEP:
+        loss_fn, whole_step = None, make_whole_step(name, model, args.executors)
+    else:
+        loss_fn, whole_step = make_loss_fn(name, mode, model, args.executors), None
+    timed = time_steps(loss_fn, params, x, y, args, lambda: sync(device), whole_step=whole_step)
     iter_ms = timed["iter_ms"]
     median_s = statistics.median(iter_ms) / 1e3
     peak = peak_flops(device, dtype)

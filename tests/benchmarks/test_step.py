@@ -21,11 +21,11 @@ def _load_step():
 def test_step_benchmark_smoke(tmp_path):
     out = tmp_path / "step.json"
     argv = "--device cpu --dtype fp32 --model_name pythia-14m --n_layer 1 --seq_len 32 --micro_batch_size 2"
-    argv += f" --iters 2 --warmup 1 --compilers eager,fulmen,fulmen+unsloth --out {out}"
+    argv += f" --iters 2 --warmup 1 --compilers eager,fulmen,fulmen+unsloth,fulmen-whole-step --out {out}"
     _load_step().main(argv.split())
     report = json.loads(out.read_text())
     results = report["results"]
-    assert set(results) == {"eager", "fulmen", "fulmen+unsloth"}
+    assert set(results) == {"eager", "fulmen", "fulmen+unsloth", "fulmen-whole-step"}
     for name, result in results.items():
         assert result["status"] == "ok", (name, result)
         assert result["ms_per_iter"] > 0 and len(result["iter_ms"]) == 2
@@ -33,7 +33,8 @@ def test_step_benchmark_smoke(tmp_path):
         assert result["params_with_grad"][0] == result["params_with_grad"][1]
     assert results["fulmen"]["mode"] == "function"  # the cross-entropy was in fulmen's trace
     # same init, same batch, same optimizer: the losses after four AdamW steps agree
-    for name in ("fulmen", "fulmen+unsloth"):  # the unsloth kernels run under Triton's interpreter without a GPU
+    # the unsloth kernels run under Triton's interpreter without a GPU; the whole step jits the optimizer's step too
+    for name in ("fulmen", "fulmen+unsloth", "fulmen-whole-step"):
         assert math.isclose(results[name]["final_loss"], results["eager"]["final_loss"], rel_tol=1e-4), name
     assert results["eager"]["final_loss"] < results["eager"]["first_loss"]  # the steps trained
     ratios = report["ratios_vs_eager"]
