@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import fulmen
 from fulmen.core.errors import TraceError
+from tests.transforms.test_cudagraphs import simulated_graphs  # noqa: F401 - the CUDA graph simulator fixture
 
 
 def train_step(model, optimizer, x, y):
@@ -312,3 +313,20 @@ def test_backward_reaching_a_hooked_parameter_is_refused():
 def test_bucket_cap_must_be_a_number_at_least_zero(cap):
     with pytest.raises(ValueError, match="optimizer_bucket_cap_mb"):
         fulmen.JitOptions(optimizer_bucket_cap_mb=cap)
+
+
+def test_whole_step_under_cuda_graphs_replays_as_eager(simulated_graphs):  # noqa: F811 - the fixture
+    """CUDA graphs of a whole step (tests/transforms/test_cudagraphs.py's simulator on the CPU): the forward and
+    backward replay as one graph, the in-place updates run between graphs, and 5 steps are eager's bit for bit.
+    On a GPU: tests/training/test_cuda_graphs.py."""
+    model = _model()
+    eager_model = copy.deepcopy(model)
+    optimizer, eager_optimizer = OPTIMIZERS["adamw-foreach"](model.parameters()), \
+        OPTIMIZERS["adamw-foreach"](eager_model.parameters())
+    jitted = fulmen.jit(train_step, executors=["torch"], options=fulmen.JitOptions(cuda_graphs=True))
+    for x, y in _batches(5):
+        assert torch.equal(jitted(model, optimizer, x, y), train_step(eager_model, eager_optimizer, x, y).detach())
+        _assert_same(model, eager_model, optimizer, eager_optimizer)
+    names = [b.sym.name for b in fulmen.last_traces(jitted)[-1].bound_symbols if b.sym.name != "del"]
+    assert names[0] == "CUDAGraph0" and "adam_update_" in names and "CUDAGraph1" not in names
+    assert [graph.replays for graph in simulated_graphs] == [4]  # warm-up on the first step, captured on the second
