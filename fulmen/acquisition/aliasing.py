@@ -36,6 +36,52 @@ def storage_groups(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(groups)
 
 
+def _storage_addresses(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    return [t.untyped_storage().data_ptr() if type(t) in _PLAIN else None for t in tensors]
+
+
+class StorageGroups:
+    """The storage groups a trace was made for, checked on each call. The groups are a function of the storages'
+    addresses (CPU and CUDA addresses never coincide: CUDA's unified virtual addressing), so a call whose addresses
+    equal the last admitted call's is admitted by comparing them, and only a call where a storage moved computes the
+    groups again: a whole training step's parameters and optimizer state are hundreds of tensors, and their groups
+    cost several times their addresses. `fresh`: the positions of tensors each call makes anew (a whole step's
+    learning rate, the grads it begins with: fulmen.jit.grad_slots), whose addresses change every call; one that
+    shared no storage when traced is admitted while it shares none."""
+
+    __slots__ = ("groups", "_fresh", "_seen")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], fresh: Sequence[int] = ()) -> None:
+        self.groups = storage_groups(tensors)
+        alone = [i for i in fresh if self.groups.count(self.groups[i]) == 1]
+        self._fresh = tuple(alone) if len(alone) == len(fresh) else None  # None: compute the groups on every call
+        self._seen = self._stable(_storage_addresses(tensors))[0]
+
+    def _stable(self, seen: list[int | None]) -> tuple[list[int | None], list[int | None]]:
+        """The addresses at the positions that keep theirs, and those of the fresh tensors."""
+        fresh = [seen[i] for i in self._fresh or ()]
+        for i in self._fresh or ():
+            seen[i] = None
+        return seen, fresh
+
+    def admits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        if self._fresh is not None:
+            seen, fresh = self._stable(_storage_addresses(tensors))
+            if seen == self._seen and (not fresh or _apart(fresh, seen)):
+                return True
+        if storage_groups(tensors) != self.groups:
+            return False
+        if self._fresh is not None:
+            self._seen = seen
+        return True
+
+
+def _apart(fresh: list[int | None], others: list[int | None]) -> bool:
+    """Whether the fresh tensors' storages are shared with no other tensor's, nor among themselves."""
+    return (len(set(fresh)) == len(fresh) and not set(others).intersection(fresh) and None not in fresh
+            and 0 not in fresh)
+
+
 def storage_offsets(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple([t.storage_offset() for t in tensors])
 

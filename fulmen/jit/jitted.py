@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fulmen.acquisition.acquire import Interpreter, current_interpreter
-from fulmen.acquisition.aliasing import AliasPlan, plan_aliases, storage_groups, storage_offsets
+from fulmen.acquisition.aliasing import AliasPlan, StorageGroups, plan_aliases, storage_offsets
 from fulmen.acquisition.autograd_facts import refuse_leaf_without_grads, refuse_returned_nodes
 from fulmen.acquisition.autograd_functions import function_apply_recorded
 from fulmen.acquisition.is_compiling import seen_as_compiling
@@ -657,7 +657,8 @@ class JittedFunction:
             symbolic=positions,
             guards=guards,
             check=compile_check(guards),
-            storage=storage_groups(real_inputs) if written else None,
+            storage=StorageGroups(real_inputs, [len(real_inputs) - len(constants) + i for i, _ in fetched])
+            if written else None,
             offsets=storage_offsets(real_inputs) if interpreter.reads_storage_offset or aliases is not None else None,
             module_inputs=tuple(module_inputs),
             facts=_facts_read(acquisition),

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fulmen.acquisition.aliasing import AliasPlan, storage_groups, storage_offsets
+from fulmen.acquisition.aliasing import AliasPlan, StorageGroups, storage_groups, storage_offsets
 from fulmen.core.trace import Trace
 from fulmen.jit.buffer_registrations import Registration
 from fulmen.observation.container_writes import ContainerWrite
@@ -63,7 +63,7 @@ class CacheEntry:
     key: Any = None
     guards: tuple[Guard, ...] = ()  # the Python state the program read (observer.py)
     check: Callable[[], bool] | None = None  # all guards, compiled
-    storage: tuple[int, ...] | None = None  # the inputs' storage groups, for a trace that updates an input
+    storage: StorageGroups | None = None  # the inputs' storage groups, for a trace that updates an input
     offsets: tuple[int, ...] | None = None  # the inputs' storage offsets, for a trace that depends on them
     # (input, "is_leaf" or "is_inference", its value) the program read (autograd_facts.py)
     facts: tuple[tuple[int, str, bool], ...] | None = None
@@ -101,7 +101,7 @@ class CacheEntry:
             return False
         if self.facts is not None and changed_fact(self.facts, [*tensors, *module_tensors]) is not None:
             return False
-        return self.storage is None or storage_groups([*tensors, *module_tensors, *constants]) == self.storage
+        return self.storage is None or self.storage.admits([*tensors, *module_tensors, *constants])
 
 
 def _fact(tensor: torch.Tensor, fact: str) -> bool:
@@ -188,5 +188,5 @@ class Cache:
         if entry.storage is not None:
             now = storage_groups(inputs)
             return (f"the inputs sharing memory changed: {sharing(now, names)} (traced with "
-                    f"{sharing(entry.storage, names)})")
+                    f"{sharing(entry.storage.groups, names)})")
         return "unknown"

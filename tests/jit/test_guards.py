@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fulmen
+from fulmen.acquisition.aliasing import StorageGroups
 from fulmen.jit.jitted_module import core as jitted_core
 
 
@@ -99,6 +100,36 @@ def test_the_same_tensor_twice_sees_its_update():
     assert "sharing memory changed: no inputs (traced with x and y)" in fulmen.last_cache_miss_reasons(fn)[0]
     torch.testing.assert_close(fn(a, a), torch.full((2,), 4.0))  # and back: a hit on the aliased trace
     assert _misses(fn) == 2
+
+
+def test_a_captured_tensor_given_another_ones_memory_traces_again():
+    """The entry admits a call by its storages' addresses while they stay put; `B.data = A.data` between calls
+    moves one, and the groups computed again tell the call apart."""
+    a, b = torch.zeros(2), torch.zeros(2)
+
+    def f(x):
+        a.add_(x)
+        return b * 2
+
+    fn = fulmen.jit(f)
+    for _ in range(2):
+        torch.testing.assert_close(fn(torch.ones(2)), torch.zeros(2))
+    b.data = a.data
+    torch.testing.assert_close(fn(torch.ones(2)), torch.full((2,), 6.0))  # eager: a is 3, and b is a
+    torch.testing.assert_close(a, torch.full((2,), 3.0))
+    assert _misses(fn) == 2 and "sharing memory changed" in fulmen.last_cache_miss_reasons(fn)[0]
+
+
+def test_storage_groups_admit_by_addresses_and_fresh_tensors_apart():
+    base, other = torch.zeros(8), torch.zeros(4)
+    tensors = [base[:4], base[4:], other, torch.zeros(())]  # the last one is made anew by every call
+    groups = StorageGroups(tensors, fresh=[3])
+    assert groups.groups == (0, 0, 2, 3)
+    assert groups.admits([base[:4], base[4:], other, torch.zeros(())])  # the fresh one elsewhere
+    assert not groups.admits([base[:4], torch.zeros(4), other, torch.zeros(())])  # a member moved apart
+    assert not groups.admits([base[:4], base[4:], other, other[0]])  # the fresh one shares another's storage
+    assert not groups.admits([base[:4], base[4:], base[2:], torch.zeros(())])  # another joins the group
+    assert groups.admits([base[:4], base[4:], other, torch.ones(())])
 
 
 def test_overlapping_views_as_eager():
