@@ -16,10 +16,11 @@ How a graph region runs (`CUDAGraphRegion`):
 - later calls replay. An argument read in place that moved (a parameter reassigned) invalidates every graph of the
   program: they are warmed up and captured again (after three such invalidations the program stops using graphs).
 Each layout of a region's arguments (shapes and strides) has its own warm-up, capture and graph: a trace with symbolic
-sizes runs one graph per shape, at most `MAX_SHAPES` per region, the least recently used dropped first. A new shape
-costs one eager warm-up call, one capture (a run and its recording) and the pool memory its graph keeps: its outputs
-(the forward's saved values and results, the backward's gradients at that shape), besides what the other shapes'
-graphs keep; what the graphs use only inside a replay is shared by all of them.
+sizes runs one graph per shape, at most `MAX_SHAPES` per region and while all graphs of the program keep at most
+`MAX_KEPT_SHARE` of the device's memory in their outputs, the least recently used dropped first. A new shape costs
+one eager warm-up call, one capture (a run and its recording) and the pool memory its graph keeps: its outputs (the
+forward's saved values and results, the backward's gradients at that shape), besides what the other shapes' graphs
+keep; what the graphs use only inside a replay is shared by all of them.
 
 Memory: all graphs of one program (its forward and backward) capture into one memory pool, and the allocator's
 cached blocks are released before the first capture, so the pool takes the place of the memory the warm-up step
@@ -55,6 +56,10 @@ MAX_INVALIDATIONS = 3
 # Graphs one region keeps, one per layout of its arguments (a trace with symbolic sizes runs many shapes): the most
 # recently used ones; torch.compile's "reduce-overhead" keeps one graph per shape too, without a bound.
 MAX_SHAPES = 8
+# ... and while their outputs keep at most this share of the device's memory together (each program's pool apart):
+# a shape's graph keeps its outputs, the forward's saved values at that length, so eight lengths of a large step
+# could otherwise hold eight sets of activations. The newest graph of a region is kept whatever its size.
+MAX_KEPT_SHARE = 0.25
 CAPTURE_DEVICE = "cuda"  # the device type whose work graphs capture
 
 
@@ -69,8 +74,13 @@ class GraphPool:
         self.static_ptrs: set[int] = set()  # addresses of the graphs' outputs (stable by construction)
         self.invalidations = 0
         self.disabled: str | None = None  # why the program no longer uses graphs
+        self.kept_bytes = 0  # what the graphs' outputs hold, all regions of the program together
+        self.budget: int | None = None  # at most this, dropping each region's least recently used graphs first
 
     def prepare_capture(self) -> None:
+        if self.budget is None:
+            self.budget = int(MAX_KEPT_SHARE * torch.cuda.get_device_properties(torch.cuda.current_device())
+                              .total_memory)
         if self.handle is None:
             # The warm-up step's activations sit in the allocator's cache; released, the pool reuses that memory.
             torch.cuda.synchronize()
@@ -82,6 +92,7 @@ class GraphPool:
         self.generation += 1
         self.handle = None
         self.static_ptrs.clear()
+        self.kept_bytes = 0
         self.invalidations += 1
         if self.invalidations > MAX_INVALIDATIONS:
             self.disable(f"{reason}, {self.invalidations} times")
@@ -101,6 +112,13 @@ class _ShapeGraph:
         self.static_inputs: list[torch.Tensor] = []
         self.addresses: list[int | None] = []  # per argument read where it lies, its address; None: copied in
         self.outputs: Any = None
+        self.nbytes = 0  # what its outputs hold in the pool
+
+
+def _output_bytes(outputs: Any) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tree_leaves(outputs)
+                if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
 
 
 def layout_key(args: tuple) -> tuple:
@@ -143,7 +161,7 @@ class CUDAGraphRegion:
             if state.previous is None:
                 state.previous = [weakref.ref(arg) for arg in args]
                 return self.fn(*args)
-            return self._capture(state, args)
+            return self._capture(key, state, args)
         for static, address, arg in zip(state.static_inputs, state.addresses, args):
             if address is None:
                 static.copy_(arg)
@@ -155,10 +173,20 @@ class CUDAGraphRegion:
 
     def _drop(self, key: tuple) -> None:
         state = self.shapes.pop(key)
+        self.pool.kept_bytes -= state.nbytes
         self.pool.static_ptrs.difference_update(
             out.data_ptr() for out in tree_leaves(state.outputs) if isinstance(out, torch.Tensor))
 
-    def _capture(self, state: _ShapeGraph, args: tuple[torch.Tensor, ...]) -> Any:
+    def _within_budget(self, newest: tuple) -> None:
+        """Drops this region's least recently used graphs while the pool's graphs keep more than its budget."""
+        pool = self.pool
+        while pool.budget is not None and pool.kept_bytes > pool.budget:
+            oldest = next((k for k, state in self.shapes.items() if k != newest and state.graph is not None), None)
+            if oldest is None:
+                return
+            self._drop(oldest)
+
+    def _capture(self, key: tuple, state: _ShapeGraph, args: tuple[torch.Tensor, ...]) -> Any:
         pool = self.pool
         pool.prepare_capture()
         state.static_inputs, state.addresses = [], []
@@ -181,9 +209,11 @@ class CUDAGraphRegion:
         except RuntimeError as error:  # an op that cannot be captured (a host synchronisation, a CPU copy)
             pool.disable(f"capturing {self.name} failed: {error}")
             return self.fn(*args)
-        state.graph, state.outputs = graph, outputs
+        state.graph, state.outputs, state.nbytes = graph, outputs, _output_bytes(outputs)
         self.captures += 1
+        pool.kept_bytes += state.nbytes
         pool.static_ptrs.update(out.data_ptr() for out in tree_leaves(outputs) if isinstance(out, torch.Tensor))
+        self._within_budget(key)
         graph.replay()
         return outputs
 

@@ -63,6 +63,10 @@ class _Recording(TorchDispatchMode):
         return outputs
 
 
+class _Device:
+    total_memory = 2**34
+
+
 class _Stream:
     def wait_stream(self, other) -> None:
         pass
@@ -93,6 +97,8 @@ def simulated_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", new_graph)
     monkeypatch.setattr(torch.cuda, "graph", _capture)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Device())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return made
 
 
@@ -269,3 +275,19 @@ def test_the_graphs_of_a_region_are_bounded_least_recently_used_first(simulated_
         assert torch.equal(region(x)[0], x * 2), n
     # 3, 4 captured; 5 drops 3 (the least recently used); 3 again warms up and drops 4, whose next call warms up
     assert region.captures == 4 and list(region.shapes) == [cudagraphs.layout_key((torch.randn(n),)) for n in (3, 4)]
+
+
+def test_the_graphs_of_a_program_keep_at_most_their_share_of_memory(simulated_graphs, monkeypatch):
+    """Graphs keep their outputs; past the pool's budget (MAX_KEPT_SHARE of the device's memory), the region drops
+    its least recently used graphs, never the one just captured."""
+    monkeypatch.setattr(cudagraphs, "MAX_KEPT_SHARE", 100 * 4 / _Device.total_memory)  # 100 floats
+    pool = cudagraphs.GraphPool("test")
+    region = cudagraphs.CUDAGraphRegion(lambda x: (x * 2,), pool, "CUDAGraph0")
+    for n in (30, 30, 30, 40, 40, 40, 50, 50, 50, 120, 120, 120, 30, 30):
+        x = torch.randn(n)
+        assert torch.equal(region(x)[0], x * 2), n
+    # 30 and 40 fit (70 floats), 50 drops 30; 120 alone is over the budget and drops 40 and 50, but stays; 30 again
+    # warms up (its graph was dropped), then its capture drops 120
+    kept = [key for key, state in region.shapes.items() if state.graph is not None]
+    assert kept == [cudagraphs.layout_key((torch.randn(30),))]
+    assert pool.kept_bytes == 30 * 4 and pool.budget == 100 * 4 and region.captures == 5
