@@ -335,7 +335,8 @@ def _fill_meta(builder: TraceBuilder, x: Any, method_name: str, *args: Any, **kw
 
 
 # `x.exponential_()` and the other in-place fills record the values `x` holds afterwards (drawn into a fresh tensor)
-# and rebind `x`, as other in-place updates do (acquire.py): one symbol, the method's name its second argument.
+# and rebind `x`, as other in-place updates do (acquire/interpreter.py): one symbol, the method's name its second
+# argument.
 RANDOM_FILL = impl_symbol(impls.random_fill, tags=Tag.RANDOM, meta=_fill_meta)
 
 

@@ -283,7 +283,8 @@ native_layer_norm = torch_symbol(torch.native_layer_norm, decomposition=native_l
 torch_symbol(F.rms_norm, decomposition=rms_norm_decomposition, aliases=(torch.rms_norm,))  # Dynamo calls the latter
 torch_symbol(F.group_norm)
 torch_symbol(F.batch_norm)
-batch_norm_update = impl_symbol(impls.batch_norm_update)  # training mode with running statistics (acquire.py)
+# training mode with running statistics (acquire/tensor_calls.py)
+batch_norm_update = impl_symbol(impls.batch_norm_update)
 torch_symbol(F.normalize)
 differentiated_by_eager(F.group_norm, F.batch_norm, F.normalize)
 register(BATCH, F.normalize, with_dim(lookup(F.normalize).symbol, 2, "dim", 1))

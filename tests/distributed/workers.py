@@ -148,23 +148,25 @@ def _trace_facts(jitted: Any) -> dict[str, Any]:
     }
 
 
-def train(rank: int, world: int, setup: Setup, **distribute_kwargs: Any) -> dict[str, Any]:
-    device = setup.place(rank)
-    model = distribute(make_model(device=device, dtype=setup.dtype), setup.mode, **distribute_kwargs)
-    param_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    jitted = fulmen.jit(model)
+def _train_steps(rank: int, world: int, setup: Setup, model: torch.nn.Module, jitted: Any,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                 check_local_grads: bool = False) -> tuple[list[float], list[float]]:
+    """AdamW steps of `jitted` over the global `batches`, this rank's rows of each micro-batch (a view into the
+    global batch), all but the last micro-batch of a step under no_sync: the losses averaged over the ranks, and the
+    clipped norms. `check_local_grads`: after each no_sync backward, the local gradients are where torch keeps them."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
-    for x, y in global_batches(world, setup.accumulate):
+    for x, y in batches:
+        rows = x.shape[0] // world // setup.accumulate
         total = torch.zeros((), device=device)
         for micro in range(setup.accumulate):
-            start = (micro * world + rank) * MICRO
-            xs, ys = x[start : start + MICRO].to(device), y[start : start + MICRO].to(device)
+            start = (micro * world + rank) * rows
+            xs, ys = x[start : start + rows].to(device), y[start : start + rows].to(device)
             syncing = micro == setup.accumulate - 1
             with contextlib.nullcontext() if syncing else fd.no_sync(jitted):
                 loss = loss_fn(jitted, xs, ys) / setup.accumulate
                 loss.backward()
-            if not syncing:  # local gradients: in .grad as torch's DDP keeps them, held back (full) under FSDP
+            if check_local_grads and not syncing:  # in .grad as torch's DDP keeps them, held back (full) under FSDP
                 assert all((p.grad is None) == (setup.mode != "ddp") for p in model.parameters())
             total += loss.detach()
         if setup.clip:
@@ -173,6 +175,16 @@ def train(rank: int, world: int, setup: Setup, **distribute_kwargs: Any) -> dict
         optimizer.zero_grad()
         torch_dist.all_reduce(total)
         losses.append(total.item() / world)
+    return losses, norms
+
+
+def train(rank: int, world: int, setup: Setup, **distribute_kwargs: Any) -> dict[str, Any]:
+    device = setup.place(rank)
+    model = distribute(make_model(device=device, dtype=setup.dtype), setup.mode, **distribute_kwargs)
+    param_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    jitted = fulmen.jit(model)
+    losses, norms = _train_steps(rank, world, setup, model, jitted, global_batches(world, setup.accumulate), device,
+                                 check_local_grads=True)
     params = checkpoint.get_model_state_dict(jitted, FULL)
     return {"losses": losses, "norms": norms, "params": params, "param_bytes": param_bytes,
             "traces": _trace_facts(jitted) if rank == 0 else None}
@@ -186,24 +198,8 @@ def train_over_lengths(rank: int, world: int, setups: list[tuple[Setup, dict[str
         for dynamic in (False, None):
             model = distribute(make_model(), setup.mode)
             jitted = fulmen.jit(model, options=fulmen.JitOptions(dynamic=dynamic, **options))
-            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-            losses, norms = [], []
-            for x, y in length_batches(world, setup.accumulate):
-                rows = x.shape[0] // world // setup.accumulate
-                total = torch.zeros(())
-                for micro in range(setup.accumulate):
-                    start = (micro * world + rank) * rows
-                    syncing = micro == setup.accumulate - 1
-                    with contextlib.nullcontext() if syncing else fd.no_sync(jitted):
-                        loss = loss_fn(jitted, x[start : start + rows], y[start : start + rows]) / setup.accumulate
-                        loss.backward()
-                    total += loss.detach()
-                if setup.clip:
-                    norms.append(fd.clip_grad_norm_(jitted, MAX_NORM).item())
-                optimizer.step()
-                optimizer.zero_grad()
-                torch_dist.all_reduce(total)
-                losses.append(total.item() / world)
+            losses, norms = _train_steps(rank, world, setup, model, jitted, length_batches(world, setup.accumulate),
+                                         torch.device("cpu"))
             results[setup.name, dynamic] = {
                 "losses": losses, "norms": norms, "params": checkpoint.get_model_state_dict(jitted, FULL),
                 "shards": shards_of(model),  # the full parameters on rank 0 only; each rank's own

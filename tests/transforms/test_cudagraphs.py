@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -122,10 +123,9 @@ def _jit(fn, graphs: bool = True):
     return fulmen.jit(fn, executors=["torch"], options=fulmen.JitOptions(cuda_graphs=graphs))
 
 
-@pytest.mark.parametrize("new_batches", [False, True], ids=["same_batch", "new_batch_each_step"])
-def test_replays_train_as_without_graphs(simulated_graphs, new_batches):
-    same = _batch(1)
-    batches = [_batch(step) if new_batches else same for step in range(6)]
+def _trains_as_without_graphs(batches: list) -> Any:
+    """Trains a model on `batches` with CUDA graphs and without: each step's loss and gradients are the same. The
+    jitted loss with graphs, for its traces."""
     graphed = _jit(_loss)
     losses, grads = train(graphed, _model(), batches, lr=1e-2)
     want_losses, want_grads = train(_jit(_loss, graphs=False), _model(), batches, lr=1e-2)
@@ -133,6 +133,14 @@ def test_replays_train_as_without_graphs(simulated_graphs, new_batches):
         torch.testing.assert_close(loss, want, msg=f"loss of step {step}")
         for got, ref in zip(grads[step], want_grads[step]):
             torch.testing.assert_close(got, ref, msg=f"a gradient of step {step}")
+    return graphed
+
+
+@pytest.mark.parametrize("new_batches", [False, True], ids=["same_batch", "new_batch_each_step"])
+def test_replays_train_as_without_graphs(simulated_graphs, new_batches):
+    same = _batch(1)
+    batches = [_batch(step) if new_batches else same for step in range(6)]
+    graphed = _trains_as_without_graphs(batches)
     forward, backward = fulmen.last_traces(graphed)[-1], fulmen.last_backward_traces(graphed)[-1]
     assert "CUDAGraph0(" in str(forward) and "CUDAGraph0(" in str(backward)
     # warm-up on step 1, capture on step 2, replays after: one forward and one backward graph, 4 replays each more
@@ -250,13 +258,7 @@ def test_a_symbolic_trace_keeps_one_set_of_graphs_per_shape(simulated_graphs):
     captured at one length never replays another's; the graphs of the shapes seen stay, up to a bound."""
     lengths = [5, 5, 9, 9, 9, 12, 12, 5, 9, 12, 5, 7, 7]
     batches = [_batch_of(step, length) for step, length in enumerate(lengths)]
-    graphed = _jit(_loss)
-    losses, grads = train(graphed, _model(), batches, lr=1e-2)
-    want_losses, want_grads = train(_jit(_loss, graphs=False), _model(), batches, lr=1e-2)
-    for step, (loss, want) in enumerate(zip(losses, want_losses)):
-        torch.testing.assert_close(loss, want, msg=f"loss of step {step}")
-        for got, ref in zip(grads[step], want_grads[step]):
-            torch.testing.assert_close(got, ref, msg=f"a gradient of step {step}")
+    graphed = _trains_as_without_graphs(batches)
     assert fulmen.cache_misses(graphed) == 2
     assert '"cpu i64[2, s0]"' in str(fulmen.last_traces(graphed)[-1])
     # a forward and a backward graph per shape run at least twice: the static trace's (5), the symbolic one's (9, 12,
