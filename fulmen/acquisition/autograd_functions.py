@@ -33,6 +33,7 @@ from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import user_location
 from fulmen.core.symbol import BoundSymbol, iter_proxies
+from fulmen.observation.frame_tap import QuietWatch
 from fulmen.transforms.function_grad import AUTOGRAD_FUNCTION, FunctionCall, FunctionContext
 
 APPLY_CODE = Function.apply.__func__.__code__
@@ -76,7 +77,7 @@ def _recording_class(cls: type) -> type:
     return recorded
 
 
-class FunctionApplyWatch:
+class FunctionApplyWatch(QuietWatch):
     """The call watch of `Function.apply` (see above)."""
 
     def enter(self, frame: types.FrameType) -> Any:
@@ -87,12 +88,6 @@ class FunctionApplyWatch:
             return None
         local["cls"] = _recording_class(cls)
         return self
-
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        pass
 
 
 @contextlib.contextmanager

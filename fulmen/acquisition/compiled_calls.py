@@ -18,6 +18,8 @@ from typing import Any
 import torch._dynamo.eval_frame
 from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_eval_frame
 
+from fulmen.observation.frame_tap import QuietWatch
+
 
 def _wrapper_code() -> types.CodeType | None:
     """The code of `compile_wrapper`, the function `_TorchDynamoContext.__call__` wraps a callable in."""
@@ -28,7 +30,7 @@ def _wrapper_code() -> types.CodeType | None:
 COMPILE_WRAPPER_CODE = _wrapper_code()  # None on a torch whose wrapper is made otherwise: Dynamo then runs
 
 
-class CompiledCallWatch:
+class CompiledCallWatch(QuietWatch):
     """A call of a compiled function (frame_tap.CallWatch on `compile_wrapper`)."""
 
     def enter(self, frame: types.FrameType) -> Any:
@@ -37,6 +39,3 @@ class CompiledCallWatch:
     def line(self, token: Any, frame: types.FrameType) -> None:
         if get_eval_frame_callback() is not None:
             set_eval_frame(None)
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        pass

@@ -43,7 +43,7 @@ from fulmen.acquisition.lookasides import method_lookasides
 from fulmen.acquisition.torch_func_calls import WATCHES as FUNC_TRANSFORM_WATCHES
 from fulmen.core.source import frame_location
 from fulmen.core.symbol import Symbol
-from fulmen.observation.frame_tap import CallWatch, frame_arguments
+from fulmen.observation.frame_tap import CallWatch, QuietWatch, frame_arguments
 from fulmen.ops import lookup
 
 
@@ -59,7 +59,7 @@ def replacement_table(executors: tuple[Any, ...]) -> dict[Callable[..., Any], Sy
     return table
 
 
-class OperatorWatch:
+class OperatorWatch(QuietWatch):
     """A call of a replaced function, recorded as one call of `sym` whose parts are the function's own ops."""
 
     def __init__(self, original: types.FunctionType, sym: Symbol, interpreter: Any) -> None:
@@ -72,9 +72,6 @@ class OperatorWatch:
             return None
         args, kwargs = frame_arguments(frame)
         return self.interpreter.begin_replacement(self.sym, args, kwargs, frame_location(frame.f_back))
-
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
 
     def exit(self, token: Any, value: Any, raised: bool) -> None:
         self.interpreter.end_replacement(token, None if raised else value, raised)
@@ -90,7 +87,7 @@ def _frame_of(frame: types.FrameType, function: types.FunctionType) -> bool:
                for name, cell in zip(frame.f_code.co_freevars, function.__closure__))
 
 
-class CheckpointWatch:
+class CheckpointWatch(QuietWatch):
     """A call of `torch.utils.checkpoint.checkpoint`, however the program reached it. Its non-reentrant form would
     run torch's saved-tensor machinery (and the program's own saved-tensor hooks) on the proxies; instead, as the
     call starts, its arguments are set to the reentrant form (as a debugger sets locals: the keyword arguments of
@@ -108,14 +105,8 @@ class CheckpointWatch:
                      kwargs={"preserve_rng_state": preserve})
         return self
 
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
 
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        pass
-
-
-class ForwardLookasideWatch:
+class ForwardLookasideWatch(QuietWatch):
     """`nn.Module.__call__` of a module whose class's forward has a lookaside: an executor's, or a built-in one
     (lookasides.py). Its `_call_impl` looks the bound forward up into the local `forward_call` and then calls it;
     between the two (at the next line) the local is rebound to the lookaside bound to the same module, as a
@@ -139,9 +130,6 @@ class ForwardLookasideWatch:
         call = frame.f_locals.get("forward_call")
         if type(call) is types.MethodType and call.__func__ is forward:  # not a forward set on the instance
             frame.f_locals["forward_call"] = types.MethodType(lookaside, call.__self__)
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        pass
 
 
 _CALL_IMPL_CODE = torch.nn.Module._call_impl.__code__

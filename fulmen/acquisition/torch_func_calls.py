@@ -18,11 +18,13 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from fulmen.observation.frame_tap import QuietWatch
+
 # torch's transform's code -> the region making fulmen's in its place (filled in by vmap.py, derivatives.py)
 WATCHES: dict[types.CodeType, FuncTransformWatch] = {}
 
 
-class FuncTransformWatch:
+class FuncTransformWatch(QuietWatch):
     """A call of a torch.func transform that returns a function (frame_tap.CallWatch): at each line, once the function
     is made in the local `result`, it is replaced by fulmen's transform, which `transform` makes from the frame's
     locals (the function and the options the call was given)."""
@@ -45,9 +47,6 @@ class FuncTransformWatch:
             return transformed(*args, **kwargs)
 
         token[0] = local[self.result] = fulmen_transform
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        pass
 
 
 def made_as(torch_transform: Callable[..., Any], result: str,

@@ -34,6 +34,7 @@ import torch
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.source import frame_location
+from fulmen.observation.frame_tap import QuietWatch
 from fulmen.observation.guards import Guard
 from fulmen.observation.value_checks import Emitter
 from fulmen.ops import optim
@@ -72,7 +73,7 @@ class _Refusal:
         raise object.__getattribute__(self, "_error")
 
 
-class StepWatch:
+class StepWatch(QuietWatch):
     """torch.optim's step wrapper (`Optimizer.profile_hook_step`): refuses an optimizer fulmen does not know."""
 
     def enter(self, frame: types.FrameType) -> Any:
@@ -89,14 +90,8 @@ class StepWatch:
         frame.f_locals["args"] = (_Refusal(error), *args[1:])
         return None
 
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
 
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        pass
-
-
-class InitGroupWatch:
+class InitGroupWatch(QuietWatch):
     """`_init_group` of a known optimizer: makes the lazy state of the parameters that have a grad in the trace, by
     torch's own `_init_group` run eagerly, and guards the group's hyperparameters."""
 
@@ -113,14 +108,8 @@ class InitGroupWatch:
             self.steps.initialize(optimizer, group)
         return None
 
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
 
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        pass
-
-
-class KernelWatch:
+class KernelWatch(QuietWatch):
     """torch's functional `adam()` / `sgd()`: the kernel it chose (its local `func`) becomes fulmen's recording."""
 
     def __init__(self, kernels: dict[types.CodeType | None, str], record: Callable[..., Any]) -> None:
@@ -141,9 +130,6 @@ class KernelWatch:
                 return self.record(kernel, *args, **kwargs)
 
             local["func"] = recorded
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        pass
 
 
 def _lr_of(group: dict) -> torch.Tensor:

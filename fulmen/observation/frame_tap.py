@@ -48,6 +48,18 @@ class CallWatch(Protocol):
     def exit(self, token: Any, value: Any, raised: bool) -> None: ...
 
 
+class QuietWatch:
+    """A call watch whose `line` and `exit` do nothing: a watch subclasses it and defines what it acts on."""
+
+    __slots__ = ()
+
+    def line(self, token: Any, frame: types.FrameType) -> None:
+        pass
+
+    def exit(self, token: Any, value: Any, raised: bool) -> None:
+        pass
+
+
 class Reader(Protocol):
     expecting: dict  # what `returning` waits for: while empty, no frame needs asking
 

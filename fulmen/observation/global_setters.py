@@ -37,7 +37,7 @@ import torch.backends.mkldnn
 from fulmen.core.errors import TraceError
 from fulmen.core.source import SourceLocation, frame_location
 from fulmen.core.symbol import Symbol
-from fulmen.observation.frame_tap import frame_arguments
+from fulmen.observation.frame_tap import QuietWatch, frame_arguments
 from fulmen.observation.global_state import Generators
 from fulmen.ops import effects as ops
 
@@ -122,7 +122,7 @@ class Setters:
         builder.bind(sym, args, kwargs)
 
 
-class _SetterWatch:
+class _SetterWatch(QuietWatch):
     """A call of one setter: `call` gives its symbol's arguments from the frame as it starts (None: a call not
     replayed, such as an fp32_precision object storing its own fields)."""
 
@@ -150,9 +150,6 @@ class _SetterWatch:
         else:
             self.setters.record(self.sym, *call, location)
         return self
-
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
 
     def exit(self, token: Any, value: Any, raised: bool) -> None:
         self.setters.depth -= 1

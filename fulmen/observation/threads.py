@@ -15,6 +15,7 @@ from typing import Any
 
 from fulmen.core.errors import TraceError
 from fulmen.core.source import SourceLocation, frame_location
+from fulmen.observation.frame_tap import QuietWatch
 
 START_CODE = threading.Thread.start.__code__
 JOIN_CODE = threading.Thread.join.__code__
@@ -47,7 +48,7 @@ class Threads:
             f"program, or do its work in the program's own thread.", location)
 
 
-class _Start:
+class _Start(QuietWatch):
     __slots__ = ("threads",)
 
     def __init__(self, threads: Threads) -> None:
@@ -56,12 +57,6 @@ class _Start:
     def enter(self, frame: types.FrameType) -> Any:
         self.threads.started(frame.f_locals.get("self"), frame)
         return None  # nothing to do around the call
-
-    def line(self, token: Any, frame: types.FrameType) -> None:
-        pass
-
-    def exit(self, token: Any, value: Any, raised: bool) -> None:
-        pass
 
 
 class _Join(_Start):
