@@ -132,6 +132,15 @@ class KernelWatch(QuietWatch):
             local["func"] = recorded
 
 
+def _numbers(optimizer: str, where: Any, **hyperparameters: Any) -> None:
+    """Refuses a hyperparameter the step's kernel gets as anything but a Python number (a tensor's value would be a
+    constant of the trace)."""
+    for name, value in hyperparameters.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TraceError(f"fulmen traces {optimizer}'s step with Python numbers for its hyperparameters; {name} "
+                             f"is a {type(value).__name__}", where)
+
+
 def _lr_of(group: dict) -> torch.Tensor:
     return torch.scalar_tensor(group["lr"], dtype=torch.float64)
 
@@ -264,11 +273,7 @@ class OptimizerSteps:
         if grad_scale is not None or found_inf is not None or capturable or differentiable or has_complex:
             raise TraceError("fulmen traces Adam's step without grad_scale/found_inf, capturable, differentiable or "
                              "complex parameters", where)
-        for name, value in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("weight_decay", weight_decay),
-                            ("eps", eps)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TraceError(f"fulmen traces Adam's step with Python numbers for its hyperparameters; {name} is "
-                                 f"a {type(value).__name__}", where)
+        _numbers("Adam", where, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
         with self.interpreter.quiet:
             for i, param in enumerate(params):
                 maximum = max_exp_avg_sqs[i] if amsgrad else None
@@ -290,11 +295,7 @@ class OptimizerSteps:
         where = self.interpreter.builder.source
         if grad_scale is not None or found_inf is not None or has_sparse_grad:
             raise TraceError("fulmen traces SGD's step without grad_scale/found_inf or sparse grads", where)
-        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening),
-                            ("weight_decay", weight_decay)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TraceError(f"fulmen traces SGD's step with Python numbers for its hyperparameters; {name} is "
-                                 f"a {type(value).__name__}", where)
+        _numbers("SGD", where, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
         with self.interpreter.quiet:
             for i, param in enumerate(params):
                 buffer = momentum_buffer_list[i] if momentum != 0 else None

@@ -330,3 +330,11 @@ def test_whole_step_under_cuda_graphs_replays_as_eager(simulated_graphs):  # noq
     names = [b.sym.name for b in fulmen.last_traces(jitted)[-1].bound_symbols if b.sym.name != "del"]
     assert names[0] == "CUDAGraph0" and "adam_update_" in names and "CUDAGraph1" not in names
     assert [graph.replays for graph in simulated_graphs] == [4]  # warm-up on the first step, captured on the second
+
+
+def test_a_hyperparameter_given_as_a_tensor_is_refused_naming_it():
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    x, y = _batches(1)[0]
+    with pytest.raises(TraceError, match="Adam's step with Python numbers for its hyperparameters; beta1 is a Tensor"):
+        fulmen.jit(train_step)(model, optimizer, x, y)
