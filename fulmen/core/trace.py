@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fulmen.core import pytree
+from fulmen.core import pytree, templates
 from fulmen.core.proxies import TensorProxy, TrackedMetas
 from fulmen.core.source import SourceLocation
 from fulmen.core.symbol import (
@@ -30,6 +30,7 @@ from fulmen.core.symbol import (
     push_builder,
 )
 from fulmen.core.symbolic import SYMBOLIC, MetaFactories, has_symbolic_sizes, involved, symbolic_dispatch
+from fulmen.core.templates import Template, instantiate, make_template, template_key
 
 # Names a generated trace must not shadow: the roots it imports (a user's argument named `dist` would hide the
 # collectives' module) and Python's builtins.
@@ -42,6 +43,20 @@ class Namespace:
     def __init__(self) -> None:
         self._taken: set[str] = set()
         self._counter = 0
+
+    @property
+    def counter(self) -> int:
+        """The number the next fresh name starts trying from."""
+        return self._counter
+
+    def take(self, names: list[str], counter: int) -> bool:
+        """Takes `names` and moves the counter to `counter` (a decomposition's parts taken again: templates.py), or
+        takes nothing and says False where one of them is taken already."""
+        if any(name in self._taken for name in names):
+            return False
+        self._taken.update(names)
+        self._counter = counter
+        return True
 
     def fresh(self) -> str:
         while True:
@@ -171,6 +186,18 @@ def _meta_key(obj: Any) -> Any:
     return (type(obj), obj)
 
 
+_MISSING_KEY: Any = object()  # bind's key, not computed yet
+
+
+def _call_key(sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+    """The key of a call's metadata for the meta and template caches (None: a real tensor among the arguments);
+    factories and Python numbers take the default dtype, which the program may set (torch.set_default_dtype)."""
+    try:
+        return (_meta_key((sym, args, kwargs)), torch.get_default_dtype())
+    except _Uncacheable:
+        return None
+
+
 def _is_tensor(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor)
 
@@ -226,6 +253,8 @@ class TraceBuilder(Builder):
         # With symbolic sizes, a view's meta kernel (reshape's, most of all) costs ~1 ms of SymInt arithmetic: the
         # layout it gave, by the same key, to take again of the same input with as_strided (_view_layout)
         self._views: dict[tuple, tuple[int, Any, Any, Any]] = {}
+        # The parts each kind of call's decomposition recorded (None: not to be kept), to take again (templates.py)
+        self._templates: dict[tuple, Template | None] = {}
         self.scopes: list[list[BoundSymbol]] = [[]]
         self.source: SourceLocation | None = None
         # > 0 while a grad rule or an execution transform runs (fulmen.transforms.recording): its calls keep the line
@@ -268,19 +297,23 @@ class TraceBuilder(Builder):
 
     def bind(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         with torch._C.DisableTorchFunction():
+            key = _MISSING_KEY
             if sym.meta is not None:
                 with TrackedMetas():
                     output = sym.meta(self, *args, **kwargs)
             else:
                 device = infer_device(args, kwargs)
+                key = _call_key(sym, args, kwargs)
                 with TrackedMetas():  # the proxies themselves are made in the caller's mode (Tensor.is_inference)
-                    meta_out = self._meta_outputs(sym, args, kwargs)
+                    meta_out = self._meta_outputs(sym, args, kwargs, key)
                 requires_grad = (torch.is_grad_enabled() and not sym.tags & Tag.NO_GRAD
                                  and any(p.requires_grad for p in iter_proxies((args, kwargs))))
                 output = self.wrap_outputs(meta_out, device, requires_grad, sym.differentiable_outputs)
             subsymbols: list[BoundSymbol] = []
             if sym.decomposition is not None and self.decompose:
-                subsymbols = self._decompose(sym, args, kwargs, output)
+                if key is _MISSING_KEY:
+                    key = _call_key(sym, args, kwargs)
+                subsymbols = self._decompose(sym, args, kwargs, output, key)
             self.scopes[-1].append(
                 BoundSymbol(sym, args, kwargs, output, subsymbols, self.source, self.checkpoint_region))
         return output
@@ -288,12 +321,7 @@ class TraceBuilder(Builder):
     def bind_operator(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         return (self.operator_calls or self.bind)(sym, args, kwargs)
 
-    def _meta_outputs(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
-        try:
-            # factories and Python numbers take the default dtype, which the program may set (torch.set_default_dtype)
-            key = (_meta_key((sym, args, kwargs)), torch.get_default_dtype())
-        except _Uncacheable:
-            key = None
+    def _meta_outputs(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], key: tuple | None) -> Any:
         cached = self._metas.get(key) if key is not None else None
         if cached is not None:
             return _fresh_metas(cached)
@@ -319,19 +347,32 @@ class TraceBuilder(Builder):
         with torch._C.DisableTorchFunction(), TrackedMetas():
             return sym.meta(self, *args, **kwargs)
 
-    def _decompose(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], output: Any) -> list[BoundSymbol]:
+    def _decompose(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], output: Any,
+                   key: tuple | None) -> list[BoundSymbol]:
+        if key is not None:  # the parts of the same kind of call, taken again (templates.py)
+            key = template_key(key, args, kwargs, output, self.checkpoint_region)
+            template = self._templates.get(key)
+            if template is not None:
+                parts = instantiate(template, self.namespace, args, kwargs, output, self.source)
+                if parts is not None:
+                    return parts
+        start = self.namespace.counter
         self.scopes.append([])
         try:
             result = sym.decomposition(*args, **kwargs)
         finally:
             subsymbols = self.scopes.pop()
         if result is NotImplemented:  # no decomposition for these arguments: the symbol stays a leaf
-            return []
-        results, outputs = list(iter_proxies(result)), list(iter_proxies(output))
-        differs = mismatch(results, outputs)
-        if differs is not None:
-            raise AssertionError(f"decomposition of {sym.name} gives {differs[0]}, torch gives {differs[1]}")
-        self.adopt_results(subsymbols, results, outputs, self.source)
+            subsymbols = []
+        else:
+            results, outputs = list(iter_proxies(result)), list(iter_proxies(output))
+            differs = mismatch(results, outputs)
+            if differs is not None:
+                raise AssertionError(f"decomposition of {sym.name} gives {differs[0]}, torch gives {differs[1]}")
+            self.adopt_results(subsymbols, results, outputs, self.source)
+        if key is not None and templates.ENABLED and key not in self._templates:
+            self._templates[key] = make_template(subsymbols, args, kwargs, output, start, self.namespace.counter,
+                                                 self.source, self.checkpoint_region)
         return subsymbols
 
     def adopt_results(self, parts: list[BoundSymbol], results: list[TensorProxy], outputs: list[TensorProxy],
