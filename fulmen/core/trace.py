@@ -175,6 +175,8 @@ def _meta_key(obj: Any) -> Any:
         return (type(obj), obj.node.expr)
     if isinstance(obj, (tuple, list)):
         return (type(obj), tuple(_meta_key(item) for item in obj))
+    if type(obj) is slice:  # unhashable before Python 3.12: x[:, :T], and its setitem
+        return (slice, _meta_key(obj.start), _meta_key(obj.stop), _meta_key(obj.step))
     if isinstance(obj, dict):
         return (dict, tuple((key, _meta_key(value)) for key, value in obj.items()))
     if isinstance(obj, torch.Tensor):  # a real tensor (a constant): its values may matter
