@@ -8,8 +8,9 @@ counter stood. A later call with the same key (`template_key`: the arguments' me
 which of them are the same proxy, their devices, grad flags and conjugate bits, the grad mode, autocast, the default
 dtype and the checkpoint region) gets the same parts on its own proxies, named as running the decomposition would have
 named them, with the call's line. A decomposition is not kept where its key may not fix its parts: a part that draws
-random numbers, reads a proxy that is neither an argument nor its own, makes a view (views of its inputs keep their
-base), is named by a hint, or was recorded at another line or region.
+random numbers, reads a proxy that is neither an argument nor its own, makes a view of another tensor than those
+(a view of one of them becomes the same view of the new call's), is named by a hint, or was recorded at another line
+or region.
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ class _Intermediate:
         if base is None:
             meta = meta.detach()
         else:  # the same view of the new base (the template's base had its layout: the key fixes it)
-            root = base.meta._base if base.meta._is_view() else base.meta
-            meta = root.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+            meta = _root(base.meta).as_strided(meta.shape, meta.stride(), meta.storage_offset())
         return TensorProxy(name, meta, self.device, self.requires_grad)
 
 
