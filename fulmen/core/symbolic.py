@@ -22,11 +22,11 @@ import torch
 from torch._decomp import meta_table
 from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.source import LocalSource
+from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.symbolic_shapes import (
     DimDynamic,
     ShapeEnv,
     StatelessSymbolicContext,
-    optimization_hint,
     statically_known_true,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,6 +35,10 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from fulmen.core.errors import FulmenError
 from fulmen.core.source import SourceLocation, user_location
+
+# a symbolic size's value at this call, without a guard (torch 2.13 renamed hint_int to optimization_hint; the
+# project supports the torch of the GPU machines, 2.11, too)
+optimization_hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 

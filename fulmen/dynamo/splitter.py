@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.experimental import symbolic_shapes
 from torch.fx.passes.split_module import split_module
 
 from fulmen.acquisition.acquire import DATA_DEPENDENT, Interpreter
@@ -24,6 +23,7 @@ from fulmen.acquisition.autograd_functions import function_apply_recorded
 from fulmen.acquisition.replacements import call_table
 from fulmen.core.errors import FulmenError
 from fulmen.core.source import SourceLocation, stack_trace_location
+from fulmen.core.symbolic import optimization_hint
 from fulmen.core.trace import TraceBuilder
 from fulmen.dynamo.func_regions import func_regions
 from fulmen.dynamo.hops import CONTEXT_CALLS, checkpoint_reason
@@ -128,16 +128,12 @@ class _Probe(torch.fx.Interpreter):
         return _concrete(value)
 
 
-# a symbolic size's value at this call, without a guard (torch 2.13 renamed hint_int to optimization_hint)
-_size_hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
-
-
 def _concrete(value: Any) -> Any:
     """A size for the probe: a dynamic size's value at this call, or a guess for a size known only from tensor
     values (nonzero's, under capture_dynamic_output_shape_ops). The guess only steers the probe; each piece fulmen
     takes is traced on its real inputs, and one it then refuses falls back."""
     if isinstance(value, torch.SymInt):
-        return _size_hint(value, fallback=_UNKNOWN_SIZE)
+        return optimization_hint(value, fallback=_UNKNOWN_SIZE)
     return value
 
 
