@@ -86,11 +86,18 @@ def cudnn_inference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
                                                     scale=scale)[0]
 
 
-@functools.lru_cache(maxsize=256)
 def forward_output_strides(q_shape: tuple[int, ...], q_strides: tuple[int, ...],
                            shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of the output cuDNN's forward allocates for a q of this layout (MHA.cpp's
-    `alloc_with_matching_layout`): `empty_like(q)` when the shapes agree, else q's dimension order."""
+    `alloc_with_matching_layout`): `empty_like(q)` when the shapes agree, else q's dimension order. Cached for
+    static sizes; symbolic ones (a trace's meta run of the backward) are computed each time, as SymInts do not
+    hash."""
+    if all(type(n) is int for n in (*q_shape, *q_strides, *shape)):
+        return _static_output_strides(q_shape, q_strides, shape)
+    return _output_strides(q_shape, q_strides, shape)
+
+
+def _output_strides(q_shape: tuple, q_strides: tuple, shape: tuple) -> tuple:
     if q_shape == shape:
         return torch.empty_like(torch.empty_strided(q_shape, q_strides, device="meta")).stride()
     order = sorted(range(len(q_shape)), key=lambda d: q_strides[d])  # stable, as its std::stable_sort
@@ -100,10 +107,13 @@ def forward_output_strides(q_shape: tuple[int, ...], q_strides: tuple[int, ...],
     return tuple(strides)
 
 
+_static_output_strides = functools.lru_cache(maxsize=256)(_output_strides)
+
+
 def cudnn_backward(g, q, k, v, bias, out, lse, seed, offset, dropout_p: float, is_causal: bool, scale: float | None):
     # The cached backward graph assumes the output's layout is the one the forward gives for these q strides (see the
     # module docstring); a q rebuilt by rematerialisation with other strides gets its output re-laid accordingly.
-    strides = forward_output_strides(tuple(q.shape), q.stride(), tuple(out.shape))
+    strides = forward_output_strides(tuple(q.shape), tuple(q.stride()), tuple(out.shape))
     if out.stride() != strides:
         out = torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
     return aten._scaled_dot_product_cudnn_attention_backward(

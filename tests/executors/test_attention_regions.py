@@ -92,3 +92,20 @@ def test_the_attention_backward_takes_the_output_gradient_as_a_view():
     for g, w in zip(torch.autograd.grad(got, [x, *model.parameters()], v),
                     torch.autograd.grad(want, [x, *model.parameters()], v)):
         torch.testing.assert_close(g, w, rtol=1.6e-2, atol=2e-2)
+
+
+def test_cudnn_output_strides_take_symbolic_sizes():
+    """cuDNN's backward re-lays the forward's output by the strides its forward allocates for q's layout; in a
+    symbolic trace's meta run of the backward those are SymInts, which do not hash (the cached path raised
+    'unhashable type: non-nested SymInt' on CUDA, and the trace fell back to static shapes)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+    from torch._dynamo.source import ConstantSource
+
+    from fulmen.executors.sdpa import forward_output_strides
+
+    env = ShapeEnv()
+    t = env.create_symintnode(env.create_symbol(24, ConstantSource("T"), dynamic_dim=DimDynamic.DYNAMIC), hint=24)
+    shape, transposed = (2, 4, t, 8), (32 * t, 8, 32, 1)  # q as a (B, T, H, D) tensor transposed to (B, H, T, D)
+    strides = forward_output_strides(shape, transposed, shape)
+    assert [int(s.node.hint) if isinstance(s, torch.SymInt) else s for s in strides] == \
+        list(forward_output_strides((2, 4, 24, 8), (768, 8, 32, 1), (2, 4, 24, 8)))
