@@ -137,21 +137,27 @@ def _chunk_losses(logits: torch.Tensor, target: torch.Tensor, row_scale: torch.T
 
 
 @functools.cache
-def _compiled_step(ignore_index: int, label_smoothing: float, dtype: torch.dtype,
-                   want_grad: bool) -> InductorFunction:
-    # Compiled without Dynamo, once per chunk layout (chunks have one or two lengths): no guards run per chunk.
-    return InductorFunction(functools.partial(_chunk_losses, ignore_index=ignore_index,
-                                              label_smoothing=label_smoothing, dtype=dtype, want_grad=want_grad),
-                            key=layouts)
+def _compiled_step(ignore_index: int, label_smoothing: float, dtype: torch.dtype, want_grad: bool,
+                   rows: tuple[frozenset[int], ...] | None = None) -> InductorFunction:
+    """Compiled without Dynamo: no guards run per chunk. A static trace's chunks have one or two lengths, compiled
+    once per chunk layout; a trace of symbolic rows picks its chunks from each call's rows, so its step is compiled
+    for symbolic rows (`rows`: the dims that vary, per argument), once for every length."""
+    step = functools.partial(_chunk_losses, ignore_index=ignore_index, label_smoothing=label_smoothing, dtype=dtype,
+                             want_grad=want_grad)
+    return InductorFunction(step, key=layouts) if rows is None else InductorFunction(step, dynamic=rows)
 
 
-def _step(compiled: bool) -> Callable[..., Any]:
+_ROWS = frozenset({0})
+
+
+def _step(compiled: bool, symbolic: bool) -> Callable[..., Any]:
     if not compiled:
         return chunk_step
 
     def step(logits: torch.Tensor, target: torch.Tensor, row_scale: torch.Tensor, *spec: Any) -> tuple[Any, Any]:
         want_grad = spec[-1]
-        return _compiled_step(*spec)(logits, target, row_scale), logits if want_grad else None
+        rows = (_ROWS, _ROWS, _ROWS if row_scale.dim() else frozenset()) if symbolic else None
+        return _compiled_step(*spec, rows)(logits, target, row_scale), logits if want_grad else None
 
     return step
 
@@ -177,7 +183,8 @@ def _run(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targe
     hidden = h.shape[-1]
     h2 = h.reshape(-1, hidden)
     rows = h2.shape[0]
-    if chunk_rows is None:  # a trace of symbolic rows: chosen from this call's rows, as a static trace chooses
+    symbolic = chunk_rows is None
+    if symbolic:  # a trace of symbolic rows: chosen from this call's rows, as a static trace chooses
         chunk_rows = chunk_rows_for(rows, weight.shape[0], h.dtype)
     want_grad = any(wants)
     if row_scale is None:
@@ -189,7 +196,7 @@ def _run(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targe
     acc_dtype = compute_dtype(weight.dtype)
     grad_w = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if wants[1] else None
     grad_b = torch.zeros(weight.shape[0], dtype=acc_dtype, device=weight.device) if wants[2] else None
-    step = _step(compiled)
+    step = _step(compiled, symbolic)
     for start in range(0, rows, chunk_rows):
         stop = min(start + chunk_rows, rows)
         h_chunk = h2[start:stop]

@@ -124,6 +124,42 @@ def test_the_jitted_step_with_its_fused_loss_traces_twice():
     assert any("chunks chosen from the rows per call" in t.provenance for t in fulmen.last_traces(jitted))
 
 
+def test_the_compiled_chunk_step_of_a_symbolic_trace_compiles_once_for_every_length(monkeypatch):
+    """With the torchcompile executor the fused loss's chunk step is compiled by Inductor. A trace of symbolic rows
+    chooses its chunks from each call's rows, so a step compiled per chunk length compiled again at nearly every new
+    length (1.2-3 s each on the H200 in benchmarks/variable_lengths.py); compiled for symbolic rows it compiles once
+    (and once more for a chunk of one row, which specialises), and computes what the static trace computes."""
+    from fulmen.ops import fused_loss
+
+    model, static = _model("pythia-14m"), _model("pythia-14m")
+    executors = ["sdpa", "torchcompile"]
+    jitted = fulmen.jit(lambda idx, targets: _loss(model(idx), targets), executors=executors)
+    reference = fulmen.jit(lambda idx, targets: _loss(static(idx), targets), executors=executors,
+                           options=fulmen.JitOptions(dynamic=False))
+    made = []
+
+    class Recorded(fused_loss.InductorFunction):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(fused_loss, "InductorFunction", Recorded)
+    fused_loss._compiled_step.cache_clear()  # steps compiled before this test are not recorded
+    for n, (batch, length) in enumerate([(2, 5), (3, 9), (2, 12), (3, 7), (2, 17)]):
+        idx, targets = _batch(model, batch, length, n)
+        loss, want = jitted(idx, targets), reference(idx, targets)
+        loss.backward()
+        want.backward()
+        assert torch.equal(loss, want), n
+        for p, q in zip(model.parameters(), static.parameters()):
+            assert torch.equal(p.grad, q.grad), n
+    assert fulmen.cache_misses(jitted) == 2, fulmen.last_cache_miss_reasons(jitted)
+    assert "compiled=True" in fulmen.last_traces(jitted)[-1].python()
+    symbolic = [step for step in made if step._dynamic is not None]
+    assert symbolic and all(len(step.guarded) <= 2 for step in symbolic)
+    fused_loss._compiled_step.cache_clear()  # no step of the recording class outlives the test
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device machine with -m cuda)")
 def test_cuda_default_executors_train_over_lengths_in_two_traces():

@@ -416,7 +416,7 @@ def test_torchcompile_executor_compiles_the_chunk_step():
     assert "compiled=True" in fulmen.last_traces(jitted)[-1].python()
     # compiled without Dynamo (no guards per chunk): one variant per chunk length, 18 rows in chunks of 5 and 3
     assert counters["stats"]["unique_graphs"] == 0
-    step = fused_loss._compiled_step(-100, 0.0, torch.float32, True)
+    step = fused_loss._compiled_step(-100, 0.0, torch.float32, True, None)  # a static trace: by chunk layout
     assert sorted(shape[0][0][0] for shape in step.variants) == [3, 5]
 
 
