@@ -40,6 +40,7 @@ from fulmen.jit.undo import HookSnapshot, reachable_modules
 from fulmen.observation.global_setters import Setters
 from fulmen.observation.global_state import GlobalState, StateLeftChanged
 from fulmen.observation.guards import (
+    ModuleKeys,
     argument_key,
     compile_check,
     global_state_key,
@@ -230,6 +231,7 @@ class JittedFunction:
         self._cache = Cache(options.cache_limit)
         self._dims = DynamicDims(options.dynamic)
         self._module_inputs: list[ModuleInput] = []
+        self._module_keys = ModuleKeys()  # module_key of the module tensors, again only when they changed
         self.stats = CacheStats()
         self.last_entry: CacheEntry | None = None
         self.pipeline = Pipeline(options, executors, Interpreter)
@@ -257,7 +259,7 @@ class JittedFunction:
                          else self._recount_registrations())
         state = global_state_key()
         try:
-            key = (spec, argument_key(tensors), module_key(module_tensors), state, registrations)
+            key = (spec, argument_key(tensors), self._module_keys(module_tensors), state, registrations)
         except AttributeError:  # a module tensor was removed or replaced by a non-tensor: trace anew
             key = None
         except RuntimeError:  # a tensor without strides (nested): refused, named

@@ -9,6 +9,7 @@ function, and, for a trace that updates inputs in place, which inputs share memo
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,11 @@ from torch import nn
 from fulmen.core import pytree
 from fulmen.core.proxies import CLASS_MARKERS
 from fulmen.observation.value_checks import compile_statements, immutable
+
+try:  # torch's C++ check of tensors' metadata (Dynamo's guards)
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - a torch built without Dynamo: the key is computed every call
+    _TensorGuards = None
 
 
 def tensor_key(tensors: Sequence[torch.Tensor]) -> tuple:
@@ -54,6 +60,45 @@ def module_key(tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad,
                    _markers(d) if (kind := type(t)) is not nn.Parameter and (d := t.__dict__) else (), kind)
                   for t in tensors])
+
+
+class ModuleKeys:
+    """`module_key` of a module's tensors, computed again only when they changed: while a call fetches the same
+    tensor objects as the last, torch's C++ tensor check (Dynamo's `TensorGuards`: class, dtype, device,
+    requires_grad, sizes, strides and dispatch keys, ~0.1 us a tensor) stands for the key's tensor fields (~0.7 us a
+    tensor in Python), and the markers of the tensors that are not Parameters are read again. A check that fails
+    (a tensor changed, or the thread's dispatch state did: autocast, inference mode) computes the key and records
+    anew; after `_MISSES` failures in a row the memo stops recording."""
+
+    _MISSES = 3
+
+    def __init__(self) -> None:
+        self._tensors: list[torch.Tensor] | None = None
+        self._key: tuple | None = None
+        self._check: Any = None
+        self._marked: tuple[tuple[int, tuple], ...] = ()  # (position, markers) of the tensors not Parameters
+        self._misses = 0
+
+    def __call__(self, tensors: list[torch.Tensor]) -> tuple:
+        if not tensors:
+            return ()
+        last = self._tensors
+        if (last is not None and len(last) == len(tensors) and all(map(operator.is_, tensors, last))
+                and self._check.check(*tensors)
+                and all(_markers(tensors[i].__dict__) == markers for i, markers in self._marked)):
+            self._misses = 0
+            return self._key
+        key = module_key(tensors)  # raises AttributeError for a module tensor that is no longer a tensor
+        self._misses += last is not None
+        if _TensorGuards is not None and self._misses < self._MISSES:
+            self._tensors, self._key = list(tensors), key
+            self._check = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                                        dynamic_dims_strides=[list(t.stride()) for t in tensors])
+            self._marked = tuple((i, _markers(t.__dict__)) for i, t in enumerate(tensors)
+                                 if type(t) is not nn.Parameter)
+        else:
+            self._tensors = None
+        return key
 
 
 def _attributes(attributes: dict[str, Any]) -> tuple:

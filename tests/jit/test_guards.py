@@ -342,6 +342,61 @@ def test_module_state_changes_retrace(change):
     assert _misses(fn) == 2
 
 
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _wider(m):
+    m.lin.weight.data = torch.randn(4, 6)  # with an input of 6 features
+    return torch.randn(3, 6)
+
+
+def _transposed(m):
+    m.lin.weight.data = m.lin.weight.data.t().contiguous().t()  # the same values, other strides
+
+
+def _double(m):
+    m.double()
+    return torch.randn(3, 4, dtype=torch.float64)
+
+
+def _frozen(m):
+    m.lin.weight.requires_grad_(False)
+
+
+def _buffer_resized(m):
+    m.scale.resize_(1)
+    m.scale.fill_(3.0)
+
+
+@pytest.mark.parametrize("change", [_wider, _transposed, _double, _frozen, _buffer_resized],
+                         ids=lambda c: c.__name__.strip("_"))
+def test_module_tensors_changed_in_place_retrace(change):
+    """The module tensors' key is not computed again while the call fetches the same tensors with the same metadata
+    (guards.ModuleKeys, torch's C++ tensor check): a tensor changed in place between calls (`.data` given another
+    shape, strides or dtype, requires_grad_, resize_) still traces again, and the call is eager's."""
+    model = _Scaled()
+    fn = fulmen.jit(model)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        torch.testing.assert_close(fn(x), model(x))
+    assert (_misses(fn), fulmen.cache_hits(fn)) == (1, 2)
+    given = change(model)
+    x = x if given is None else given
+    out = fn(x)
+    assert _misses(fn) == 2, fulmen.last_cache_miss_reasons(fn)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    assert out.requires_grad == model.lin.weight.requires_grad or model.lin.bias.requires_grad
+    fn(x)
+    assert _misses(fn) == 2  # and the new key is reused
+
+
 def test_hooks_and_instance_overrides_are_named_in_the_miss_reasons():
     model = Block()
     fn = fulmen.jit(model)
