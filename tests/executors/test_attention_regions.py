@@ -98,8 +98,8 @@ def test_cudnn_output_strides_take_symbolic_sizes():
     """cuDNN's backward re-lays the forward's output by the strides its forward allocates for q's layout; in a
     symbolic trace's meta run of the backward those are SymInts, which do not hash (the cached path raised
     'unhashable type: non-nested SymInt' on CUDA, and the trace fell back to static shapes)."""
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
     from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     from fulmen.executors.sdpa import forward_output_strides
 
