@@ -19,7 +19,9 @@ the workspace of a call that declares one (`Symbol.scratch`: fused attention's b
 in fp32). Dropping a value frees its bytes over its lifetime; the values its recomputation reads live on to the last
 region reading it. A value is dropped only when, at every position in between, the new live bytes stay at most the
 trace's peak. Only cheap calls are recomputed (`remat.recomputable`: elementwise, shape and conversion ops, never
-reductions or random draws), from values materialised before the reading region.
+reductions or random draws), from values materialised before the reading region, and only when the readers read no
+more bytes for it than materialising it moves (its write, one read per reader): a residual stream whose sums are all
+elementwise on layer outputs that live on is not re-added from every layer in every region.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, iter_proxies
 from fulmen.transforms.regions import last_uses, region_io
-from fulmen.transforms.remat import allocated_bytes, held_bytes, recomputable
+from fulmen.transforms.remat import allocated_bytes, held_bytes, nbytes, recomputable
 
 # A region being planned: its subsymbols are its calls, args its inputs, output its outputs.
 REGION = Symbol(name="region", printed="region", impl=None)
@@ -123,6 +125,8 @@ def _try_drop(value: TensorProxy, plan: _Plan) -> bool:
         if found is None:
             return False
         chains[reader] = found
+    if _traffic_after(chains, plan) > _traffic_before(value, readers, plan):
+        return False
     last_reader = max(readers)
     start, end = plan.position[value.pname], plan.last_use[value.pname]
     change = [0] * (end - start + 1)  # bytes alive at positions start..end, after the change, minus before
@@ -152,6 +156,29 @@ def _try_drop(value: TensorProxy, plan: _Plan) -> bool:
     if start not in plan.members:  # a lone call: gone once none of its outputs is read
         plan.dropped.add(start)
     return True
+
+
+def _traffic_before(value: TensorProxy, readers: set[int], plan: _Plan) -> int:
+    """Bytes moved for `value` while it is materialised: its write, one read per reader, and the reads of a lone
+    call computing it (gone once `value` is recomputed)."""
+    moved = nbytes(value) * (1 + len(readers))
+    start = plan.position[value.pname]
+    if start not in plan.members:
+        moved += sum(nbytes(p) for p in plan.bsyms[start].proxy_args())
+    return moved
+
+
+def _traffic_after(chains: dict[int, tuple[list[BoundSymbol], set[str]]], plan: _Plan) -> int:
+    """Bytes the readers read to recompute the value: the leaves each reader does not read already. A chain through
+    values recomputed before (a residual stream whose every sum is dropped) reads more at each step, and stops here
+    before its recomputation grows with the depth of the model."""
+    moved = 0
+    for reader, (_, leaves) in chains.items():
+        members = plan.members[reader]
+        computed = {name for call in members for name in call.output_names()}
+        read = {name for call in members for name in call.arg_names()} - computed
+        moved += sum(nbytes(plan.proxies[leaf]) for leaf in leaves - read)
+    return moved
 
 
 def _plan(bsyms: list[BoundSymbol], inputs: list[TensorProxy], output: tuple, inputs_held: bool,
