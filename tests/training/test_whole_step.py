@@ -338,3 +338,36 @@ def test_a_hyperparameter_given_as_a_tensor_is_refused_naming_it():
     x, y = _batches(1)[0]
     with pytest.raises(TraceError, match="Adam's step with Python numbers for its hyperparameters; beta1 is a Tensor"):
         fulmen.jit(train_step)(model, optimizer, x, y)
+
+
+def test_attention_in_a_whole_step_uses_the_executors_backward():
+    # loss.backward() inside the program is differentiated with the jit's executors' grad rules, as a jitted
+    # forward's backward is: sdpa's forward saves its statistics and its own backward runs, where the operator-level
+    # rule re-runs the attention under torch.autograd (on the H200 the TinyLlama whole step ran cuDNN's forward twice)
+    from litgpt import GPT
+
+    from tests.models.litgpt_configs import shrunk
+
+    config = shrunk("Llama-3.2-1B")
+    torch.manual_seed(0)
+    model = GPT(config)
+    eager_model = copy.deepcopy(model)
+
+    def step(model, optimizer, x, y):
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=False)
+    jitted = fulmen.jit(step, executors=["sdpa"], options=fulmen.JitOptions(fuse_linear_cross_entropy=False))
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator) for _ in range(2))
+        assert torch.equal(jitted(model, optimizer, x, y), step(eager_model, eager_optimizer, x, y).detach())
+        _assert_same(model, eager_model, optimizer, eager_optimizer)
+    trace = str(fulmen.last_traces(jitted)[-1])
+    assert "sdpa_cpu_flash_backward" in trace and "torch_vjp" not in trace
