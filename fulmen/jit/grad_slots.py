@@ -93,9 +93,9 @@ def _layout(grad: torch.Tensor | None) -> tuple | None:
 class StepInterpreter(Interpreter):
     """fulmen.jit's acquisition: the interpreter, with backward calls and `.grad` inside the program (GradSlots)."""
 
-    def __init__(self, builder: TraceBuilder, grad_rules: GradRules | None = None) -> None:
+    def __init__(self, builder: TraceBuilder, executors: tuple[Any, ...] = ()) -> None:
         super().__init__(builder)
-        self.grad_slots = GradSlots(self, grad_rules or GradRules())
+        self.grad_slots = GradSlots(self, executors)
 
     def captured_inputs(self) -> list[TensorProxy]:
         """As the interpreter's, but an update of a captured leaf that requires grad is refused only where autograd
@@ -107,21 +107,14 @@ class StepInterpreter(Interpreter):
         return [proxy for _, proxy in self.constants]
 
 
-@dataclass(frozen=True)
-class GradRules:
-    """What a backward inside the program is differentiated with, as a jitted forward's backward is: the jit's
-    executors' grad rules (fused attention's forward saving its statistics and its own backward, where the
-    operator-level rule recomputes the attention)."""
-
-    executors: tuple[Any, ...] = ()
-
-
 class GradSlots:
     """The `.grad` of the program's leaves while it is acquired, and its backward calls."""
 
-    def __init__(self, interpreter: Interpreter, rules: GradRules) -> None:
+    def __init__(self, interpreter: Interpreter, executors: tuple[Any, ...] = ()) -> None:
         self.interpreter = interpreter
-        self.rules = rules
+        # differentiated with the jit's executors' grad rules, as a jitted forward's backward is: fused attention
+        # saves its statistics and runs its own backward, where the operator-level rule recomputes the attention
+        self.executors = executors
         self.slots: dict[int, Slot] = {}  # id(real tensor) -> its slot
         self.backward_ran = False
         self.extra_guards: list[Guard] = []  # those of the optimizer steps (optimizer_steps.py)
@@ -220,7 +213,7 @@ class GradSlots:
             produced.update(bsym.output_names())
         trace = Trace("step", list(free.values()), list(scope), tuple(roots), "", builder.namespace)
         with _off_acquisition(interpreter), torch.enable_grad():
-            joint = GradTransform(trace, Interpreter, self.rules.executors).joint()
+            joint = GradTransform(trace, Interpreter, self.executors).joint()
         scope[:] = joint.forward
         assembler = BackwardAssembler(builder)
         for root, seed in zip(roots, seeds):

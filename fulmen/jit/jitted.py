@@ -30,7 +30,7 @@ from fulmen.executors import base as executor_base
 from fulmen.executors.base import Executor
 from fulmen.jit.buffer_registrations import RealModules, Registration
 from fulmen.jit.dynamic_shapes import DynamicDims, SymbolicInputs, frozen, has_sizes, settled, settled_writes, thawed
-from fulmen.jit.grad_slots import GradRules, GradWrite, StepInterpreter
+from fulmen.jit.grad_slots import GradWrite, StepInterpreter
 from fulmen.jit.module_inputs import ModuleInput, ShadowTree, build_shadow, qualified_names
 from fulmen.jit.optimizer_steps import OptimizerSteps
 from fulmen.jit.pipeline import Pipeline
@@ -235,7 +235,6 @@ class JittedFunction:
         self.stats = CacheStats()
         self.last_entry: CacheEntry | None = None
         self.pipeline = Pipeline(options, executors, Interpreter)
-        self._grad_rules = GradRules(executors)  # a backward inside the program (a whole step)
         self.last_miss_reasons: list[str] = []  # why the last call that missed could not use each cached trace
         self._warned = False
         self._registrations_seen = -1  # executor_base.REGISTRATIONS.count when _registrations_key was counted
@@ -412,7 +411,7 @@ class JittedFunction:
                  symbolic: SymbolicInputs | None = None) -> Acquisition:
         builder = TraceBuilder(decompose=self._options.decompose)
         # with loss.backward() and .grad inside the program (grad_slots.py)
-        interpreter = StepInterpreter(builder, self._grad_rules)
+        interpreter = StepInterpreter(builder, self.executors)
         observer = Observer((self._fn,))
         _refuse_unproxyable(tensors, names)
         proxies = [builder.make_proxy(symbolic.meta(t, i) if symbolic is not None else logical_meta(t), t.device,

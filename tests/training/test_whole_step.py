@@ -363,7 +363,7 @@ def test_attention_in_a_whole_step_uses_the_executors_backward():
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=False)
-    jitted = fulmen.jit(step, executors=["sdpa"], options=fulmen.JitOptions(fuse_linear_cross_entropy=False))
+    jitted = fulmen.jit(step, executors=["sdpa"])
     generator = torch.Generator().manual_seed(1)
     for _ in range(2):
         x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator) for _ in range(2))
