@@ -34,8 +34,11 @@ from fulmen.core.trace import Trace, TraceBuilder
 from fulmen.observation.guards import Guard
 from fulmen.observation.value_checks import Emitter
 from fulmen.ops import prims
+from fulmen.options import JitOptions
 from fulmen.transforms.autodiff import BackwardAssembler, GradTransform
 from fulmen.transforms.distribution import distributed_input
+from fulmen.transforms.fused_loss import fuse_linear_cross_entropy
+from fulmen.transforms.grouped_attention import group_query_attention
 
 T = torch.Tensor
 
@@ -93,9 +96,9 @@ def _layout(grad: torch.Tensor | None) -> tuple | None:
 class StepInterpreter(Interpreter):
     """fulmen.jit's acquisition: the interpreter, with backward calls and `.grad` inside the program (GradSlots)."""
 
-    def __init__(self, builder: TraceBuilder, executors: tuple[Any, ...] = ()) -> None:
+    def __init__(self, builder: TraceBuilder, executors: tuple[Any, ...], options: JitOptions) -> None:
         super().__init__(builder)
-        self.grad_slots = GradSlots(self, executors)
+        self.grad_slots = GradSlots(self, executors, options)
 
     def captured_inputs(self) -> list[TensorProxy]:
         """As the interpreter's, but an update of a captured leaf that requires grad is refused only where autograd
@@ -110,11 +113,12 @@ class StepInterpreter(Interpreter):
 class GradSlots:
     """The `.grad` of the program's leaves while it is acquired, and its backward calls."""
 
-    def __init__(self, interpreter: Interpreter, executors: tuple[Any, ...] = ()) -> None:
+    def __init__(self, interpreter: Interpreter, executors: tuple[Any, ...], options: JitOptions) -> None:
         self.interpreter = interpreter
         # differentiated with the jit's executors' grad rules, as a jitted forward's backward is: fused attention
         # saves its statistics and runs its own backward, where the operator-level rule recomputes the attention
         self.executors = executors
+        self.options = options
         self.slots: dict[int, Slot] = {}  # id(real tensor) -> its slot
         self.backward_ran = False
         self.extra_guards: list[Guard] = []  # those of the optimizer steps (optimizer_steps.py)
@@ -211,7 +215,7 @@ class GradSlots:
         for bsym in scope:
             free.update((p.pname, p) for p in bsym.proxy_args() if p.pname not in produced)
             produced.update(bsym.output_names())
-        trace = Trace("step", list(free.values()), list(scope), tuple(roots), "", builder.namespace)
+        trace = self._rewritten(Trace("step", list(free.values()), list(scope), tuple(roots), "", builder.namespace))
         with _off_acquisition(interpreter), torch.enable_grad():
             joint = GradTransform(trace, Interpreter, self.executors).joint()
         scope[:] = joint.forward
@@ -250,6 +254,17 @@ class GradSlots:
                     if out.requires_grad:
                         out.requires_grad_(False)
         self.backward_ran = True
+
+    def _rewritten(self, trace: Trace) -> Trace:
+        """The jit's rewrites of the acquired program that change what its backward computes (the fused head and
+        loss, grouped-query attention; fulmen.jit.pipeline runs them on a forward before autodiff), run here on
+        what is differentiated: on the whole trace they would come after this backward is written. They leave the
+        calls they replace for the whole trace's dead-code elimination, as the program may still read them."""
+        if self.options.fuse_linear_cross_entropy:
+            trace = fuse_linear_cross_entropy(trace, self.options.cross_entropy_chunk_rows, prune=False)
+        if self.options.grouped_query_attention:
+            trace = group_query_attention(trace, prune=False)
+        return trace
 
     def _accumulate(self, tensor: torch.Tensor, grad: TensorProxy) -> None:
         """Eager's AccumulateGrad: the first grad becomes `.grad` (laid out as the tensor, its layout contract), a

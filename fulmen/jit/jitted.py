@@ -411,7 +411,7 @@ class JittedFunction:
                  symbolic: SymbolicInputs | None = None) -> Acquisition:
         builder = TraceBuilder(decompose=self._options.decompose)
         # with loss.backward() and .grad inside the program (grad_slots.py)
-        interpreter = StepInterpreter(builder, self.executors)
+        interpreter = StepInterpreter(builder, self.executors, self._options)
         observer = Observer((self._fn,))
         _refuse_unproxyable(tensors, names)
         proxies = [builder.make_proxy(symbolic.meta(t, i) if symbolic is not None else logical_meta(t), t.device,

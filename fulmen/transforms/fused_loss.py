@@ -247,9 +247,12 @@ def _match(graph: _Graph, ce: BoundSymbol) -> _Match | str:
     return _Match(producer, (h, weight, bias, target), terminal, [producer, *chain, *removed], spec)
 
 
-def fuse_linear_cross_entropy(trace: Trace, chunk_rows: int | None = None) -> Trace:
+def fuse_linear_cross_entropy(trace: Trace, chunk_rows: int | None = None, prune: bool = True) -> Trace:
     """`trace` with each linear + cross-entropy it can fuse replaced by `fused_loss.linear_cross_entropy`; the trace
-    itself when it has no cross-entropy. `chunk_rows`: rows per chunk (None: `fused_loss.chunk_rows_for`)."""
+    itself when it has no cross-entropy. `chunk_rows`: rows per chunk (None: `fused_loss.chunk_rows_for`).
+    `prune=False` replaces the cross-entropy alone and leaves the calls only it read (the head's linear) for a later
+    dead-code elimination: a part of a program (a whole step's forward, grad_slots.py) whose later code may read
+    them."""
     graph = _Graph.of(trace)
     notes: list[str] = []
     replaced: dict[int, BoundSymbol | None] = {}  # id(bsym) -> its replacement (None: dropped)
@@ -270,8 +273,9 @@ def fuse_linear_cross_entropy(trace: Trace, chunk_rows: int | None = None) -> Tr
             rows_per_chunk = min(chunk_rows or fused_loss.chunk_rows_for(rows, vocab, h.dtype), rows)
         fused = BoundSymbol(fused_loss.LINEAR_CROSS_ENTROPY, match.args, {**match.spec, "chunk_rows": rows_per_chunk},
                             match.terminal.output, [], bsym.source, bsym.checkpoint_region)
-        for removed in match.removed:
-            replaced[id(removed)] = None
+        if prune:
+            for removed in match.removed:
+                replaced[id(removed)] = None
         replaced[id(match.terminal)] = fused
         notes.append(f"fused{_at(bsym)}: {match.linear.output.pname} -> {match.terminal.output.pname} "
                      f"({rows} rows x {vocab} classes, {match.spec['reduction']}, "
@@ -280,7 +284,7 @@ def fuse_linear_cross_entropy(trace: Trace, chunk_rows: int | None = None) -> Tr
         return trace
     bsyms = [replaced.get(id(b), b) for b in trace.bound_symbols]
     result = trace.from_trace("", bound_symbols=[b for b in bsyms if b is not None])
-    return dce(result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
+    return (dce(result) if prune else result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
 
 
 def _chunks(rows_per_chunk: int | None) -> str:

@@ -98,9 +98,10 @@ def _grouped(bsym: BoundSymbol, producer: dict[str, BoundSymbol],
                        bsym.checkpoint_region)
 
 
-def group_query_attention(trace: Trace, kernel_of: KernelCheck = same_fused_kernel) -> Trace:
+def group_query_attention(trace: Trace, kernel_of: KernelCheck = same_fused_kernel, prune: bool = True) -> Trace:
     """`trace` with each attention over repeated key/value heads calling the kernel with the shared heads; the trace
-    itself when it has no attention."""
+    itself when it has no attention. `prune=False` leaves the repeats for a later dead-code elimination (as
+    fused_loss.fuse_linear_cross_entropy's)."""
     producer = {name: b for b in trace.bound_symbols for name in b.output_names()}
     notes: list[str] = []
     replaced: dict[int, BoundSymbol] = {}
@@ -122,7 +123,7 @@ def group_query_attention(trace: Trace, kernel_of: KernelCheck = same_fused_kern
     if not notes:
         return trace
     result = trace.from_trace("", bound_symbols=[replaced.get(id(b), b) for b in trace.bound_symbols])
-    return (dce(result) if replaced else result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
+    return (dce(result) if replaced and prune else result).from_trace(f"{PROVENANCE}: {'; '.join(notes)}")
 
 
 class GroupQueryAttention(TracePass):

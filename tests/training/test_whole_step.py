@@ -4,7 +4,9 @@ together train as eager does, bit for bit on CPU, and reuse their trace across s
 Each test trains two identical copies, one through `fulmen.jit(train_step)` and one eagerly, on the same batches, and
 compares with torch.equal after every step: the loss, every parameter, every tensor of the optimizer's state (Adam's
 exp_avg / exp_avg_sq / max_exp_avg_sq and step counter, SGD's momentum buffer) and `.grad` as eager leaves it (None
-after zero_grad(set_to_none=True), the zeroed tensor otherwise).
+after zero_grad(set_to_none=True), the zeroed tensor otherwise). They run with the fused linear + cross-entropy off
+(EXACT): it computes the loss chunk by chunk, equal to eager's to rounding (tests/transforms/test_fused_loss.py), so a
+whole step with it is compared with the jitted forward's path, which fuses the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch.nn.functional as F
 import fulmen
 from fulmen.core.errors import TraceError
 from tests.transforms.test_cudagraphs import simulated_graphs  # noqa: F401 - the CUDA graph simulator fixture
+
+EXACT = fulmen.JitOptions(fuse_linear_cross_entropy=False)
 
 
 def train_step(model, optimizer, x, y):
@@ -60,7 +64,7 @@ def _assert_same(model, eager_model, optimizer, eager_optimizer) -> None:
             assert state[key].dtype == eager_state[key].dtype and state[key].device == eager_state[key].device
 
 
-def _train(make_optimizer, steps: int = 4, step_fn=train_step, scheduler=None, options=None):
+def _train(make_optimizer, steps: int = 4, step_fn=train_step, scheduler=None, options=EXACT):
     model = _model()
     eager_model = copy.deepcopy(model)
     optimizer, eager_optimizer = make_optimizer(model.parameters()), make_optimizer(eager_model.parameters())
@@ -83,11 +87,11 @@ OPTIMIZERS = {
     "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
     "adam-amsgrad-fused": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, fused=True),
 }
-UNBATCHED = fulmen.JitOptions(optimizer_bucket_cap_mb=0)
+UNBATCHED = fulmen.JitOptions(optimizer_bucket_cap_mb=0, fuse_linear_cross_entropy=False)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("options", [None, UNBATCHED], ids=["buckets", "one-by-one"])
+@pytest.mark.parametrize("options", [EXACT, UNBATCHED], ids=["buckets", "one-by-one"])
 def test_adam_family_step_is_eager_and_cached(name, options):
     jitted, _ = _train(OPTIMIZERS[name], steps=5, options=options)
     # the state is made before the first trace (as eager's first step makes it): the second call reuses it
@@ -95,7 +99,7 @@ def test_adam_family_step_is_eager_and_cached(name, options):
     trace = str(fulmen.last_traces(jitted)[-1])
     # in-place updates (eager's kernel on the tensors themselves): no copies of the parameters or the state, no
     # write-backs; the 6 parameters' updates in one bucket (the default's 32 MiB of grads), or one call each
-    assert trace.count("optim.adam_update_(") == (1 if options is None else 6) and "torch.autograd" not in trace
+    assert trace.count("optim.adam_update_(") == (1 if options is EXACT else 6) and "torch.autograd" not in trace
     assert "prims.copy_" not in trace and "optim.adam_update(" not in trace
     kernel = "fused" if "fused" in name else "multi_tensor" if "foreach" in name else "single_tensor"
     assert trace.count(f"kernel='{kernel}'") == trace.count("optim.adam_update_(")
@@ -151,7 +155,7 @@ def test_other_hyperparameters_are_guarded():
     eager_model = copy.deepcopy(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     eager_optimizer = torch.optim.Adam(eager_model.parameters(), lr=1e-2)
-    jitted = fulmen.jit(train_step)
+    jitted = fulmen.jit(train_step, options=EXACT)
     for i, (x, y) in enumerate(_batches(3)):
         for o in (optimizer, eager_optimizer):
             o.param_groups[0]["betas"] = (0.9 - 0.1 * i, 0.99)
@@ -188,7 +192,8 @@ def test_updates_run_in_buckets_of_the_cap():
     """A cap of 400 bytes of grads (the model's are 916) splits the 6 updates into several calls, each parameter in
     exactly one, each call's grads deleted right after it."""
     jitted, _ = _train(OPTIMIZERS["adamw-foreach"], steps=3,
-                       options=fulmen.JitOptions(optimizer_bucket_cap_mb=400 / 2**20))
+                       options=fulmen.JitOptions(optimizer_bucket_cap_mb=400 / 2**20,
+                                                  fuse_linear_cross_entropy=False))
     calls = _update_calls(jitted)
     assert 1 < len(calls) < 6
     params = [name for call in calls for name in call.split("([", 1)[1].split("]", 1)[0].split(", ")]
@@ -224,7 +229,7 @@ def test_a_bucket_runs_before_what_reads_its_new_values(step_fn):
     model = _model()
     eager_model = copy.deepcopy(model)
     optimizer, eager_optimizer = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](eager_model.parameters())
-    jitted = fulmen.jit(step_fn)
+    jitted = fulmen.jit(step_fn, options=EXACT)
     for x, y in _batches(3):
         got, expected = jitted(model, optimizer, x, y), step_fn(eager_model, eager_optimizer, x, y)
         for g, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected), strict=True):
@@ -240,7 +245,7 @@ def test_state_replaced_by_load_state_dict_traces_again():
     eager_model = copy.deepcopy(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     eager_optimizer = torch.optim.Adam(eager_model.parameters(), lr=1e-2)
-    jitted = fulmen.jit(train_step)
+    jitted = fulmen.jit(train_step, options=EXACT)
     batches = _batches(4)
     for x, y in batches[:2]:
         jitted(model, optimizer, x, y), train_step(eager_model, eager_optimizer, x, y)
@@ -272,7 +277,7 @@ def test_gradient_accumulation_over_calls_is_eager_and_cached():
     eager_model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     eager_optimizer = torch.optim.AdamW([p for p in eager_model.parameters() if p.requires_grad], lr=1e-2)
-    jitted, jitted_step = fulmen.jit(forward_backward), fulmen.jit(step)
+    jitted, jitted_step = fulmen.jit(forward_backward, options=EXACT), fulmen.jit(step, options=EXACT)
     batches = _batches(9)
     for micro in range(3):
         for x, y in batches[3 * micro : 3 * micro + 3]:
@@ -323,7 +328,8 @@ def test_whole_step_under_cuda_graphs_replays_as_eager(simulated_graphs):  # noq
     eager_model = copy.deepcopy(model)
     optimizer, eager_optimizer = OPTIMIZERS["adamw-foreach"](model.parameters()), \
         OPTIMIZERS["adamw-foreach"](eager_model.parameters())
-    jitted = fulmen.jit(train_step, executors=["torch"], options=fulmen.JitOptions(cuda_graphs=True))
+    jitted = fulmen.jit(train_step, executors=["torch"],
+                        options=fulmen.JitOptions(cuda_graphs=True, fuse_linear_cross_entropy=False))
     for x, y in _batches(5):
         assert torch.equal(jitted(model, optimizer, x, y), train_step(eager_model, eager_optimizer, x, y).detach())
         _assert_same(model, eager_model, optimizer, eager_optimizer)
@@ -363,7 +369,7 @@ def test_attention_in_a_whole_step_uses_the_executors_backward():
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=False)
-    jitted = fulmen.jit(step, executors=["sdpa"])
+    jitted = fulmen.jit(step, executors=["sdpa"], options=EXACT)
     generator = torch.Generator().manual_seed(1)
     for _ in range(2):
         x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator) for _ in range(2))
@@ -371,3 +377,69 @@ def test_attention_in_a_whole_step_uses_the_executors_backward():
         _assert_same(model, eager_model, optimizer, eager_optimizer)
     trace = str(fulmen.last_traces(jitted)[-1])
     assert "sdpa_cpu_flash_backward" in trace and "torch_vjp" not in trace
+
+
+def test_a_whole_step_fuses_the_loss_and_groups_attention_as_the_jitted_forward():
+    """With the default options, the head and loss of a whole step are fused (and a grouped-query model's attention
+    reads the shared heads where it can) before its backward is written, as a jitted forward's are: the same losses,
+    grads, parameters and optimizer state bit for bit as a jitted forward + eager backward and step, and the logits
+    the program returns after the step are still computed (the head's linear left for the whole trace's dead-code
+    elimination)."""
+    from litgpt import GPT
+
+    from tests.models.litgpt_configs import shrunk
+
+    config = shrunk("Llama-3.2-1B")  # grouped-query attention
+    assert config.n_query_groups < config.n_head
+    torch.manual_seed(0)
+    model = GPT(config)
+    split_model = copy.deepcopy(model)
+
+    def loss_of(model, x, y):
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def step(model, optimizer, x, y):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    def step_returning_logits(model, optimizer, x, y):
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss, logits
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    split_optimizer = torch.optim.AdamW(split_model.parameters(), lr=1e-2, foreach=False)
+    jitted, jitted_loss = fulmen.jit(step, executors=["sdpa"]), fulmen.jit(loss_of, executors=["sdpa"])
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator) for _ in range(2))
+        loss = jitted(model, optimizer, x, y)
+        split_loss = jitted_loss(split_model, x, y)
+        split_loss.backward()
+        split_optimizer.step()
+        split_optimizer.zero_grad()
+        assert torch.equal(loss, split_loss.detach())
+        _assert_same(model, split_model, optimizer, split_optimizer)
+    trace, forward = str(fulmen.last_traces(jitted)[-1]), str(fulmen.last_traces(jitted_loss)[-1])
+    assert "fused_loss.linear_cross_entropy" in forward and "fused_loss.linear_cross_entropy" in trace
+    # grouped where torch runs the grouped call with the same kernel (CUDA's; on the CPU both decline)
+    assert ("enable_gqa=True" in trace) == ("enable_gqa=True" in forward)
+    assert "nll_loss" not in trace and "log_softmax" not in trace
+
+    returning = fulmen.jit(step_returning_logits, executors=["sdpa"])
+    eager_model = copy.deepcopy(model)
+    eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=False)
+    eager_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator) for _ in range(2))
+    (loss, logits), (eager_loss, eager_logits) = returning(model, optimizer, x, y), \
+        step_returning_logits(eager_model, eager_optimizer, x, y)
+    torch.testing.assert_close(loss, eager_loss.detach(), rtol=1e-5, atol=0)
+    assert torch.equal(logits, eager_logits.detach())  # the head's linear, as eager computes it
+    assert "fused_loss.linear_cross_entropy" in str(fulmen.last_traces(returning)[-1])
