@@ -190,6 +190,10 @@ class GradSlots:
             what = "create_graph=True" if create_graph else "retain_graph=True" if retain_graph else "inputs="
             raise TraceError(f"fulmen cannot trace a backward with {what} inside the jitted program; call it "
                              "without, or outside the jitted function", where)
+        if self.options.float8 is not None:  # its transform converts a forward's matmuls before autodiff
+            raise TraceError("fulmen cannot trace loss.backward() inside the program with JitOptions.float8: float8 "
+                             "matmuls have their grad rules in the backward of a jitted forward; call backward "
+                             "outside the jitted function", where)
         if len(builder.scopes) != 1 or builder.checkpoint_region:
             raise TraceError("fulmen traces a backward inside the program only at its top level (not inside a "
                              "replaced function, an autograd.Function or a checkpointed region)", where)

@@ -338,6 +338,17 @@ def test_whole_step_under_cuda_graphs_replays_as_eager(simulated_graphs):  # noq
     assert [graph.replays for graph in simulated_graphs] == [4]  # warm-up on the first step, captured on the second
 
 
+def test_float8_with_a_backward_inside_the_program_is_refused():
+    """Float8 converts a forward's matmuls with their grad rules before autodiff; a whole step's backward is written
+    while it is acquired, so it is refused rather than left in high precision against JitOptions.float8's contract."""
+    model = _model()
+    x, y = _batches(1)[0]
+    options = fulmen.JitOptions(float8=fulmen.Float8Options())
+    with pytest.raises(TraceError, match=r"JitOptions\.float8(.|\n)*train_step: \"loss\.backward\(\)\""):
+        fulmen.jit(train_step, options=options)(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_hyperparameter_given_as_a_tensor_is_refused_naming_it():
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)))
