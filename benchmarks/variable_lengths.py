@@ -1,7 +1,8 @@
 """A training loop whose batches change length every step: one trace for every length (issue 48), side by side.
 
     python benchmarks/variable_lengths.py [--model_name tiny-llama-1.1b] [--micro_batch_size 4]
-        [--lengths 384:2048:12] [--repeats 2] [--compilers eager,torch.compile,fulmen,fulmen-static]
+        [--lengths 384:2048:12] [--repeats 2]
+        [--compilers eager,torch.compile,fulmen,fulmen-static,fulmen-serial-compile]
         [--out benchmarks/variable_lengths.json]
 
 Every compiler trains a fresh model (the same seed, weights in the benchmark dtype, fused AdamW on CUDA) on the same
@@ -9,7 +10,11 @@ schedule: each of the lengths `--repeats` times, in one shuffled order (`--seed`
 length each step. Rows: `eager`; `torch.compile` (its automatic dynamic shapes: a dimension that changed is
 recompiled symbolic); `fulmen` (`fulmen.jit`'s default, `JitOptions(dynamic=None)`: symbolic sizes once a length
 changed); `fulmen-static` (`JitOptions(dynamic=False)`: one trace per length up to `cache_limit`, then eager, with
-fulmen's warning: fulmen before symbolic sizes). Compiled is `forward_and_loss(model, x, y)` (benchmarks/step.py).
+fulmen's warning: fulmen before symbolic sizes); `fulmen-serial-compile` (the default, its torchcompile regions
+compiled one after another at their first calls: `TorchCompileExecutor(compile_workers=0)`, where `fulmen` compiles
+them ahead in workers, fulmen.core.compile_ahead). Compiled is `forward_and_loss(model, x, y)` (benchmarks/step.py).
+Every row compiles cold: Inductor's caches in a directory of its own (TORCHINDUCTOR_CACHE_DIR), and fulmen's rows a
+torchcompile executor of their own.
 
 Measured per compiler, every step synchronised on either side: the whole run's wall time (compilation included),
 tokens/s over the whole run, each step's time by length (the first time a length is seen, then the later ones), the
@@ -27,10 +32,12 @@ CPU smoke test:
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -42,8 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step  # noqa: E402 - the shared measurement code (benchmarks/step.py)
 
 import fulmen  # noqa: E402
+from fulmen.executors.registry import get_default_executors  # noqa: E402
+from fulmen.executors.torch_compile import TorchCompileExecutor  # noqa: E402
 
-COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen-static")
+COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen-static", "fulmen-serial-compile")
 
 
 def lengths(spec: str) -> list[int]:
@@ -67,7 +76,10 @@ def compiled_loss(name: str, executors: list[str] | None) -> Callable:
     if name == "torch.compile":
         return torch.compile(step.forward_and_loss)
     options = fulmen.JitOptions(dynamic=False) if name == "fulmen-static" else fulmen.JitOptions()
-    return fulmen.jit(step.forward_and_loss, executors=executors, options=options)
+    workers = 0 if name == "fulmen-serial-compile" else None
+    chosen = [TorchCompileExecutor(name=f"torchcompile-{name}", compile_workers=workers)
+              if getattr(e, "name", e) == "torchcompile" else e for e in (executors or get_default_executors())]
+    return fulmen.jit(step.forward_and_loss, executors=chosen, options=options)
 
 
 def traces(name: str, loss: Callable) -> int | None:
@@ -199,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         "lengths": args.lengths, "schedule": schedule(args), "results": {},
     }
     for name in args.compilers:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"inductor-{name}-")
         try:
             report["results"][name] = run(name, args, device, dtype)
         except Exception as error:  # noqa: BLE001 - recorded, the next compiler still runs

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.fx.experimental.proxy_tensor import make_fx
+
+from fulmen.core.compile_ahead import CompileAhead, InputSpec, cacheable, compile_inductor
 
 _ARGUMENT = re.compile(r"L\['t(\d+)'\]")  # an argument as torch's produce_guards names it
 
@@ -68,7 +70,8 @@ class Variant:
 class InductorFunction:
     """`fn(*tensors)` compiled by Inductor, one variant per `key(args)`; with `dynamic` (per argument, the dims that
     vary between calls: a fusion region of a trace with symbolic sizes), variants compiled for symbolic sizes, each
-    used while the guards its ShapeEnv produced hold (Inductor's own among them)."""
+    used while the guards its ShapeEnv produced hold (Inductor's own among them). `ahead(specs)` starts the compile
+    of a static variant in a worker (fulmen.core.compile_ahead) before its first call."""
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None,
                  key: Callable[[tuple[torch.Tensor, ...]], tuple] = strides,
@@ -79,6 +82,7 @@ class InductorFunction:
         self._dynamic = dynamic
         self.variants: dict[tuple, Variant] = {}
         self.guarded: list[tuple[Callable[[tuple], bool], Variant]] = []  # the symbolic variants, with their guards
+        self._ahead: list[_Ahead] = []  # variants a worker compiles, not called yet
 
     def __call__(self, *args: torch.Tensor) -> Any:
         if self._dynamic is not None:
@@ -91,43 +95,56 @@ class InductorFunction:
             variant = self._compile(args)
         return variant(*args)
 
-    def _compile(self, args: tuple[torch.Tensor, ...]) -> Variant:
+    def ahead(self, source: str, name: str, specs: tuple[InputSpec, ...], pool: CompileAhead) -> None:
+        """Start compiling the variant for inputs laid out as `specs` (dims symbolic where this function's `dynamic`
+        says) in `pool`'s workers, which build this function as the Python `source` defines `name`. A region's
+        (keyed by strides) only."""
+        if self._key is not strides or not pool.workers:
+            return
+        compiled = self.guarded if self._dynamic is not None else tuple(s.stride for s in specs) in self.variants
+        if compiled or any(a.specs == specs for a in self._ahead):  # (a symbolic variant admits any size)
+            return
+        traced = cacheable(self._fn, specs)
+        self._ahead.append(_Ahead(specs, *traced, pool.submit(source, name, specs, self._options)))
+
+    def _traced(self, args: tuple[torch.Tensor, ...]) -> _Ahead:
         # Callers run where nothing records autograd (inside the autograd bridge, or without grad), so `fn` is
-        # traced and compiled as inference on detached arguments.
-        with torch.no_grad():
-            inputs = [arg.detach() for arg in args]
-            variant = self._inductor(make_fx(self._fn, tracing_mode="fake")(*inputs), inputs)
-        self.variants[self._key(args)] = variant
+        # traced and compiled as inference, on fake inputs Inductor's FX graph cache keys (compile_ahead.cacheable)
+        dims = self._dynamic or (frozenset(),) * len(args)
+        specs = tuple(InputSpec.of(arg, d) for arg, d in zip(args, dims))
+        return _Ahead(specs, *cacheable(self._fn, specs), None)
+
+    def _compile(self, args: tuple[torch.Tensor, ...]) -> Variant:
+        key = self._key(args)
+        ahead = next((a for a in self._ahead if tuple(s.stride for s in a.specs) == key), None)
+        if ahead is not None:
+            self._ahead.remove(ahead)
+        variant = (ahead or self._traced(args)).compile(self)
+        self.variants[key] = variant
         return variant
 
     def _compile_symbolic(self, args: tuple[torch.Tensor, ...]) -> Variant:
-        from torch._dynamo.source import LocalSource
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import (
-            SYMPY_INTERP,
-            DimDynamic,
-            ShapeEnv,
-            StatelessSymbolicContext,
-        )
+        pending, self._ahead = self._ahead, []
+        for ahead in pending:  # compiled ahead: each admits the sizes its guards allow
+            variant = self._guarded(ahead)
+            if self.guarded[-1][0](args):
+                self._ahead = pending[pending.index(ahead) + 1:] + self._ahead
+                return variant
+        return self._guarded(self._traced(args))
 
-        mode = FakeTensorMode(shape_env=ShapeEnv())
-        fakes = []
-        for arg, dims in zip(args, self._dynamic):
-            context = StatelessSymbolicContext(
-                dynamic_sizes=[DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(arg.dim())])
-            fakes.append(mode.from_tensor(arg.detach(), symbolic_context=context))
-        with torch.no_grad():
-            graph = make_fx(self._fn, tracing_mode="fake")(*fakes)
-            placeholders = [node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"]
-            variant = self._inductor(graph, placeholders)
-        guards = mode.shape_env.produce_guards(placeholders, [LocalSource(f"t{i}") for i in range(len(args))],
-                                               ignore_static=False)
+    def _guarded(self, ahead: _Ahead) -> Variant:
+        from torch._dynamo.source import LocalSource
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        variant = ahead.compile(self)
+        guards = ahead.shape_env.produce_guards(ahead.inputs, [LocalSource(f"t{i}") for i in range(len(ahead.inputs))],
+                                                ignore_static=False)
         body = " and ".join("(" + _ARGUMENT.sub(r"a[\1]", guard) + ")" for guard in guards) or "True"
         self.guarded.append((eval(f"lambda a: {body}", dict(SYMPY_INTERP)), variant))  # noqa: S307 (torch's guards)
         return variant
 
     def _inductor(self, graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Variant:
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        from torch._inductor.compile_fx import compile_fx_inner
 
         captured: list[tuple[torch.fx.GraphModule, Any]] = []
 
@@ -136,12 +153,26 @@ class InductorFunction:
             captured.append((gm, compiled))
             return compiled
 
-        # AOTAutograd's cache is off so that a cache hit does not skip the inner compile whose result is called
-        # directly (Inductor's own cache still applies).
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            facts = _Facts.of(graph)  # before Inductor rewrites the graph's output in place
-            wrapped = compile_fx(graph, inputs, inner_compile=inner_compile, config_patches=self._options)
+        facts = _Facts.of(graph)  # before Inductor rewrites the graph's output in place
+        wrapped = compile_inductor(graph, inputs, self._options, inner_compile)
         return _variant(facts, len(inputs), wrapped, captured)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A variant's graph and inputs as this process compiles it, and the job of the worker compiling it ahead (None:
+    traced at its first call)."""
+
+    specs: tuple[InputSpec, ...]
+    graph: torch.fx.GraphModule
+    inputs: list[torch.Tensor]
+    shape_env: Any
+    job: Future | None
+
+    def compile(self, function: InductorFunction) -> Variant:
+        # not waiting for the worker: a region whose compile it has not finished (or that failed there) compiles here
+        # as without it, so a first call never takes longer than this process's own compile
+        return function._inductor(self.graph, self.inputs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,10 @@ class Executor:
         """A grad rule this executor has for `bsym` (its implementation's grad_transform), if any."""
         return None
 
+    def acquiring(self) -> None:
+        """Called as fulmen.jit begins to acquire a program this executor may run, before its trace exists: for work
+        that can run alongside acquisition (the torchcompile executor starts its compile workers)."""
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 

@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
+from fulmen.core.compile_ahead import CompileAhead, InputSpec, default_workers
 from fulmen.core.inductor import InductorFunction
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, map_proxies
-from fulmen.core.symbolic import symbolic_trace
+from fulmen.core.symbolic import hint, symbolic_trace
 from fulmen.core.trace import Namespace, Trace
 from fulmen.executors.base import FusionExecutor, Implementation
 from fulmen.executors.registry import register_executor
@@ -75,7 +76,8 @@ class TorchCompileExecutor(FusionExecutor):
     regions (see the module's docs)."""
 
     def __init__(self, name: str = "torchcompile", compile_options: dict[str, Any] | None = None,
-                 recompute_inputs: bool = True, fuse_matmuls: bool = False) -> None:
+                 recompute_inputs: bool = True, fuse_matmuls: bool = False, compile_workers: int | None = None
+                 ) -> None:
         super().__init__(name)
         self.recomputes_inputs = recompute_inputs
         self.fusible_leaves = FUSIBLE_PRIMS | FUSIBLE_LEAVES | ({_MATMUL} if fuse_matmuls else set())
@@ -86,6 +88,10 @@ class TorchCompileExecutor(FusionExecutor):
                              "(torch._inductor.list_options())")
         self.compile_options = {"emulate_precision_casts": True, **options}
         self._compiled: dict[str, InductorFunction] = {}
+        self.ahead = CompileAhead(default_workers() if compile_workers is None else compile_workers)
+
+    def acquiring(self) -> None:
+        self.ahead.start()  # its workers import torch while the program is traced
 
     def claims(self, bsym: BoundSymbol) -> Implementation | None:
         if bsym.sym not in _COMPILED_CHUNKS or bsym.kwargs.get("compiled"):
@@ -126,15 +132,20 @@ class TorchCompileExecutor(FusionExecutor):
     def fuse(self, bsyms: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy],
              index: int) -> BoundSymbol:
         source, region = _canonical_region(bsyms, inputs, outputs)
+        symbolic = symbolic_trace(region)
+        # a region of symbolic sizes (fulmen.core.symbolic) runs at every size its trace admits: compiled for
+        # symbolic sizes in the dims that are symbolic in the trace, where a static trace's regions differ by
+        # strides only
+        dynamic = tuple(frozenset(d for d, size in enumerate(p.shape) if isinstance(size, torch.SymInt))
+                        for p in region.inputs) if symbolic else None
         compiled = self._compiled.get(source)
         if compiled is None:
-            # a region of symbolic sizes (fulmen.core.symbolic) runs at every size its trace admits: compiled for
-            # symbolic sizes in the dims that are symbolic in the trace, where a static trace's regions differ by
-            # strides only
-            dynamic = tuple(frozenset(d for d, size in enumerate(p.shape) if isinstance(size, torch.SymInt))
-                            for p in region.inputs) if symbolic_trace(region) else None
             compiled = InductorFunction(region.python_callable(), self.compile_options, dynamic=dynamic)
             self._compiled[source] = compiled
+        # its compile starts in a worker now, ahead of its first call (fulmen.core.compile_ahead)
+        specs = tuple(InputSpec(tuple(hint(n) for n in p.shape), tuple(hint(n) for n in p.meta.stride()), p.dtype,
+                                p.device, dynamic[i] if symbolic else frozenset()) for i, p in enumerate(region.inputs))
+        compiled.ahead(source, region.name, specs, self.ahead)
         name = f"TorchCompile{index}"
         sym = Symbol(name=name, printed=name, impl=compiled, meta=None, executor=self)
         return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), list(bsyms), bsyms[0].source, executor=self)

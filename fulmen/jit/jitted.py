@@ -409,6 +409,8 @@ class JittedFunction:
     def _acquire(self, args: tuple, kwargs: dict[str, Any], tensors: list[torch.Tensor], names: list[str],
                  aliases: AliasPlan | None, real_inputs: list[torch.Tensor], compiling: bool,
                  symbolic: SymbolicInputs | None = None) -> Acquisition:
+        for executor in self.executors:
+            executor.acquiring()
         builder = TraceBuilder(decompose=self._options.decompose)
         # with loss.backward() and .grad inside the program (grad_slots.py)
         interpreter = StepInterpreter(builder, self.executors, self._options)
