@@ -25,7 +25,10 @@ transformer give identical regions (same ops, same shapes), which share one comp
 
 A region is compiled on its first call, without Dynamo (`fulmen.core.inductor.InductorFunction`): the trace
 already fixes the shapes, dtypes and devices of a region's arguments, so only their strides key the compiled
-variants, and calls go straight to Inductor's code instead of re-running torch.compile's guards.
+variants, and calls go straight to Inductor's code instead of re-running torch.compile's guards. With
+`compile_workers` (None: half the cores, at most 8, where there are 8 or more; 0: none), worker processes compile
+each region into Inductor's FX graph cache as soon as it is claimed, so a first call finds it compiled
+(fulmen.core.compile_ahead).
 
 It also claims the chunked linear + cross-entropy symbols (fulmen.ops.fused_loss): they run with `compiled=True`,
 each chunk's elementwise work (log-sum-exp, softmax and its gradient) as one compiled function between the matmuls.
