@@ -390,12 +390,13 @@ def test_attention_in_a_whole_step_uses_the_executors_backward():
     assert "sdpa_cpu_flash_backward" in trace and "torch_vjp" not in trace
 
 
-def test_a_whole_step_fuses_the_loss_and_groups_attention_as_the_jitted_forward():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_whole_step_fuses_the_loss_and_groups_attention_as_the_jitted_forward(device):
     """With the default options, the head and loss of a whole step are fused (and a grouped-query model's attention
     reads the shared heads where it can) before its backward is written, as a jitted forward's are: the same losses,
     grads, parameters and optimizer state bit for bit as a jitted forward + eager backward and step, and the logits
     the program returns after the step are still computed (the head's linear left for the whole trace's dead-code
-    elimination)."""
+    elimination). On CUDA in bfloat16, where torch runs the grouped attention with cuDNN's kernel."""
     from litgpt import GPT
 
     from tests.models.litgpt_configs import shrunk
@@ -403,7 +404,7 @@ def test_a_whole_step_fuses_the_loss_and_groups_attention_as_the_jitted_forward(
     config = shrunk("Llama-3.2-1B")  # grouped-query attention
     assert config.n_query_groups < config.n_head
     torch.manual_seed(0)
-    model = GPT(config)
+    model = GPT(config).to(device, torch.bfloat16 if device == "cuda" else torch.float32)
     split_model = copy.deepcopy(model)
 
     def loss_of(model, x, y):
@@ -430,7 +431,8 @@ def test_a_whole_step_fuses_the_loss_and_groups_attention_as_the_jitted_forward(
     jitted, jitted_loss = fulmen.jit(step, executors=["sdpa"]), fulmen.jit(loss_of, executors=["sdpa"])
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator) for _ in range(2))
+        x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator).to(device)
+                for _ in range(2))
         loss = jitted(model, optimizer, x, y)
         split_loss = jitted_loss(split_model, x, y)
         split_loss.backward()
@@ -441,16 +443,16 @@ def test_a_whole_step_fuses_the_loss_and_groups_attention_as_the_jitted_forward(
     trace, forward = str(fulmen.last_traces(jitted)[-1]), str(fulmen.last_traces(jitted_loss)[-1])
     assert "fused_loss.linear_cross_entropy" in forward and "fused_loss.linear_cross_entropy" in trace
     # grouped where torch runs the grouped call with the same kernel (CUDA's; on the CPU both decline)
-    assert ("enable_gqa=True" in trace) == ("enable_gqa=True" in forward)
+    assert ("enable_gqa=True" in trace) == ("enable_gqa=True" in forward) == (device == "cuda")
     assert "nll_loss" not in trace and "log_softmax" not in trace
 
     returning = fulmen.jit(step_returning_logits, executors=["sdpa"])
     eager_model = copy.deepcopy(model)
     eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=False)
     eager_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator) for _ in range(2))
+    x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator).to(device) for _ in range(2))
     (loss, logits), (eager_loss, eager_logits) = returning(model, optimizer, x, y), \
         step_returning_logits(eager_model, eager_optimizer, x, y)
-    torch.testing.assert_close(loss, eager_loss.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss, eager_loss.detach(), rtol=1e-5 if device == "cpu" else 1e-2, atol=0)
     assert torch.equal(logits, eager_logits.detach())  # the head's linear, as eager computes it
     assert "fused_loss.linear_cross_entropy" in str(fulmen.last_traces(returning)[-1])
