@@ -33,6 +33,19 @@ def train_step(model, optimizer, x, y):
     return loss
 
 
+def lm_loss(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def lm_step(model, optimizer, x, y):
+    loss = lm_loss(model, x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def train_step_zeroing(model, optimizer, x, y):
     loss = F.cross_entropy(model(x), y)
     loss.backward()
@@ -369,22 +382,13 @@ def test_attention_in_a_whole_step_uses_the_executors_backward():
     torch.manual_seed(0)
     model = GPT(config)
     eager_model = copy.deepcopy(model)
-
-    def step(model, optimizer, x, y):
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     eager_optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=False)
-    jitted = fulmen.jit(step, executors=["sdpa"], options=EXACT)
+    jitted = fulmen.jit(lm_step, executors=["sdpa"], options=EXACT)
     generator = torch.Generator().manual_seed(1)
     for _ in range(2):
         x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator) for _ in range(2))
-        assert torch.equal(jitted(model, optimizer, x, y), step(eager_model, eager_optimizer, x, y).detach())
+        assert torch.equal(jitted(model, optimizer, x, y), lm_step(eager_model, eager_optimizer, x, y).detach())
         _assert_same(model, eager_model, optimizer, eager_optimizer)
     trace = str(fulmen.last_traces(jitted)[-1])
     assert "sdpa_cpu_flash_backward" in trace and "torch_vjp" not in trace
@@ -407,17 +411,6 @@ def test_a_whole_step_fuses_the_loss_and_groups_attention_as_the_jitted_forward(
     model = GPT(config).to(device, torch.bfloat16 if device == "cuda" else torch.float32)
     split_model = copy.deepcopy(model)
 
-    def loss_of(model, x, y):
-        logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-
-    def step(model, optimizer, x, y):
-        loss = loss_of(model, x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
     def step_returning_logits(model, optimizer, x, y):
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
@@ -428,7 +421,7 @@ def test_a_whole_step_fuses_the_loss_and_groups_attention_as_the_jitted_forward(
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     split_optimizer = torch.optim.AdamW(split_model.parameters(), lr=1e-2, foreach=False)
-    jitted, jitted_loss = fulmen.jit(step, executors=["sdpa"]), fulmen.jit(loss_of, executors=["sdpa"])
+    jitted, jitted_loss = fulmen.jit(lm_step, executors=["sdpa"]), fulmen.jit(lm_loss, executors=["sdpa"])
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
         x, y = (torch.randint(0, config.padded_vocab_size, (2, 16), generator=generator).to(device)
