@@ -344,6 +344,18 @@ class TraceBuilder(Builder):
             self._metas[key] = meta_out
         return meta_out
 
+    def cached_meta(self, sym: Symbol, args: tuple, kwargs: dict[str, Any], compute: Callable[[], Any]) -> Any:
+        """`compute()`, a meta function's new dense tensors for these arguments, from the meta cache where the same
+        kind of call asked before (a symbol whose `meta` makes its outputs itself, as get_grad's placeholder)."""
+        key = _call_key(sym, args, kwargs)
+        cached = self._metas.get(key) if key is not None else None
+        if cached is not None:
+            return _fresh_metas(cached)
+        meta_out = compute()
+        if key is not None and _new_tensors_only(meta_out, (), {}):
+            self._metas[key] = meta_out
+        return meta_out
+
     def bind_meta(self, sym: Symbol, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The outputs `sym`'s meta function gives for these arguments, without recording a call."""
         with torch._C.DisableTorchFunction(), TrackedMetas():
