@@ -166,9 +166,17 @@ def refuse_tensors_kept_whole(obj: Any, who: str) -> None:
 
 
 def leaves(obj: Any, is_leaf: Callable[[Any], bool]) -> Iterator[Any]:
-    """The objects inside `obj` for which `is_leaf` holds, depth first (a leaf is not looked into)."""
+    """The objects inside `obj` for which `is_leaf` holds, depth first (a leaf is not looked into). Collected into
+    a list by plain recursion, then iterated: nested generators cost a frame resumption per level and leaf, and every
+    recorded call's arguments and outputs are walked (a third of autodiff's own time for a 22-layer model)."""
+    found: list[Any] = []
+    _collect(obj, is_leaf, found)
+    return iter(found)
+
+
+def _collect(obj: Any, is_leaf: Callable[[Any], bool], found: list[Any]) -> None:
     if is_leaf(obj):
-        yield obj
+        found.append(obj)
         return
     kind = type(obj)
     if kind is tuple or kind is list:
@@ -178,7 +186,7 @@ def leaves(obj: Any, is_leaf: Callable[[Any], bool]) -> Iterator[Any]:
     elif kind in _ATOMS or (items := children(obj)) is None:
         return
     for item in items:
-        yield from leaves(item, is_leaf)
+        _collect(item, is_leaf, found)
 
 
 def leaves_with_paths(obj: Any, is_leaf: Callable[[Any], bool], path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
