@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +69,8 @@ class Variant:
 class InductorFunction:
     """`fn(*tensors)` compiled by Inductor, one variant per `key(args)`; with `dynamic` (per argument, the dims that
     vary between calls: a fusion region of a trace with symbolic sizes), variants compiled for symbolic sizes, each
-    used while the guards its ShapeEnv produced hold (Inductor's own among them). `ahead(specs)` starts the compile
-    of a static variant in a worker (fulmen.core.compile_ahead) before its first call."""
+    used while the guards its ShapeEnv produced hold (Inductor's own among them). `ahead` starts a variant's compile
+    in a worker before its first call (fulmen.core.compile_ahead)."""
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None,
                  key: Callable[[tuple[torch.Tensor, ...]], tuple] = strides,
@@ -82,7 +81,7 @@ class InductorFunction:
         self._dynamic = dynamic
         self.variants: dict[tuple, Variant] = {}
         self.guarded: list[tuple[Callable[[tuple], bool], Variant]] = []  # the symbolic variants, with their guards
-        self._ahead: list[_Ahead] = []  # variants a worker compiles, not called yet
+        self._ahead: list[_Traced] = []  # variants a worker compiles, not called yet
 
     def __call__(self, *args: torch.Tensor) -> Any:
         if self._dynamic is not None:
@@ -104,15 +103,15 @@ class InductorFunction:
         compiled = self.guarded if self._dynamic is not None else tuple(s.stride for s in specs) in self.variants
         if compiled or any(a.specs == specs for a in self._ahead):  # (a symbolic variant admits any size)
             return
-        traced = cacheable(self._fn, specs)
-        self._ahead.append(_Ahead(specs, *traced, pool.submit(source, name, specs, self._options)))
+        pool.submit(source, name, specs, self._options)
+        self._ahead.append(_Traced(specs, *cacheable(self._fn, specs)))
 
-    def _traced(self, args: tuple[torch.Tensor, ...]) -> _Ahead:
+    def _traced(self, args: tuple[torch.Tensor, ...]) -> _Traced:
         # Callers run where nothing records autograd (inside the autograd bridge, or without grad), so `fn` is
         # traced and compiled as inference, on fake inputs Inductor's FX graph cache keys (compile_ahead.cacheable)
         dims = self._dynamic or (frozenset(),) * len(args)
         specs = tuple(InputSpec.of(arg, d) for arg, d in zip(args, dims))
-        return _Ahead(specs, *cacheable(self._fn, specs), None)
+        return _Traced(specs, *cacheable(self._fn, specs))
 
     def _compile(self, args: tuple[torch.Tensor, ...]) -> Variant:
         key = self._key(args)
@@ -132,7 +131,7 @@ class InductorFunction:
                 return variant
         return self._guarded(self._traced(args))
 
-    def _guarded(self, ahead: _Ahead) -> Variant:
+    def _guarded(self, ahead: _Traced) -> Variant:
         from torch._dynamo.source import LocalSource
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
@@ -159,19 +158,17 @@ class InductorFunction:
 
 
 @dataclass(frozen=True, slots=True)
-class _Ahead:
-    """A variant's graph and inputs as this process compiles it, and the job of the worker compiling it ahead (None:
-    traced at its first call)."""
+class _Traced:
+    """A variant's graph, traced on the fake inputs Inductor's FX graph cache keys, as this process compiles it."""
 
     specs: tuple[InputSpec, ...]
     graph: torch.fx.GraphModule
     inputs: list[torch.Tensor]
     shape_env: Any
-    job: Future | None
 
     def compile(self, function: InductorFunction) -> Variant:
-        # not waiting for the worker: a region whose compile it has not finished (or that failed there) compiles here
-        # as without it, so a first call never takes longer than this process's own compile
+        # never waiting for a worker: a region whose compile it has not finished (or that failed there) compiles
+        # here as without workers, so a first call takes no longer than this process's own compile
         return function._inductor(self.graph, self.inputs)
 
 
