@@ -221,8 +221,8 @@ def _view_layout(meta_out: Any, meta_args: tuple, meta_kwargs: dict[str, Any]) -
     """(position among the arguments' tensors, shape, strides, storage offset) of `meta_out` where it is one tensor,
     a plain view of one of them (as a reshape, slice, expand or permute gives), else None: a call with the same
     metadata gives that view again, which as_strided takes of the same argument (the same base, layout and dtype).
-    Position None, with the base's shape and strides: a view of a tensor the call made (a matmul's `mm(...).view`,
-    the attention's output), taken again of a new base laid out as that one."""
+    Position None, with the base: a view of a tensor the call made (a matmul's `mm(...).view`, the attention's
+    output), taken again of a detached copy of that base."""
     if type(meta_out) is not torch.Tensor or not meta_out._is_view() or meta_out.is_conj() or meta_out.is_neg():
         return None
     base, tensors = meta_out._base, _tensors((meta_args, meta_kwargs))
@@ -236,16 +236,17 @@ def _view_layout(meta_out: Any, meta_args: tuple, meta_kwargs: dict[str, Any]) -
             return None
     if base.dtype != meta_out.dtype or type(base) is not torch.Tensor or base._is_view():
         return None
-    return None, meta_out.shape, meta_out.stride(), meta_out.storage_offset(), base.shape, base.stride()
+    return None, meta_out.shape, meta_out.stride(), meta_out.storage_offset(), base
 
 
-def _take_view(layout: tuple, meta_args: tuple, meta_kwargs: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
-    """The view `_view_layout` described, taken again of these arguments (or of a new base)."""
-    position, shape, strides, offset, *base_layout = layout
-    if position is not None:
-        return _tensors((meta_args, meta_kwargs))[position].as_strided(shape, strides, offset)
-    base_shape, base_strides = base_layout
-    return torch.empty_strided(base_shape, base_strides, dtype=dtype, device="meta").as_strided(shape, strides, offset)
+def _take_view(layout: tuple, meta_args: tuple, meta_kwargs: dict[str, Any]) -> torch.Tensor:
+    """The view `_view_layout` described, taken again of these arguments (or of a copy of the base it made). Below
+    torch's Python dispatcher: the C++ kernels of as_strided and detach take symbolic sizes as they are, where the
+    Python ones compute with them (a new base's storage size alone ~0.3 ms)."""
+    position, shape, strides, offset, *made = layout
+    with torch._C._DisablePythonDispatcher():
+        base = _tensors((meta_args, meta_kwargs))[position] if position is not None else made[0].detach()
+        return base.as_strided(shape, strides, offset)
 
 
 def _fresh_metas(meta_out: Any) -> Any:
@@ -272,7 +273,7 @@ class TraceBuilder(Builder):
         self._metas: dict[tuple, Any] = {}
         # With symbolic sizes, a view's meta kernel (reshape's, most of all) costs ~1 ms of SymInt arithmetic: the
         # layout it gave, by the same key, to take again of the same input with as_strided (_view_layout)
-        self._views: dict[tuple, tuple[tuple, torch.dtype]] = {}
+        self._views: dict[tuple, tuple] = {}
         # The parts each kind of call's decomposition recorded (None: not to be kept), to take again (templates.py)
         self._templates: dict[tuple, Template | None] = {}
         self.scopes: list[list[BoundSymbol]] = [[]]
@@ -350,11 +351,11 @@ class TraceBuilder(Builder):
             with symbolic_dispatch(True):
                 view = self._views.get(key) if key is not None else None
                 if view is not None:
-                    return _take_view(view[0], meta_args, meta_kwargs, view[1])
+                    return _take_view(view, meta_args, meta_kwargs)
                 with MetaFactories():
                     meta_out = sym.impl(*meta_args, **meta_kwargs)
             if key is not None and (view := _view_layout(meta_out, meta_args, meta_kwargs)) is not None:
-                self._views[key] = (view, meta_out.dtype)
+                self._views[key] = view
         else:
             meta_out = sym.impl(*meta_args, **meta_kwargs)
         if key is not None and _new_tensors_only(meta_out, meta_args, meta_kwargs):
