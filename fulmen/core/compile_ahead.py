@@ -4,10 +4,11 @@ A trace's regions are known when the executors claim it, but `InductorFunction` 
 call, one after another: Inductor lowers a graph in Python, on one core (on an H200 machine, 15 regions of a
 TinyLlama step took 14 s of a 2-trace run's 51). `CompileAhead.submit` hands a region's source to a pool of worker
 processes (torch's own `SubprocPool`, which Inductor uses for its Triton compiles) as soon as it is claimed; each
-worker compiles it into Inductor's FX graph cache and returns. The region's first call waits for its worker, then
-compiles it in this process as before, now a cache hit: the cache is torch's own, keyed by the graph, its inputs'
-metadata, Inductor's config and torch's numerics settings, so what runs is what this process would have compiled.
-A worker that fails or compiled under another key costs only the time: the region compiles here as without it.
+worker compiles it into Inductor's FX graph cache. The region's first call compiles it in this process as before,
+a cache hit where its worker has finished: the cache is torch's own, keyed by the graph, its inputs' metadata,
+Inductor's config and torch's numerics settings, so what runs is what this process would have compiled. The first
+call never waits: a region its worker has not finished, or failed, or compiled under another key compiles here as
+without workers; so does every region when a job cannot be sent (its options do not pickle, no process starts).
 
 Both sides build the graph the same way (`cacheable`): the region's function traced on fake inputs of a
 `FakeTensorMode` with a ShapeEnv (without one, Inductor bypasses its FX graph cache), symbolic in the dims a symbolic
@@ -87,7 +88,8 @@ class _Job:
 def _settings() -> dict[str, Any]:
     """This process's torch settings that Inductor's FX graph cache key reads (codecache.FxGraphHashDetails)."""
     matmul = torch.backends.cuda.matmul
-    return {"fp32_precision": matmul.fp32_precision,
+    precision = getattr(matmul, "fp32_precision", None)  # (reading allow_tf32 too would mix torch's two APIs)
+    return {"fp32_precision": precision, "tf32": matmul.allow_tf32 if precision is None else None,
             "fp16_reduction": matmul.allow_fp16_reduced_precision_reduction,
             "bf16_reduction": matmul.allow_bf16_reduced_precision_reduction,
             "deterministic": (torch.are_deterministic_algorithms_enabled(),
@@ -98,7 +100,10 @@ def _settings() -> dict[str, Any]:
 
 def _apply(settings: dict[str, Any]) -> None:
     matmul = torch.backends.cuda.matmul
-    matmul.fp32_precision = settings["fp32_precision"]
+    if settings["fp32_precision"] is not None:
+        matmul.fp32_precision = settings["fp32_precision"]
+    else:  # a torch without fp32_precision
+        matmul.allow_tf32 = settings["tf32"]
     matmul.allow_fp16_reduced_precision_reduction = settings["fp16_reduction"]
     matmul.allow_bf16_reduced_precision_reduction = settings["bf16_reduction"]
     deterministic, warn_only = settings["deterministic"]
@@ -142,9 +147,12 @@ class CompileAhead:
         if self.workers > 0 and self._pool is None:
             from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
 
-            # quiesced when idle: the workers exit, the pool starts them again for the next job
-            self._pool = SubprocPool(self.workers, kind=SubprocKind.FORK, quiesce=True)
-            self._pool.wakeup()
+            try:  # quiesced when idle: the workers exit, the pool starts them again for the next job
+                self._pool = SubprocPool(self.workers, kind=SubprocKind.FORK, quiesce=True)
+                self._pool.wakeup()
+            except Exception:  # noqa: BLE001 - no worker can start here: every region compiles at its first call
+                self._pool, self.workers = None, 0
+                return
             atexit.register(self.shutdown)
 
     def submit(self, source: str, name: str, specs: tuple[InputSpec, ...], options: dict[str, Any] | None
@@ -152,10 +160,15 @@ class CompileAhead:
         """Compile the function `name` that `source` defines, for inputs laid out as `specs`, in a worker."""
         if self.workers <= 0:
             return None
+        try:
+            config = pickle.dumps(torch._inductor.config.save_config_portable())
+            payload = pickle.dumps(_Job(source, name, specs, options, config, _settings()))
+        except Exception:  # noqa: BLE001 - options or config that do not pickle: the region compiles at its first call
+            return None
         self.start()
-        config = pickle.dumps(torch._inductor.config.save_config_portable())
-        job = _Job(source, name, specs, options, config, _settings())
-        self.jobs.append(self._pool.submit(_fill_cache, pickle.dumps(job)))
+        if self._pool is None:
+            return None
+        self.jobs.append(self._pool.submit(_fill_cache, payload))
         return self.jobs[-1]
 
     def shutdown(self) -> None:

@@ -124,6 +124,18 @@ def test_a_failed_worker_leaves_the_compile_to_this_process():
     assert len(compiled.variants) == 2
 
 
+def test_a_job_that_cannot_be_sent_leaves_the_compile_to_this_process():
+    pool = CompileAhead(1)
+    compiled = InductorFunction(_region)
+    a, b = torch.randn(4, 8), torch.randn(8)
+    specs = (InputSpec.of(a), InputSpec.of(b))
+    assert pool.submit(SOURCE, "region", specs, {"a_hook": lambda graph: graph}) is None  # options that do not pickle
+    assert not pool.jobs and pool._pool is None  # nothing sent, no process started
+    compiled.ahead(SOURCE, "region", specs, CompileAhead(0))  # no workers: nothing traced ahead either
+    assert not compiled._ahead
+    torch.testing.assert_close(compiled(a, b), _region(a, b))
+
+
 @pytest.mark.parametrize("workers", [-1, 1.5, True, "2"])
 def test_compile_workers_must_be_a_count(workers):
     with pytest.raises(ValueError, match="compile_workers"):
