@@ -113,31 +113,31 @@ class InductorFunction:
         specs = tuple(InputSpec.of(arg, d) for arg, d in zip(args, dims))
         return _Traced(specs, *cacheable(self._fn, specs))
 
+    # Compiling never waits for a worker: a region whose compile it has not finished (or that failed there) compiles
+    # here as without workers, so a first call takes no longer than this process's own compile.
     def _compile(self, args: tuple[torch.Tensor, ...]) -> Variant:
         key = self._key(args)
-        ahead = next((a for a in self._ahead if tuple(s.stride for s in a.specs) == key), None)
-        if ahead is not None:
-            self._ahead.remove(ahead)
-        variant = (ahead or self._traced(args)).compile(self)
-        self.variants[key] = variant
+        traced = next((a for a in self._ahead if tuple(s.stride for s in a.specs) == key), None)
+        if traced is not None:
+            self._ahead.remove(traced)
+        traced = traced or self._traced(args)
+        variant = self.variants[key] = self._inductor(traced.graph, traced.inputs)
         return variant
 
     def _compile_symbolic(self, args: tuple[torch.Tensor, ...]) -> Variant:
-        pending, self._ahead = self._ahead, []
-        for ahead in pending:  # compiled ahead: each admits the sizes its guards allow
-            variant = self._guarded(ahead)
+        while self._ahead:  # compiled ahead: each admits the sizes its guards allow
+            variant = self._guarded(self._ahead.pop(0))
             if self.guarded[-1][0](args):
-                self._ahead = pending[pending.index(ahead) + 1:] + self._ahead
                 return variant
         return self._guarded(self._traced(args))
 
-    def _guarded(self, ahead: _Traced) -> Variant:
+    def _guarded(self, traced: _Traced) -> Variant:
         from torch._dynamo.source import LocalSource
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
-        variant = ahead.compile(self)
-        guards = ahead.shape_env.produce_guards(ahead.inputs, [LocalSource(f"t{i}") for i in range(len(ahead.inputs))],
-                                                ignore_static=False)
+        variant = self._inductor(traced.graph, traced.inputs)
+        sources = [LocalSource(f"t{i}") for i in range(len(traced.inputs))]
+        guards = traced.shape_env.produce_guards(traced.inputs, sources, ignore_static=False)
         body = " and ".join("(" + _ARGUMENT.sub(r"a[\1]", guard) + ")" for guard in guards) or "True"
         self.guarded.append((eval(f"lambda a: {body}", dict(SYMPY_INTERP)), variant))  # noqa: S307 (torch's guards)
         return variant
@@ -165,11 +165,6 @@ class _Traced:
     graph: torch.fx.GraphModule
     inputs: list[torch.Tensor]
     shape_env: Any
-
-    def compile(self, function: InductorFunction) -> Variant:
-        # never waiting for a worker: a region whose compile it has not finished (or that failed there) compiles
-        # here as without workers, so a first call takes no longer than this process's own compile
-        return function._inductor(self.graph, self.inputs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,10 +145,11 @@ class TorchCompileExecutor(FusionExecutor):
         if compiled is None:
             compiled = InductorFunction(region.python_callable(), self.compile_options, dynamic=dynamic)
             self._compiled[source] = compiled
-        # its compile starts in a worker now, ahead of its first call (fulmen.core.compile_ahead)
-        specs = tuple(InputSpec(tuple(hint(n) for n in p.shape), tuple(hint(n) for n in p.meta.stride()), p.dtype,
-                                p.device, dynamic[i] if symbolic else frozenset()) for i, p in enumerate(region.inputs))
-        compiled.ahead(source, region.name, specs, self.ahead)
+        if self.ahead.workers:  # its compile starts in a worker now, ahead of its first call (core.compile_ahead)
+            specs = tuple(InputSpec(tuple(hint(n) for n in p.shape), tuple(hint(n) for n in p.meta.stride()), p.dtype,
+                                    p.device, dynamic[i] if symbolic else frozenset())
+                          for i, p in enumerate(region.inputs))
+            compiled.ahead(source, region.name, specs, self.ahead)
         name = f"TorchCompile{index}"
         sym = Symbol(name=name, printed=name, impl=compiled, meta=None, executor=self)
         return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), list(bsyms), bsyms[0].source, executor=self)
