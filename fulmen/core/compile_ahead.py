@@ -32,17 +32,30 @@ from torch.fx.experimental.proxy_tensor import make_fx
 @dataclass(frozen=True, slots=True)
 class InputSpec:
     """What a region's compiled code assumes of one input: its layout, with the sizes of the `dynamic` dims (a
-    symbolic trace's) as hints of sizes it takes any value of."""
+    symbolic trace's) as hints of sizes it takes any value of. With dynamic dims the storage offset is symbolic too
+    unless it is 0 or 1 (torch's rule): the chunks of a fused loss are slices at offsets that vary with the rows, and
+    one compiled for offset 0 guards on it."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     dynamic: frozenset[int] = frozenset()
+    offset: int = 0
 
     @classmethod
     def of(cls, tensor: torch.Tensor, dynamic: frozenset[int] = frozenset()) -> InputSpec:
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, dynamic)
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, dynamic,
+                   tensor.storage_offset())
+
+    def empty(self) -> torch.Tensor:
+        """An uninitialised tensor laid out as this spec says (under a fake mode: no memory)."""
+        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        if self.offset:
+            extent = tensor.untyped_storage().nbytes() // tensor.element_size()
+            storage = torch.empty(self.offset + extent, dtype=self.dtype, device=self.device).untyped_storage()
+            tensor.set_(storage, self.offset, self.shape, self.stride)
+        return tensor
 
 
 def cacheable(fn: Callable[..., Any], specs: tuple[InputSpec, ...]
@@ -54,7 +67,7 @@ def cacheable(fn: Callable[..., Any], specs: tuple[InputSpec, ...]
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     with FakeTensorMode():
-        bases = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device) for s in specs]
+        bases = [s.empty() for s in specs]
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [mode.from_tensor(base, symbolic_context=StatelessSymbolicContext(
         dynamic_sizes=[DimDynamic.DUCK if d in s.dynamic else DimDynamic.STATIC for d in range(len(s.shape))]))

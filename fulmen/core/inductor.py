@@ -129,7 +129,11 @@ class InductorFunction:
             variant = self._guarded(self._ahead.pop(0))
             if self.guarded[-1][0](args):
                 return variant
-        return self._guarded(self._traced(args))
+        variant = self._guarded(self._traced(args))
+        if not self.guarded[-1][0](args):  # else every call with these arguments would compile again
+            raise RuntimeError(f"fulmen: a region compiled for symbolic sizes does not admit the arguments it was "
+                               f"compiled for ({layouts(args)}): a fulmen bug, please report it")
+        return variant
 
     def _guarded(self, traced: _Traced) -> Variant:
         from torch._dynamo.source import LocalSource

@@ -147,7 +147,7 @@ class TorchCompileExecutor(FusionExecutor):
             self._compiled[source] = compiled
         if self.ahead.workers:  # its compile starts in a worker now, ahead of its first call (core.compile_ahead)
             specs = tuple(InputSpec(tuple(hint(n) for n in p.shape), tuple(hint(n) for n in p.meta.stride()), p.dtype,
-                                    p.device, dynamic[i] if symbolic else frozenset())
+                                    p.device, dynamic[i] if symbolic else frozenset(), hint(p.meta.storage_offset()))
                           for i, p in enumerate(region.inputs))
             compiled.ahead(source, region.name, specs, self.ahead)
         name = f"TorchCompile{index}"

@@ -103,3 +103,20 @@ def test_a_direct_call_under_grad_mode_returns_what_the_wrapped_call_returns():
     assert _variant(compiled).direct is not None
     assert not out.requires_grad
     torch.testing.assert_close(out, (x @ w + 1).detach())
+
+
+def test_symbolic_rows_sliced_at_any_offset_compile_once_per_offset_kind():
+    """A fused loss's chunks are slices of the targets at offsets that move with the rows. A variant compiled for
+    offset 0 guards on it; the others take a symbolic offset, so a second pass over the same chunks, and other
+    lengths, compile nothing new (each compile here was a retrace and an FX-cache hit on every call before)."""
+    compiled = InductorFunction(lambda x, t: ((x * 2).sum(1) + t,), dynamic=(frozenset({0}), frozenset({0})))
+    targets, first_pass = torch.randn(96), None
+    for rows, chunk in ((96, 40), (96, 40), (90, 32), (72, 24)):
+        for start in range(0, rows, chunk):
+            t = targets[start:min(start + chunk, rows)]
+            x = torch.randn(t.shape[0], 5)
+            torch.testing.assert_close(compiled(x, t)[0], (x * 2).sum(1) + t)
+        if first_pass is None:
+            first_pass = len(compiled.guarded)
+    assert first_pass <= 3  # offset 0; a symbolic offset equal to the rows (duck sizing); one unrelated to them
+    assert len(compiled.guarded) == first_pass
