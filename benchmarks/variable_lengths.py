@@ -2,7 +2,7 @@
 
     python benchmarks/variable_lengths.py [--model_name tiny-llama-1.1b] [--micro_batch_size 4]
         [--lengths 384:2048:12] [--repeats 2]
-        [--compilers eager,torch.compile,fulmen,fulmen-static,fulmen-serial-compile]
+        [--compilers eager,torch.compile,fulmen,fulmen-static,fulmen-compile-workers]
         [--out benchmarks/variable_lengths.json]
 
 Every compiler trains a fresh model (the same seed, weights in the benchmark dtype, fused AdamW on CUDA) on the same
@@ -10,11 +10,11 @@ schedule: each of the lengths `--repeats` times, in one shuffled order (`--seed`
 length each step. Rows: `eager`; `torch.compile` (its automatic dynamic shapes: a dimension that changed is
 recompiled symbolic); `fulmen` (`fulmen.jit`'s default, `JitOptions(dynamic=None)`: symbolic sizes once a length
 changed); `fulmen-static` (`JitOptions(dynamic=False)`: one trace per length up to `cache_limit`, then eager, with
-fulmen's warning: fulmen before symbolic sizes); `fulmen-serial-compile` (the default, its torchcompile regions
-compiled one after another at their first calls: `TorchCompileExecutor(compile_workers=0)`, where `fulmen` compiles
-them ahead in workers, fulmen.core.compile_ahead). Compiled is `forward_and_loss(model, x, y)` (benchmarks/step.py).
-Every row compiles cold: Inductor's caches in a directory of its own (TORCHINDUCTOR_CACHE_DIR), and fulmen's rows a
-torchcompile executor of their own.
+fulmen's warning: fulmen before symbolic sizes); `fulmen-compile-workers` (the default with its torchcompile
+regions compiled ahead in worker processes, `TorchCompileExecutor(compile_workers=None)`, fulmen.core.compile_ahead;
+`fulmen` compiles them one after another at their first calls). Compiled is `forward_and_loss(model, x, y)`
+(benchmarks/step.py). Every row compiles cold: Inductor's caches in a directory of its own (TORCHINDUCTOR_CACHE_DIR),
+and fulmen's rows a torchcompile executor of their own.
 
 Measured per compiler, every step synchronised on either side: the whole run's wall time (compilation included),
 tokens/s over the whole run, each step's time by length (the first time a length is seen, then the later ones), the
@@ -52,7 +52,7 @@ import fulmen  # noqa: E402
 from fulmen.executors.registry import get_default_executors  # noqa: E402
 from fulmen.executors.torch_compile import TorchCompileExecutor  # noqa: E402
 
-COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen-static", "fulmen-serial-compile")
+COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen-static", "fulmen-compile-workers")
 
 
 def lengths(spec: str) -> list[int]:
@@ -76,7 +76,7 @@ def compiled_loss(name: str, executors: list[str] | None) -> Callable:
     if name == "torch.compile":
         return torch.compile(step.forward_and_loss)
     options = fulmen.JitOptions(dynamic=False) if name == "fulmen-static" else fulmen.JitOptions()
-    workers = 0 if name == "fulmen-serial-compile" else None
+    workers = None if name == "fulmen-compile-workers" else 0
     chosen = [TorchCompileExecutor(name=f"torchcompile-{name}", compile_workers=workers)
               if getattr(e, "name", e) == "torchcompile" else e for e in (executors or get_default_executors())]
     return fulmen.jit(step.forward_and_loss, executors=chosen, options=options)
