@@ -3,6 +3,11 @@ gradients against eager's own cuDNN path; peak memory of the default executors."
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,11 +167,8 @@ def test_cudnn_gradients_equal_eagers_cudnn(first, groups):
         assert (grad - ref_grads[name]).abs().max() / scale < 1e-1, f"fulmen cuDNN vs fp32: {name}"
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-heads", "repeated-heads"])
-def test_recomputing_region_inputs_does_not_raise_peak_memory(grouped):
-    # Run alone, the recomputing plan peaks 1.5 MiB lower (grouped heads) or equal (repeated heads); after this file's
-    # other tests, 0.5 MiB higher in both. What differs lies outside the planner's model (which counts the kernels'
-    # declared workspaces, `Symbol.scratch`) and depends on what ran before. Open: up to 1 MiB allowed here.
+def _recompute_peaks(grouped: bool) -> dict[str, int]:
+    """Peak bytes of a forward+backward with the recomputing torchcompile executor and without recomputation."""
     model, config = _model(n_layer=4, n_embd=512, n_head=8, head_size=64, intermediate_size=1536,
                            padded_vocab_size=8192, vocab_size=8192, block_size=512)
     idx, targets = (torch.randint(0, 8192, (4, 512), device="cuda") for _ in range(2))
@@ -180,9 +182,24 @@ def test_recomputing_region_inputs_does_not_raise_peak_memory(grouped):
     for name, fn in jitted.items():
         peaks[name] = cuda_peak(lambda fn=fn: fn(model, idx, targets))
         model.zero_grad(set_to_none=True)
+    return peaks
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-heads", "repeated-heads"])
+def test_recomputing_region_inputs_does_not_raise_peak_memory(grouped):
+    # Measured in a process of its own: after other tests in the same process both peaks move by 0.5 to 2 MiB, by
+    # what lies outside the planner's model (which counts the kernels' declared workspaces, `Symbol.scratch`); on
+    # the H200 one run of `pytest -m cuda -n 8` had the recomputing plan 1 MiB above, where alone it peaks 1.5 MiB
+    # lower (grouped heads) or equal (repeated heads).
+    code = ("import json; from tests.executors.test_cuda_executors import _recompute_peaks; "
+            f"print(json.dumps(_recompute_peaks({grouped})))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    peaks = json.loads(run.stdout.splitlines()[-1])
     print(f"peak forward+backward: recomputing {peaks[torchcompile.name] / 2**20:.1f} MiB, "
           f"not {peaks[no_recompute.name] / 2**20:.1f} MiB")
-    assert peaks[torchcompile.name] <= peaks[no_recompute.name] + 2 ** 20
+    assert peaks[torchcompile.name] <= peaks[no_recompute.name]
 
 
 def test_matmul_regions_match_eager():
