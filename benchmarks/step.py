@@ -15,7 +15,9 @@ cuBLAS), and `torch.compile+max-autotune` is torch.compile's "max-autotune-no-cu
 update right after its gradient, in buckets, fulmen.transforms.update_order), and `fulmen-whole-step+cudagraphs`
 captures it in CUDA graphs (the in-place updates run between them). `fulmen+inductor-roundings` compiles the
 regions without Inductor's `emulate_precision_casts` (on in the `fulmen` row): a fused chain of half-precision ops
-keeps float32 between its ops instead of rounding after each, as eager does.
+keeps float32 between its ops instead of rounding after each, as eager does. `fulmen-symbolic` and
+`torch.compile-dynamic` compile for symbolic sizes from the first call (`JitOptions(dynamic=True)`,
+`torch.compile(dynamic=True)`): what one trace for every length costs at a fixed length.
 
 `--preset seed-002` is the seed-002 notebook's regime: llm.c's GPT-2 124M as examples/llmc/model.py writes it
 (`--model_name llmc-gpt2`, its own loss in the forward), B=4, T=64, fp32 with TF32 off, `torch.optim.Adam`:
@@ -90,7 +92,7 @@ DEFAULT_COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen+unsloth", "thun
 WHOLE_STEP = {"fulmen-whole-step": False, "fulmen-whole-step+cudagraphs": True}
 COMPILERS = (*DEFAULT_COMPILERS, "fulmen+cudagraphs", "torch.compile+cudagraphs", *WHOLE_STEP, "fulmen-unfused-loss",
              "fulmen-repeated-heads", "fulmen+matmul-regions", "fulmen+matmul-autotune", "torch.compile+max-autotune",
-             "fulmen+inductor-roundings")
+             "fulmen+inductor-roundings", "fulmen-symbolic", "torch.compile-dynamic")
 # torchcompile executor variants: Inductor options for its regions, and whether matmuls join them. With the matmuls
 # in: cuBLAS still (default options), or Inductor's autotuned Triton matmul templates with the neighbouring
 # elementwise work fused in where they win (max_autotune_gemm).
@@ -174,6 +176,10 @@ def compile_fn(name: str, executors: list[str] | None) -> Callable[[Any], Callab
         return lambda fn: fulmen.jit(fn, executors=executors)
     if name == "fulmen+cudagraphs":
         return lambda fn: fulmen.jit(fn, executors=executors, options=fulmen.JitOptions(cuda_graphs=True))
+    if name == "fulmen-symbolic":  # the trace symbolic in every size from the first call (issue 48)
+        return lambda fn: fulmen.jit(fn, executors=executors, options=fulmen.JitOptions(dynamic=True))
+    if name == "torch.compile-dynamic":
+        return lambda fn: torch.compile(fn, dynamic=True)
     if name == "fulmen-unfused-loss":  # what the fused linear + cross-entropy pass changes
         return lambda fn: fulmen.jit(fn, executors=executors,
                                      options=fulmen.JitOptions(fuse_linear_cross_entropy=False))
