@@ -2,7 +2,7 @@
 
     python benchmarks/variable_lengths.py [--model_name tiny-llama-1.1b] [--micro_batch_size 4]
         [--lengths 384:2048:12] [--repeats 2]
-        [--compilers eager,torch.compile,fulmen,fulmen-static,fulmen-compile-workers]
+        [--compilers eager,torch.compile,fulmen,fulmen-static,fulmen-serial-compile]
         [--out benchmarks/variable_lengths.json]
 
 Every compiler trains a fresh model (the same seed, weights in the benchmark dtype, fused AdamW on CUDA) on the same
@@ -10,11 +10,16 @@ schedule: each of the lengths `--repeats` times, in one shuffled order (`--seed`
 length each step. Rows: `eager`; `torch.compile` (its automatic dynamic shapes: a dimension that changed is
 recompiled symbolic); `fulmen` (`fulmen.jit`'s default, `JitOptions(dynamic=None)`: symbolic sizes once a length
 changed); `fulmen-static` (`JitOptions(dynamic=False)`: one trace per length up to `cache_limit`, then eager, with
-fulmen's warning: fulmen before symbolic sizes); `fulmen-compile-workers` (the default with its torchcompile
-regions compiled ahead in worker processes, `TorchCompileExecutor(compile_workers=None)`, fulmen.core.compile_ahead;
-`fulmen` compiles them one after another at their first calls). Compiled is `forward_and_loss(model, x, y)`
-(benchmarks/step.py). Every row compiles cold: Inductor's caches in a directory of its own (TORCHINDUCTOR_CACHE_DIR),
-and fulmen's rows a torchcompile executor of their own.
+fulmen's warning: fulmen before symbolic sizes); `fulmen-serial-compile` (the default, its torchcompile regions
+compiled one after another at their first calls: `TorchCompileExecutor(compile_workers=0)`, where `fulmen` compiles
+them ahead in workers, fulmen.core.compile_ahead). Compiled is `forward_and_loss(model, x, y)` (benchmarks/step.py).
+Every row compiles cold: in `torch._inductor.utils.fresh_cache()` (a new directory for Inductor's and Triton's
+caches, Inductor's in-memory caches cleared), and fulmen's rows a torchcompile executor of their own. Setting
+TORCHINDUCTOR_CACHE_DIR alone, as this benchmark did until 2026-12-04, left every row after the first Triton's
+cache of the first (Inductor fixes TRITON_CACHE_DIR in the process's environment at its first kernel) and Inductor's
+in-memory kernels: the second fulmen row of a run took 28.6 / 37.8 s where the first took 51.7 / 76.8 / 66.8 s,
+whichever rows they were. Before the first row, one small Inductor compile on the device pays what a process pays
+once (Inductor's imports, its Triton compile workers' start), so that no row carries it.
 
 Measured per compiler, every step synchronised on either side: the whole run's wall time (compilation included),
 tokens/s over the whole run, each step's time by length (the first time a length is seen, then the later ones), the
@@ -32,18 +37,17 @@ CPU smoke test:
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch._inductor.utils import fresh_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step  # noqa: E402 - the shared measurement code (benchmarks/step.py)
@@ -52,7 +56,7 @@ import fulmen  # noqa: E402
 from fulmen.executors.registry import get_default_executors  # noqa: E402
 from fulmen.executors.torch_compile import TorchCompileExecutor  # noqa: E402
 
-COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen-static", "fulmen-compile-workers")
+COMPILERS = ("eager", "torch.compile", "fulmen", "fulmen-static", "fulmen-serial-compile")
 
 
 def lengths(spec: str) -> list[int]:
@@ -76,7 +80,7 @@ def compiled_loss(name: str, executors: list[str] | None) -> Callable:
     if name == "torch.compile":
         return torch.compile(step.forward_and_loss)
     options = fulmen.JitOptions(dynamic=False) if name == "fulmen-static" else fulmen.JitOptions()
-    workers = None if name == "fulmen-compile-workers" else 0
+    workers = 0 if name == "fulmen-serial-compile" else None
     chosen = [TorchCompileExecutor(name=f"torchcompile-{name}", compile_workers=workers)
               if getattr(e, "name", e) == "torchcompile" else e for e in (executors or get_default_executors())]
     return fulmen.jit(step.forward_and_loss, executors=chosen, options=options)
@@ -155,6 +159,13 @@ def run(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.
     }
 
 
+def warm_up_inductor(device: torch.device) -> None:
+    """One small Inductor compile and call, in a cache of its own: the process's one-time costs, out of every row."""
+    with fresh_cache():
+        torch.compile(lambda x: (x.sin() * 2).sum(-1))(torch.randn(8, 8, device=device))
+    torch._dynamo.reset()
+
+
 def print_table(results: dict[str, dict]) -> None:
     print(f"{'compiler':<16}{'whole run s':>12}{'warm ms/step':>14}{'free ms/step':>14}{'tokens/s':>11}"
           f"{'traces':>8}{'peak GB':>9}")
@@ -210,10 +221,11 @@ def main(argv: list[str] | None = None) -> dict:
         "n_layer": args.n_layer, "micro_batch_size": args.micro_batch_size, "dtype": args.dtype,
         "lengths": args.lengths, "schedule": schedule(args), "results": {},
     }
+    warm_up_inductor(device)
     for name in args.compilers:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"inductor-{name}-")
         try:
-            report["results"][name] = run(name, args, device, dtype)
+            with fresh_cache():
+                report["results"][name] = run(name, args, device, dtype)
         except Exception as error:  # noqa: BLE001 - recorded, the next compiler still runs
             report["results"][name] = {"status": "error", "error": f"{type(error).__name__}: {error}"}
         finally:

@@ -10,10 +10,6 @@ Inductor's config and torch's numerics settings, so what runs is what this proce
 call never waits: a region its worker has not finished, or failed, or compiled under another key compiles here as
 without workers; so does every region when a job cannot be sent (its options do not pickle, no process starts).
 
-Opt-in (`TorchCompileExecutor(compile_workers=None | n)`), because on the machine it was built for it measured
-slower: see fulmen.executors.torch_compile. Waiting for a region's job instead of compiling it here too was slower
-still there (76.8 s against 51.7).
-
 Both sides build the graph the same way (`cacheable`): the region's function traced on fake inputs of a
 `FakeTensorMode` with a ShapeEnv (without one, Inductor bypasses its FX graph cache), symbolic in the dims a symbolic
 trace's region takes at any size, so the keys agree.

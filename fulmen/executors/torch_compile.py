@@ -26,11 +26,9 @@ transformer give identical regions (same ops, same shapes), which share one comp
 A region is compiled on its first call, without Dynamo (`fulmen.core.inductor.InductorFunction`): the trace
 already fixes the shapes, dtypes and devices of a region's arguments, so only their strides key the compiled
 variants, and calls go straight to Inductor's code instead of re-running torch.compile's guards. With
-`compile_workers` (0, the default: none; None: half the cores, at most 8, where there are 8 or more), worker processes
-compile each region into Inductor's FX graph cache as soon as it is claimed, so a first call may find it compiled
-(fulmen.core.compile_ahead). Off by default because it measured slower: on an H200 host (16 cores, 8 workers), a
-2-trace TinyLlama run over 12 lengths (benchmarks/variable_lengths.py) took 51.7 and 76.8 s with workers against
-28.6 and 37.8 s without; the workers' compiles take the cores this process's own compiles and Triton builds use.
+`compile_workers` (None: half the cores, at most 8, where there are 8 or more; 0: none), worker processes compile
+each region into Inductor's FX graph cache as soon as it is claimed, so a first call finds it compiled
+(fulmen.core.compile_ahead).
 
 It also claims the chunked linear + cross-entropy symbols (fulmen.ops.fused_loss): they run with `compiled=True`,
 each chunk's elementwise work (log-sum-exp, softmax and its gradient) as one compiled function between the matmuls.
@@ -81,7 +79,7 @@ class TorchCompileExecutor(FusionExecutor):
     regions (see the module's docs)."""
 
     def __init__(self, name: str = "torchcompile", compile_options: dict[str, Any] | None = None,
-                 recompute_inputs: bool = True, fuse_matmuls: bool = False, compile_workers: int | None = 0
+                 recompute_inputs: bool = True, fuse_matmuls: bool = False, compile_workers: int | None = None
                  ) -> None:
         super().__init__(name)
         self.recomputes_inputs = recompute_inputs

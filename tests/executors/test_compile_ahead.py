@@ -140,8 +140,3 @@ def test_a_job_that_cannot_be_sent_leaves_the_compile_to_this_process():
 def test_compile_workers_must_be_a_count(workers):
     with pytest.raises(ValueError, match="compile_workers"):
         TorchCompileExecutor(name="torchcompile-bad", compile_workers=workers)
-
-
-def test_regions_compile_at_their_first_calls_by_default():
-    """Workers are opt-in: on an H200 host they made a variable-length TinyLlama run slower (torch_compile's docs)."""
-    assert TorchCompileExecutor(name="torchcompile-default").ahead.workers == 0
