@@ -37,7 +37,8 @@ which one ran ("function" or "module") and `function_mode_error` why the first f
 for every compiler: `torch.optim.AdamW(fused=True)` on CUDA, `foreach=True` on CPU (`--optimizer adam`:
 `torch.optim.Adam` with its defaults, as the seed-002 notebook).
 
-Measured per compiler: the wall time of the first step (compilation included), then `--warmup` untimed steps, then
+Measured per compiler: the wall time of the first step (compilation included, cold: each row in new Inductor and
+Triton caches, after one small warm-up compile), then `--warmup` untimed steps, then
 `--iters` steps each timed with a device synchronize on either side (median reported; with `--rounds N` every
 compiler runs N times, the order reversed every other round, and the median is over all its timed steps); the
 peak allocated CUDA
@@ -77,6 +78,7 @@ import torch
 import torch.nn.functional as F
 from litgpt import GPT, Config
 from litgpt.utils import estimate_flops
+from torch._inductor.utils import fresh_cache
 from torch.autograd import DeviceType
 
 REPO = Path(__file__).resolve().parents[1]
@@ -445,7 +447,8 @@ def benchmark(name: str, args: argparse.Namespace, device: torch.device, dtype: 
     for mode in ("function",) if name == "eager" else ("function", "module"):
         oom = False
         try:
-            result = run_compiler(name, mode, args, device, dtype)
+            with fresh_cache():  # cold: no Triton build or Inductor kernel of an earlier row reused
+                result = run_compiler(name, mode, args, device, dtype)
         except Exception as error:  # noqa: BLE001 - recorded, the next compiler still runs
             errors[mode] = f"{type(error).__name__}: {error}"
             oom = is_oom(error)
@@ -459,6 +462,14 @@ def benchmark(name: str, args: argparse.Namespace, device: torch.device, dtype: 
         if oom:  # the module alone would not fit either
             return {"status": "oom", "error": errors[mode], "errors": errors}
     return {"status": "error", "error": errors["function"], "errors": errors}
+
+
+def warm_up_inductor(device: torch.device) -> None:
+    """One small Inductor compile and call, in a cache of its own: what a process pays once (Inductor's imports, its
+    Triton compile workers' start), so that no row's first step carries it."""
+    with fresh_cache():
+        torch.compile(lambda x: (x.sin() * 2).sum(-1))(torch.randn(8, 8, device=device))
+    torch._dynamo.reset()
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -663,6 +674,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Later rows run on a warmer GPU (on an H200, a row's matmuls take about 1% longer per position), so with
     # `--rounds` each row also runs at the other end of the order.
     runs: dict[str, list[dict]] = {name: [] for name in args.compilers}
+    warm_up_inductor(device)
     for round_ in range(args.rounds):
         order = args.compilers if round_ % 2 == 0 else args.compilers[::-1]
         for position, name in enumerate(order):

@@ -159,13 +159,6 @@ def run(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.
     }
 
 
-def warm_up_inductor(device: torch.device) -> None:
-    """One small Inductor compile and call, in a cache of its own: the process's one-time costs, out of every row."""
-    with fresh_cache():
-        torch.compile(lambda x: (x.sin() * 2).sum(-1))(torch.randn(8, 8, device=device))
-    torch._dynamo.reset()
-
-
 def print_table(results: dict[str, dict]) -> None:
     print(f"{'compiler':<16}{'whole run s':>12}{'warm ms/step':>14}{'free ms/step':>14}{'tokens/s':>11}"
           f"{'traces':>8}{'peak GB':>9}")
@@ -221,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         "n_layer": args.n_layer, "micro_batch_size": args.micro_batch_size, "dtype": args.dtype,
         "lengths": args.lengths, "schedule": schedule(args), "results": {},
     }
-    warm_up_inductor(device)
+    step.warm_up_inductor(device)
     for name in args.compilers:
         try:
             with fresh_cache():
