@@ -31,14 +31,13 @@ from fulmen.acquisition.acquire import Interpreter, _captured
 from fulmen.core.errors import TraceError
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace, TraceBuilder
+from fulmen.jit.pipeline import differentiated_rewrites
 from fulmen.observation.guards import Guard
 from fulmen.observation.value_checks import Emitter
 from fulmen.ops import prims
 from fulmen.options import JitOptions
 from fulmen.transforms.autodiff import BackwardAssembler, GradTransform
 from fulmen.transforms.distribution import distributed_input
-from fulmen.transforms.fused_loss import fuse_linear_cross_entropy
-from fulmen.transforms.grouped_attention import group_query_attention
 
 T = torch.Tensor
 
@@ -264,10 +263,8 @@ class GradSlots:
         loss, grouped-query attention; fulmen.jit.pipeline runs them on a forward before autodiff), run here on
         what is differentiated: on the whole trace they would come after this backward is written. They leave the
         calls they replace for the whole trace's dead-code elimination, as the program may still read them."""
-        if self.options.fuse_linear_cross_entropy:
-            trace = fuse_linear_cross_entropy(trace, self.options.cross_entropy_chunk_rows, prune=False)
-        if self.options.grouped_query_attention:
-            trace = group_query_attention(trace, prune=False)
+        for rewrite in differentiated_rewrites(self.options, prune=False):
+            trace = rewrite.run(trace)
         return trace
 
     def _accumulate(self, tensor: torch.Tensor, grad: TensorProxy) -> None:

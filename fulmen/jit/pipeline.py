@@ -54,7 +54,7 @@ from fulmen.transforms.forward_backward import plan_grad
 from fulmen.transforms.fused_loss import FuseLinearCrossEntropy
 from fulmen.transforms.grouped_attention import GroupQueryAttention
 from fulmen.transforms.offload import OffloadTransform
-from fulmen.transforms.transform import GradTraces, Stage, TraceKind, Transform, TransformError, overrides
+from fulmen.transforms.transform import GradTraces, Stage, TraceKind, TracePass, Transform, TransformError, overrides
 
 # The hooks a transform runs through at each stage (DISTRIBUTED has none).
 HOOKS: dict[Stage, tuple[str, ...]] = {
@@ -112,14 +112,23 @@ class ClaimExecution(Transform):
         return transform_for_execution(trace, self.executors, self.interpreter_factory, self.common)
 
 
+def differentiated_rewrites(options: JitOptions, prune: bool = True) -> list[TracePass]:
+    """The passes `options` ask for that change what a backward computes (the fused head and loss, grouped-query
+    attention), in their order: stage ACQUIRED runs them before autodiff, and a whole step's `loss.backward()` on
+    what it differentiates (fulmen.jit.grad_slots) with `prune=False`."""
+    rewrites: list[TracePass] = []
+    if options.fuse_linear_cross_entropy:
+        rewrites.append(FuseLinearCrossEntropy(options.cross_entropy_chunk_rows, prune))
+    if options.grouped_query_attention:
+        rewrites.append(GroupQueryAttention(prune=prune))
+    return rewrites
+
+
 def default_steps(options: JitOptions, claim: Transform) -> tuple[Step, ...]:
     """The passes `options` ask for, with the transforms they give at their stages (see the module docstring)."""
     dead, common = DeadCodeElimination(), CommonSubexpressionElimination()
     acquired: list[Transform] = [dead, common, dead] if options.cse else [dead]
-    if options.fuse_linear_cross_entropy:
-        acquired.append(FuseLinearCrossEntropy(options.cross_entropy_chunk_rows))
-    if options.grouped_query_attention:
-        acquired.append(GroupQueryAttention())
+    acquired += differentiated_rewrites(options)
     if options.float8 is not None:  # after the fused loss, which takes the head it fuses
         f8 = options.float8
         acquired.append(Float8Matmuls(f8.recipe, f8.skip, f8.lm_head, f8.all_gather))

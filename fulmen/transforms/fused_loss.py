@@ -297,8 +297,9 @@ class FuseLinearCrossEntropy(TracePass):
 
     title = PROVENANCE
 
-    def __init__(self, chunk_rows: int | None = None) -> None:
+    def __init__(self, chunk_rows: int | None = None, prune: bool = True) -> None:
         self.chunk_rows = chunk_rows
+        self.prune = prune
 
     def run(self, trace: Trace) -> Trace:
-        return fuse_linear_cross_entropy(trace, self.chunk_rows)
+        return fuse_linear_cross_entropy(trace, self.chunk_rows, prune=self.prune)

@@ -131,8 +131,9 @@ class GroupQueryAttention(TracePass):
 
     title = PROVENANCE
 
-    def __init__(self, kernel_of: KernelCheck = same_fused_kernel) -> None:
+    def __init__(self, kernel_of: KernelCheck = same_fused_kernel, prune: bool = True) -> None:
         self.kernel_of = kernel_of
+        self.prune = prune
 
     def run(self, trace: Trace) -> Trace:
-        return group_query_attention(trace, self.kernel_of)
+        return group_query_attention(trace, self.kernel_of, self.prune)
