@@ -189,7 +189,7 @@ def _recompute_peaks(grouped: bool) -> dict[str, int]:
 def test_recomputing_region_inputs_does_not_raise_peak_memory(grouped):
     # Measured in a process of its own: after other tests in the same process both peaks move by 0.5 to 2 MiB, by
     # what lies outside the planner's model (which counts the kernels' declared workspaces, `Symbol.scratch`); on
-    # the H200 one run of `pytest -m cuda -n 8` had the recomputing plan 1 MiB above, where alone it peaks 1.5 MiB
+    # the H200 one run of `pytest -m cuda -n 8` had the recomputing plan over 1 MiB above, where alone it peaks 1.5 MiB
     # lower (grouped heads) or equal (repeated heads).
     code = ("import json; from tests.executors.test_cuda_executors import _recompute_peaks; "
             f"print(json.dumps(_recompute_peaks({grouped})))")
