@@ -11,8 +11,11 @@ call never waits: a region its worker has not finished, or failed, or compiled u
 without workers; so does every region when a job cannot be sent (its options do not pickle, no process starts).
 
 Both sides build the graph the same way (`cacheable`): the region's function traced on fake inputs of a
-`FakeTensorMode` with a ShapeEnv (without one, Inductor bypasses its FX graph cache), symbolic in the dims a symbolic
-trace's region takes at any size, so the keys agree.
+`FakeTensorMode` with a ShapeEnv (without one, Inductor bypasses its FX graph cache), so the keys agree.
+
+Static regions only. A region of a symbolic trace compiles in this process at its first call, never from the cache
+(fulmen.core.inductor): a cache entry keeps the guards its compile added on the sizes only for graphs that take the
+sizes as SymInt arguments, and a region's graph takes tensors alone.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def compile_inductor(graph: torch.fx.GraphModule, inputs: list[torch.Tensor], op
 
 @dataclass(frozen=True, slots=True)
 class _Job:
-    source: str  # the region's Python (a printed trace defining `name`): a graph with symbolic sizes does not pickle
+    source: str  # the region's Python (a printed trace defining `name`)
     name: str
     specs: tuple[InputSpec, ...]
     options: dict[str, Any] | None

@@ -69,8 +69,8 @@ class Variant:
 class InductorFunction:
     """`fn(*tensors)` compiled by Inductor, one variant per `key(args)`; with `dynamic` (per argument, the dims that
     vary between calls: a fusion region of a trace with symbolic sizes), variants compiled for symbolic sizes, each
-    used while the guards its ShapeEnv produced hold (Inductor's own among them). `ahead` starts a variant's compile
-    in a worker before its first call (fulmen.core.compile_ahead)."""
+    used while the guards its ShapeEnv produced hold (Inductor's own among them). `ahead` starts a static variant's
+    compile in a worker before its first call (fulmen.core.compile_ahead)."""
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None,
                  key: Callable[[tuple[torch.Tensor, ...]], tuple] = strides,
@@ -95,13 +95,12 @@ class InductorFunction:
         return variant(*args)
 
     def ahead(self, source: str, name: str, specs: tuple[InputSpec, ...], pool: CompileAhead) -> None:
-        """Start compiling the variant for inputs laid out as `specs` (dims symbolic where this function's `dynamic`
-        says) in `pool`'s workers, which build this function as the Python `source` defines `name`. A region's
-        (keyed by strides) only."""
-        if self._key is not strides or not pool.workers:
+        """Start compiling the variant for inputs laid out as `specs` in `pool`'s workers, which build this function
+        as the Python `source` defines `name`. A static region's (keyed by strides) only: symbolic variants never
+        come from Inductor's cache (`_guarded`)."""
+        if self._key is not strides or self._dynamic is not None or not pool.workers:
             return
-        compiled = self.guarded if self._dynamic is not None else tuple(s.stride for s in specs) in self.variants
-        if compiled or any(a.specs == specs for a in self._ahead):  # (a symbolic variant admits any size)
+        if tuple(s.stride for s in specs) in self.variants or any(a.specs == specs for a in self._ahead):
             return
         pool.submit(source, name, specs, self._options)
         self._ahead.append(_Traced(specs, *cacheable(self._fn, specs)))
@@ -125,10 +124,6 @@ class InductorFunction:
         return variant
 
     def _compile_symbolic(self, args: tuple[torch.Tensor, ...]) -> Variant:
-        while self._ahead:  # compiled ahead: each admits the sizes its guards allow
-            variant = self._guarded(self._ahead.pop(0))
-            if self.guarded[-1][0](args):
-                return variant
         variant = self._guarded(self._traced(args))
         if not self.guarded[-1][0](args):  # else every call with these arguments would compile again
             raise RuntimeError(f"fulmen: a region compiled for symbolic sizes does not admit the arguments it was "
@@ -139,14 +134,18 @@ class InductorFunction:
         from torch._dynamo.source import LocalSource
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
-        variant = self._inductor(traced.graph, traced.inputs)
+        # Compiled afresh, never from Inductor's FX graph cache: a cache entry keeps the guards its compile added (on
+        # the sizes it specialised for, e.g. `4*s0 <= 4096` for a reduction) only over graphs taking sizes as SymInt
+        # arguments, which these (tensors alone) do not, so a hit would leave them out of the guards below and run
+        # code compiled for some sizes at any size
+        variant = self._inductor(traced.graph, traced.inputs, cache=False)
         sources = [LocalSource(f"t{i}") for i in range(len(traced.inputs))]
         guards = traced.shape_env.produce_guards(traced.inputs, sources, ignore_static=False)
         body = " and ".join("(" + _ARGUMENT.sub(r"a[\1]", guard) + ")" for guard in guards) or "True"
         self.guarded.append((eval(f"lambda a: {body}", dict(SYMPY_INTERP)), variant))  # noqa: S307 (torch's guards)
         return variant
 
-    def _inductor(self, graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Variant:
+    def _inductor(self, graph: torch.fx.GraphModule, inputs: list[torch.Tensor], cache: bool = True) -> Variant:
         from torch._inductor.compile_fx import compile_fx_inner
 
         captured: list[tuple[torch.fx.GraphModule, Any]] = []
@@ -157,7 +156,8 @@ class InductorFunction:
             return compiled
 
         facts = _Facts.of(graph)  # before Inductor rewrites the graph's output in place
-        wrapped = compile_inductor(graph, inputs, self._options, inner_compile)
+        options = self._options if cache else {**(self._options or {}), "fx_graph_cache": False}
+        wrapped = compile_inductor(graph, inputs, options, inner_compile)
         return _variant(facts, len(inputs), wrapped, captured)
 
 

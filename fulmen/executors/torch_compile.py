@@ -27,8 +27,8 @@ A region is compiled on its first call, without Dynamo (`fulmen.core.inductor.In
 already fixes the shapes, dtypes and devices of a region's arguments, so only their strides key the compiled
 variants, and calls go straight to Inductor's code instead of re-running torch.compile's guards. With
 `compile_workers` (None: half the cores, at most 8, where there are 8 or more; 0: none), worker processes compile
-each region into Inductor's FX graph cache as soon as it is claimed, so a first call finds it compiled
-(fulmen.core.compile_ahead).
+each region of a static trace into Inductor's FX graph cache as soon as it is claimed, so a first call finds it
+compiled (fulmen.core.compile_ahead).
 
 It also claims the chunked linear + cross-entropy symbols (fulmen.ops.fused_loss): they run with `compiled=True`,
 each chunk's elementwise work (log-sum-exp, softmax and its gradient) as one compiled function between the matmuls.
@@ -45,7 +45,7 @@ from fulmen.core.compile_ahead import CompileAhead, InputSpec, default_workers
 from fulmen.core.inductor import InductorFunction
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol, Tag, map_proxies
-from fulmen.core.symbolic import hint, symbolic_trace
+from fulmen.core.symbolic import symbolic_trace
 from fulmen.core.trace import Namespace, Trace
 from fulmen.executors.base import FusionExecutor, Implementation
 from fulmen.executors.registry import register_executor
@@ -145,10 +145,9 @@ class TorchCompileExecutor(FusionExecutor):
         if compiled is None:
             compiled = InductorFunction(region.python_callable(), self.compile_options, dynamic=dynamic)
             self._compiled[source] = compiled
-        if self.ahead.workers:  # its compile starts in a worker now, ahead of its first call (core.compile_ahead)
-            specs = tuple(InputSpec(tuple(hint(n) for n in p.shape), tuple(hint(n) for n in p.meta.stride()), p.dtype,
-                                    p.device, dynamic[i] if symbolic else frozenset(), hint(p.meta.storage_offset()))
-                          for i, p in enumerate(region.inputs))
+        if self.ahead.workers and not symbolic:  # its compile starts in a worker now (core.compile_ahead)
+            specs = tuple(InputSpec(tuple(p.shape), tuple(p.meta.stride()), p.dtype, p.device,
+                                    offset=p.meta.storage_offset()) for p in region.inputs)
             compiled.ahead(source, region.name, specs, self.ahead)
         name = f"TorchCompile{index}"
         sym = Symbol(name=name, printed=name, impl=compiled, meta=None, executor=self)

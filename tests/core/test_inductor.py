@@ -120,3 +120,28 @@ def test_symbolic_rows_sliced_at_any_offset_compile_once_per_offset_kind():
             first_pass = len(compiled.guarded)
     assert first_pass <= 3  # offset 0; a symbolic offset equal to the rows (duck sizing); one unrelated to them
     assert len(compiled.guarded) == first_pass
+
+
+def test_a_symbolic_variant_guards_as_its_compile_did_when_the_cache_holds_its_graph(tmp_path, monkeypatch):
+    """Inductor specialises a reduction over the rows on the size it compiles at (here `4*s0 <= 4096`) and keeps
+    that guard in its FX graph cache only for graphs that take sizes as SymInt arguments; a region's graph takes
+    tensors alone. A second function compiling the same graph while the cache holds the first's code must guard as
+    the first does, or a length past the bound would run code compiled for lengths within it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def weight_grad(w, x, g, r):
+        return ((x * g * r).sum((0, 1)) * w,)
+
+    def inputs(length):
+        return torch.randn(32), torch.randn(4, length, 32), torch.randn(4, length, 32), torch.randn(4, length, 1)
+
+    rows = (frozenset(), frozenset({1}), frozenset({1}), frozenset({1}))
+    first, second = InductorFunction(weight_grad, dynamic=rows), InductorFunction(weight_grad, dynamic=rows)
+    first(*inputs(688))
+    second(*inputs(688))
+    long = inputs(1744)
+    assert not first.guarded[0][0](long)  # the bound its compile added (what this test is about)
+    assert not second.guarded[0][0](long)
+    for compiled in (first, second):
+        torch.testing.assert_close(compiled(*long)[0], weight_grad(*long)[0], rtol=1e-4, atol=1e-4)
+        assert len(compiled.guarded) == 2

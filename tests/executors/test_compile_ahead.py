@@ -42,17 +42,16 @@ def cache_dir(tmp_path, monkeypatch):
     return fresh
 
 
-@pytest.mark.parametrize("dynamic", [None, (frozenset({1}), frozenset())], ids=["static", "symbolic"])
-def test_a_region_a_worker_compiled_is_a_cache_hit_here(dynamic, cache_dir):
+def test_a_region_a_worker_compiled_is_a_cache_hit_here(cache_dir):
     a, b = torch.randn(2, 9, 16), torch.randn(16)
     cache_dir("here")
-    alone = InductorFunction(_region, dynamic=dynamic)
+    alone = InductorFunction(_region)
     want = alone(a, b)
     assert counters["inductor"]["fxgraph_cache_miss"] == 1
     cache_dir("ahead")
     pool = CompileAhead(1)
-    compiled = InductorFunction(_region, dynamic=dynamic)
-    compiled.ahead(SOURCE, "region", (InputSpec.of(a, dynamic[0] if dynamic else frozenset()), InputSpec.of(b)), pool)
+    compiled = InductorFunction(_region)
+    compiled.ahead(SOURCE, "region", (InputSpec.of(a), InputSpec.of(b)), pool)
     assert len(pool.jobs) == 1
     pool.jobs[0].result(timeout=600)  # the worker's compile done before the first call
     got = compiled(a, b)
@@ -60,10 +59,27 @@ def test_a_region_a_worker_compiled_is_a_cache_hit_here(dynamic, cache_dir):
     assert counters["inductor"]["fxgraph_cache_hit"] == 1
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
-    if dynamic:  # compiled for symbolic lengths: another length reuses it
-        c = torch.randn(2, 13, 16)
-        assert all(torch.equal(g, w) for g, w in zip(compiled(c, b), alone(c, b), strict=True))
-        assert len(compiled.guarded) == 1
+    pool.shutdown()
+
+
+def test_a_symbolic_region_compiles_here_and_never_from_the_cache(cache_dir):
+    """Inductor's cache entry of a region's graph (tensor arguments alone) keeps no guard on its sizes
+    (fulmen.core.inductor._guarded): a symbolic region is neither sent to a worker nor looked up."""
+    dynamic = (frozenset({1}), frozenset())
+    a, b = torch.randn(2, 9, 16), torch.randn(16)
+    cache_dir("symbolic")
+    pool = CompileAhead(1)
+    compiled = InductorFunction(_region, dynamic=dynamic)
+    compiled.ahead(SOURCE, "region", (InputSpec.of(a, dynamic[0]), InputSpec.of(b)), pool)
+    assert not pool.jobs and not compiled._ahead
+    for _ in range(2):  # the second function finds the first's graph in no cache
+        again = InductorFunction(_region, dynamic=dynamic)
+        torch.testing.assert_close(again(a, b), _region(a, b))
+    assert not dict(counters["inductor"]).get("fxgraph_cache_hit") and not dict(counters["inductor"]).get(
+        "fxgraph_cache_miss")  # not looked up (a bypass)
+    c = torch.randn(2, 13, 16)  # another length: the same variant
+    torch.testing.assert_close(again(c, b), _region(c, b))
+    assert len(again.guarded) == 1
     pool.shutdown()
 
 
