@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 from fulmen.core.compile_ahead import CompileAhead, InputSpec, cacheable, compile_inductor
 
 _ARGUMENT = re.compile(r"L\['t(\d+)'\]")  # an argument as torch's produce_guards names it
+ADMITTED_LAYOUTS = 4096  # layouts remembered per symbolic function (then forgotten at once: asked again)
 
 
 def strides(args: tuple[torch.Tensor, ...]) -> tuple:
@@ -82,13 +83,20 @@ class InductorFunction:
         self.variants: dict[tuple, Variant] = {}
         self.guarded: list[tuple[Callable[[tuple], bool], Variant]] = []  # the symbolic variants, with their guards
         self._ahead: list[_Traced] = []  # variants a worker compiles, not called yet
+        self._admitted: dict[tuple, Variant] = {}  # a symbolic variant by the layouts its guards admitted
 
     def __call__(self, *args: torch.Tensor) -> Any:
         if self._dynamic is not None:
-            for admits, variant in self.guarded:
-                if admits(args):
-                    return variant(*args)
-            return self._compile_symbolic(args)(*args)
+            # the guards read the arguments' layouts alone: which variant admits one is asked once (a dict lookup,
+            # ~2 us for five arguments against ~5 us for their guards)
+            layout = tuple([(arg.shape, arg.stride(), arg.storage_offset()) for arg in args])
+            variant = self._admitted.get(layout)
+            if variant is None:
+                variant = next((v for admits, v in self.guarded if admits(args)), None) or self._compile_symbolic(args)
+                if len(self._admitted) >= ADMITTED_LAYOUTS:
+                    self._admitted.clear()
+                self._admitted[layout] = variant
+            return variant(*args)
         variant = self.variants.get(self._key(args))
         if variant is None:
             variant = self._compile(args)
@@ -120,7 +128,7 @@ class InductorFunction:
         if traced is not None:
             self._ahead.remove(traced)
         traced = traced or self._traced(args)
-        variant = self.variants[key] = self._inductor(traced.graph, traced.inputs)
+        variant = self.variants[key] = self._inductor(traced.graph, traced.inputs, self._options)
         return variant
 
     def _compile_symbolic(self, args: tuple[torch.Tensor, ...]) -> Variant:
@@ -138,14 +146,18 @@ class InductorFunction:
         # the sizes it specialised for, e.g. `4*s0 <= 4096` for a reduction) only over graphs taking sizes as SymInt
         # arguments, which these (tensors alone) do not, so a hit would leave them out of the guards below and run
         # code compiled for some sizes at any size
-        variant = self._inductor(traced.graph, traced.inputs, cache=False)
+        # Their guards check every size and stride, so Inductor's own checks of them on every call go too (~0.5 us
+        # an argument)
+        options = {"size_asserts": False, **(self._options or {}), "fx_graph_cache": False}
+        variant = self._inductor(traced.graph, traced.inputs, options)
         sources = [LocalSource(f"t{i}") for i in range(len(traced.inputs))]
         guards = traced.shape_env.produce_guards(traced.inputs, sources, ignore_static=False)
         body = " and ".join("(" + _ARGUMENT.sub(r"a[\1]", guard) + ")" for guard in guards) or "True"
         self.guarded.append((eval(f"lambda a: {body}", dict(SYMPY_INTERP)), variant))  # noqa: S307 (torch's guards)
         return variant
 
-    def _inductor(self, graph: torch.fx.GraphModule, inputs: list[torch.Tensor], cache: bool = True) -> Variant:
+    def _inductor(self, graph: torch.fx.GraphModule, inputs: list[torch.Tensor],
+                  options: dict[str, Any] | None) -> Variant:
         from torch._inductor.compile_fx import compile_fx_inner
 
         captured: list[tuple[torch.fx.GraphModule, Any]] = []
@@ -156,7 +168,6 @@ class InductorFunction:
             return compiled
 
         facts = _Facts.of(graph)  # before Inductor rewrites the graph's output in place
-        options = self._options if cache else {**(self._options or {}), "fx_graph_cache": False}
         wrapped = compile_inductor(graph, inputs, options, inner_compile)
         return _variant(facts, len(inputs), wrapped, captured)
 

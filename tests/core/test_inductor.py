@@ -145,3 +145,27 @@ def test_a_symbolic_variant_guards_as_its_compile_did_when_the_cache_holds_its_g
     for compiled in (first, second):
         torch.testing.assert_close(compiled(*long)[0], weight_grad(*long)[0], rtol=1e-4, atol=1e-4)
         assert len(compiled.guarded) == 2
+
+
+def test_a_symbolic_function_asks_its_guards_once_per_layout(monkeypatch):
+    """Which variant admits a layout is remembered: its guards run at a layout's first call only, and past
+    ADMITTED_LAYOUTS the memory starts again."""
+    import fulmen.core.inductor as inductor
+
+    monkeypatch.setattr(inductor, "ADMITTED_LAYOUTS", 3)
+    compiled = InductorFunction(lambda x, t: ((x * 2).sum(1) + t,), dynamic=(frozenset({0}), frozenset({0})))
+
+    def call(rows):
+        x, t = torch.randn(rows, 5), torch.randn(rows)
+        torch.testing.assert_close(compiled(x, t)[0], (x * 2).sum(1) + t)
+
+    call(7)  # compiles the one variant, for every row count
+    admits, variant = compiled.guarded[0]
+    asked = []
+    compiled.guarded[0] = (lambda args: asked.append(args[0].shape[0]) or admits(args), variant)
+    for rows in (7, 9, 9, 7):
+        call(rows)
+    assert asked == [9]
+    for rows in (11, 13, 7):  # 13 is a fourth layout: the memory starts again, and 7 is asked anew
+        call(rows)
+    assert asked == [9, 11, 13, 7] and len(compiled.guarded) == 1
