@@ -14,12 +14,11 @@ fulmen's warning: fulmen before symbolic sizes); `fulmen-serial-compile` (the de
 compiled one after another at their first calls: `TorchCompileExecutor(compile_workers=0)`, where `fulmen` compiles
 them ahead in workers, fulmen.core.compile_ahead). Compiled is `forward_and_loss(model, x, y)` (benchmarks/step.py).
 Every row compiles cold: in `torch._inductor.utils.fresh_cache()` (a new directory for Inductor's and Triton's
-caches, Inductor's in-memory caches cleared), and fulmen's rows a torchcompile executor of their own. Setting
-TORCHINDUCTOR_CACHE_DIR alone, as this benchmark did until 2026-12-04, left every row after the first Triton's
-cache of the first (Inductor fixes TRITON_CACHE_DIR in the process's environment at its first kernel) and Inductor's
-in-memory kernels: the second fulmen row of a run took 28.6 / 37.8 s where the first took 51.7 / 76.8 / 66.8 s,
-whichever rows they were. Before the first row, one small Inductor compile on the device pays what a process pays
-once (Inductor's imports, its Triton compile workers' start), so that no row carries it.
+caches, Inductor's in-memory caches cleared), and fulmen's rows a torchcompile executor of their own (setting
+TORCHINDUCTOR_CACHE_DIR alone leaves every later row the first one's Triton builds: Inductor fixes
+TRITON_CACHE_DIR in the process's environment at its first kernel). Before the first row, one small Inductor
+compile on the device pays what a process pays once (Inductor's imports, its Triton compile workers' start), so
+that no row carries it.
 
 Measured per compiler, every step synchronised on either side: the whole run's wall time (compilation included),
 tokens/s over the whole run, each step's time by length (the first time a length is seen, then the later ones), the
